@@ -1,0 +1,32 @@
+# Two commands that work on a fresh machine: `make demo` and `make test`.
+# Each creates (once) and reuses .venv with stof-cc installed in editable mode.
+# `pip install torch==2.13.0` takes the CPU wheel these machines keep on disk;
+# on a GPU machine install the CUDA build of torch and the `gpu` extra instead.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.stof-installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,hf]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m stof_cc.cli inspect examples/tiny_bert.py:factory --quiet-graph --check
+	$(PY) -m stof_cc.cli inspect examples/gpt2_block.py:factory --quiet-graph --check
+	$(PY) -m stof_cc.cli inspect examples/encoder_layer.py:factory --quiet-graph --check
+	$(PY) -m stof_cc.cli masks show longformer:w=128,g=32 --seq 2048 --out stof_build/masks/longformer.png
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check stof_cc tests examples benchmarks
+
+clean:
+	rm -rf stof_build .pytest_cache

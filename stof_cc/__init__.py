@@ -1,0 +1,22 @@
+"""stof-cc: a compiler for masked (sparse) transformer inference on NVIDIA GPUs.
+
+The public entry points live here; each stage of the pipeline (ir, masks, passes,
+templates, tune, backends, runtime) is a subpackage with one job. See DESIGN.md.
+"""
+
+from stof_cc.ir.frontend import TraceError, trace
+from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
+from stof_cc.ir.interpret import interpret
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Graph",
+    "GraphError",
+    "Node",
+    "TensorSpec",
+    "TraceError",
+    "interpret",
+    "trace",
+    "__version__",
+]

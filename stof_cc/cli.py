@@ -1,0 +1,97 @@
+"""The `stof-cc` command line.
+
+Commands that exist are the ones that work; later stages (compile, tune, bench) add
+theirs here as they land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from stof_cc.ir.frontend import TraceError, trace
+from stof_cc.ir.graph import Graph, GraphError
+from stof_cc.ir.interpret import interpret
+from stof_cc.ir.ops import OPAQUE, pattern_kind
+from stof_cc.loading import FactoryError, load_factory
+from stof_cc.masks.cli import add_masks_command
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stof-cc", description="Compiler for masked transformer inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    inspect = sub.add_parser("inspect", help="trace a model and show its graph, op kinds and opaque ops")
+    inspect.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
+    inspect.add_argument("--build-dir", default="stof_build", help="where the .dot file goes (default: %(default)s)")
+    inspect.add_argument("--quiet-graph", action="store_true", help="do not print the whole graph")
+    inspect.add_argument("--check", action="store_true",
+                         help="also run the graph with the interpreter and compare with the module")
+    inspect.set_defaults(run=_cmd_inspect)
+
+    add_masks_command(sub)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (FactoryError, TraceError, GraphError) as exc:
+        print(f"stof-cc: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    module, example_args, example_kwargs = load_factory(args.model)
+    graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
+    graph.verify()
+    if not args.quiet_graph:
+        print(graph)
+        print()
+    print(format_histogram(graph))
+    opaque = [n for n in graph.nodes() if n.op == OPAQUE]
+    print(f"\nopaque ops (run through torch): {len(opaque)}")
+    for node in opaque:
+        print(f"  %{node.name}: {node.target}")
+    dot_path = Path(args.build_dir) / graph.name / "graph.dot"
+    dot_path.parent.mkdir(parents=True, exist_ok=True)
+    dot_path.write_text(graph.to_dot())
+    print(f"\nwrote {dot_path}")
+    if args.check:
+        return _check_against_module(graph, module, example_args, example_kwargs)
+    return 0
+
+
+def format_histogram(graph: Graph) -> str:
+    """Op histogram sorted by pattern kind then count: what fusion will see."""
+    rows = sorted(graph.op_histogram().items(), key=lambda item: (pattern_kind(item[0]), -item[1], item[0]))
+    width = max(len(op) for op, _ in rows)
+    lines = [f"{'op':<{width}}  {'kind':<11}  count", f"{'-' * width}  {'-' * 11}  -----"]
+    lines += [f"{op:<{width}}  {pattern_kind(op):<11}  {count:5d}" for op, count in rows]
+    return "\n".join(lines)
+
+
+def _check_against_module(graph: Graph, module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """Interpret the graph and compare every output tensor with the eager module's."""
+    with torch.no_grad():
+        expected = module.eval()(*args, **kwargs)
+        got = interpret(graph, *args, **kwargs)
+    exp_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
+    got_leaves = [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
+    worst = max((float((g - e).abs().max()) for g, e in zip(got_leaves, exp_leaves, strict=True)), default=0.0)
+    ok = len(exp_leaves) == len(got_leaves) and worst <= 1e-5
+    print(f"interpreter vs eager module: {len(got_leaves)} outputs, max abs error {worst:.2e} "
+          f"-> {'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
+def _model_name(reference: str) -> str:
+    path, _, factory = reference.rpartition(":")
+    stem = Path(path).stem
+    return stem if factory == "factory" else f"{stem}_{factory}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

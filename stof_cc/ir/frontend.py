@@ -1,0 +1,177 @@
+"""torch.nn.Module + example inputs -> Graph, through torch.export.
+
+One tracer on purpose: torch.export yields ATen operators with one calling convention,
+so the op registry needs one alias table. (fx.symbolic_trace would hand us torch-level
+functions, tensor methods and submodules: a second table for the same ops, and it
+fails on every module export fails on.) Parameters and buffers become CONSTANT nodes;
+an ATen op with no registry entry becomes an ``opaque`` node that runs through torch.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
+from stof_cc.ir.ops import canonical_op, spec_of_value
+
+
+class TraceError(RuntimeError):
+    """The module or its example inputs cannot be turned into a Graph; says what to try."""
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def trace(
+    module: torch.nn.Module,
+    example_inputs: Sequence[Any] | torch.Tensor,
+    kwargs: Mapping[str, Any] | None = None,
+    name: str | None = None,
+) -> Graph:
+    """Trace ``module`` for inference into a Graph.
+
+    The module is traced in eval mode (dropout off) and restored to its previous mode.
+    ``example_inputs`` is a tuple of positional arguments (a lone tensor is accepted);
+    ``kwargs`` holds keyword arguments. Leaves must be tensors (or None): shapes and
+    dtypes are fixed by the example, as in every later stage.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TraceError(f"trace() needs a torch.nn.Module, got {type(module).__name__}")
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    if not isinstance(args, (tuple, list)):
+        raise TraceError(
+            f"example_inputs must be a tuple of tensors (or one tensor), got {type(example_inputs).__name__}"
+        )
+    kwargs = dict(kwargs or {})
+    _check_leaves(tuple(args), kwargs)
+
+    was_training = module.training
+    module.eval()
+    try:
+        exported = torch.export.export(module, tuple(args), kwargs=kwargs)
+    except Exception as exc:  # export raises many types; all mean "could not trace"
+        raise TraceError(_explain_export_failure(module, exc)) from exc
+    finally:
+        module.train(was_training)
+    return from_exported(exported, name or type(module).__name__)
+
+
+def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    for path, leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            where = _describe_path(path)
+            raise TraceError(
+                f"example input {where} is a {type(leaf).__name__}; stof-cc traces tensor inputs only. "
+                "Bind non-tensor arguments inside the module (a small wrapper or functools.partial)."
+            )
+
+
+def _describe_path(path: tuple[Any, ...]) -> str:
+    """``((SequenceKey(0), SequenceKey(2)))`` -> ``args[2]``; kwargs -> ``kwargs['mask']``."""
+    head = "args" if path and getattr(path[0], "idx", None) == 0 else "kwargs"
+    return head + "".join(str(k) for k in path[1:])
+
+
+def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
+    """Name the failing construct (the deepest frame outside torch) and what to try."""
+    message = str(exc).strip().splitlines()
+    first = message[0] if message else type(exc).__name__
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    lowered = str(exc).lower()
+    if "data-dependent" in lowered or "guardondatadependent" in lowered or "could not guard" in lowered:
+        hint = ("control flow or a shape depends on tensor values; make the branch static, "
+                "or express it with torch.where / torch.cond")
+    elif "unsupported" in lowered:
+        hint = "a Python construct torch.export cannot capture; move it out of forward()"
+    else:
+        hint = "check that forward() runs on the example inputs and uses only torch operations"
+    return (f"torch.export could not trace {type(module).__name__}{where}: "
+            f"{type(exc).__name__}: {first}\n  what to try: {hint}")
+
+
+def from_exported(exported: ExportedProgram, name: str = "graph") -> Graph:
+    """Convert an ExportedProgram (ATen graph) into a Graph."""
+    graph = Graph(name)
+    signature = exported.graph_signature
+    placeholder_kind = {spec.arg.name: spec for spec in signature.input_specs}
+
+    for fx_node in exported.graph.nodes:
+        if fx_node.op == "placeholder":
+            _add_placeholder(graph, exported, fx_node, placeholder_kind[fx_node.name])
+        elif fx_node.op == "call_function":
+            graph.add_node(_convert_call(fx_node))
+        elif fx_node.op == "output":
+            _set_outputs(graph, fx_node, signature.output_specs)
+        else:  # get_attr / call_module do not occur in exported ATen graphs
+            raise TraceError(f"unexpected fx node {fx_node.format_node()} in exported graph")
+
+    graph.in_spec = exported.call_spec.in_spec
+    graph.out_spec = exported.call_spec.out_spec
+    return graph
+
+
+def _add_placeholder(graph: Graph, exported: ExportedProgram, fx_node: torch.fx.Node, spec: Any) -> None:
+    if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+        tensor = exported.state_dict.get(spec.target)
+        if tensor is None:  # non-persistent buffers live in constants
+            tensor = exported.constants[spec.target]
+        node = graph.add_constant(fx_node.name, tensor.detach())
+        node.target = spec.target
+    elif spec.kind == InputKind.CONSTANT_TENSOR:
+        node = graph.add_constant(fx_node.name, exported.constants[spec.target].detach())
+        node.target = spec.target
+    elif spec.kind == InputKind.USER_INPUT:
+        graph.add_input(fx_node.name, TensorSpec.of(fx_node.meta["val"]))
+    else:
+        raise TraceError(f"input {fx_node.name!r} of kind {spec.kind.name} is not supported (stateful modules?)")
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # "aten.add.Tensor"
+    if getattr(target, "__module__", None) == "_operator":
+        return f"operator.{target.__name__}"
+    raise TraceError(
+        f"operator {target!r} is not an ATen op; stof-cc cannot run it "
+        "(higher-order ops such as torch.cond are not supported yet)"
+    )
+
+
+def _convert_call(fx_node: torch.fx.Node) -> Node:
+    target = _target_name(fx_node.target)
+
+    def to_value(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            return Ref(value.name)
+        if isinstance(value, (list, tuple)):
+            return type(value)(to_value(v) for v in value)
+        return value
+
+    return Node(
+        name=fx_node.name,
+        op=canonical_op(target),
+        target=target,
+        args=tuple(to_value(a) for a in fx_node.args),
+        kwargs={k: to_value(v) for k, v in fx_node.kwargs.items()},
+        spec=spec_of_value(fx_node.meta.get("val")),
+    )
+
+
+def _set_outputs(graph: Graph, fx_node: torch.fx.Node, output_specs: list[Any]) -> None:
+    values = fx_node.args[0]
+    for value, spec in zip(values, output_specs, strict=True):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise TraceError(f"the module mutates state ({spec.kind.name} of {spec.target}); "
+                             "stof-cc compiles stateless inference modules")
+        graph.outputs.append(Ref(value.name) if isinstance(value, torch.fx.Node) else value)

@@ -1,0 +1,340 @@
+"""The graph IR: a small dataflow graph of torch (ATen) operators over networkx.
+
+Why our own IR and not torch.fx: passes here must be pure (Graph -> Graph), keyed by
+pattern kind, printable and hashable for cache keys; an fx.Graph is mutable, carries
+Python callables everywhere and has no notion of fusion kinds. The IR keeps what later
+stages need and nothing else:
+
+* every value is produced by exactly one `Node` (graph inputs and constants included);
+* a node's arguments are ATen-style positional ``args`` and ``kwargs`` in which a use of
+  another node's value is a `Ref`; everything else is a literal (int, float, list, dtype...);
+* ``target`` names the ATen overload (``"aten.linear.default"``) the node computes, which
+  is also its torch reference; ``op`` is the canonical registry name (``"linear"``) that
+  gives the pattern kind.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import networkx as nx
+import torch
+
+# Ops with a fixed meaning in every graph; all others come from the op registry.
+INPUT = "input"
+CONSTANT = "constant"
+
+
+class GraphError(ValueError):
+    """A malformed graph; the message names the offending node."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor value (shapes are static)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(int(d) for d in tensor.shape), tensor.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __str__(self) -> str:
+        return f"{dtype_name(self.dtype)}[{','.join(map(str, self.shape))}]"
+
+
+# A node's output: one tensor, several (a tuple), or nothing (assertion ops).
+Spec = TensorSpec | tuple[TensorSpec | None, ...] | None
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A use of the value produced by node ``name``."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"%{self.name}"
+
+
+@dataclass
+class Node:
+    """One operator application. Fields are plain data so graphs copy and print cleanly."""
+
+    name: str
+    op: str
+    target: str | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    spec: Spec = None
+
+    def refs(self) -> list[Ref]:
+        """Every value this node reads, in argument order (duplicates kept)."""
+        return list(iter_refs((self.args, self.kwargs)))
+
+    def __str__(self) -> str:
+        parts = [format_arg(a) for a in self.args]
+        parts += [f"{k}={format_arg(v)}" for k, v in self.kwargs.items()]
+        head = f"%{self.name}: {format_spec(self.spec)} = {self.op}"
+        if self.op in (INPUT, CONSTANT):
+            return head
+        return f"{head}({', '.join(parts)})"
+
+
+def iter_refs(value: Any) -> Iterator[Ref]:
+    """Yield every Ref inside nested tuples, lists and dicts."""
+    if isinstance(value, Ref):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_refs(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from iter_refs(v)
+
+
+def map_refs(value: Any, fn: Callable[[Ref], Any]) -> Any:
+    """Rebuild nested tuples, lists and dicts with every Ref replaced by ``fn(ref)``."""
+    if isinstance(value, Ref):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(map_refs(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_refs(v, fn) for v in value]
+    if isinstance(value, dict):
+        return {k: map_refs(v, fn) for k, v in value.items()}
+    return value
+
+
+_DTYPE_NAMES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "bool",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def format_spec(spec: Spec) -> str:
+    if spec is None:
+        return "()"
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(format_spec(s) for s in spec) + ")"
+    return str(spec)
+
+
+def format_arg(value: Any) -> str:
+    if isinstance(value, Ref):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_arg(v) for v in value) + "]"
+    if isinstance(value, torch.dtype):
+        return dtype_name(value)
+    return repr(value)
+
+
+class Graph:
+    """A dataflow graph of `Node`s kept in a networkx.DiGraph.
+
+    Edges run producer -> consumer. Insertion order is the stable tie-break of the
+    topological order, so the same model always prints (and hashes) the same way.
+    ``constants`` holds the tensors of CONSTANT nodes (parameters and buffers);
+    ``outputs`` are the values the graph returns, flattened; ``in_spec``/``out_spec``
+    are the pytree specs that turn user arguments into the flat inputs and the flat
+    outputs back into the module's return structure.
+    """
+
+    def __init__(self, name: str = "graph") -> None:
+        self.name = name
+        self._g = nx.DiGraph()
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+        self.constants: dict[str, torch.Tensor] = {}
+        self.outputs: list[Any] = []  # Refs, or literals a module returns as is
+        self.in_spec: Any = None
+        self.out_spec: Any = None
+
+    # -- building -------------------------------------------------------------------
+    def add_node(self, node: Node) -> Node:
+        if node.name in self._g:
+            raise GraphError(f"node %{node.name} is defined twice")
+        self._g.add_node(node.name, node=node)
+        self._order[node.name] = next(self._counter)
+        for ref in node.refs():
+            if ref.name not in self._g:
+                raise GraphError(f"node %{node.name} reads %{ref.name}, which is not defined before it")
+            self._g.add_edge(ref.name, node.name)
+        return node
+
+    def add_input(self, name: str, spec: TensorSpec) -> Node:
+        return self.add_node(Node(name, INPUT, spec=spec))
+
+    def add_constant(self, name: str, value: torch.Tensor) -> Node:
+        self.constants[name] = value
+        return self.add_node(Node(name, CONSTANT, spec=TensorSpec.of(value)))
+
+    def fresh_name(self, base: str) -> str:
+        """A node name not yet used, derived from ``base``."""
+        if base not in self._g:
+            return base
+        for i in itertools.count(1):
+            candidate = f"{base}_{i}"
+            if candidate not in self._g:
+                return candidate
+        raise AssertionError("unreachable")
+
+    # -- reading --------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self._g
+
+    def __len__(self) -> int:
+        return self._g.number_of_nodes()
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._g.nodes[name]["node"]
+        except KeyError:
+            raise GraphError(f"no node named %{name} in graph {self.name!r}") from None
+
+    def nodes(self) -> list[Node]:
+        """All nodes in deterministic topological order."""
+        order = nx.lexicographical_topological_sort(self._g, key=self._order.__getitem__)
+        return [self._g.nodes[n]["node"] for n in order]
+
+    @property
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes() if n.op == INPUT]
+
+    def users(self, name: str) -> list[Node]:
+        """Consumers of ``name``'s value, in insertion order."""
+        return [self.node(u) for u in sorted(self._g.successors(name), key=self._order.__getitem__)]
+
+    def producers(self, name: str) -> list[Node]:
+        return [self.node(p) for p in sorted(self._g.predecessors(name), key=self._order.__getitem__)]
+
+    @property
+    def nx_graph(self) -> nx.DiGraph:
+        """A read-only view of the underlying networkx graph (node attribute ``node``)."""
+        return self._g.copy(as_view=True)
+
+    def op_histogram(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes():
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return counts
+
+    # -- copying --------------------------------------------------------------------
+    def copy(self) -> Graph:
+        """A deep copy of the structure; constant tensors are shared (they are never mutated)."""
+        out = Graph(self.name)
+        for n in self.nodes():
+            out.add_node(replace(n, args=copy.deepcopy(n.args), kwargs=copy.deepcopy(n.kwargs)))
+        out.constants = dict(self.constants)
+        out.outputs = list(self.outputs)
+        out.in_spec, out.out_spec = self.in_spec, self.out_spec
+        return out
+
+    # -- checking -------------------------------------------------------------------
+    def verify(self, check_shapes: bool = True) -> None:
+        """Raise GraphError naming the first node that breaks an invariant.
+
+        Invariants: acyclic; every Ref names a node; graph outputs exist; each constant
+        node has its tensor with the recorded spec; and (``check_shapes``) each op's
+        recorded spec equals what its shape rule infers from its inputs' specs.
+        """
+        from stof_cc.ir.ops import infer_spec  # ops imports graph, not the reverse
+
+        # Dependencies are read from the nodes' own arguments, not the stored edges, so a
+        # node whose args were edited after insertion is still checked.
+        deps = nx.DiGraph()
+        deps.add_nodes_from(self._g.nodes)
+        for node in self.nodes():
+            for ref in node.refs():
+                if ref.name not in self._g:
+                    raise GraphError(f"node %{node.name} reads undefined value %{ref.name}")
+                deps.add_edge(ref.name, node.name)
+        if not nx.is_directed_acyclic_graph(deps):
+            cycle = nx.find_cycle(deps)
+            raise GraphError(f"graph {self.name!r} has a cycle through %{cycle[0][1]}")
+        for node in self.nodes():
+            if node.op == CONSTANT:
+                if node.name not in self.constants:
+                    raise GraphError(f"constant %{node.name} has no tensor in graph.constants")
+                if TensorSpec.of(self.constants[node.name]) != node.spec:
+                    raise GraphError(f"constant %{node.name}: tensor does not match spec {node.spec}")
+            elif node.op != INPUT and check_shapes:
+                expected = infer_spec(self, node)
+                if expected != node.spec:
+                    raise GraphError(
+                        f"node %{node.name} ({node.op}): recorded spec {format_spec(node.spec)} "
+                        f"but its inputs give {format_spec(expected)}"
+                    )
+        for ref in self.outputs:
+            if isinstance(ref, Ref) and ref.name not in self._g:
+                raise GraphError(f"graph output %{ref.name} is not a node")
+        if not self.outputs:
+            raise GraphError(f"graph {self.name!r} has no outputs")
+
+    def spec_of(self, value: Any) -> Any:
+        """The spec behind a Ref (or the literal itself): what shape rules see."""
+        if isinstance(value, Ref):
+            return self.node(value.name).spec
+        return value
+
+    # -- printing -------------------------------------------------------------------
+    def __str__(self) -> str:
+        lines = [f"graph {self.name}:"]
+        lines += [f"  {n}" for n in self.nodes()]
+        lines.append("  return " + ", ".join(format_arg(r) for r in self.outputs))
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT text, nodes coloured by pattern kind."""
+        from stof_cc.ir.ops import pattern_kind
+
+        lines = [f'digraph "{self.name}" {{', "  rankdir=TB;", '  node [shape=box, style="rounded,filled", fontname="monospace"];']
+        for n in self.nodes():
+            kind = pattern_kind(n.op)
+            colour = _KIND_COLOURS.get(kind, "#dddddd")
+            label = f"{n.name}\\n{n.op} [{kind}]\\n{format_spec(n.spec)}"
+            lines.append(f'  "{n.name}" [label="{label}", fillcolor="{colour}"];')
+        for src, dst in self._g.edges:
+            lines.append(f'  "{src}" -> "{dst}";')
+        for i, ref in enumerate(r for r in self.outputs if isinstance(r, Ref)):
+            lines.append(f'  "out{i}" [shape=ellipse, fillcolor="#ffffff"];')
+            lines.append(f'  "{ref.name}" -> "out{i}";')
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+
+_KIND_COLOURS = {
+    "input": "#ffffff",
+    "constant": "#eeeeee",
+    "elementwise": "#c6e5b3",
+    "broadcast": "#a8d8a0",
+    "injective": "#dbe9f6",
+    "reduction": "#fdd49e",
+    "gemm": "#f4a582",
+    "attention": "#d6604d",
+    "opaque": "#bababa",
+}

@@ -1,0 +1,89 @@
+"""Run any Graph with torch, on the CPU or a GPU: the oracle every later stage is tested against.
+
+Each node runs its own torch reference (its ATen overload, or its op's registered
+reference), so the interpreter has no per-op code. Values are freed after their last
+use, so a large model interprets in the memory eager mode would need.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Ref, TensorSpec, map_refs
+from stof_cc.ir.ops import reference_of
+
+
+def interpret(graph: Graph, *args: Any, device: torch.device | str | None = None, **kwargs: Any) -> Any:
+    """Evaluate ``graph`` on the given inputs and return the module's output structure.
+
+    Inputs are checked against the traced signature (count, shape, dtype). Constants and
+    device literals baked in at trace time (``aten.to(device=cpu)``, ``arange(device=...)``)
+    follow ``device``, which defaults to the device of the first input tensor.
+    """
+    flat = _flatten_inputs(graph, args, kwargs)
+    input_nodes = graph.inputs
+    if len(flat) != len(input_nodes):
+        raise GraphError(f"graph {graph.name!r} takes {len(input_nodes)} tensor inputs, got {len(flat)}")
+    for node, value in zip(input_nodes, flat, strict=True):
+        if not isinstance(value, torch.Tensor):
+            raise GraphError(f"input %{node.name} must be a tensor, got {type(value).__name__}")
+        if TensorSpec.of(value) != node.spec:
+            raise GraphError(f"input %{node.name}: expected {node.spec}, got {TensorSpec.of(value)}")
+
+    target_device = torch.device(device) if device is not None else (flat[0].device if flat else torch.device("cpu"))
+    feed = dict(zip((n.name for n in input_nodes), flat, strict=True))
+    env: dict[str, Any] = {}
+    last_use = _last_uses(graph)
+
+    def lookup(ref: Ref) -> Any:
+        return env[ref.name]
+
+    def retarget(value: Any) -> Any:
+        return target_device if isinstance(value, torch.device) else value
+
+    for index, node in enumerate(graph.nodes()):
+        if node.op == INPUT:
+            env[node.name] = feed[node.name]
+        elif node.op == CONSTANT:
+            env[node.name] = graph.constants[node.name].to(target_device)
+        else:
+            call_args = [retarget(a) for a in map_refs(node.args, lookup)]
+            call_kwargs = {k: retarget(v) for k, v in map_refs(node.kwargs, lookup).items()}
+            try:
+                env[node.name] = reference_of(node)(*call_args, **call_kwargs)
+            except Exception as exc:
+                raise GraphError(f"node %{node.name} ({node.op}, {node.target}) failed: {exc}") from exc
+        for name in last_use.get(index, ()):
+            env.pop(name, None)
+
+    outputs = [env[r.name] if isinstance(r, Ref) else r for r in graph.outputs]
+    if graph.out_spec is not None:
+        return pytree.tree_unflatten(outputs, graph.out_spec)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def _flatten_inputs(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if graph.in_spec is not None and spec != graph.in_spec:
+        raise GraphError(
+            f"inputs do not match the signature graph {graph.name!r} was traced with:\n"
+            f"  expected {graph.in_spec}\n  got      {spec}"
+        )
+    return flat
+
+
+def _last_uses(graph: Graph) -> dict[int, list[str]]:
+    """Node index -> names whose value is dead after that node (graph outputs never die)."""
+    order = {n.name: i for i, n in enumerate(graph.nodes())}
+    keep = {r.name for r in graph.outputs if isinstance(r, Ref)}
+    dies: dict[int, list[str]] = {}
+    for node in graph.nodes():
+        if node.name in keep:
+            continue
+        users = graph.users(node.name)
+        at = max((order[u.name] for u in users), default=order[node.name])
+        dies.setdefault(at, []).append(node.name)
+    return dies

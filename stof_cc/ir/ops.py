@@ -1,0 +1,244 @@
+"""The op registry: canonical op name -> pattern kind, ATen aliases, torch reference.
+
+Fusion reads only the pattern kind (as TVM does), so an op joins fusion by declaring
+its kind here. Aliases normalise the many spellings of one op: every overload of
+``aten.add`` (``add.Tensor``, ``add.Scalar``, ``add_.Tensor``...) is the op ``add``.
+
+Shape and dtype rules are not written by hand: an op's output spec is what its torch
+reference returns when run on fake tensors (``FakeTensorMode``), so the rule can never
+disagree with the reference. Ops that have no ATen target (fused nodes created by
+passes) register a ``reference`` callable instead.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, Spec, TensorSpec, map_refs
+
+PATTERN_KINDS = ("elementwise", "broadcast", "injective", "reduction", "gemm", "attention", "opaque")
+OPAQUE = "opaque"
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One canonical op.
+
+    ``aten`` lists the ATen packets (``"aten.linear"``) whose overloads are this op.
+    ``reference`` is only needed for ops with no ATen target; otherwise the node's own
+    ``target`` overload is the reference.
+    """
+
+    name: str
+    kind: str
+    aten: tuple[str, ...] = ()
+    reference: Callable[..., Any] | None = None
+    doc: str = ""
+
+
+_OPS: dict[str, OpDef] = {}
+_BY_PACKET: dict[str, OpDef] = {}
+
+
+def register_op(op: OpDef) -> OpDef:
+    """Add an op to the registry; names and ATen packets must be new."""
+    if op.kind not in PATTERN_KINDS:
+        raise ValueError(f"op {op.name!r}: unknown pattern kind {op.kind!r}; expected one of {PATTERN_KINDS}")
+    if op.name in _OPS or op.name in (INPUT, CONSTANT, OPAQUE):
+        raise ValueError(f"op {op.name!r} is already registered")
+    for packet in op.aten:
+        if packet in _BY_PACKET:
+            raise ValueError(f"op {op.name!r}: ATen packet {packet!r} already belongs to {_BY_PACKET[packet].name!r}")
+    _OPS[op.name] = op
+    for packet in op.aten:
+        _BY_PACKET[packet] = op
+    return op
+
+
+def get_op(name: str) -> OpDef:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; registered ops: {', '.join(sorted(_OPS))}") from None
+
+
+def all_ops() -> list[OpDef]:
+    return sorted(_OPS.values(), key=lambda o: o.name)
+
+
+def canonical_op(target: str) -> str:
+    """Canonical op name for an ATen overload or Python function name; OPAQUE if unknown.
+
+    ``"aten.add.Tensor"`` -> packet ``"aten.add"``; in-place ``"aten.add_.Tensor"`` maps to
+    the same op (export functionalises, but hand-built graphs may not).
+    """
+    if target in _BY_PACKET:
+        return _BY_PACKET[target].name
+    parts = target.split(".")
+    packet = ".".join(parts[:2]) if len(parts) >= 2 else target
+    if packet in _BY_PACKET:
+        return _BY_PACKET[packet].name
+    if packet.endswith("_") and packet[:-1] in _BY_PACKET:
+        return _BY_PACKET[packet[:-1]].name
+    return OPAQUE
+
+
+def pattern_kind(op: str) -> str:
+    """Pattern kind of a canonical op; graph inputs and constants report their own role."""
+    if op in (INPUT, CONSTANT, OPAQUE):
+        return op
+    return get_op(op).kind
+
+
+def resolve_target(target: str) -> Callable[..., Any]:
+    """The callable behind a target string: ``aten.x.overload`` or ``operator.name``."""
+    namespace, _, rest = target.partition(".")
+    try:
+        if namespace == "operator":
+            return getattr(operator, rest)
+        fn: Any = torch.ops
+        for part in target.split("."):
+            fn = getattr(fn, part)
+        return fn
+    except AttributeError:
+        raise GraphError(f"target {target!r} names no torch operator") from None
+
+
+def reference_of(node: Node) -> Callable[..., Any]:
+    """The torch callable that defines what ``node`` computes."""
+    if node.target is not None:
+        return resolve_target(node.target)
+    op = get_op(node.op)
+    if op.reference is None:
+        raise GraphError(f"node %{node.name} ({node.op}) has neither a target nor a reference")
+    return op.reference
+
+
+def spec_of_value(value: Any) -> Spec:
+    """TensorSpec (or tuple of them) of a torch result; None for non-tensor results."""
+    if isinstance(value, torch.Tensor):
+        return TensorSpec.of(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(spec_of_value(v) for v in value)
+    return None
+
+
+def infer_spec(graph: Graph, node: Node) -> Spec:
+    """Output spec of ``node`` from its inputs' specs, by running its reference on fake tensors."""
+    fn = reference_of(node)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+
+        def fake(ref: Any) -> Any:
+            spec = graph.spec_of(ref)
+            if isinstance(spec, TensorSpec):
+                return torch.empty(spec.shape, dtype=spec.dtype)
+            if isinstance(spec, tuple):
+                return tuple(torch.empty(s.shape, dtype=s.dtype) if s else None for s in spec)
+            return spec
+
+        args = map_refs(node.args, fake)
+        kwargs = map_refs(node.kwargs, fake)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as exc:  # report which node's rule failed, whatever torch raised
+            raise GraphError(f"node %{node.name} ({node.op}, {node.target}): shape rule failed: {exc}") from exc
+    return spec_of_value(result)
+
+
+def _ops(kind: str, doc: str, table: dict[str, tuple[str, ...]]) -> None:
+    for name, packets in table.items():
+        register_op(OpDef(name, kind, packets, doc=doc))
+
+
+# -- the built-in table ---------------------------------------------------------------
+# Covers what torch.export produces for BERT-, GPT-2- and ViT-style blocks.
+
+_ops("gemm", "matrix products: the anchors of GEMM fusion groups", {
+    "linear": ("aten.linear",),
+    "matmul": ("aten.matmul",),
+    "mm": ("aten.mm",),
+    "bmm": ("aten.bmm",),
+    "addmm": ("aten.addmm",),
+    "baddbmm": ("aten.baddbmm",),
+})
+
+_ops("attention", "masked multi-head attention", {
+    "scaled_dot_product_attention": ("aten.scaled_dot_product_attention",),
+})
+
+_ops("reduction", "row reductions: softmax and normalisations", {
+    "softmax": ("aten.softmax", "aten._softmax"),
+    "log_softmax": ("aten.log_softmax", "aten._log_softmax"),
+    "layer_norm": ("aten.layer_norm", "aten.native_layer_norm"),
+    "rms_norm": ("aten.rms_norm",),
+    "sum": ("aten.sum",),
+    "mean": ("aten.mean",),
+    "amax": ("aten.amax", "aten.max"),
+    "var": ("aten.var", "aten.var_mean"),
+})
+
+_ops("elementwise", "one output element from the same input element", {
+    "gelu": ("aten.gelu",),
+    "relu": ("aten.relu",),
+    "silu": ("aten.silu",),
+    "tanh": ("aten.tanh",),
+    "sigmoid": ("aten.sigmoid",),
+    "exp": ("aten.exp",),
+    "erf": ("aten.erf",),
+    "sqrt": ("aten.sqrt",),
+    "rsqrt": ("aten.rsqrt",),
+    "neg": ("aten.neg",),
+    "pow": ("aten.pow",),
+    "clamp": ("aten.clamp",),
+    "logical_not": ("aten.logical_not", "aten.bitwise_not"),
+    "dropout": ("aten.dropout",),  # identity in eval mode (train=False)
+    "cast": ("aten.to", "aten._to_copy", "aten.type_as"),
+    "clone": ("aten.clone", "aten.alias", "aten.detach"),
+})
+
+_ops("elementwise", "creation ops: no tensor inputs, folded to constants by canonicalize", {
+    "arange": ("aten.arange",),
+    "full": ("aten.full", "aten.zeros", "aten.ones", "aten.empty"),
+    "full_like": ("aten.full_like", "aten.zeros_like", "aten.ones_like", "aten.empty_like",
+                  "aten.new_ones", "aten.new_zeros", "aten.new_full", "aten.new_empty"),
+})
+
+_ops("broadcast", "binary elementwise ops whose operands broadcast", {
+    "add": ("aten.add",),
+    "sub": ("aten.sub", "aten.rsub"),
+    "mul": ("aten.mul",),
+    "div": ("aten.div",),
+    "maximum": ("aten.maximum",),
+    "minimum": ("aten.minimum",),
+    "where": ("aten.where",),
+    "masked_fill": ("aten.masked_fill",),
+    "compare": ("aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge"),
+    "logical": ("aten.__and__", "aten.__or__", "aten.logical_and", "aten.logical_or",
+                "aten.bitwise_and", "aten.bitwise_or"),
+})
+
+_ops("injective", "layout and indexing: each output element reads one input element", {
+    "view": ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.flatten", "aten.unflatten"),
+    "transpose": ("aten.transpose", "aten.t", "aten.permute"),
+    "expand": ("aten.expand",),
+    "unsqueeze": ("aten.unsqueeze",),
+    "squeeze": ("aten.squeeze",),
+    "slice": ("aten.slice", "aten.narrow"),
+    "select": ("aten.select",),
+    "contiguous": ("aten.contiguous",),
+    "cat": ("aten.cat",),
+    "split": ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind"),
+    "getitem": ("operator.getitem",),
+    "embedding": ("aten.embedding",),
+    "gather": ("aten.gather", "aten.index"),
+})
+
+_ops("opaque", "trace-time checks: no data effect, dropped by canonicalize", {
+    "assert_metadata": ("aten._assert_tensor_metadata", "aten._assert_scalar"),
+})

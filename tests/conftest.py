@@ -1,0 +1,34 @@
+"""Shared fixtures and the skip rules: `gpu` tests need CUDA and PyCUDA, `nvcc` tests need nvcc."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def _gpu_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("pycuda") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU with PyCUDA")
+    skip_nvcc = pytest.mark.skip(reason="needs nvcc on PATH")
+    has_gpu, has_nvcc = _gpu_available(), shutil.which("nvcc") is not None
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+        if "nvcc" in item.keywords and not has_nvcc:
+            item.add_marker(skip_nvcc)
+
+
+@pytest.fixture
+def example_path():
+    """`example_path("tiny_bert")` -> 'examples/tiny_bert.py:factory' as an absolute reference."""
+    return lambda name, factory="factory": f"{EXAMPLES / (name + '.py')}:{factory}"

@@ -1,0 +1,124 @@
+"""torch.export frontend and interpreter: the oracle equals eager PyTorch on the examples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from stof_cc import GraphError, TraceError, interpret, trace
+from stof_cc.ir.ops import OPAQUE
+from stof_cc.loading import load_factory
+
+EXAMPLES = ["tiny_bert", "gpt2_block", "encoder_layer"]
+
+
+def _tensors(tree):
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _fresh_inputs(args, kwargs):
+    """New random values of the traced shapes (integer inputs keep their range, masks their pattern)."""
+    def refresh(t):
+        if t.dtype.is_floating_point:
+            return torch.randn_like(t)
+        if t.dtype == torch.long and t.max() > 1:
+            return torch.randint(0, int(t.max()) + 1, t.shape)
+        return t.clone()
+    return pytree.tree_map_only(torch.Tensor, refresh, (args, kwargs))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_interpret_matches_eager(name, example_path):
+    module, args, kwargs = load_factory(example_path(name))
+    graph = trace(module, args, kwargs)
+    graph.verify()
+    args, kwargs = _fresh_inputs(args, kwargs)
+    with torch.no_grad():
+        expected = module(*args, **kwargs)
+        got = interpret(graph, *args, **kwargs)
+    assert type(got) is type(expected)
+    exp_t, got_t = _tensors(expected), _tensors(got)
+    assert len(exp_t) == len(got_t) >= 1
+    for e, g in zip(exp_t, got_t, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        assert not torch.isnan(g).any()
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_trace_is_deterministic(name, example_path):
+    module, args, kwargs = load_factory(example_path(name))
+    assert str(trace(module, args, kwargs)) == str(trace(module, args, kwargs))
+
+
+def test_tracing_restores_training_mode(example_path):
+    module, args, kwargs = load_factory(example_path("encoder_layer"))
+    module.train()
+    trace(module, args, kwargs)
+    assert module.training
+
+
+def test_examples_have_no_unknown_ops(example_path):
+    for name in EXAMPLES:
+        module, args, kwargs = load_factory(example_path(name))
+        graph = trace(module, args, kwargs)
+        assert [n.target for n in graph.nodes() if n.op == OPAQUE] == [], name
+
+
+def test_unregistered_aten_op_becomes_opaque_and_still_runs():
+    class Cumulative(nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, dim=1) * 2
+
+    x = torch.randn(3, 5)
+    graph = trace(Cumulative(), (x,))
+    assert [n.target for n in graph.nodes() if n.op == OPAQUE] == ["aten.cumsum.default"]
+    torch.testing.assert_close(interpret(graph, x), torch.cumsum(x, dim=1) * 2)
+
+
+def test_data_dependent_control_flow_names_the_line():
+    class Branchy(nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # depends on values: not traceable
+                return x * 2
+            return x
+
+    with pytest.raises(TraceError) as info:
+        trace(Branchy(), (torch.randn(4),))
+    message = str(info.value)
+    assert "Branchy" in message and "test_frontend.py" in message and "what to try" in message
+
+
+def test_bad_example_inputs_are_named():
+    with pytest.raises(TraceError, match="needs a torch.nn.Module"):
+        trace(lambda x: x, (torch.randn(2),))
+    with pytest.raises(TraceError, match="must be a tuple"):
+        trace(nn.ReLU(), {"x": torch.randn(2)})
+    with pytest.raises(TraceError, match=r"example input args\[1\] is a int"):
+        trace(nn.ReLU(), (torch.randn(2), 3))
+
+
+def test_interpret_checks_inputs():
+    graph = trace(nn.Linear(4, 2), (torch.randn(3, 4),))
+    with pytest.raises(GraphError, match=r"expected f32\[3,4\], got f32\[3,5\]"):
+        interpret(graph, torch.randn(3, 5))
+    with pytest.raises(GraphError, match="do not match the signature"):
+        interpret(graph, torch.randn(3, 4), torch.randn(3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_interpret_on_gpu_matches_eager(name, example_path):
+    module, args, kwargs = load_factory(example_path(name))
+    graph = trace(module, args, kwargs)
+    to_gpu = lambda tree: pytree.tree_map_only(torch.Tensor, lambda t: t.cuda(), tree)  # noqa: E731
+    args, kwargs = to_gpu(args), to_gpu(kwargs)
+    module = module.cuda()
+    with torch.no_grad():
+        expected = module(*args, **kwargs)
+        got = interpret(graph, *args, **kwargs)
+    for e, g in zip(_tensors(expected), _tensors(got), strict=True):
+        assert g.device.type == "cuda"
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
