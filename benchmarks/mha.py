@@ -1,0 +1,197 @@
+"""The MHA grid of shared/bench/WORKLOADS.md: stof-cc's attention beside its peers, in one process.
+
+Per case (mask, S): B = 8 for S <= 512 else 4096 // S, H = 12, D = 64, fp16, random
+normal inputs. Every implementation is first checked against the fp32 torch reference;
+only correct peers count. Times are medians of `triton.testing.do_bench` after warm-up
+(stof-cc's kernel is compiled and its mask converted before timing, as a user's second
+call would find them). Prints one row per case, then the geomean; `--append` adds the
+table to benchmarks/RESULTS.md with date, GPU and versions. `--sweep` also times every
+candidate of the search space and reports where the model's choice ranks.
+
+    python benchmarks/mha.py [--seqs 128,2048] [--masks causal,sliding] [--sweep] [--append]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stof_cc.ir.reference import masked_attention  # noqa: E402
+from stof_cc.masks.workloads import GRID_HEAD_DIM, GRID_HEADS, GRID_MASKS, GRID_SEQS, grid_batch, grid_mask  # noqa: E402
+from stof_cc.runtime.attention import attention, candidates, check_inputs, choose  # noqa: E402
+
+TOLERANCE = 1e-2  # relative error (Frobenius) for fp16
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return math.inf
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def flex_peer(desc, batch, heads, seq):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = flex_peer.compiled
+    if compiled is None:
+        torch._dynamo.config.recompile_limit = 1000
+        torch._dynamo.config.cache_size_limit = 1000
+        compiled = flex_peer.compiled = torch.compile(flex_attention)
+    block_mask = create_block_mask(desc.mask_mod_for(seq, seq, batch, heads), None, None, seq, seq, device="cuda")
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+flex_peer.compiled = None
+
+
+def peers(name, desc, dense, batch, heads, seq):
+    out = {"sdpa_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}
+    if name == "causal":
+        out["sdpa_causal"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    try:
+        out["flex"] = flex_peer(desc, batch, heads, seq)
+    except Exception as exc:  # record why a peer is missing rather than dropping it silently
+        print(f"  flex unavailable for {name} S={seq}: {type(exc).__name__}: {exc}")
+    return out
+
+
+def dense_floor(q, k, v):
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def run_case(name: str, seq: int, sweep: bool) -> dict:
+    batch, heads, d = grid_batch(seq), GRID_HEADS, GRID_HEAD_DIM
+    desc = grid_mask(name, seq)
+    dense = desc.to_dense(seq, seq).cuda()
+    attended = int(dense.sum()) * batch * heads // dense.shape[0] // dense.shape[1]
+    gen = torch.Generator(device="cuda").manual_seed(seq)
+    q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.float16, generator=gen)
+               for _ in range(3))
+    ref = masked_attention(q, k, v, dense)
+    row = {"mask": name, "seq": seq, "batch": batch}
+
+    problem = check_inputs(q, k, v)
+    choice = choose(problem, desc)
+    ours = lambda: attention(q, k, v, desc)  # noqa: E731
+    row["stof_err"] = rel_error(ours(), ref)
+    row["stof_ms"] = bench(ours)
+    row["kernel"] = f"{choice.template.name.removeprefix('attention_')} m{choice.params['block_m']}" \
+                    f" n{choice.params['block_n']} s{choice.params['stages']}"
+    row["tflops"] = 4 * attended * d / (row["stof_ms"] * 1e-3) / 1e12
+
+    row["peers"] = {}
+    for peer, fn in peers(name, desc, dense, batch, heads, seq).items():
+        try:
+            err = rel_error(fn(q, k, v), ref)
+            row["peers"][peer] = {"ms": bench(lambda fn=fn: fn(q, k, v)), "err": err, "ok": err < TOLERANCE}
+        except Exception as exc:
+            row["peers"][peer] = {"ms": math.inf, "err": math.inf, "ok": False, "error": str(exc)[:200]}
+    row["dense_fa_ms"] = bench(lambda: dense_floor(q, k, v))
+    correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
+    row["best_peer_ms"] = min(correct) if correct else math.inf
+    row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < TOLERANCE else 0.0
+
+    if sweep:
+        measured = []
+        for template, params in candidates(problem):
+            fn = lambda params=params: attention(q, k, v, desc, params=params)  # noqa: E731
+            ok = rel_error(fn(), ref) < TOLERANCE
+            measured.append({"template": template.name, "params": params,
+                             "ms": bench(fn) if ok else math.inf, "ok": ok})
+        model_order = [(e.params["strategy"], e.params["block_m"], e.params["block_n"], e.params["stages"])
+                       for e in choice.estimates]
+        by_time = sorted(measured, key=lambda m: m["ms"])
+        key = lambda p: (p["strategy"], p["block_m"], p["block_n"], p["stages"])  # noqa: E731
+        row["sweep"] = measured
+        row["best_ms"] = by_time[0]["ms"]
+        row["best_kernel"] = key(by_time[0]["params"])
+        row["choice_rank_measured"] = 1 + [key(m["params"]) for m in by_time].index(model_order[0])
+        row["best_rank_model"] = 1 + model_order.index(key(by_time[0]["params"]))
+        row["model_us"] = {str(key(e.params)): e.micros for e in choice.estimates}
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    peer_names = ["sdpa_mask", "sdpa_causal", "flex"]
+    head = "| mask | S | B | stof ms | " + " | ".join(f"{p} ms" for p in peer_names) + \
+           " | dense_fa ms | speedup | TFLOP/s | kernel |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = []
+        for p in peer_names:
+            info = r["peers"].get(p)
+            cells.append("-" if info is None else (f"{info['ms']:.4f}" + ("" if info["ok"] else " (wrong)")))
+        stof = f"{r['stof_ms']:.4f}" + ("" if r["stof_err"] < TOLERANCE else " (WRONG)")
+        lines.append(f"| {r['mask']} | {r['seq']} | {r['batch']} | {stof} | " + " | ".join(cells) +
+                     f" | {r['dense_fa_ms']:.4f} | {r['speedup']:.2f}x | {r['tflops']:.0f} | {r['kernel']} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> str:
+    speedups = [r["speedup"] for r in rows]
+    geo = math.exp(sum(math.log(max(s, 1e-9)) for s in speedups) / len(speedups))
+    worst = min(rows, key=lambda r: r["speedup"])
+    text = (f"geomean speedup over the best correct peer: {geo:.3f}x over {len(rows)} cases; "
+            f"worst {worst['speedup']:.2f}x ({worst['mask']} S={worst['seq']})")
+    sweeps = [r for r in rows if "sweep" in r]
+    if sweeps:
+        within = sum(r["stof_ms"] <= 1.05 * r["best_ms"] for r in sweeps)
+        text += (f"\nmodel choice within 5% of the measured best in {within}/{len(sweeps)} cases; "
+                 f"median measured rank of the model's choice "
+                 f"{sorted(r['choice_rank_measured'] for r in sweeps)[len(sweeps) // 2]}")
+    return text
+
+
+def environment() -> str:
+    import triton
+
+    return (f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, triton {triton.__version__}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default=",".join(map(str, GRID_SEQS)))
+    parser.add_argument("--masks", default=",".join(GRID_MASKS))
+    parser.add_argument("--sweep", action="store_true", help="also time every candidate (model calibration)")
+    parser.add_argument("--json", help="write every measurement here")
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+
+    rows = []
+    for seq in map(int, args.seqs.split(",")):
+        for name in args.masks.split(","):
+            row = run_case(name, seq, args.sweep)
+            rows.append(row)
+            print(f"{name:>10} S={seq:<5} stof {row['stof_ms']:.4f} ms  best peer {row['best_peer_ms']:.4f} ms"
+                  f"  -> {row['speedup']:.2f}x  [{row['kernel']}]", flush=True)
+    table, text = format_table(rows), summary(rows)
+    print("\n" + environment() + "\n" + table + "\n" + text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    if args.append:
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write(f"\n## MHA grid ({environment()})\n\nCommand: `python benchmarks/mha.py"
+                    f"{' --sweep' if args.sweep else ''}`\n\n{table}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

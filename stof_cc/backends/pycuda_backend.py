@@ -1,0 +1,93 @@
+"""Run generated kernels on the GPU through PyCUDA, on torch tensors.
+
+Compilation goes through `nvcc.compile_cubin` (arch read from the device, a persistent
+cubin cache); PyCUDA loads the cubin into the CUDA primary context, which torch uses
+too (``pycuda.autoprimaryctx``), so kernels read and write torch tensors by
+``data_ptr()`` with no copies.
+
+Streams: PyCUDA cannot wrap a foreign stream handle, so kernels launch on the legacy
+default stream, which is torch's current stream unless the caller switched streams. A
+launch under another current stream (a user stream, CUDA graph capture) raises
+`BackendError` instead of racing with torch's work.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from stof_cc.backends.nvcc import Resources, compile_cubin
+
+
+class BackendError(RuntimeError):
+    """The GPU backend cannot run here (no GPU, no PyCUDA, unsupported stream...)."""
+
+
+@functools.cache
+def _driver():
+    try:
+        import pycuda.autoprimaryctx  # noqa: F401  (retains torch's primary context)
+        import pycuda.driver as drv
+    except ImportError as exc:
+        raise BackendError("PyCUDA is not installed: pip install 'stof-cc[gpu]'") from exc
+    return drv
+
+
+def device_arch(device: torch.device | None = None) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+@dataclass
+class Kernel:
+    """A loaded kernel, prepared for one argument format (struct codes: P pointer, i int32,
+    q int64, f float32), so a launch is one pack and one driver call."""
+
+    name: str
+    source_path: Path
+    resources: Resources | None
+    _function: object
+    _max_dynamic_smem: int = 48 * 1024
+
+    def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, *args: object) -> None:
+        """Launch on the default stream; pointers are passed as ints (``tensor.data_ptr()``)."""
+        if torch.cuda.current_stream().cuda_stream != 0:
+            raise BackendError(
+                f"kernel {self.name}: torch's current stream is not the default stream; stof-cc "
+                "kernels launch on the default stream (PyCUDA cannot wrap other stream handles)"
+            )
+        if shared_bytes > self._max_dynamic_smem:
+            drv = _driver()
+            self._function.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
+            self._max_dynamic_smem = shared_bytes
+        self._function.prepared_call(grid, (threads, 1, 1), *args, shared_size=shared_bytes)
+
+
+def load_kernel(source: str, name: str, arg_format: str, source_path: Path | None = None) -> Kernel:
+    """Compile (or fetch from the cache) and load kernel ``name`` from ``source``,
+    prepared for ``arg_format``."""
+    if not torch.cuda.is_available():
+        raise BackendError("no CUDA device visible to torch")
+    torch.cuda.init()
+    arch = device_arch()
+    compiled = compile_cubin(source, arch=arch, source_path=source_path)
+    kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
+    kernel._function.prepare(arg_format)
+    return kernel
+
+
+@functools.lru_cache(maxsize=512)
+def _load_module(cubin: bytes):
+    return _driver().module_from_buffer(cubin)
+
+
+def _load(cubin: bytes, name: str, source_path: str, resources: Resources | None) -> Kernel:
+    module = _load_module(cubin)
+    try:
+        function = module.get_function(name)
+    except Exception as exc:  # pycuda.driver.LogicError
+        raise BackendError(f"kernel {name!r} not found in {source_path}") from exc
+    return Kernel(name, Path(source_path), resources, function)

@@ -1,0 +1,22 @@
+"""Torch references for the fused ops the compiler introduces (their kernels are tested against these)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v in fp32, returned in q's dtype.
+
+    ``mask`` is boolean (True = attend), broadcastable to [B, H, S_q, S_k]. A query row
+    with no allowed key returns 0 (FlexAttention's convention; SDPA would give NaN).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
+    return torch.matmul(probs, v.float()).to(q.dtype)

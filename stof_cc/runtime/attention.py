@@ -1,0 +1,210 @@
+"""`stof_cc.attention(q, k, v, mask)`: masked multi-head attention on stof-cc's own kernels.
+
+Usable on its own, like FlexAttention. On each call it validates the inputs, picks a
+template and parameters with the analytical model (cached per problem and mask), takes
+the mask in the unified storage format at that kernel's block shape (converted once and
+cached per mask, sizes, block shape and device), and launches the compiled kernel on
+the current stream. Nothing here falls back to torch: an input the kernels do not
+support raises `AttentionInputError` naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.masks import MaskDescription, from_dense, full
+from stof_cc.masks.block_mask import BlockMask
+from stof_cc.templates.attention import (
+    BLOCKWISE,
+    ROWWISE,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    AttentionProblem,
+)
+from stof_cc.templates.registry import KernelTemplate
+from stof_cc.tune.cost_model import Estimate, estimate, stof_rule
+
+LOG2E = 1.4426950408889634
+
+
+class AttentionInputError(ValueError):
+    """q, k, v or the mask cannot be run by the attention kernels; names the argument."""
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The selected template and parameters, with every candidate's estimate (best first)."""
+
+    template: KernelTemplate
+    params: dict[str, Any]
+    estimates: tuple[Estimate, ...]
+    stof_rule: tuple[float, float, str]
+
+    def explain(self) -> str:
+        rho, tau, pick = self.stof_rule
+        lines = [f"chosen: {self.template.name} {self.estimates[0].describe()}",
+                 f"STOF's rule: rho={rho:.4f} tau={tau:.4f} -> {pick}", "candidates (best first):"]
+        lines += [f"  {e.describe()}" for e in self.estimates]
+        return "\n".join(lines)
+
+
+# mask description -> {(seq_q, seq_k, bm, bn, batch, heads, device): BlockMask}
+_block_masks: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, BlockMask]] = weakref.WeakKeyDictionary()
+_choices: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, AttentionChoice]] = weakref.WeakKeyDictionary()
+_kernels: dict[tuple, Kernel] = {}
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: MaskDescription | torch.Tensor | None = None, scale: float | None = None,
+              *, params: dict[str, Any] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
+
+    ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
+    boolean tensor [S_q, S_k] or [B|1, H|1, S_q, S_k] (True = attend), or None (no mask).
+    A query row with no allowed key gives 0. ``params`` pins a template's parameters
+    (``{"strategy": "blockwise", "block_m": 64, ...}``) instead of the model's choice.
+    ``out``, if given, receives the result (a contiguous tensor shaped and typed like q).
+    """
+    problem = check_inputs(q, k, v)
+    description = as_description(mask)
+    scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
+    choice = choose(problem, description) if params is None else _pinned(problem, params)
+    block_mask = cached_block_mask(description, problem, choice.params, q.device)
+    return run(problem, choice.template, choice.params, block_mask, q, k, v, scale, out)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionProblem:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise AttentionInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionInputError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices "
+                                      "(stof_cc.ir.reference.masked_attention is the CPU reference)")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise AttentionInputError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise AttentionInputError("q, k and v must share one dtype and one device")
+    batch, heads, seq_q, head_dim = q.shape
+    if k.shape[:2] != (batch, heads) or v.shape != k.shape or k.shape[3] != head_dim:
+        raise AttentionInputError(f"k and v must be [{batch}, {heads}, S_k, {head_dim}] like q; "
+                                  f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise AttentionInputError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if seq_q == 0 or k.shape[2] == 0:
+        raise AttentionInputError("sequence lengths must be positive")
+    return AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype)
+
+
+def as_description(mask: MaskDescription | torch.Tensor | None) -> MaskDescription:
+    if mask is None:
+        return _FULL
+    if isinstance(mask, MaskDescription):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        return from_dense(mask)
+    raise AttentionInputError(f"mask must be a stof_cc.masks description, a bool tensor or None; "
+                              f"got {type(mask).__name__}")
+
+
+_FULL = full()
+
+
+def candidates(problem: AttentionProblem) -> list[tuple[KernelTemplate, dict[str, Any]]]:
+    return [(t, p) for t in (ROWWISE, BLOCKWISE) for p in t.space(problem)]
+
+
+def choose(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
+    """The model's pick for this problem and mask (cached with the mask)."""
+    key = (problem, _sm_count())
+    per_mask = _choices.setdefault(description, {})
+    if key not in per_mask:
+        scored = []
+        for template, params in candidates(problem):
+            bm = cached_block_mask(description, problem, params, torch.device("cpu"))
+            row_blocks = (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist()
+            heads_batches = problem.batch * problem.heads // (bm.batch * bm.heads)
+            scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks,
+                                    int(bm.part_cols.numel()), template.shared_bytes(problem, params),
+                                    key[1]), template))
+        scored.sort(key=lambda item: item[0].micros)
+        best, template = scored[0]
+        fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
+        rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), problem.seq_k)
+        per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
+    return per_mask[key]
+
+
+def _pinned(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
+    template = ROWWISE if params.get("strategy") == "rowwise" else BLOCKWISE
+    if params not in template.space(problem):
+        raise AttentionInputError(f"params {params} are not in {template.name}'s space for {problem}")
+    return AttentionChoice(template, params, (), (0.0, 0.0, ""))
+
+
+def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
+                      params: dict[str, Any], device: torch.device) -> BlockMask:
+    key = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
+           problem.batch, problem.heads, str(device))
+    per_mask = _block_masks.setdefault(description, {})
+    if key not in per_mask:
+        if device.type == "cpu":
+            per_mask[key] = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"],
+                                                   params["block_n"], batch=problem.batch, heads=problem.heads)
+        else:
+            per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu")).to(device)
+    return per_mask[key]
+
+
+def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params: dict[str, Any]) -> Kernel:
+    """Render, compile (nvcc, cached on disk) and load the kernel; cached per process."""
+    key = (template.name, problem.dtype, problem.head_dim, tuple(sorted(params.items())))
+    if key not in _kernels:
+        _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
+                                    template.arg_format)
+    return _kernels[key]
+
+
+def run(problem: AttentionProblem, template: KernelTemplate, params: dict[str, Any], block_mask: BlockMask,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch one attention kernel; returns ``out`` (a new [B, H, S_q, D] tensor if None)."""
+    q, k, v = (_aligned(t) for t in (q, k, v))
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
+        raise AttentionInputError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} "
+                                  f"on {q.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+    kernel = compiled_kernel(template, problem, params)
+    grid, threads, shared = template.launch(problem, params)
+    n_rb = grid[0]
+    rows_per_head = n_rb if block_mask.heads > 1 else 0
+    rows_per_batch = block_mask.heads * n_rb if block_mask.batch > 1 else 0
+    kernel.launch(
+        grid, threads, shared,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        block_mask.any_ptr.data_ptr(), block_mask.any_cols.data_ptr(),
+        block_mask.any_tile.data_ptr(), block_mask.part_bits.data_ptr(),
+        problem.seq_q, problem.seq_k,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        rows_per_batch, rows_per_head, scale * LOG2E,
+    )
+    return out
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """The kernels copy 16-byte rows: unit stride in head_dim, 16-byte aligned rows. Else copy."""
+    ok = t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
+        if torch.cuda.is_available() else 132

@@ -1,0 +1,94 @@
+"""Specs of the masked-attention templates (source: attention.cu.j2).
+
+Two strategies share one CUDA source because they differ only in CTA shape and staging:
+
+* ``attention_rowwise``: one warp per CTA owns a 16-row query strip and walks that
+  strip's own non-empty blocks (mask blocks are 16 rows high, so skipping is fine-grained).
+  Many small CTAs: good for short sequences and very sparse or irregular masks.
+* ``attention_blockwise``: 4 or 8 warps per CTA share each K/V tile of a 64- or 128-row
+  block row, double-buffered with cp.async: K/V reuse for long sequences.
+
+The kernel reads the mask as a `BlockMask` whose block shape equals the kernel's
+(block_m, block_n); `stof_cc.attention` builds and caches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+import torch
+
+from stof_cc.templates.registry import KernelTemplate, register_template, render_file
+
+SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit
+MAX_TILE_ELEMENTS = 8192  # block_n * head_dim above this spills registers (S and O accumulators)
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def dtype_name(self) -> str:
+        return SUPPORTED_DTYPES[self.dtype]
+
+
+class _AttentionTemplate(KernelTemplate):
+    source_file = "attention.cu.j2"
+    # Q K V O, any_ptr any_cols any_tile part_bits, seq_q seq_k, 12 strides, 2 mask strides, scale
+    arg_format = "PPPPPPPPii" + "q" * 12 + "iif"
+    strategy: str
+    block_ms: tuple[int, ...]
+    block_ns = (32, 64, 128)
+    stage_counts = (1, 2)
+
+    def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
+        points = []
+        for block_m, block_n, stages in product(self.block_ms, self.block_ns, self.stage_counts):
+            params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
+                      "warps": block_m // 16, "stages": stages}
+            if block_n * problem.head_dim <= MAX_TILE_ELEMENTS and self.shared_bytes(problem, params) <= SMEM_LIMIT:
+                points.append(params)
+        return points
+
+    def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
+        return rows * (problem.head_dim + 8) * 2
+
+    def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
+        return (f"stof_attn_{self.strategy}_{problem.dtype_name}_d{problem.head_dim}"
+                f"_m{params['block_m']}_n{params['block_n']}_s{params['stages']}")
+
+    def render(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
+        return render_file(self.source_file, name=self.kernel_name(problem, params),
+                           dtype=problem.dtype_name, head_dim=problem.head_dim, **params)
+
+    def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+        """(grid, threads per CTA, dynamic shared bytes): one CTA per (block row, head, batch)."""
+        n_block_rows = -(-problem.seq_q // params["block_m"])
+        return (n_block_rows, problem.heads, problem.batch), params["warps"] * 32, self.shared_bytes(problem, params)
+
+
+class RowwiseAttention(_AttentionTemplate):
+    name = "attention_rowwise"
+    strategy = "rowwise"
+    block_ms = (16,)
+
+
+class BlockwiseAttention(_AttentionTemplate):
+    name = "attention_blockwise"
+    strategy = "blockwise"
+    block_ms = (64, 128)
+
+
+ROWWISE = register_template(RowwiseAttention())
+BLOCKWISE = register_template(BlockwiseAttention())

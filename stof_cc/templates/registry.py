@@ -1,0 +1,78 @@
+"""The template registry and the shared Jinja2 environment.
+
+A template is a CUDA source rendered by Jinja2 plus a Python spec that knows its
+parameter space, its launch geometry and its shared-memory need. Rendering is pure:
+(problem, params) -> source text, so sources and cache keys are deterministic.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+TEMPLATE_DIR = Path(__file__).resolve().parent
+
+
+@functools.cache
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,  # a missing parameter is an error, not an empty string
+        keep_trailing_newline=True,
+    )
+
+
+def render_file(filename: str, **context: Any) -> str:
+    return _environment().get_template(filename).render(**context)
+
+
+class KernelTemplate(ABC):
+    """One template: its name, source file, parameter space and launch rule."""
+
+    name: str
+    source_file: str
+
+    @abstractmethod
+    def space(self, problem: Any) -> list[dict[str, Any]]:
+        """Every legal parameter point for ``problem`` (constraints already applied)."""
+
+    @abstractmethod
+    def render(self, problem: Any, params: dict[str, Any]) -> str:
+        """CUDA source for ``problem`` with ``params``."""
+
+    @abstractmethod
+    def kernel_name(self, problem: Any, params: dict[str, Any]) -> str:
+        """The extern "C" symbol the rendered source defines."""
+
+    @functools.cached_property
+    def source_hash(self) -> str:
+        """Hash of the template source: part of every cache key, so an edit invalidates records."""
+        return hashlib.sha256((TEMPLATE_DIR / self.source_file).read_bytes()).hexdigest()[:16]
+
+
+_TEMPLATES: dict[str, KernelTemplate] = {}
+
+
+def register_template(template: KernelTemplate) -> KernelTemplate:
+    if template.name in _TEMPLATES:
+        raise ValueError(f"template {template.name!r} is already registered")
+    if not (TEMPLATE_DIR / template.source_file).is_file():
+        raise ValueError(f"template {template.name!r}: source file {template.source_file} not found")
+    _TEMPLATES[template.name] = template
+    return template
+
+
+def get_template(name: str) -> KernelTemplate:
+    try:
+        return _TEMPLATES[name]
+    except KeyError:
+        raise KeyError(f"unknown template {name!r}; registered: {', '.join(sorted(_TEMPLATES))}") from None
+
+
+def all_templates() -> list[KernelTemplate]:
+    return [_TEMPLATES[n] for n in sorted(_TEMPLATES)]

@@ -1,0 +1,100 @@
+"""Stage 1 of the search: an analytical time estimate for each attention candidate.
+
+The model prices one launch of a masked-attention template as
+
+    t = t_launch + max(t_throughput, t_critical)
+
+* ``t_throughput``: all block iterations of all CTAs spread over the SMs, each SM
+  running ``occupancy`` CTAs at once (limited by shared memory, registers and threads),
+  each iteration costing tensor-core time (4 * bm * bn * d flops), exp2 time (bm * bn)
+  and, for PARTIAL blocks, the bit tests (bm * bn); plus a fixed cost per CTA (Q load,
+  output store, prologue), in waves of ``SMs * occupancy`` CTAs.
+* ``t_critical``: the longest block row (global tokens make one row long) run by one
+  CTA alone, which can use only ``warps / 8`` of an SM's issue slots.
+
+Block counts come from the `BlockMask` at the candidate's own block shape, so finer
+blocks are rewarded exactly where the mask has fine structure. The constants are
+per-SM rates for an H100 SXM (sm_90, 132 SMs) measured with `benchmarks/mha.py --sweep`;
+other GPUs scale by their SM count. STOF's rule (rho = non-empty 16x16 blocks over
+(S/16)^2 against tau = 1/log2(S/16)^2) is reported beside the choice for comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Per-SM rates (H100 SXM, mma.sync path), in units per microsecond.
+TENSOR_FLOPS_PER_US = 3.2e6   # achieved mma.sync fp16 flops per SM per microsecond
+EXP_PER_US = 1.6e4            # exp2 + scaling + max/sum per element, per SM
+BIT_TESTS_PER_US = 4.0e4      # PARTIAL-block bit tests per SM
+CTA_FIXED_US = 0.6            # per CTA: Q tile load, output store, prologue
+LAUNCH_US = 2.5               # kernel launch and tail
+SM_SHARED_BYTES = 228 * 1024
+SM_REGISTERS = 64 * 1024
+SM_MAX_WARPS = 64
+SM_MAX_CTAS = 32
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The model's view of one candidate."""
+
+    params: dict[str, Any]
+    micros: float
+    occupancy: int
+    blocks: int
+    partial_blocks: int
+    max_row_blocks: int
+
+    def describe(self) -> str:
+        p = self.params
+        return (f"{p['strategy']} bm={p['block_m']} bn={p['block_n']} stages={p['stages']}: "
+                f"{self.micros:.1f} us est, {self.blocks} blocks ({self.partial_blocks} partial), "
+                f"longest row {self.max_row_blocks}, {self.occupancy} CTA/SM")
+
+
+def occupancy(threads: int, shared_bytes: int, registers_per_thread: int) -> int:
+    """CTAs resident per SM under the shared-memory, register, warp and CTA limits."""
+    warps = threads // 32
+    by_smem = SM_SHARED_BYTES // max(shared_bytes + 1024, 1)  # 1 KB reserved per CTA
+    by_regs = SM_REGISTERS // max(registers_per_thread * threads, 1)
+    return max(0, min(by_smem, by_regs, SM_MAX_WARPS // warps, SM_MAX_CTAS))
+
+
+def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_blocks: Any,
+             partial_blocks: int, shared_bytes: int, sm_count: int,
+             registers_per_thread: int = 128) -> Estimate:
+    """Estimate one candidate.
+
+    ``row_blocks`` holds the non-empty block count of every block row of every distinct
+    mask (a 1-D integer tensor or list); ``heads_batches`` is how many (batch, head)
+    pairs each distinct mask serves.
+    """
+    bm, bn, warps = params["block_m"], params["block_n"], params["warps"]
+    counts = [int(c) for c in row_blocks]
+    blocks = sum(counts) * heads_batches
+    partial = partial_blocks * heads_batches
+    n_ctas = len(counts) * heads_batches
+    occ = occupancy(warps * 32, shared_bytes, registers_per_thread)
+    if occ == 0:
+        return Estimate(params, math.inf, 0, blocks, partial, max(counts, default=0))
+
+    per_block = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US + bm * bn / EXP_PER_US
+    per_partial = bm * bn / BIT_TESTS_PER_US
+    sm_work = blocks * per_block + partial * per_partial + n_ctas * CTA_FIXED_US
+    waves = math.ceil(n_ctas / (sm_count * occ))
+    t_throughput = max(sm_work / sm_count, waves * CTA_FIXED_US)
+    single_cta_share = min(1.0, warps / 8)
+    t_critical = (max(counts, default=0) * per_block + CTA_FIXED_US) / single_cta_share
+    micros = LAUNCH_US + max(t_throughput, t_critical)
+    return Estimate(params, micros, occ, blocks, partial, max(counts, default=0))
+
+
+def stof_rule(nonempty_16: int, seq: int) -> tuple[float, float, str]:
+    """STOF's selection rule, for comparison: (rho, tau, 'blockwise' | 'rowwise')."""
+    n = max(seq // 16, 1)
+    rho = nonempty_16 / (n * n)
+    tau = 1.0 / max(math.log2(n), 1.0) ** 2
+    return rho, tau, "blockwise" if rho >= tau else "rowwise"

@@ -1,0 +1,59 @@
+"""Every attention template instantiation renders and compiles for sm_90 (CPU + nvcc, runs in CI)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from stof_cc.backends.nvcc import CompileError, compile_cubin
+from stof_cc.templates.attention import BLOCKWISE, ROWWISE, SUPPORTED_HEAD_DIMS, AttentionProblem
+
+PROBLEMS = [AttentionProblem(2, 4, 1000, 1000, d, dt) for d in SUPPORTED_HEAD_DIMS
+            for dt in (torch.float16, torch.bfloat16)]
+INSTANCES = [(t, p, params) for p in PROBLEMS for t in (ROWWISE, BLOCKWISE) for params in t.space(p)]
+
+
+def test_spaces_are_not_empty_and_respect_limits():
+    for problem in PROBLEMS:
+        for template in (ROWWISE, BLOCKWISE):
+            space = template.space(problem)
+            assert space, (template.name, problem)
+            for params in space:
+                assert params["warps"] * 16 == params["block_m"]
+                assert template.shared_bytes(problem, params) <= 227 * 1024
+
+
+def test_render_is_deterministic_and_names_the_kernel():
+    problem, params = PROBLEMS[0], BLOCKWISE.space(PROBLEMS[0])[0]
+    source = BLOCKWISE.render(problem, params)
+    assert source == BLOCKWISE.render(problem, params)
+    assert f"{BLOCKWISE.kernel_name(problem, params)}(" in source
+    assert "mma.sync.aligned.m16n8k16" in source and "cp.async" in source
+
+
+@pytest.mark.nvcc
+def test_every_instance_compiles_for_sm90_without_spills():
+    def build(item):
+        template, problem, params = item
+        name = template.kernel_name(problem, params)
+        return name, compile_cubin(template.render(problem, params), arch="sm_90")
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(build, INSTANCES))
+    assert len(results) == len(INSTANCES) > 0
+    for name, compiled in results:
+        assert compiled.cubin[:4] == b"\x7fELF", name
+        report = compiled.resources[name]
+        assert 0 < report.registers <= 255, name
+        assert report.spill_stores == 0 and report.spill_loads == 0, f"{name} spills: {report}"
+
+
+@pytest.mark.nvcc
+def test_compile_error_names_file_and_line(tmp_path):
+    source = '__global__ void broken() {\n  int x = ;\n}\n'
+    with pytest.raises(CompileError) as info:
+        compile_cubin(source, arch="sm_90", source_path=tmp_path / "broken.cu")
+    message = str(info.value)
+    assert "broken.cu" in message and "(2)" in message and "int x = ;" in message
