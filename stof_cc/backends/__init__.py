@@ -1,0 +1,1 @@
+"""Backends: nvcc (compile-only, resource reports) and PyCUDA (run on the GPU)."""

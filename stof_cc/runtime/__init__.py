@@ -1,0 +1,1 @@
+"""Runtime: what runs compiled kernels on torch tensors."""

@@ -1,0 +1,1 @@
+"""Tuning: the analytical cost model (stage 1 of the search)."""
