@@ -28,8 +28,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stof_cc.ir.reference import masked_attention  # noqa: E402
-from stof_cc.masks.workloads import GRID_HEAD_DIM, GRID_HEADS, GRID_MASKS, GRID_SEQS, grid_batch, grid_mask  # noqa: E402
+from stof_cc.masks.workloads import (  # noqa: E402
+    GRID_HEAD_DIM,
+    GRID_HEADS,
+    GRID_MASKS,
+    GRID_SEQS,
+    grid_batch,
+    grid_mask,
+)
 from stof_cc.runtime.attention import attention, candidates, check_inputs, choose  # noqa: E402
+from stof_cc.templates.attention import config_label  # noqa: E402
 
 TOLERANCE = 1e-2  # relative error (Frobenius) for fp16
 
@@ -93,8 +101,7 @@ def run_case(name: str, seq: int, sweep: bool) -> dict:
     ours = lambda: attention(q, k, v, desc)  # noqa: E731
     row["stof_err"] = rel_error(ours(), ref)
     row["stof_ms"] = bench(ours)
-    row["kernel"] = f"{choice.template.name.removeprefix('attention_')} m{choice.params['block_m']}" \
-                    f" n{choice.params['block_n']} s{choice.params['stages']}"
+    row["kernel"] = config_label(choice.params)
     row["tflops"] = 4 * attended * d / (row["stof_ms"] * 1e-3) / 1e12
 
     row["peers"] = {}
@@ -116,16 +123,14 @@ def run_case(name: str, seq: int, sweep: bool) -> dict:
             ok = rel_error(fn(), ref) < TOLERANCE
             measured.append({"template": template.name, "params": params,
                              "ms": bench(fn) if ok else math.inf, "ok": ok})
-        model_order = [(e.params["strategy"], e.params["block_m"], e.params["block_n"], e.params["stages"])
-                       for e in choice.estimates]
+        model_order = [config_label(e.params) for e in choice.estimates]
         by_time = sorted(measured, key=lambda m: m["ms"])
-        key = lambda p: (p["strategy"], p["block_m"], p["block_n"], p["stages"])  # noqa: E731
         row["sweep"] = measured
         row["best_ms"] = by_time[0]["ms"]
-        row["best_kernel"] = key(by_time[0]["params"])
-        row["choice_rank_measured"] = 1 + [key(m["params"]) for m in by_time].index(model_order[0])
-        row["best_rank_model"] = 1 + model_order.index(key(by_time[0]["params"]))
-        row["model_us"] = {str(key(e.params)): e.micros for e in choice.estimates}
+        row["best_kernel"] = config_label(by_time[0]["params"])
+        row["choice_rank_measured"] = 1 + [config_label(m["params"]) for m in by_time].index(model_order[0])
+        row["best_rank_model"] = 1 + model_order.index(row["best_kernel"])
+        row["model_us"] = {config_label(e.params): e.micros for e in choice.estimates}
     return row
 
 

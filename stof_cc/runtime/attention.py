@@ -74,6 +74,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     problem = check_inputs(q, k, v)
     description = as_description(mask)
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
+    if not scale > 0:
+        raise AttentionInputError(f"scale must be positive, got {scale}")
     choice = choose(problem, description) if params is None else _pinned(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
     return run(problem, choice.template, choice.params, block_mask, q, k, v, scale, out)
@@ -133,7 +135,7 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
             heads_batches = problem.batch * problem.heads // (bm.batch * bm.heads)
             scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks,
                                     int(bm.part_cols.numel()), template.shared_bytes(problem, params),
-                                    key[1]), template))
+                                    key[1], template.registers(problem, params)), template))
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
         fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
@@ -184,6 +186,7 @@ def run(problem: AttentionProblem, template: KernelTemplate, params: dict[str, A
                                   f"on {q.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
     kernel = compiled_kernel(template, problem, params)
     grid, threads, shared = template.launch(problem, params)
+    order = _row_order(block_mask)
     n_rb = grid[0]
     rows_per_head = n_rb if block_mask.heads > 1 else 0
     rows_per_batch = block_mask.heads * n_rb if block_mask.batch > 1 else 0
@@ -191,12 +194,25 @@ def run(problem: AttentionProblem, template: KernelTemplate, params: dict[str, A
         grid, threads, shared,
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
         block_mask.any_ptr.data_ptr(), block_mask.any_cols.data_ptr(),
-        block_mask.any_tile.data_ptr(), block_mask.part_bits.data_ptr(),
+        block_mask.any_tile.data_ptr(), block_mask.part_bits.data_ptr(), order.data_ptr(),
         problem.seq_q, problem.seq_k,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         rows_per_batch, rows_per_head, scale * LOG2E,
     )
     return out
+
+
+_row_orders: weakref.WeakKeyDictionary[BlockMask, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _row_order(block_mask: BlockMask) -> torch.Tensor:
+    """Block rows by descending block count over all mask slices (longest first), int32 on the
+    mask's device: the CTA scheduler then never starts a long row last."""
+    if block_mask not in _row_orders:
+        counts = (block_mask.any_ptr[1:] - block_mask.any_ptr[:-1]).view(-1, block_mask.n_rb).sum(0)
+        order = torch.sort(counts.cpu(), descending=True, stable=True).indices.to(torch.int32)
+        _row_orders[block_mask] = order.to(block_mask.any_ptr.device)
+    return _row_orders[block_mask]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

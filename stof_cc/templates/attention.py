@@ -2,10 +2,10 @@
 
 Two strategies share one CUDA source because they differ only in CTA shape and staging:
 
-* ``attention_rowwise``: one warp per CTA owns a 16-row query strip and walks that
-  strip's own non-empty blocks (mask blocks are 16 rows high, so skipping is fine-grained).
+* ``attention_rowwise``: one warp per CTA owns a 16- or 32-row query strip and walks
+  that strip's own non-empty blocks (mask blocks are that high, so skipping is fine-grained).
   Many small CTAs: good for short sequences and very sparse or irregular masks.
-* ``attention_blockwise``: 4 or 8 warps per CTA share each K/V tile of a 64- or 128-row
+* ``attention_blockwise``: 2 to 8 warps per CTA share each K/V tile of a 64- or 128-row
   block row, double-buffered with cp.async: K/V reuse for long sequences.
 
 The kernel reads the mask as a `BlockMask` whose block shape equals the kernel's
@@ -25,7 +25,12 @@ from stof_cc.templates.registry import KernelTemplate, register_template, render
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit
-MAX_TILE_ELEMENTS = 8192  # block_n * head_dim above this spills registers (S and O accumulators)
+MAX_REGISTERS = 224  # estimated registers per thread; above this ptxas spills (checked in CI)
+
+
+def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int) -> int:
+    """Registers per thread for the S and O accumulators and the Q fragments."""
+    return m_tiles * (block_n // 2 + head_dim // 2 + head_dim // 4)
 
 
 @dataclass(frozen=True)
@@ -42,23 +47,35 @@ class AttentionProblem:
         return SUPPORTED_DTYPES[self.dtype]
 
 
+def config_label(params: dict[str, Any]) -> str:
+    """Short unique name of a parameter point, e.g. ``blockwise m64 n64 w4 s2``."""
+    return (f"{params['strategy']} m{params['block_m']} n{params['block_n']} "
+            f"w{params['warps']} s{params['stages']}")
+
+
 class _AttentionTemplate(KernelTemplate):
     source_file = "attention.cu.j2"
-    # Q K V O, any_ptr any_cols any_tile part_bits, seq_q seq_k, 12 strides, 2 mask strides, scale
-    arg_format = "PPPPPPPPii" + "q" * 12 + "iif"
+    # Q K V O, any_ptr any_cols any_tile part_bits row_order, seq_q seq_k, 12 strides,
+    # 2 mask-row strides, scale * log2(e)
+    arg_format = "P" * 9 + "ii" + "q" * 12 + "iif"
     strategy: str
-    block_ms: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
     stage_counts = (1, 2)
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
         points = []
-        for block_m, block_n, stages in product(self.block_ms, self.block_ns, self.stage_counts):
+        for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
             params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
-                      "warps": block_m // 16, "stages": stages}
-            if block_n * problem.head_dim <= MAX_TILE_ELEMENTS and self.shared_bytes(problem, params) <= SMEM_LIMIT:
+                      "warps": block_m // (16 * m_tiles), "m_tiles": m_tiles, "stages": stages}
+            if self.registers(problem, params) <= MAX_REGISTERS and self.shared_bytes(problem, params) <= SMEM_LIMIT:
                 points.append(params)
         return points
+
+    def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        """Registers per thread as ptxas allocates them (accumulators plus ~56 for addressing,
+        softmax state and mask words; matches the sm_90 reports within about 10%)."""
+        return min(255, _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"]) + 56)
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
@@ -66,7 +83,7 @@ class _AttentionTemplate(KernelTemplate):
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return (f"stof_attn_{self.strategy}_{problem.dtype_name}_d{problem.head_dim}"
-                f"_m{params['block_m']}_n{params['block_n']}_s{params['stages']}")
+                f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}")
 
     def render(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return render_file(self.source_file, name=self.kernel_name(problem, params),
@@ -81,13 +98,13 @@ class _AttentionTemplate(KernelTemplate):
 class RowwiseAttention(_AttentionTemplate):
     name = "attention_rowwise"
     strategy = "rowwise"
-    block_ms = (16,)
+    shapes = ((16, 1), (32, 2))  # one warp per CTA
 
 
 class BlockwiseAttention(_AttentionTemplate):
     name = "attention_blockwise"
     strategy = "blockwise"
-    block_ms = (64, 128)
+    shapes = ((64, 1), (64, 2), (128, 1), (128, 2))
 
 
 ROWWISE = register_template(RowwiseAttention())

@@ -49,9 +49,9 @@ class Estimate:
     max_row_blocks: int
 
     def describe(self) -> str:
-        p = self.params
-        return (f"{p['strategy']} bm={p['block_m']} bn={p['block_n']} stages={p['stages']}: "
-                f"{self.micros:.1f} us est, {self.blocks} blocks ({self.partial_blocks} partial), "
+        from stof_cc.templates.attention import config_label
+
+        return (f"{config_label(self.params)}: {self.micros:.1f} us est, {self.blocks} blocks ({self.partial_blocks} partial), "
                 f"longest row {self.max_row_blocks}, {self.occupancy} CTA/SM")
 
 

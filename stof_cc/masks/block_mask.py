@@ -1,0 +1,239 @@
+"""BlockMask: the unified storage format every stof-cc attention kernel reads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from stof_cc.masks.bits import n_words, popcount, unpack
+from stof_cc.masks.errors import check_int
+from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+
+_TENSORS = (
+    "full_ptr",
+    "full_cols",
+    "part_ptr",
+    "part_cols",
+    "part_bits",
+    "any_ptr",
+    "any_cols",
+    "any_tile",
+)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class BlockMask:
+    """A mask [Bm, Hm, seq_q, seq_k] cut into block_m x block_n blocks, each FULL (every
+    in-range element attends), PARTIAL (some do) or EMPTY (none do; stored nowhere).
+
+    Layout (kernels index these tensors directly; all int32 except part_bits):
+      batch, heads     leading mask dims Bm in {1, B}, Hm in {1, H}: 1 when the mask is the
+                       same for every batch element / head (kernels use b * (Bm > 1)).
+      n_rb, n_cb       ceil(seq_q / block_m) block rows, ceil(seq_k / block_n) block columns.
+      row              block row r = (b * Hm + h) * n_rb + i, for R = Bm * Hm * n_rb rows.
+      full_ptr  [R+1]  CSR offsets; full_cols[full_ptr[r]:full_ptr[r+1]] are the FULL block
+                       columns of row r, ascending. A FULL block in the ragged last block
+                       row/column is full over its in-range part: kernels still bounds-check.
+      part_ptr  [R+1], part_cols: the same for PARTIAL blocks. The n-th PARTIAL block (CSR
+                       order) has the tile part_bits[n].
+      part_bits        uint32 [n_part, words], words = ceil(block_m * block_n / 32): element
+                       (r, c) of the tile is bit idx = r * block_n + c, in word idx // 32 at
+                       bit idx % 32 (LSB first). Out-of-range positions are 0.
+      any_ptr   [R+1], any_cols: every non-empty block, columns ascending (the merge of the
+                       two lists above), for single-loop kernels; any_tile[n] is the
+                       part_bits row of that block, or -1 when it is FULL.
+
+    Classification is exact: no PARTIAL tile is all ones or all zeros over its in-range part.
+    A query row with no attended key is legal; its attention output is defined as 0
+    (FlexAttention's convention; SDPA would give NaN). Kernels use block sizes that are
+    multiples of 16; the format itself accepts any positive block size.
+    """
+
+    seq_q: int
+    seq_k: int
+    block_m: int
+    block_n: int
+    batch: int
+    heads: int
+    full_ptr: torch.Tensor
+    full_cols: torch.Tensor
+    part_ptr: torch.Tensor
+    part_cols: torch.Tensor
+    part_bits: torch.Tensor
+    any_ptr: torch.Tensor
+    any_cols: torch.Tensor
+    any_tile: torch.Tensor
+
+    @classmethod
+    def from_classes(
+        cls,
+        classes: torch.Tensor,
+        bits: torch.Tensor,
+        seq_q: int,
+        seq_k: int,
+        block_m: int,
+        block_n: int,
+    ) -> BlockMask:
+        """Assemble the CSR arrays from an exact class grid [Bm, Hm, n_rb, n_cb] and the tiles
+        of its PARTIAL blocks in row-major order (int32 [n_part, words])."""
+        batch, heads, n_rb, n_cb = classes.shape
+        grid = classes.reshape(-1, n_cb)
+
+        def csr(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            counts = selected.sum(1)
+            ptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+            return ptr, selected.nonzero()[:, 1].to(torch.int32)
+
+        full_ptr, full_cols = csr(grid == FULL)
+        part_ptr, part_cols = csr(grid == PARTIAL)
+        nonempty = grid != EMPTY
+        any_ptr, any_cols = csr(nonempty)
+        is_part = grid[nonempty] == PARTIAL
+        any_tile = torch.where(is_part, is_part.long().cumsum(0) - 1, -1).to(torch.int32)
+        return cls(
+            seq_q,
+            seq_k,
+            block_m,
+            block_n,
+            batch,
+            heads,
+            full_ptr,
+            full_cols,
+            part_ptr,
+            part_cols,
+            bits.view(torch.uint32),
+            any_ptr,
+            any_cols,
+            any_tile,
+        )
+
+    # -- shape and statistics -------------------------------------------------------------
+
+    @property
+    def n_rb(self) -> int:
+        return -(-self.seq_q // self.block_m)
+
+    @property
+    def n_cb(self) -> int:
+        return -(-self.seq_k // self.block_n)
+
+    @property
+    def words(self) -> int:
+        return n_words(self.block_m, self.block_n)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """Shape of `to_dense()`: (Bm, Hm, seq_q, seq_k)."""
+        return self.batch, self.heads, self.seq_q, self.seq_k
+
+    @property
+    def n_full(self) -> int:
+        return self.full_cols.numel()
+
+    @property
+    def n_partial(self) -> int:
+        return self.part_cols.numel()
+
+    @property
+    def n_nonempty(self) -> int:
+        return self.any_cols.numel()
+
+    @property
+    def n_empty(self) -> int:
+        return self.n_blocks - self.n_nonempty
+
+    @property
+    def n_blocks(self) -> int:
+        """All blocks over all mask slices: Bm * Hm * n_rb * n_cb."""
+        return self.batch * self.heads * self.n_rb * self.n_cb
+
+    @property
+    def n_attended(self) -> int:
+        """Number of True elements over all slices."""
+        rows = self._rows(self.full_ptr.cpu()) % self.n_rb
+        height = (self.seq_q - rows * self.block_m).clamp(max=self.block_m)
+        width = (self.seq_k - self.full_cols.cpu().long() * self.block_n).clamp(max=self.block_n)
+        return int((height * width).sum()) + popcount(self.part_bits.cpu())
+
+    @property
+    def element_density(self) -> float:
+        """Attended elements / in-range elements."""
+        return self.n_attended / (self.batch * self.heads * self.seq_q * self.seq_k)
+
+    @property
+    def block_density(self) -> float:
+        """Non-empty blocks / (n_rb * n_cb), averaged over the mask slices."""
+        return self.n_nonempty / self.n_blocks
+
+    @property
+    def partial_share(self) -> float:
+        """PARTIAL / non-empty blocks (0 when all blocks are empty)."""
+        return self.n_partial / self.n_nonempty if self.n_nonempty else 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockMask(seq {self.seq_q}x{self.seq_k}, block {self.block_m}x{self.block_n}, "
+            f"dims {self.batch}x{self.heads}, grid {self.n_rb}x{self.n_cb}: "
+            f"{self.n_full} full, {self.n_partial} partial, {self.n_empty} empty; "
+            f"density {self.element_density:.2%} of elements, {self.block_density:.2%} of blocks, "
+            f"partial share {self.partial_share:.2%}; {self.nbytes / 1024:.1f} KiB)"
+        )
+
+    # -- conversions ----------------------------------------------------------------------
+
+    def to(self, device: torch.device | str) -> BlockMask:
+        """The same mask with every tensor on `device`."""
+        return dataclasses.replace(
+            self, **{name: getattr(self, name).to(device) for name in _TENSORS}
+        )
+
+    def block_classes(self) -> torch.Tensor:
+        """int8 [Bm, Hm, n_rb, n_cb] of EMPTY / PARTIAL / FULL (the block map)."""
+        classes = torch.full(
+            (self.batch * self.heads * self.n_rb * self.n_cb,), EMPTY, dtype=torch.int8
+        )
+        for code, ptr, cols in (
+            (FULL, self.full_ptr, self.full_cols),
+            (PARTIAL, self.part_ptr, self.part_cols),
+        ):
+            classes[self._rows(ptr.cpu()) * self.n_cb + cols.cpu().long()] = code
+        return classes.view(self.batch, self.heads, self.n_rb, self.n_cb)
+
+    def to_dense(self) -> torch.Tensor:
+        """bool [Bm, Hm, seq_q, seq_k], True = attend (on the CPU)."""
+        return self._dense(range(self.batch * self.heads)).view(self.shape)
+
+    def dense_slice(self, b: int = 0, h: int = 0) -> torch.Tensor:
+        """bool [seq_q, seq_k] of mask slice (b, h), without densifying the others."""
+        b = check_int("dense_slice", "b", b, 0, self.batch - 1)
+        h = check_int("dense_slice", "h", h, 0, self.heads - 1)
+        return self._dense([b * self.heads + h])[0]
+
+    def _dense(self, slices: range | list[int]) -> torch.Tensor:
+        bm, bn, n_rb, n_cb = self.block_m, self.block_n, self.n_rb, self.n_cb
+        classes = self.block_classes().view(-1, n_rb, n_cb)[list(slices)]
+        tiles = torch.zeros(len(classes), n_rb, n_cb, bm, bn, dtype=torch.bool)
+        tiles[classes == FULL] = True
+        if self.n_partial:
+            chosen = torch.zeros(self.batch * self.heads, dtype=torch.bool)
+            chosen[list(slices)] = True
+            rows = self._rows(self.part_ptr.cpu())
+            keep = chosen[rows // n_rb]
+            where = (classes == PARTIAL).nonzero(as_tuple=True)
+            tiles[where] = unpack(self.part_bits.cpu()[keep], bm, bn)
+        dense = tiles.permute(0, 1, 3, 2, 4).reshape(len(classes), n_rb * bm, n_cb * bn)
+        return dense[:, : self.seq_q, : self.seq_k].contiguous()
+
+    def _rows(self, ptr: torch.Tensor) -> torch.Tensor:
+        """Block row of every CSR entry, int64 [nnz]."""
+        counts = (ptr[1:] - ptr[:-1]).long()
+        return torch.repeat_interleave(torch.arange(len(counts), device=ptr.device), counts)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in _TENSORS]

@@ -1,0 +1,64 @@
+"""Building a BlockMask from a description: classify every block analytically, evaluate
+only the blocks that may be partial (in bounded chunks), make the classes exact, collapse
+batch/head slices that are equal, and lay the result out as CSR.
+
+Memory is the class grid (one byte per block) plus the tiles of partial blocks; no step
+holds a dense seq_q x seq_k mask unless the description itself is one (from_dense).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stof_cc.masks.block_mask import BlockMask
+from stof_cc.masks.description import MaskDescription
+from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL, BlockGrid, Tiles
+
+#: Elements evaluated at once: bounds the temporaries of one chunk (a few tens of MB).
+CHUNK_ELEMENTS = 1 << 22
+
+
+def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int]) -> BlockMask:
+    """The BlockMask of `desc` on `grid`, with leading mask dims `dims` = (Bm, Hm)."""
+    classes = grid.classes(desc).expand(*dims, grid.n_rb, grid.n_cb)
+    classes = classes.clone(memory_format=torch.contiguous_format)  # updated in place below
+    maybe = (classes == PARTIAL).nonzero()  # row-major: (b, h, i, j) in CSR order
+    flat = classes.view(-1)
+    strides = torch.tensor(classes.stride())
+    # a translation-invariant mask evaluates one tile per block offset, not per block, so
+    # its temporaries stay small and one chunk avoids re-evaluating offsets chunk by chunk
+    elements = grid.block_m * grid.block_n
+    per_chunk = max(1, len(maybe) if desc.invariant else CHUNK_ELEMENTS // elements)
+    kept = [torch.zeros(0, grid.words, dtype=torch.int32)]
+    for start in range(0, len(maybe), per_chunk):
+        index = maybe[start : start + per_chunk]
+        tiles = Tiles(*index.unbind(1))
+        bits = desc.tile_bits(grid, tiles)
+        full = (bits == grid.valid_words(tiles)).all(1)
+        empty = (bits == 0).all(1)
+        position = (index * strides).sum(1)
+        flat[position[full]] = FULL
+        flat[position[empty]] = EMPTY
+        kept.append(bits[~(full | empty)])
+    classes, bits = _collapse(classes, torch.cat(kept))
+    return BlockMask.from_classes(
+        classes, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n
+    )
+
+
+def _collapse(classes: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shrink the batch and head dims to 1 where every slice has the same classes and tiles.
+    Tiles are in row-major (b, h, i, j) order, so equal class grids mean equal-sized,
+    contiguous runs of tiles per slice."""
+    words = bits.shape[1]
+    batch = classes.shape[0]
+    if batch > 1 and bool((classes == classes[:1]).all()):
+        runs = bits.view(batch, bits.shape[0] // batch, words)
+        if bool((runs == runs[:1]).all()):
+            classes, bits = classes[:1], runs[0]
+    batch, heads = classes.shape[:2]
+    if heads > 1 and bool((classes == classes[:, :1]).all()):
+        runs = bits.view(batch, heads, bits.shape[0] // (batch * heads), words)
+        if bool((runs == runs[:, :1]).all()):
+            classes, bits = classes[:, :1], runs[:, 0].reshape(-1, words)
+    return classes.contiguous(), bits.contiguous()

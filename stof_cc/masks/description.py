@@ -1,0 +1,307 @@
+"""The mask description: what a mask is, independent of sizes, and the combinators.
+
+A description has `mask_mod(b, h, q, k) -> bool` semantics (FlexAttention's convention:
+broadcastable integer index tensors in, a bool tensor out, True = attend), and it can
+classify blocks of a grid as EMPTY / FULL / PARTIAL from the blocks' index ranges alone.
+That classification is what keeps building a BlockMask proportional to the number of
+non-empty blocks: only blocks that may be partial get their elements evaluated.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from stof_cc.masks.bits import pack
+from stof_cc.masks.errors import MaskError, check_int
+from stof_cc.masks.geometry import FULL, PARTIAL, BlockGrid, Extent, Tiles
+
+if TYPE_CHECKING:
+    from stof_cc.masks.block_mask import BlockMask
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class MaskDescription:
+    """Base class of every mask. Subclasses implement `_eval` and `_classify`.
+
+    Flags a subclass sets:
+      invariant       its value depends on q - k only (no batch, head or absolute position),
+                      so equal block offsets give equal tiles and are evaluated once;
+      size_dependent  it needs the sequence lengths (BigBird's random block grid), so plain
+                      `mask_mod` is refused and `mask_mod_for(seq_q, seq_k)` must be used.
+    """
+
+    invariant = False
+    size_dependent = False
+
+    def __init__(self) -> None:
+        self._device_memo: dict[tuple[object, str], torch.Tensor] = {}
+
+    # -- what a subclass implements ------------------------------------------------------
+
+    def _eval(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        """Elementwise mask on broadcastable index tensors (ext is None only when the
+        description is not size-dependent)."""
+        raise NotImplementedError
+
+    def _classify(self, grid: BlockGrid) -> torch.Tensor:
+        """int8 classes broadcastable to [B|1, H|1, n_rb, n_cb]: EMPTY or FULL only where
+        certain, PARTIAL otherwise."""
+        raise NotImplementedError
+
+    def _dims(self, ext: Extent) -> tuple[int, int]:
+        """Leading mask dims (Bm, Hm), each 1 or ext.batch / ext.heads; checks `ext` fits."""
+        return 1, 1
+
+    def _fixed(self) -> tuple[int | None, int | None]:
+        """Batch size and head count the description itself fixes (e.g. one length per
+        batch element), used when the caller gives none."""
+        return None, None
+
+    def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        """Packed bits of tiles by evaluating every element (clamped, then masked to range)."""
+        q, k = grid.positions(tiles)
+        m = self._eval(grid.ext, tiles.b.view(-1, 1, 1), tiles.h.view(-1, 1, 1), q, k)
+        return pack(m.expand(len(tiles), grid.block_m, grid.block_n)) & grid.valid_words(tiles)
+
+    def _on(
+        self, key: object, device: torch.device, make: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        """A lookup tensor made on the CPU, copied once to each device it is used on."""
+        slot = (key, str(device))
+        if slot not in self._device_memo:
+            self._device_memo[slot] = make().to(device)
+        return self._device_memo[slot]
+
+    # -- what the builder calls ----------------------------------------------------------
+
+    def tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        """int32 [N, words]: packed bits of `tiles`, all of which are PARTIAL in this
+        description's class grid (combinators rely on that). Translation-invariant masks
+        evaluate one tile per distinct block offset i*block_m - j*block_n."""
+        if not self.invariant:
+            return self._tile_bits(grid, tiles)
+        offsets = tiles.i * grid.block_m - tiles.j * grid.block_n
+        unique, inverse = torch.unique(offsets, return_inverse=True)
+        q = unique.view(-1, 1, 1) + torch.arange(grid.block_m).view(1, -1, 1)
+        k = torch.arange(grid.block_n).view(1, 1, -1)
+        zero = torch.zeros(1, 1, 1, dtype=torch.long)
+        m = self._eval(grid.ext, zero, zero, q, k).expand(len(unique), grid.block_m, grid.block_n)
+        return pack(m)[inverse] & grid.valid_words(tiles)
+
+    def _extent(
+        self, fn: str, seq_q: int, seq_k: int | None, batch: int | None, heads: int | None
+    ) -> tuple[Extent, tuple[int, int]]:
+        seq_q = check_int(fn, "seq_q", seq_q)
+        seq_k = seq_q if seq_k is None else check_int(fn, "seq_k", seq_k)
+        fixed_batch, fixed_heads = self._fixed()
+        batch = (fixed_batch or 1) if batch is None else check_int(fn, "batch", batch)
+        heads = (fixed_heads or 1) if heads is None else check_int(fn, "heads", heads)
+        ext = Extent(seq_q, seq_k, batch, heads)
+        return ext, self._dims(ext)
+
+    # -- public --------------------------------------------------------------------------
+
+    @functools.cached_property
+    def mask_mod(self) -> MaskMod:
+        """FlexAttention-style `mask_mod(b, h, q, k)` (True = attend), a plain function of
+        four arguments as `create_block_mask` requires (a bound method would count five)."""
+        if self.size_dependent:
+            raise MaskError(
+                f"{self!r}: the mask depends on the sequence lengths; "
+                "use .mask_mod_for(seq_q, seq_k) instead of .mask_mod"
+            )
+        return self._bound_mask_mod(None)
+
+    def mask_mod_for(
+        self,
+        seq_q: int,
+        seq_k: int | None = None,
+        batch: int | None = None,
+        heads: int | None = None,
+    ) -> MaskMod:
+        """A mask_mod bound to these sizes: works for every description, BigBird included."""
+        ext, _ = self._extent("mask_mod_for", seq_q, seq_k, batch, heads)
+        return self._bound_mask_mod(ext)
+
+    def _bound_mask_mod(self, ext) -> MaskMod:
+        def mask_mod(
+            b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        ) -> torch.Tensor:
+            return self._eval(ext, b, h, q, k)
+
+        return mask_mod
+
+    def mask_dims(
+        self,
+        seq_q: int,
+        seq_k: int | None = None,
+        batch: int | None = None,
+        heads: int | None = None,
+    ) -> tuple[int, int]:
+        """(Bm, Hm): whether the mask varies over batch and heads (B or H) or not (1), before
+        `to_dense` / `block_mask` collapse slices that turn out equal."""
+        return self._extent("mask_dims", seq_q, seq_k, batch, heads)[1]
+
+    def to_dense(
+        self,
+        seq_q: int,
+        seq_k: int | None = None,
+        batch: int | None = None,
+        heads: int | None = None,
+    ) -> torch.Tensor:
+        """bool [Bm, Hm, seq_q, seq_k], True = attend. batch/heads default to what the
+        description fixes (key_padding lengths, a batched from_dense mask), else 1."""
+        ext, (nb, nh) = self._extent("to_dense", seq_q, seq_k, batch, heads)
+        b = torch.arange(nb).view(-1, 1, 1, 1)
+        h = torch.arange(nh).view(1, -1, 1, 1)
+        q = torch.arange(ext.seq_q).view(1, 1, -1, 1)
+        k = torch.arange(ext.seq_k).view(1, 1, 1, -1)
+        return collapse_dense(self._eval(ext, b, h, q, k).expand(nb, nh, ext.seq_q, ext.seq_k))
+
+    def block_mask(
+        self,
+        seq_q: int,
+        seq_k: int | None = None,
+        block_m: int = 64,
+        block_n: int = 64,
+        batch: int | None = None,
+        heads: int | None = None,
+    ) -> BlockMask:
+        """The mask in the unified storage format (see BlockMask) for these sizes."""
+        from stof_cc.masks.build import build_block_mask
+
+        ext, dims = self._extent("block_mask", seq_q, seq_k, batch, heads)
+        block_m = check_int("block_mask", "block_m", block_m)
+        block_n = check_int("block_mask", "block_n", block_n)
+        return build_block_mask(self, BlockGrid(ext, block_m, block_n), dims)
+
+    def __or__(self, other: object) -> MaskDescription:
+        return Union((self, other)) if isinstance(other, MaskDescription) else NotImplemented
+
+    def __and__(self, other: object) -> MaskDescription:
+        return Intersection((self, other)) if isinstance(other, MaskDescription) else NotImplemented
+
+    def __invert__(self) -> MaskDescription:
+        return Complement(self)
+
+
+def collapse_dense(mask: torch.Tensor) -> torch.Tensor:
+    """Shrink the batch and head dims of a [B, H, S_q, S_k] mask to 1 where all slices agree."""
+    if mask.shape[0] > 1 and bool((mask == mask[:1]).all()):
+        mask = mask[:1]
+    if mask.shape[1] > 1 and bool((mask == mask[:, :1]).all()):
+        mask = mask[:, :1]
+    return mask.contiguous()
+
+
+class _Combination(MaskDescription):
+    """Elementwise OR / AND of masks. Classes combine by max / min (EMPTY < PARTIAL < FULL),
+    so a block that is PARTIAL for the combination is, for each part, either PARTIAL or the
+    neutral class (EMPTY for OR, FULL for AND): only the PARTIAL parts need evaluating."""
+
+    symbol: str
+    reduce_classes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __init__(self, parts: tuple[MaskDescription, ...], label: str | None = None) -> None:
+        super().__init__()
+        flat: list[MaskDescription] = []
+        for part in parts:
+            nested = type(part) is type(self) and part.label is None  # type: ignore[attr-defined]
+            flat.extend(part.parts if nested else (part,))  # type: ignore[attr-defined]
+        self.parts = tuple(flat)
+        self.label = label
+        self.invariant = all(p.invariant for p in self.parts)
+        self.size_dependent = any(p.size_dependent for p in self.parts)
+
+    def __repr__(self) -> str:
+        return self.label or "(" + f" {self.symbol} ".join(map(repr, self.parts)) + ")"
+
+    def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _dims(self, ext: Extent) -> tuple[int, int]:
+        dims = [p._dims(ext) for p in self.parts]
+        return max(d[0] for d in dims), max(d[1] for d in dims)
+
+    def _fixed(self) -> tuple[int | None, int | None]:
+        fixed = [p._fixed() for p in self.parts]
+        batch = next((f[0] for f in fixed if f[0] is not None), None)
+        heads = next((f[1] for f in fixed if f[1] is not None), None)
+        return batch, heads
+
+    def _classify(self, grid: BlockGrid) -> torch.Tensor:
+        return functools.reduce(type(self).reduce_classes, [grid.classes(p) for p in self.parts])
+
+    def _eval(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        return functools.reduce(type(self).combine, [p._eval(ext, b, h, q, k) for p in self.parts])
+
+    def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        acc = self._neutral(grid, tiles)
+        for part in self.parts:
+            sub = (tiles.gather(grid.classes(part)) == PARTIAL).nonzero().squeeze(1)
+            if len(sub):
+                acc[sub] = type(self).combine(acc[sub], part.tile_bits(grid, tiles.select(sub)))
+        return acc
+
+
+class Union(_Combination):
+    """Attend where any part attends (`a | b`)."""
+
+    symbol = "|"
+    reduce_classes = torch.maximum
+    combine = operator.or_
+
+    def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        return torch.zeros(len(tiles), grid.words, dtype=torch.int32)
+
+
+class Intersection(_Combination):
+    """Attend where every part attends (`a & b`)."""
+
+    symbol = "&"
+    reduce_classes = torch.minimum
+    combine = operator.and_
+
+    def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        return grid.valid_words(tiles).clone()  # may be an expanded view
+
+
+class Complement(MaskDescription):
+    """Attend exactly where the part does not (`~a`); FULL and EMPTY swap."""
+
+    def __init__(self, part: MaskDescription) -> None:
+        super().__init__()
+        self.part = part
+        self.invariant = part.invariant
+        self.size_dependent = part.size_dependent
+
+    def __repr__(self) -> str:
+        return f"~{self.part!r}"
+
+    def _dims(self, ext: Extent) -> tuple[int, int]:
+        return self.part._dims(ext)
+
+    def _fixed(self) -> tuple[int | None, int | None]:
+        return self.part._fixed()
+
+    def _classify(self, grid: BlockGrid) -> torch.Tensor:
+        return FULL - grid.classes(self.part)
+
+    def _eval(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        return ~self.part._eval(ext, b, h, q, k)
+
+    def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
+        return ~self.part.tile_bits(grid, tiles) & grid.valid_words(tiles)

@@ -1,0 +1,58 @@
+"""Errors for bad mask input, and the argument checks that raise them.
+
+Every message starts with the function that was called and names the argument, so a bad
+value inside a spec string or a combination of masks is still easy to trace.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+
+class MaskError(ValueError):
+    """A mask description, size or spec that cannot be honoured."""
+
+
+class MaskTypeError(MaskError, TypeError):
+    """An argument of the wrong type (also a TypeError, so either except clause catches it)."""
+
+
+def _bound(minimum: int, maximum: int | None) -> str:
+    if maximum is not None:
+        return f"an int in {minimum}..{maximum}"
+    return {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
+
+
+def check_int(
+    fn: str, arg: str, value: object, minimum: int = 1, maximum: int | None = None
+) -> int:
+    """`value` as a Python int in [minimum, maximum]; bools and floats are refused."""
+    bound = _bound(minimum, maximum)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise MaskTypeError(f"{fn}: {arg} must be {bound}, got {value!r}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        raise MaskError(f"{fn}: {arg} must be {bound}, got {number}")
+    return number
+
+
+def check_int_list(fn: str, arg: str, values: object, minimum: int) -> torch.Tensor:
+    """A non-empty list (or 1-D integer tensor) of ints >= minimum, as an int64 tensor."""
+    what = f"a non-empty list of {_bound(minimum, None)}s or a 1-D integer tensor"
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise MaskTypeError(
+                f"{fn}: {arg} must be {what}, got a {values.dtype} tensor of shape "
+                f"{tuple(values.shape)}"
+            )
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+        raise MaskTypeError(f"{fn}: {arg} must be {what}, got {values!r}")
+    checked = [check_int(fn, f"{arg}[{n}]", v, minimum) for n, v in enumerate(values)]
+    return torch.tensor(checked, dtype=torch.long)

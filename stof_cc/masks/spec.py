@@ -1,0 +1,178 @@
+"""Text specs for masks, as typed on the command line: `longformer:w=128,g=32`,
+`causal`, `grid:bigbird`, combined with `|`, `&` and a `~` prefix (`causal&sliding:w=64`).
+
+One table (PATTERNS) drives both the parser and `stof-cc masks list`.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from stof_cc.masks import zoo
+from stof_cc.masks.description import MaskDescription
+from stof_cc.masks.errors import MaskError
+from stof_cc.masks.workloads import GRID_MASKS, grid_mask
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Param:
+    """One `key=value` of a spec: the key typed, the factory argument it feeds, its kind
+    ('int', 'ints' for a+b+c lists, 'bool'), and its default (absent: required)."""
+
+    key: str
+    arg: str
+    kind: str = "int"
+    default: object = _REQUIRED
+
+    def syntax(self) -> str:
+        value = {"int": "INT", "ints": "INT+INT+...", "bool": "0|1"}[self.kind]
+        return f"{self.key}={value}" if self.default is _REQUIRED else f"[{self.key}={value}]"
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    factory: Callable[..., MaskDescription]
+    params: tuple[Param, ...]
+    summary: str
+
+    def syntax(self) -> str:
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(p.syntax() for p in self.params)
+
+
+PATTERNS = {
+    p.name: p
+    for p in (
+        Pattern("full", zoo.full, (), "no masking"),
+        Pattern("causal", zoo.causal, (), "q >= k"),
+        Pattern(
+            "sliding",
+            zoo.sliding_window,
+            (Param("w", "w"), Param("causal", "causal", "bool", False)),
+            "|q - k| <= w (causal=1: 0 <= q - k <= w)",
+        ),
+        Pattern(
+            "dilated",
+            zoo.dilated,
+            (Param("w", "w"), Param("d", "dilation")),
+            "|q - k| <= w*d and (q - k) % d == 0",
+        ),
+        Pattern("strided", zoo.strided, (Param("stride", "stride"),), "Sparse Transformer strided"),
+        Pattern(
+            "fixed",
+            zoo.fixed,
+            (Param("stride", "stride"), Param("c", "c")),
+            "Sparse Transformer fixed: same stride chunk, or the last c columns of a chunk",
+        ),
+        Pattern(
+            "longformer",
+            zoo.longformer,
+            (Param("w", "w"), Param("g", "global_tokens")),
+            "|q - k| <= w, or q < g, or k < g",
+        ),
+        Pattern(
+            "bigbird",
+            zoo.bigbird,
+            (
+                Param("w", "w"),
+                Param("g", "n_global"),
+                Param("r", "random_blocks"),
+                Param("block", "block", default=64),
+                Param("seed", "seed", default=0),
+            ),
+            "longformer(w, g), or random block x block cells, about r per block row",
+        ),
+        Pattern(
+            "document",
+            zoo.document,
+            (Param("lengths", "lengths", "ints"),),
+            "packed documents of these lengths: doc(q) == doc(k)",
+        ),
+        Pattern(
+            "key_padding",
+            zoo.key_padding,
+            (Param("lengths", "lengths", "ints"),),
+            "batch element b attends to keys k < lengths[b]",
+        ),
+    )
+}
+
+GRID_SYNTAX = "grid:" + "|".join(GRID_MASKS)
+
+
+def parse_spec(text: str, seq: int | None = None) -> MaskDescription:
+    """The description a spec names. `seq` is needed only by `grid:<name>` specs, whose
+    window and document length depend on the sequence length."""
+    if not isinstance(text, str) or not text.strip():
+        raise MaskError(f"parse_spec: spec must be a non-empty string, got {text!r}")
+    terms = [
+        functools.reduce(operator.and_, [_factor(f, text, seq) for f in term.split("&")])
+        for term in text.split("|")
+    ]
+    return functools.reduce(operator.or_, terms)
+
+
+def _factor(text: str, spec: str, seq: int | None) -> MaskDescription:
+    text = text.strip()
+    if text.startswith("~"):
+        return ~_factor(text[1:], spec, seq)
+    name, _, args = text.partition(":")
+    name = name.strip()
+    if name == "grid":
+        if seq is None:
+            raise MaskError(f"spec {spec!r}: grid masks depend on the sequence length; pass seq")
+        if args.strip() not in GRID_MASKS:
+            raise MaskError(
+                f"spec {spec!r}: unknown grid mask {args.strip()!r}; valid: {', '.join(GRID_MASKS)}"
+            )
+        return grid_mask(args.strip(), seq)
+    if name not in PATTERNS:
+        valid = ", ".join([*PATTERNS, "grid"])
+        raise MaskError(f"spec {spec!r}: unknown mask {name!r}; valid: {valid}")
+    pattern = PATTERNS[name]
+    return pattern.factory(**_arguments(pattern, args, spec))
+
+
+def _arguments(pattern: Pattern, text: str, spec: str) -> dict[str, object]:
+    by_key = {p.key: p for p in pattern.params}
+    given: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, eq, value = (s.strip() for s in item.partition("="))
+        if key not in by_key:
+            valid = ", ".join(by_key) or "none"
+            raise MaskError(
+                f"spec {spec!r}: {pattern.name} has no key {key!r}; valid keys: {valid}"
+            )
+        if not eq or not value:
+            raise MaskError(f"spec {spec!r}: {key} needs a value ({by_key[key].syntax()})")
+        if key in given:
+            raise MaskError(f"spec {spec!r}: {key} is given twice")
+        given[key] = value
+    arguments: dict[str, object] = {}
+    for param in pattern.params:
+        if param.key in given:
+            arguments[param.arg] = _convert(param, given[param.key], spec)
+        elif param.default is _REQUIRED:
+            raise MaskError(
+                f"spec {spec!r}: {pattern.name} needs {param.key} (syntax: {pattern.syntax()})"
+            )
+    return arguments
+
+
+def _convert(param: Param, value: str, spec: str) -> object:
+    try:
+        if param.kind == "ints":
+            return [int(v) for v in value.split("+")]
+        if param.kind == "bool":
+            return {"1": True, "true": True, "0": False, "false": False}[value.lower()]
+        return int(value)
+    except (ValueError, KeyError):
+        expected = {"int": "an int", "ints": "ints joined by +", "bool": "0 or 1"}[param.kind]
+        raise MaskError(f"spec {spec!r}: {param.key}={value} is not {expected}") from None

@@ -1,0 +1,56 @@
+"""The six masks of the standard MHA benchmark grid (shared/bench/WORKLOADS.md), exactly as
+defined there, so that stof-cc and every peer are measured on the same masks."""
+
+from __future__ import annotations
+
+import torch
+
+from stof_cc.masks.description import MaskDescription
+from stof_cc.masks.errors import MaskError, check_int
+from stof_cc.masks.zoo import bigbird, causal, dilated, document, longformer, sliding_window
+
+GRID_MASKS = ("causal", "sliding", "dilated", "longformer", "bigbird", "document")
+GRID_SEQS = (128, 256, 512, 1024, 2048, 8192)
+GRID_HEADS = 12
+GRID_HEAD_DIM = 64
+GRID_GLOBAL_TOKENS = 32
+GRID_DILATION = 4
+GRID_RANDOM_BLOCKS = 3
+GRID_RANDOM_BLOCK = 64
+GRID_SEED = 0
+
+
+def grid_window(seq: int) -> int:
+    """w = max(64, S // 16)."""
+    return max(64, seq // 16)
+
+
+def grid_batch(seq: int) -> int:
+    """4096 tokens per call: B = 8 for S <= 512, else 4096 // S (at least 1)."""
+    return 8 if seq <= 512 else max(1, 4096 // seq)
+
+
+def grid_mask(name: str, seq: int) -> MaskDescription:
+    """The grid mask `name` at sequence length `seq`:
+    causal      q >= k
+    sliding     |q - k| <= w
+    dilated     |q - k| <= 4w and (q - k) % 4 == 0
+    longformer  |q - k| <= w, or q < 32, or k < 32
+    bigbird     longformer, or a random 64x64 block, each on with probability 3 / (S/64)
+    document    doc(q) == doc(k), doc(x) = x // max(128, S // 4)
+    """
+    seq = check_int("grid_mask", "seq", seq)
+    w = grid_window(seq)
+    if name == "causal":
+        return causal()
+    if name == "sliding":
+        return sliding_window(w)
+    if name == "dilated":
+        return dilated(w, GRID_DILATION)
+    if name == "longformer":
+        return longformer(w, GRID_GLOBAL_TOKENS)
+    if name == "bigbird":
+        return bigbird(w, GRID_GLOBAL_TOKENS, GRID_RANDOM_BLOCKS, GRID_RANDOM_BLOCK, GRID_SEED)
+    if name == "document":
+        return document(segment_ids=torch.arange(seq) // max(128, seq // 4))
+    raise MaskError(f"grid_mask: name must be one of {', '.join(GRID_MASKS)}, got {name!r}")

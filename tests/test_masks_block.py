@@ -1,0 +1,255 @@
+"""BlockMask, the storage format: round trips to dense for random dense masks and random zoo
+parameters at every block shape, the exact layout (CSR invariants, bit order, exact
+classification), statistics, batch/head collapse, chunked evaluation and memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_masks_zoo import FACTORIES, zoo_params
+
+from stof_cc import masks
+from stof_cc.masks import build
+from stof_cc.masks.workloads import GRID_MASKS, grid_mask
+
+BLOCKS = st.sampled_from([16, 32, 64, 128]) | st.integers(1, 40)  # kernels use the former
+
+
+def _csr(bm: masks.BlockMask, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) of every entry of one CSR list, after checking its invariants."""
+    ptr, cols = getattr(bm, f"{which}_ptr").long(), getattr(bm, f"{which}_cols").long()
+    rows = bm.batch * bm.heads * bm.n_rb
+    assert ptr.shape == (rows + 1,) and ptr[0] == 0 and ptr[-1] == cols.numel(), which
+    assert bool((ptr[1:] >= ptr[:-1]).all()), f"{which}_ptr not monotone"
+    assert bool(((cols >= 0) & (cols < bm.n_cb)).all()), f"{which}_cols out of range"
+    row = torch.repeat_interleave(torch.arange(rows), ptr[1:] - ptr[:-1])
+    same_row = row[1:] == row[:-1]
+    assert bool((cols[1:][same_row] > cols[:-1][same_row]).all()), f"{which}_cols not ascending"
+    return row, cols
+
+
+def check_layout(bm: masks.BlockMask, dense: torch.Tensor) -> None:
+    """Every documented property of the layout, checked against the dense mask it stores."""
+    assert dense.shape == bm.shape
+    for name in (
+        "full_ptr",
+        "full_cols",
+        "part_ptr",
+        "part_cols",
+        "any_ptr",
+        "any_cols",
+        "any_tile",
+    ):
+        assert getattr(bm, name).dtype == torch.int32, name
+    words = -(-bm.block_m * bm.block_n // 32)
+    assert bm.words == words
+    assert bm.part_bits.dtype == torch.uint32 and bm.part_bits.shape == (bm.n_partial, words)
+    (fr, fc), (pr, pc), (ar, ac) = (_csr(bm, which) for which in ("full", "part", "any"))
+    n_cb = bm.n_cb
+    # any_* is the ordered merge of full_* and part_*; any_tile points at part_bits rows
+    merged = torch.cat([fr * n_cb + fc, pr * n_cb + pc]).sort().values
+    assert torch.equal(ar * n_cb + ac, merged)
+    tile = bm.any_tile.long()
+    is_part = tile >= 0
+    assert torch.equal(tile[is_part], torch.arange(bm.n_partial))
+    assert torch.equal((ar * n_cb + ac)[is_part], pr * n_cb + pc)
+    assert bool((tile[~is_part] == -1).all())
+    # classes are exact: from the dense mask, per block
+    slices, bm_, bn_ = bm.batch * bm.heads, bm.block_m, bm.block_n
+    padded = torch.zeros(slices, bm.n_rb * bm_, n_cb * bn_, dtype=torch.bool)
+    padded[:, : bm.seq_q, : bm.seq_k] = dense.reshape(slices, bm.seq_q, bm.seq_k)
+    valid = torch.zeros_like(padded[0])
+    valid[: bm.seq_q, : bm.seq_k] = True
+    blocks = (
+        padded.view(-1, bm_, n_cb, bn_).transpose(1, 2).reshape(-1, bm_ * bn_)
+    )  # [rows*n_cb, bm*bn]
+    valid = valid.view(-1, bm_, n_cb, bn_).transpose(1, 2).reshape(-1, bm_ * bn_).repeat(slices, 1)
+    count, area = blocks.sum(1), valid.sum(1)
+    assert torch.equal((fr * n_cb + fc), (count == area).nonzero().squeeze(1)), "FULL blocks wrong"
+    partial = (count > 0) & (count < area)
+    assert torch.equal((pr * n_cb + pc), partial.nonzero().squeeze(1)), "PARTIAL blocks wrong"
+    # bits: element (r, c) is bit r*block_n + c, LSB first; out-of-range bits are 0
+    raw = bm.part_bits.view(torch.int32).numpy().astype("<i4").view(np.uint8)
+    unpacked = torch.from_numpy(
+        np.unpackbits(raw, axis=1, bitorder="little")[:, : bm_ * bn_].astype(bool)
+    )
+    assert torch.equal(unpacked, blocks[partial] & valid[partial]), "tile bits wrong"
+    assert bm.n_attended == int(dense.sum())
+    assert bm.element_density == pytest.approx(float(dense.float().mean()))
+    assert bm.block_density == pytest.approx(len(ac) / (slices * bm.n_rb * n_cb))
+    assert bm.partial_share == pytest.approx(bm.n_partial / len(ac) if len(ac) else 0.0)
+
+
+@st.composite
+def dense_masks(draw: st.DrawFn) -> torch.Tensor:
+    """Random [B|1, H|1, S_q, S_k] masks: uniform noise at some density, or blocky noise so
+    that FULL and EMPTY blocks occur too."""
+    batch, heads = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3]))
+    seq_q, seq_k = draw(st.integers(1, 140)), draw(st.integers(1, 140))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    density = draw(st.sampled_from([0.0, 0.03, 0.5, 0.97, 1.0]))
+    cell = draw(st.sampled_from([1, 8, 50]))
+    coarse = torch.rand(batch, heads, -(-seq_q // cell), -(-seq_k // cell), generator=gen) < density
+    mask = coarse.repeat_interleave(cell, 2).repeat_interleave(cell, 3)[:, :, :seq_q, :seq_k]
+    return mask ^ (torch.rand(mask.shape, generator=gen) < draw(st.sampled_from([0.0, 0.01])))
+
+
+def _broadcast_equal(stored: torch.Tensor, dense: torch.Tensor) -> None:
+    assert stored.shape[:2] in {(1, 1), (1, dense.shape[1]), (dense.shape[0], 1), dense.shape[:2]}
+    assert torch.equal(stored.expand_as(dense), dense)
+
+
+@settings(max_examples=80, deadline=None)
+@given(dense=dense_masks(), block_m=BLOCKS, block_n=BLOCKS)
+def test_from_dense_round_trip(dense, block_m, block_n):
+    batch, heads, seq_q, seq_k = dense.shape
+    bm = masks.from_dense(dense).block_mask(seq_q, seq_k, block_m, block_n)
+    stored = bm.to_dense()
+    _broadcast_equal(stored, dense)
+    check_layout(bm, stored)
+    # a dimension is kept exactly when its slices differ
+    assert (bm.batch > 1) == (batch > 1 and not bool((dense == dense[:1]).all()))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    case=zoo_params(),
+    seq_q=st.integers(1, 300),
+    seq_k=st.integers(1, 300),
+    block_m=BLOCKS,
+    block_n=BLOCKS,
+)
+def test_zoo_round_trip(case, seq_q, seq_k, block_m, block_n):
+    name, p = case
+    desc = FACTORIES[name](p)
+    bm = desc.block_mask(seq_q, seq_k, block_m, block_n)
+    dense = desc.to_dense(seq_q, seq_k)
+    assert torch.equal(bm.to_dense(), dense), f"{desc!r} {seq_q}x{seq_k} blocks {block_m}x{block_n}"
+    check_layout(bm, dense)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    case=zoo_params(),
+    other=zoo_params().filter(lambda c: c[0] != "key_padding"),
+    seq=st.integers(1, 200),
+    block_m=BLOCKS,
+    block_n=BLOCKS,
+)
+def test_combinations_round_trip(case, other, seq, block_m, block_n):
+    a, b = FACTORIES[case[0]](case[1]), FACTORIES[other[0]](other[1])
+    for desc in (a | b, a & ~b):
+        bm = desc.block_mask(seq, None, block_m, block_n)
+        dense = desc.to_dense(seq)
+        assert torch.equal(bm.to_dense(), dense), repr(desc)
+        check_layout(bm, dense)
+
+
+def test_per_batch_and_per_head_mask_mod():
+    lengths = torch.tensor([5, 70, 33])
+
+    def fn(b, h, q, k):
+        return (k < lengths[b]) & ((q - k).abs() <= 4 * (h + 1))
+
+    desc = masks.from_mask_mod(fn)
+    bm = desc.block_mask(70, 90, 16, 32, batch=3, heads=2)
+    assert (bm.batch, bm.heads) == (3, 2)
+    dense = desc.to_dense(70, 90, batch=3, heads=2)
+    assert torch.equal(bm.to_dense(), dense)
+    check_layout(bm, dense)
+    for b in range(3):
+        for h in range(2):
+            assert torch.equal(bm.dense_slice(b, h), dense[b, h])
+    with pytest.raises(masks.MaskError, match="dense_slice: h must be an int in 0..1, got 2"):
+        bm.dense_slice(0, 2)
+
+
+def test_bit_layout_by_hand():
+    """Element (r, c) of a tile is bit r * block_n + c, LSB first, in word idx // 32."""
+    dense = torch.zeros(16, 16, dtype=torch.bool)
+    dense[0, 1] = dense[2, 3] = dense[15, 15] = True  # idx 1, 35, 255
+    bm = masks.from_dense(dense).block_mask(16, block_m=16, block_n=16)
+    words = bm.part_bits.view(torch.int32)[0].tolist()
+    assert len(words) == 8
+    assert words[0] == 1 << 1 and words[1] == 1 << 3 and words[7] == -(1 << 31)  # bit 31 = sign
+    assert bm.any_tile.tolist() == [0]
+
+
+def test_ragged_tail_full_block_and_fully_masked_rows():
+    bm = masks.causal().block_mask(70, 70, 64, 64)  # last block row/col hold 6 positions
+    assert bm.full_ptr.tolist() == [0, 0, 1] and bm.full_cols.tolist() == [0]  # full in range
+    assert bm.part_ptr.tolist() == [0, 1, 2] and bm.part_cols.tolist() == [0, 1]
+    assert bm.any_cols.tolist() == [0, 0, 1] and bm.any_tile.tolist() == [0, -1, 1]
+    kp = masks.key_padding([0, 40]).block_mask(50, block_m=32, block_n=32)
+    assert (kp.full_ptr[1:] - kp.full_ptr[:-1]).tolist() == [0, 0, 1, 1]  # batch 0 stores nothing
+    assert kp.any_ptr[:3].tolist() == [0, 0, 0]
+    assert not kp.dense_slice(0).any()
+
+
+def test_statistics_and_repr():
+    bm = grid_mask("causal", 2048).block_mask(2048)
+    assert (bm.n_full, bm.n_partial, bm.n_nonempty) == (32 * 31 // 2, 32, 32 * 33 // 2)
+    assert bm.block_density == pytest.approx(528 / 1024)
+    assert bm.partial_share == pytest.approx(32 / 528)
+    assert bm.element_density == pytest.approx((2048 * 2049 / 2) / 2048**2)
+    assert bm.nbytes == sum(t.numel() * t.element_size() for t in bm._tensors())
+    text = repr(bm)
+    assert "496 full, 32 partial, 496 empty" in text and "block 64x64" in text
+
+
+def test_to_device_keeps_layout():
+    bm = masks.longformer(9, 3).block_mask(100, block_m=32, block_n=16)
+    moved = bm.to("cpu")
+    assert moved is not bm and torch.equal(moved.to_dense(), bm.to_dense())
+    assert moved.part_bits.dtype == torch.uint32
+
+
+def test_only_partial_blocks_are_evaluated(monkeypatch):
+    """A union evaluates a part only on blocks PARTIAL for the union (never inside the FULL
+    blocks of longformer), and from_mask_mod runs in chunks bounded by CHUNK_ELEMENTS."""
+    monkeypatch.setattr(build, "CHUNK_ELEMENTS", 4 * 32 * 32)
+    seen: list[tuple[int, int]] = []
+    sizes: list[int] = []
+
+    def spy(b, h, q, k):
+        if q.dim() == 3:  # a chunk of tiles: q [N, 32, 1], k [N, 1, 32]
+            seen.extend(zip((q[:, 0, 0] // 32).tolist(), (k[:, 0, 0] // 32).tolist(), strict=True))
+            sizes.append(q.shape[0] * q.shape[1] * k.shape[2])
+        return (q + k) % 5 == 0
+
+    longformer = masks.longformer(40, 0)
+    desc = longformer | masks.from_mask_mod(spy)
+    bm = desc.block_mask(256, block_m=32, block_n=32)
+    assert torch.equal(bm.to_dense(), desc.to_dense(256))
+    full = longformer.block_mask(256, block_m=32, block_n=32).block_classes()[0, 0] == masks.FULL
+    assert sorted(seen) == sorted(map(tuple, (~full).nonzero().tolist()))
+    assert max(sizes) <= 4 * 32 * 32
+
+
+def test_long_sequences_never_build_dense():
+    """S = 65536 would be 4 GiB as a dense mask; the block build touches only the band."""
+    bm = masks.sliding_window(128).block_mask(65536, block_m=128, block_n=128)
+    assert bm.n_nonempty == 3 * 512 - 2
+    assert bm.nbytes < bm.n_partial * 128 * 128 // 8 + 64 * 1024  # the tiles, plus small CSR
+
+
+@pytest.mark.parametrize("name", GRID_MASKS)
+def test_grid_masks_at_8192_are_exact(name):
+    """The benchmark sizes: block classes agree with the mask evaluated block by block."""
+    desc = grid_mask(name, 8192)
+    bm = desc.block_mask(8192, block_m=128, block_n=128)
+    classes = bm.block_classes()[0, 0]
+    rows = torch.randint(0, 64, (6,), generator=torch.Generator().manual_seed(1))
+    mask_mod = desc.mask_mod_for(8192)
+    zero, k = torch.zeros(1, 1, dtype=torch.long), torch.arange(8192).view(1, -1)
+    for i in rows.tolist():
+        q = torch.arange(i * 128, (i + 1) * 128).view(-1, 1)
+        strip = mask_mod(zero, zero, q, k).view(128, 64, 128)
+        counts = strip.sum((0, 2))
+        want = torch.where(
+            counts == 128 * 128, masks.FULL, torch.where(counts == 0, masks.EMPTY, masks.PARTIAL)
+        )
+        assert torch.equal(classes[i].long(), want.long()), f"{name} block row {i}"
