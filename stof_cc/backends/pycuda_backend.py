@@ -36,6 +36,15 @@ def _driver():
     return drv
 
 
+def _current_raw_stream() -> int:
+    """torch's current stream handle on the current device (the private getter costs well
+    under a microsecond; the public `current_stream()` builds a Stream object)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is None:
+        return torch.cuda.current_stream().cuda_stream
+    return getter(torch.cuda.current_device())
+
+
 def device_arch(device: torch.device | None = None) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm_{major}{minor}"
@@ -54,7 +63,7 @@ class Kernel:
 
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, *args: object) -> None:
         """Launch on the default stream; pointers are passed as ints (``tensor.data_ptr()``)."""
-        if torch.cuda.current_stream().cuda_stream != 0:
+        if _current_raw_stream() != 0:
             raise BackendError(
                 f"kernel {self.name}: torch's current stream is not the default stream; stof-cc "
                 "kernels launch on the default stream (PyCUDA cannot wrap other stream handles)"

@@ -57,6 +57,7 @@ class AttentionChoice:
 # mask description -> {(seq_q, seq_k, bm, bn, batch, heads, device): BlockMask}
 _block_masks: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, BlockMask]] = weakref.WeakKeyDictionary()
 _choices: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, AttentionChoice]] = weakref.WeakKeyDictionary()
+_plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, LaunchPlan]] = weakref.WeakKeyDictionary()
 _kernels: dict[tuple, Kernel] = {}
 
 
@@ -70,15 +71,82 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     A query row with no allowed key gives 0. ``params`` pins a template's parameters
     (``{"strategy": "blockwise", "block_m": 64, ...}``) instead of the model's choice.
     ``out``, if given, receives the result (a contiguous tensor shaped and typed like q).
+
+    The first call for a mask and an input layout validates, chooses and builds a
+    `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
+    keep its `from_dense` description to pay that once.
     """
-    problem = check_inputs(q, k, v)
     description = as_description(mask)
+    layout = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
+              q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())))
+    per_mask = _plans.setdefault(description, {})
+    plan = per_mask.get(layout)
+    if plan is None:
+        plan = per_mask[layout] = _plan(q, k, v, description, scale, params)
+    if not plan.copy_inputs and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return plan.launch(q, k, v, out)
+    # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
+    q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+    return attention(q, k, v, description, scale, params=params, out=out)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a call that the inputs' layout and the mask fix: the kernel, its
+    geometry and every argument but the tensor pointers, so that a repeated call costs a
+    dictionary lookup, an output allocation and one driver launch."""
+
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    threads: int
+    shared_bytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    copy_inputs: bool  # the strides do not suit the kernel: callers pass contiguous copies
+    mask_args: tuple[int, ...]  # any_ptr, any_cols, any_tile, part_bits, row_order
+    size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S)
+    end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e)
+    mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
+                or not out.is_contiguous():
+            raise AttentionInputError(f"out must be a contiguous {self.dtype} tensor of shape {self.shape} "
+                                      f"on {self.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+        self.kernel.launch(self.grid, self.threads, self.shared_bytes,
+                           q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
+                           *self.size_args, *out.stride()[:3], *self.end_args)
+        return out
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription,
+          scale: float | None, params: dict[str, Any] | None) -> LaunchPlan:
+    """Validate the inputs, choose the kernel, fetch the mask and build the launch plan."""
+    problem = check_inputs(q, k, v)
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
     if not scale > 0:
         raise AttentionInputError(f"scale must be positive, got {scale}")
     choice = choose(problem, description) if params is None else _pinned(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
-    return run(problem, choice.template, choice.params, block_mask, q, k, v, scale, out)
+    grid, threads, shared = choice.template.launch(problem, choice.params)
+    mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, block_mask.part_bits,
+                    _row_order(block_mask))
+    rows_per_head = block_mask.n_rb if block_mask.heads > 1 else 0
+    rows_per_batch = block_mask.heads * block_mask.n_rb if block_mask.batch > 1 else 0
+    copy_inputs = not all(t.stride(3) == 1 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
+    return LaunchPlan(
+        kernel=compiled_kernel(choice.template, problem, choice.params),
+        grid=grid, threads=threads, shared_bytes=shared,
+        shape=tuple(q.shape), dtype=q.dtype, device=q.device, copy_inputs=copy_inputs,
+        mask_args=tuple(t.data_ptr() for t in mask_tensors),
+        size_args=(problem.seq_q, problem.seq_k, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]),
+        end_args=(rows_per_batch, rows_per_head, scale * LOG2E),
+        mask_tensors=mask_tensors,
+    )
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionProblem:
@@ -174,34 +242,6 @@ def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params:
     return _kernels[key]
 
 
-def run(problem: AttentionProblem, template: KernelTemplate, params: dict[str, Any], block_mask: BlockMask,
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch one attention kernel; returns ``out`` (a new [B, H, S_q, D] tensor if None)."""
-    q, k, v = (_aligned(t) for t in (q, k, v))
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous():
-        raise AttentionInputError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} "
-                                  f"on {q.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
-    kernel = compiled_kernel(template, problem, params)
-    grid, threads, shared = template.launch(problem, params)
-    order = _row_order(block_mask)
-    n_rb = grid[0]
-    rows_per_head = n_rb if block_mask.heads > 1 else 0
-    rows_per_batch = block_mask.heads * n_rb if block_mask.batch > 1 else 0
-    kernel.launch(
-        grid, threads, shared,
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-        block_mask.any_ptr.data_ptr(), block_mask.any_cols.data_ptr(),
-        block_mask.any_tile.data_ptr(), block_mask.part_bits.data_ptr(), order.data_ptr(),
-        problem.seq_q, problem.seq_k,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        rows_per_batch, rows_per_head, scale * LOG2E,
-    )
-    return out
-
-
 _row_orders: weakref.WeakKeyDictionary[BlockMask, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
@@ -213,12 +253,6 @@ def _row_order(block_mask: BlockMask) -> torch.Tensor:
         order = torch.sort(counts.cpu(), descending=True, stable=True).indices.to(torch.int32)
         _row_orders[block_mask] = order.to(block_mask.any_ptr.device)
     return _row_orders[block_mask]
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """The kernels copy 16-byte rows: unit stride in head_dim, 16-byte aligned rows. Else copy."""
-    ok = t.stride(3) == 1 and t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:3])
-    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 def _sm_count() -> int:

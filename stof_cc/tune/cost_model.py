@@ -4,19 +4,29 @@ The model prices one launch of a masked-attention template as
 
     t = t_launch + max(t_throughput, t_critical)
 
-* ``t_throughput``: all block iterations of all CTAs spread over the SMs, each SM
-  running ``occupancy`` CTAs at once (limited by shared memory, registers and threads),
-  each iteration costing tensor-core time (4 * bm * bn * d flops), exp2 time (bm * bn)
-  and, for PARTIAL blocks, the bit tests (bm * bn); plus a fixed cost per CTA (Q load,
-  output store, prologue), in waves of ``SMs * occupancy`` CTAs.
-* ``t_critical``: the longest block row (global tokens make one row long) run by one
-  CTA alone, which can use only ``warps / 8`` of an SM's issue slots.
+* ``t_throughput``: the work of all block iterations of all CTAs spread over the SMs.
+  One iteration over a (bm x bn) block costs
+
+    - tensor-core time, 4 * bm * bn * d flops at ``TENSOR_FLOPS_PER_US``, inflated by
+      ``FRAGMENT_OVERHEAD / m_tiles`` (each K/V fragment read from shared memory feeds
+      ``m_tiles`` row tiles, so warps owning more rows load less per flop);
+    - softmax time, bm * bn elements at ``EXP_PER_US``, and for PARTIAL blocks the bit
+      tests, bm * bn at ``BIT_TESTS_PER_US``;
+    - a fixed latency ``ITER_US`` (barriers, waits, row reductions), plus, with one stage,
+      the K/V load that nothing overlaps (``EXPOSED_LOAD_US`` per KiB). Latency is hidden
+      by the other CTAs resident on the SM, so it is divided by the occupancy (CTAs per
+      SM under the shared-memory, register, warp and CTA limits).
+
+  Each CTA also pays ``CTA_FIXED_US`` (Q load, output store), in waves of SMs x occupancy.
+* ``t_critical``: the longest block row (global tokens make one row long) run by one CTA
+  alone, which can use only ``warps / 8`` of an SM's issue slots.
 
 Block counts come from the `BlockMask` at the candidate's own block shape, so finer
-blocks are rewarded exactly where the mask has fine structure. The constants are
-per-SM rates for an H100 SXM (sm_90, 132 SMs) measured with `benchmarks/mha.py --sweep`;
-other GPUs scale by their SM count. STOF's rule (rho = non-empty 16x16 blocks over
-(S/16)^2 against tau = 1/log2(S/16)^2) is reported beside the choice for comparison.
+blocks are rewarded exactly where the mask has fine structure. The constants are per-SM
+rates for an H100 SXM (sm_90, 132 SMs, fp16, d = 64), fitted to the sweep of
+`benchmarks/mha.py --sweep` (the fit minimises the time lost by the model's pick; see
+benchmarks/RESULTS.md); other GPUs scale by their SM count. STOF's rule (rho = non-empty
+16x16 blocks over (S/16)^2 against tau = 1/log2(S/16)^2) is reported beside the choice.
 """
 
 from __future__ import annotations
@@ -25,11 +35,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# Per-SM rates (H100 SXM, mma.sync path), in units per microsecond.
-TENSOR_FLOPS_PER_US = 3.2e6   # achieved mma.sync fp16 flops per SM per microsecond
-EXP_PER_US = 1.6e4            # exp2 + scaling + max/sum per element, per SM
-BIT_TESTS_PER_US = 4.0e4      # PARTIAL-block bit tests per SM
-CTA_FIXED_US = 0.6            # per CTA: Q tile load, output store, prologue
+# Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
+TENSOR_FLOPS_PER_US = 4.7e6   # achieved mma.sync fp16 flops per SM
+FRAGMENT_OVERHEAD = 3.4       # extra tensor time per unit of 1 / m_tiles
+EXP_PER_US = 2.9e4            # exp2 + scaling + max/sum per element
+BIT_TESTS_PER_US = 4.0e4      # PARTIAL-block bit tests
+ITER_US = 0.22                 # fixed latency of one block iteration
+EXPOSED_LOAD_US = 0.0017        # per KiB of K/V a one-stage kernel waits for
+CTA_FIXED_US = 2.9            # per CTA: Q tile load, output store, prologue
 LAUNCH_US = 2.5               # kernel launch and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
@@ -59,7 +72,7 @@ def occupancy(threads: int, shared_bytes: int, registers_per_thread: int) -> int
     """CTAs resident per SM under the shared-memory, register, warp and CTA limits."""
     warps = threads // 32
     by_smem = SM_SHARED_BYTES // max(shared_bytes + 1024, 1)  # 1 KB reserved per CTA
-    by_regs = SM_REGISTERS // max(registers_per_thread * threads, 1)
+    by_regs = SM_REGISTERS // max(min(registers_per_thread, 255) * threads, 1)
     return max(0, min(by_smem, by_regs, SM_MAX_WARPS // warps, SM_MAX_CTAS))
 
 
@@ -81,13 +94,15 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
     if occ == 0:
         return Estimate(params, math.inf, 0, blocks, partial, max(counts, default=0))
 
-    per_block = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US + bm * bn / EXP_PER_US
+    tensor_us = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US * (1 + FRAGMENT_OVERHEAD / params["m_tiles"])
+    per_block = tensor_us + bm * bn / EXP_PER_US
+    latency = ITER_US + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
     per_partial = bm * bn / BIT_TESTS_PER_US
-    sm_work = blocks * per_block + partial * per_partial + n_ctas * CTA_FIXED_US
+    sm_work = blocks * (per_block + latency / occ) + partial * per_partial + n_ctas * CTA_FIXED_US
     waves = math.ceil(n_ctas / (sm_count * occ))
     t_throughput = max(sm_work / sm_count, waves * CTA_FIXED_US)
     single_cta_share = min(1.0, warps / 8)
-    t_critical = (max(counts, default=0) * per_block + CTA_FIXED_US) / single_cta_share
+    t_critical = (max(counts, default=0) * (per_block + latency) + CTA_FIXED_US) / single_cta_share
     micros = LAUNCH_US + max(t_throughput, t_critical)
     return Estimate(params, micros, occ, blocks, partial, max(counts, default=0))
 
