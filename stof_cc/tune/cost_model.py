@@ -36,14 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
-TENSOR_FLOPS_PER_US = 4.7e6   # achieved mma.sync fp16 flops per SM
-FRAGMENT_OVERHEAD = 3.4       # extra tensor time per unit of 1 / m_tiles
-EXP_PER_US = 2.9e4            # exp2 + scaling + max/sum per element
-BIT_TESTS_PER_US = 4.0e4      # PARTIAL-block bit tests
-ITER_US = 0.22                 # fixed latency of one block iteration
-EXPOSED_LOAD_US = 0.0017        # per KiB of K/V a one-stage kernel waits for
-CTA_FIXED_US = 2.9            # per CTA: Q tile load, output store, prologue
-LAUNCH_US = 2.5               # kernel launch and tail
+TENSOR_FLOPS_PER_US = 9.8e7 # peak-ish mma.sync fp16 flops per SM, before the fragment term
+FRAGMENT_OVERHEAD = 38.5    # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
+EXP_PER_US = 3.0e4          # exp2 + scaling + max/sum per element
+BIT_TESTS_PER_US = 5.1e3    # PARTIAL-block bit tests (word loads and selects)
+ITER_US = 0.37              # fixed latency of one block iteration
+EXPOSED_LOAD_US = 0.0002    # per KiB of K/V a one-stage kernel waits for
+CTA_FIXED_US = 0.25         # per CTA: Q tile load, output store, prologue
+LAUNCH_US = 7.9             # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
 SM_MAX_WARPS = 64

@@ -1,0 +1,98 @@
+"""Fit the attention cost model's constants to a measured sweep.
+
+    python benchmarks/mha.py --sweep --json sweep.json      # on the GPU
+    python benchmarks/fit_cost_model.py sweep.json          # anywhere (CPU is enough)
+
+Random search (log-uniform around the current constants, narrowing) minimising, over the sweep's
+cases, log(time of the model's pick / best measured time) plus a small penalty on the
+log error of every estimate, so that the estimates stay in microseconds. Prints the
+constants to paste into stof_cc/tune/cost_model.py and the loss per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stof_cc.masks.workloads import GRID_HEAD_DIM, GRID_HEADS, grid_mask  # noqa: E402
+from stof_cc.runtime.attention import cached_block_mask, candidates  # noqa: E402
+from stof_cc.templates.attention import AttentionProblem, config_label  # noqa: E402
+from stof_cc.tune import cost_model  # noqa: E402
+
+CONSTANTS = ("TENSOR_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "EXP_PER_US", "BIT_TESTS_PER_US",
+             "ITER_US", "EXPOSED_LOAD_US", "CTA_FIXED_US", "LAUNCH_US")
+SM_COUNT = 132  # the H100 SXM the sweeps were measured on
+
+
+def load_cases(path: str) -> list[tuple[str, list[tuple]]]:
+    """Per case: (label, [(params, model inputs..., measured us)]) for every candidate."""
+    cases = []
+    for row in json.loads(Path(path).read_text()):
+        measured = {config_label(m["params"]): m["ms"] * 1e3 for m in row["sweep"] if m["ok"]}
+        desc = grid_mask(row["mask"], row["seq"])
+        problem = AttentionProblem(row["batch"], GRID_HEADS, row["seq"], row["seq"], GRID_HEAD_DIM, torch.float16)
+        points = []
+        for template, params in candidates(problem):
+            if config_label(params) not in measured:
+                continue
+            bm = cached_block_mask(desc, problem, params, torch.device("cpu"))
+            points.append((params, row["batch"] * GRID_HEADS // (bm.batch * bm.heads),
+                           (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist(), int(bm.part_cols.numel()),
+                           template.shared_bytes(problem, params), template.registers(problem, params),
+                           measured[config_label(params)]))
+        cases.append((f"{row['mask']} S={row['seq']}", points))
+    return cases
+
+
+def loss(cases, report: bool = False) -> float:
+    total = 0.0
+    for label, points in cases:
+        scored = [(cost_model.estimate(p, GRID_HEAD_DIM, hb, rows, part, smem, SM_COUNT, regs).micros, us, p)
+                  for p, hb, rows, part, smem, regs, us in points]
+        best = min(us for _, us, _ in scored)
+        est, picked_us, params = min(scored, key=lambda s: s[0])
+        total += math.log(picked_us / best)
+        total += 0.2 * sum(math.log(e / us) ** 2 for e, us, _ in scored) / len(scored)
+        if report:
+            print(f"{label:>16}: pick {config_label(params)} est {est:.1f} us, measured {picked_us:.1f} us, "
+                  f"best {best:.1f} us ({picked_us / best:.3f}x)")
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sweep", help="JSON written by benchmarks/mha.py --sweep --json")
+    parser.add_argument("--trials", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    cases = load_cases(args.sweep)
+    best = (loss(cases), {name: getattr(cost_model, name) for name in CONSTANTS})
+    print(f"current constants: loss {best[0]:.3f}")
+    rng = random.Random(args.seed)
+    for width in (2.5, 1.0, 0.4, 0.15):  # search around the best so far, narrowing
+        centre = dict(best[1])
+        for _ in range(args.trials // 4):
+            trial = {name: value * math.exp(rng.uniform(-width, width)) for name, value in centre.items()}
+            for name, value in trial.items():
+                setattr(cost_model, name, value)
+            value = loss(cases)
+            if value < best[0]:
+                best = (value, trial)
+    for name, value in best[1].items():
+        setattr(cost_model, name, value)
+    print(f"fitted: loss {best[0]:.3f}")
+    for name, value in best[1].items():
+        print(f"{name} = {value:.3g}")
+    loss(cases, report=True)
+
+
+if __name__ == "__main__":
+    main()
