@@ -7,15 +7,19 @@ templates, tune, backends, runtime) is a subpackage with one job. See DESIGN.md.
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
+from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionInputError",
     "Graph",
     "GraphError",
     "Node",
     "TensorSpec",
     "TraceError",
+    "attention",
+    "explain_attention",
     "interpret",
     "trace",
     "__version__",

@@ -18,7 +18,13 @@ from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
 from stof_cc.ir.ops import OPAQUE, pattern_kind
 from stof_cc.loading import FactoryError, load_factory
+from stof_cc.masks import MaskError, causal
 from stof_cc.masks.cli import add_masks_command
+from stof_cc.masks.spec import parse_spec
+from stof_cc.runtime.attention import AttentionInputError, explain_attention
+from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,12 +39,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="also run the graph with the interpreter and compare with the module")
     inspect.set_defaults(run=_cmd_inspect)
 
+    attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
+    attention.add_argument("--mask", default="full", help="mask spec as in `masks show` (default: %(default)s)")
+    attention.add_argument("--seq", type=int, required=True, help="sequence length (queries and keys)")
+    attention.add_argument("--batch", type=int, default=1)
+    attention.add_argument("--heads", type=int, default=12)
+    attention.add_argument("--head-dim", type=int, default=64)
+    attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
+    attention.set_defaults(run=_cmd_attention)
+
     add_masks_command(sub)
 
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (FactoryError, TraceError, GraphError) as exc:
+    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
 
@@ -55,6 +70,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"\nopaque ops (run through torch): {len(opaque)}")
     for node in opaque:
         print(f"  %{node.name}: {node.target}")
+    _print_attention_choices(graph)
     dot_path = Path(args.build_dir) / graph.name / "graph.dot"
     dot_path.parent.mkdir(parents=True, exist_ok=True)
     dot_path.write_text(graph.to_dot())
@@ -62,6 +78,33 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.check:
         return _check_against_module(graph, module, example_args, example_kwargs)
     return 0
+
+
+def _cmd_attention(args: argparse.Namespace) -> int:
+    mask = parse_spec(args.mask, seq=args.seq)
+    choice = explain_attention(args.batch, args.heads, args.seq, args.seq, args.head_dim, mask, _DTYPES[args.dtype])
+    print(f"attention B={args.batch} H={args.heads} S={args.seq} D={args.head_dim} {args.dtype}, mask {mask!r}")
+    print(choice.explain())
+    return 0
+
+
+def _print_attention_choices(graph: Graph) -> None:
+    """For each SDPA node: the kernel the cost model would pick (fp16; causal when the node
+    says so, no mask when it has none; a mask tensor is only known at run time)."""
+    for node in graph.nodes():
+        if node.op != "scaled_dot_product_attention":
+            continue
+        q, k = (graph.node(ref.name).spec.shape for ref in node.args[:2])
+        mask_arg = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        is_causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+        if mask_arg is not None:
+            print(f"\n%{node.name}: attention with a mask tensor; the kernel is chosen at run time")
+        elif len(q) != 4 or q[-1] not in SUPPORTED_HEAD_DIMS:
+            print(f"\n%{node.name}: attention of shape {tuple(q)} has no stof-cc kernel "
+                  f"(head_dim {SUPPORTED_HEAD_DIMS})")
+        else:
+            choice = explain_attention(q[0], q[1], q[2], k[2], q[3], causal() if is_causal else None)
+            print(f"\n%{node.name}: attention kernel {choice.estimates[0].describe()}")
 
 
 def format_histogram(graph: Graph) -> str:

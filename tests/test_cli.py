@@ -30,3 +30,28 @@ def test_inspect_bad_reference_is_a_clear_error(tmp_path, capsys):
     assert "must return (module, args)" in capsys.readouterr().err
     assert main(["inspect", f"{script}:other"]) == 2
     assert "has no function 'other'" in capsys.readouterr().err
+
+
+def test_attention_command_explains_the_choice(capsys):
+    assert main(["attention", "--mask", "longformer:w=128,g=32", "--seq", "2048", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: attention_" in out and "candidates (best first)" in out and "longformer" in out
+
+
+def test_attention_command_bad_mask_is_a_clear_error(capsys):
+    assert main(["attention", "--mask", "sliding:w=0", "--seq", "256"]) == 2
+    assert "sliding_window: w must be a positive int" in capsys.readouterr().err
+
+
+def test_inspect_shows_the_kernel_for_causal_sdpa(tmp_path, capsys):
+    model = tmp_path / "causal_sdpa.py"
+    model.write_text(
+        "import torch\n"
+        "class M(torch.nn.Module):\n"
+        "    def forward(self, q, k, v):\n"
+        "        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "def factory():\n"
+        "    return M(), tuple(torch.randn(1, 2, 256, 64) for _ in range(3))\n"
+    )
+    assert main(["inspect", f"{model}:factory", "--quiet-graph", "--build-dir", str(tmp_path / "b")]) == 0
+    assert "attention kernel blockwise" in capsys.readouterr().out

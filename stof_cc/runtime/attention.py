@@ -212,6 +212,22 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
     return per_mask[key]
 
 
+def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                      mask: MaskDescription | torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float16) -> AttentionChoice:
+    """The kernel `attention` would run for these sizes and mask, with every candidate's
+    estimate; needs no GPU (the SM count defaults to the H100's 132 without one).
+    ``choice.explain()`` formats it."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise AttentionInputError(f"dtype {dtype} is not supported; supported: float16, bfloat16")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise AttentionInputError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if min(batch, heads, seq_q, seq_k) <= 0:
+        raise AttentionInputError(f"sizes must be positive, got batch={batch} heads={heads} "
+                                  f"seq_q={seq_q} seq_k={seq_k}")
+    return choose(AttentionProblem(batch, heads, seq_q, seq_k, head_dim, dtype), as_description(mask))
+
+
 def _pinned(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
     template = ROWWISE if params.get("strategy") == "rowwise" else BLOCKWISE
     if params not in template.space(problem):

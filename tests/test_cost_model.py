@@ -1,0 +1,63 @@
+"""The analytical attention model: sane estimates, choices that follow the mask, explain output (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stof_cc import AttentionInputError, explain_attention, masks
+from stof_cc.templates.attention import config_label
+from stof_cc.tune.cost_model import estimate, occupancy, stof_rule
+
+PARAMS = {"strategy": "blockwise", "block_m": 128, "block_n": 64, "warps": 4, "m_tiles": 2, "stages": 2}
+
+
+def test_occupancy_takes_the_tightest_limit():
+    assert occupancy(128, 55 * 1024, 246) == 2  # the ptxas figures of the H100 profile: 2 CTAs/SM
+    assert occupancy(32, 1024, 64) == 32  # many tiny CTAs: the CTA limit
+    assert occupancy(128, 300 * 1024, 64) == 0  # does not fit at all
+
+
+def test_estimate_grows_with_work_and_is_infinite_when_nothing_fits():
+    small = estimate(PARAMS, 64, 12, [4] * 16, 0, 55 * 1024, 132, 246)
+    large = estimate(PARAMS, 64, 12, [64] * 64, 0, 55 * 1024, 132, 246)
+    partial = estimate(PARAMS, 64, 12, [64] * 64, 500, 55 * 1024, 132, 246)
+    assert 0 < small.micros < large.micros < partial.micros
+    assert estimate(PARAMS, 64, 12, [4], 0, 300 * 1024, 132, 246).micros == float("inf")
+
+
+def test_one_long_row_is_the_critical_path():
+    even = estimate(PARAMS, 64, 1, [10] * 8, 0, 55 * 1024, 132, 246)
+    skewed = estimate(PARAMS, 64, 1, [73] + [1] * 7, 0, 55 * 1024, 132, 246)
+    assert skewed.micros > even.micros  # same block count, one CTA must walk them all
+
+
+def test_stof_rule_matches_the_paper_threshold():
+    rho, tau, pick = stof_rule(nonempty_16=64 * 64, seq=1024)
+    assert (rho, pick) == (1.0, "blockwise") and tau == pytest.approx(1 / 36)
+    assert stof_rule(nonempty_16=64, seq=1024)[2] == "rowwise"
+
+
+def test_explain_lists_every_candidate_best_first():
+    choice = explain_attention(2, 12, 2048, 2048, 64, masks.longformer(128, 32))
+    micros = [e.micros for e in choice.estimates]
+    assert micros == sorted(micros) and len(micros) > 10
+    assert choice.params == choice.estimates[0].params
+    text = choice.explain()
+    assert text.startswith(f"chosen: {choice.template.name} {config_label(choice.params)}")
+    assert "STOF's rule" in text
+
+
+def test_sparser_masks_are_estimated_cheaper():
+    dense = explain_attention(1, 12, 8192, 8192, 64, masks.causal()).estimates[0].micros
+    sparse = explain_attention(1, 12, 8192, 8192, 64, masks.sliding_window(256)).estimates[0].micros
+    assert sparse < dense / 3
+
+
+def test_explain_rejects_what_no_kernel_runs():
+    with pytest.raises(AttentionInputError, match="head_dim 80"):
+        explain_attention(1, 1, 128, 128, 80)
+    with pytest.raises(AttentionInputError, match="dtype"):
+        explain_attention(1, 1, 128, 128, 64, dtype=torch.float32)
+    with pytest.raises(AttentionInputError, match="seq_q=0"):
+        explain_attention(1, 1, 0, 128, 64)
