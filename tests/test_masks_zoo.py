@@ -382,3 +382,13 @@ def test_type_errors_are_also_type_errors():
         masks.sliding_window(-8)
     with pytest.raises(TypeError):
         masks.causal() | 3
+
+
+def test_bigbird_mask_mod_works_under_flex_vmap():
+    """FlexAttention evaluates mask_mods under vmap, where random draws are refused: the
+    random block grid must be built before, in mask_mod_for."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask = masks.bigbird(32, 4, 2, block=32, seed=3)
+    flex_dense = create_mask(mask.mask_mod_for(256, 256), None, None, 256, 256, device="cpu")
+    assert torch.equal(flex_dense, mask.to_dense(256, 256))

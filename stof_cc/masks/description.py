@@ -74,10 +74,13 @@ class MaskDescription:
     def _on(
         self, key: object, device: torch.device, make: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
-        """A lookup tensor made on the CPU, copied once to each device it is used on."""
-        slot = (key, str(device))
+        """A lookup tensor made once on the CPU, copied once to each device it is used on
+        (so a mask_mod traced under vmap on the GPU never re-runs `make`)."""
+        slot, cpu_slot = (key, str(device)), (key, "cpu")
         if slot not in self._device_memo:
-            self._device_memo[slot] = make().to(device)
+            if cpu_slot not in self._device_memo:
+                self._device_memo[cpu_slot] = make()
+            self._device_memo[slot] = self._device_memo[cpu_slot].to(device)
         return self._device_memo[slot]
 
     # -- what the builder calls ----------------------------------------------------------
@@ -129,6 +132,9 @@ class MaskDescription:
     ) -> MaskMod:
         """A mask_mod bound to these sizes: works for every description, BigBird included."""
         ext, _ = self._extent("mask_mod_for", seq_q, seq_k, batch, heads)
+        if self.size_dependent:  # build the lookup tables now: FlexAttention calls us under vmap
+            index = torch.zeros(1, dtype=torch.long)
+            self._eval(ext, index, index, index, index)
         return self._bound_mask_mod(ext)
 
     def _bound_mask_mod(self, ext) -> MaskMod:
