@@ -12,6 +12,8 @@ The model prices one launch of a masked-attention template as
       ``m_tiles`` row tiles, so warps owning more rows load less per flop);
     - softmax time, bm * bn elements at ``EXP_PER_US``, and for PARTIAL blocks the bit
       tests, bm * bn at ``BIT_TESTS_PER_US``;
+    - the K and V tiles, 4 * bn * d bytes, streamed into shared memory at
+      ``TILE_BYTES_PER_US`` (this is what makes CTAs with more rows cheaper per flop);
     - a fixed latency ``ITER_US`` (barriers, waits, row reductions), plus, with one stage,
       the K/V load that nothing overlaps (``EXPOSED_LOAD_US`` per KiB). Latency is hidden
       by the other CTAs resident on the SM, so it is divided by the occupancy (CTAs per
@@ -36,14 +38,15 @@ from dataclasses import dataclass
 from typing import Any
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
-TENSOR_FLOPS_PER_US = 9.8e7 # peak-ish mma.sync fp16 flops per SM, before the fragment term
-FRAGMENT_OVERHEAD = 38.5    # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
-EXP_PER_US = 3.0e4          # exp2 + scaling + max/sum per element
-BIT_TESTS_PER_US = 5.1e3    # PARTIAL-block bit tests (word loads and selects)
-ITER_US = 0.37              # fixed latency of one block iteration
-EXPOSED_LOAD_US = 0.0002    # per KiB of K/V a one-stage kernel waits for
-CTA_FIXED_US = 0.25         # per CTA: Q tile load, output store, prologue
-LAUNCH_US = 7.9             # kernel launch, first wave ramp and tail
+TENSOR_FLOPS_PER_US = 6.5e7 # peak-ish mma.sync fp16 flops per SM, before the fragment term
+FRAGMENT_OVERHEAD = 60      # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
+EXP_PER_US = 1.6e5          # exp2 + scaling + max/sum per element
+BIT_TESTS_PER_US = 1.5e4    # PARTIAL-block bit tests (word loads and selects)
+TILE_BYTES_PER_US = 1.6e5   # K/V tile bytes streamed from L2 into shared memory
+ITER_US = 0.13              # fixed latency of one block iteration
+EXPOSED_LOAD_US = 0.00024   # per KiB of K/V a one-stage kernel waits for
+CTA_FIXED_US = 0.66         # per CTA: Q tile load, output store, prologue
+LAUNCH_US = 5.3             # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
 SM_MAX_WARPS = 64
@@ -95,7 +98,7 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
         return Estimate(params, math.inf, 0, blocks, partial, max(counts, default=0))
 
     tensor_us = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US * (1 + FRAGMENT_OVERHEAD / params["m_tiles"])
-    per_block = tensor_us + bm * bn / EXP_PER_US
+    per_block = tensor_us + bm * bn / EXP_PER_US + 4 * bn * head_dim / TILE_BYTES_PER_US
     latency = ITER_US + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
     per_partial = bm * bn / BIT_TESTS_PER_US
     sm_work = blocks * (per_block + latency / occ) + partial * per_partial + n_ctas * CTA_FIXED_US
