@@ -27,7 +27,7 @@ from stof_cc.runtime.attention import cached_block_mask, candidates  # noqa: E40
 from stof_cc.templates.attention import AttentionProblem, config_label  # noqa: E402
 from stof_cc.tune import cost_model  # noqa: E402
 
-CONSTANTS = ("TENSOR_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "EXP_PER_US", "BIT_TESTS_PER_US", "TILE_BYTES_PER_US",
+CONSTANTS = ("TENSOR_FLOPS_PER_US", "WGMMA_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "EXP_PER_US", "BIT_TESTS_PER_US", "TILE_BYTES_PER_US",
              "ITER_US", "EXPOSED_LOAD_US", "CTA_FIXED_US", "LAUNCH_US")
 SM_COUNT = 132  # the H100 SXM the sweeps were measured on
 

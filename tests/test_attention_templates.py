@@ -8,18 +8,25 @@ import pytest
 import torch
 
 from stof_cc.backends.nvcc import CompileError, compile_cubin
-from stof_cc.templates.attention import BLOCKWISE, ROWWISE, SUPPORTED_HEAD_DIMS, AttentionProblem
+from stof_cc.templates.attention import (
+    ATTENTION_TEMPLATES,
+    BLOCKWISE,
+    ROWWISE,
+    SUPPORTED_HEAD_DIMS,
+    WGMMA,
+    AttentionProblem,
+)
 
 PROBLEMS = [AttentionProblem(2, 4, 1000, 1000, d, dt) for d in SUPPORTED_HEAD_DIMS
             for dt in (torch.float16, torch.bfloat16)]
-INSTANCES = [(t, p, params) for p in PROBLEMS for t in (ROWWISE, BLOCKWISE) for params in t.space(p)]
+INSTANCES = [(t, p, params) for p in PROBLEMS for t in ATTENTION_TEMPLATES for params in t.space(p)]
 
 
 def test_spaces_are_not_empty_and_respect_limits():
     for problem in PROBLEMS:
-        for template in (ROWWISE, BLOCKWISE):
+        for template in ATTENTION_TEMPLATES:
             space = template.space(problem)
-            assert space, (template.name, problem)
+            assert space or problem.head_dim not in template.head_dims, (template.name, problem)
             for params in space:
                 assert params["warps"] * 16 * params["m_tiles"] == params["block_m"]
                 assert template.shared_bytes(problem, params) <= 227 * 1024
@@ -33,12 +40,22 @@ def test_render_is_deterministic_and_names_the_kernel():
     assert "mma.sync.aligned.m16n8k16" in source and "cp.async" in source
 
 
+def test_wgmma_template_is_hopper_only_and_uses_wgmma():
+    problem = PROBLEMS[2]  # head_dim 64
+    params = WGMMA.space(problem)[0]
+    source = WGMMA.render(problem, params)
+    assert "wgmma.mma_async.sync.aligned.m64n" in source and "ldmatrix" not in source.split("extern \"C\"")[1]
+    assert WGMMA.runs_on((9, 0)) and not WGMMA.runs_on((8, 0)) and ROWWISE.runs_on((8, 0))
+    assert WGMMA.space(PROBLEMS[0]) == []  # head_dim 32: no whole 128-byte swizzle rows
+
+
 @pytest.mark.nvcc
 def test_every_instance_compiles_for_sm90_without_real_spills():
     def build(item):
         template, problem, params = item
         name = template.kernel_name(problem, params)
-        return name, template.registers(problem, params), compile_cubin(template.render(problem, params), arch="sm_90")
+        source = template.render(problem, params)
+        return name, template.registers(problem, params), compile_cubin(source, arch="sm_90" + template.arch_features)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(build, INSTANCES))

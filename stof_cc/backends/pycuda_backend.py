@@ -75,13 +75,14 @@ class Kernel:
         self._function.prepared_call(grid, (threads, 1, 1), *args, shared_size=shared_bytes)
 
 
-def load_kernel(source: str, name: str, arg_format: str, source_path: Path | None = None) -> Kernel:
+def load_kernel(source: str, name: str, arg_format: str, source_path: Path | None = None,
+                arch_features: str = "") -> Kernel:
     """Compile (or fetch from the cache) and load kernel ``name`` from ``source``,
-    prepared for ``arg_format``."""
+    prepared for ``arg_format``; ``arch_features="a"`` targets e.g. sm_90a."""
     if not torch.cuda.is_available():
         raise BackendError("no CUDA device visible to torch")
     torch.cuda.init()
-    arch = device_arch()
+    arch = device_arch() + arch_features
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
     kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
     kernel._function.prepare(arg_format)

@@ -21,8 +21,7 @@ from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.masks import MaskDescription, from_dense, full
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import (
-    BLOCKWISE,
-    ROWWISE,
+    ATTENTION_TEMPLATES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     AttentionProblem,
@@ -187,8 +186,12 @@ def as_description(mask: MaskDescription | torch.Tensor | None) -> MaskDescripti
 _FULL = full()
 
 
-def candidates(problem: AttentionProblem) -> list[tuple[KernelTemplate, dict[str, Any]]]:
-    return [(t, p) for t in (ROWWISE, BLOCKWISE) for p in t.space(problem)]
+def candidates(problem: AttentionProblem,
+               capability: tuple[int, int] | None = None) -> list[tuple[KernelTemplate, dict[str, Any]]]:
+    """Every (template, params) that can run ``problem`` on a GPU of ``capability`` (default:
+    the current device's, or the H100's (9, 0) on a machine without one)."""
+    capability = capability or _capability()
+    return [(t, p) for t in ATTENTION_TEMPLATES if t.runs_on(capability) for p in t.space(problem)]
 
 
 def choose(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
@@ -229,7 +232,12 @@ def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: 
 
 
 def _pinned(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
-    template = ROWWISE if params.get("strategy") == "rowwise" else BLOCKWISE
+    by_strategy = {t.strategy: t for t in ATTENTION_TEMPLATES}
+    template = by_strategy.get(params.get("strategy"))
+    if template is None:
+        raise AttentionInputError(f"params {params}: strategy must be one of {sorted(by_strategy)}")
+    if not template.runs_on(_capability()):
+        raise AttentionInputError(f"{template.name} does not run on compute capability {_capability()}")
     if params not in template.space(problem):
         raise AttentionInputError(f"params {params} are not in {template.name}'s space for {problem}")
     return AttentionChoice(template, params, (), (0.0, 0.0, ""))
@@ -254,7 +262,7 @@ def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params:
     key = (template.name, problem.dtype, problem.head_dim, tuple(sorted(params.items())))
     if key not in _kernels:
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
-                                    template.arg_format)
+                                    template.arg_format, arch_features=template.arch_features)
     return _kernels[key]
 
 
@@ -269,6 +277,10 @@ def _row_order(block_mask: BlockMask) -> torch.Tensor:
         order = torch.sort(counts.cpu(), descending=True, stable=True).indices.to(torch.int32)
         _row_orders[block_mask] = order.to(block_mask.any_ptr.device)
     return _row_orders[block_mask]
+
+
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
 
 
 def _sm_count() -> int:

@@ -7,6 +7,9 @@ Two strategies share one CUDA source because they differ only in CTA shape and s
   Many small CTAs: good for short sequences and very sparse or irregular masks.
 * ``attention_blockwise``: 2 to 8 warps per CTA share each K/V tile of a 64- or 128-row
   block row, double-buffered with cp.async: K/V reuse for long sequences.
+* ``attention_wgmma``: Hopper only (sm_90a). The blockwise walk with one or two
+  warpgroups per CTA issuing ``wgmma.mma_async`` straight from 128-byte-swizzled shared
+  memory instead of ``mma.sync`` on ldmatrix fragments; head dim 64 and 128.
 
 The kernel reads the mask as a `BlockMask` whose block shape equals the kernel's
 (block_m, block_n); `stof_cc.attention` builds and caches it.
@@ -28,9 +31,10 @@ SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit
 MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (checked in CI)
 
 
-def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int) -> int:
-    """Registers per thread for the S and O accumulators and the Q fragments."""
-    return m_tiles * (block_n // 2 + head_dim // 2 + head_dim // 4)
+def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int, q_in_registers: bool = True) -> int:
+    """Registers per thread for the S and O accumulators and the Q (mma.sync) or P (wgmma) fragments."""
+    fragments = head_dim // 4 if q_in_registers else block_n // 16  # P is packed a k-step at a time
+    return m_tiles * (block_n // 2 + head_dim // 2 + fragments)
 
 
 @dataclass(frozen=True)
@@ -59,11 +63,15 @@ class _AttentionTemplate(KernelTemplate):
     # 2 mask-row strides, scale * log2(e)
     arg_format = "P" * 9 + "ii" + "q" * 12 + "iif"
     strategy: str
+    mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
     stage_counts = (1, 2)
+    head_dims = SUPPORTED_HEAD_DIMS
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
+        if problem.head_dim not in self.head_dims:
+            return []
         points = []
         for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
             params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
@@ -75,7 +83,9 @@ class _AttentionTemplate(KernelTemplate):
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """Registers per thread as ptxas allocates them: 1.25 x the accumulators plus 40 for
         addressing, softmax state and mask words (within about 10% of the sm_90 reports)."""
-        return round(1.25 * _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"])) + 40
+        accumulators = _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"],
+                                              q_in_registers=self.mma == "mma_sync")
+        return round(1.25 * accumulators) + 40
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
@@ -86,7 +96,7 @@ class _AttentionTemplate(KernelTemplate):
                 f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}")
 
     def render(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
-        return render_file(self.source_file, name=self.kernel_name(problem, params),
+        return render_file(self.source_file, name=self.kernel_name(problem, params), mma=self.mma,
                            dtype=problem.dtype_name, head_dim=problem.head_dim, **params)
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
@@ -107,5 +117,22 @@ class BlockwiseAttention(_AttentionTemplate):
     shapes = ((64, 1), (64, 2), (128, 1), (128, 2))
 
 
+class WgmmaAttention(_AttentionTemplate):
+    name = "attention_wgmma"
+    strategy = "wgmma"
+    mma = "wgmma"
+    arch_features = "a"  # wgmma exists only in the arch-specific sm_90a target
+    capabilities = ((9, 0),)
+    shapes = ((64, 1), (128, 1))  # one or two warpgroups of 64 rows
+    block_ns = (64, 128)
+    head_dims = (64, 128)  # whole 128-byte swizzle rows
+
+    def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
+        return rows * problem.head_dim * 2 + 1024  # unpadded swizzled rows, 1 KB to align the tiles
+
+
 ROWWISE = register_template(RowwiseAttention())
 BLOCKWISE = register_template(BlockwiseAttention())
+WGMMA = register_template(WgmmaAttention())
+ATTENTION_TEMPLATES = (ROWWISE, BLOCKWISE, WGMMA)

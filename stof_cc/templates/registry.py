@@ -36,6 +36,11 @@ class KernelTemplate(ABC):
 
     name: str
     source_file: str
+    arch_features: str = ""  # "a" for sources that need the arch-specific target (sm_90a)
+    capabilities: tuple[tuple[int, int], ...] | None = None  # compute capabilities it runs on; None: all
+
+    def runs_on(self, capability: tuple[int, int]) -> bool:
+        return self.capabilities is None or tuple(capability) in self.capabilities
 
     @abstractmethod
     def space(self, problem: Any) -> list[dict[str, Any]]:

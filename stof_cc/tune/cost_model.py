@@ -9,7 +9,9 @@ The model prices one launch of a masked-attention template as
 
     - tensor-core time, 4 * bm * bn * d flops at ``TENSOR_FLOPS_PER_US``, inflated by
       ``FRAGMENT_OVERHEAD / m_tiles`` (each K/V fragment read from shared memory feeds
-      ``m_tiles`` row tiles, so warps owning more rows load less per flop);
+      ``m_tiles`` row tiles, so warps owning more rows load less per flop); for the
+      wgmma template, which reads its operands from shared memory itself, the flops at
+      ``WGMMA_FLOPS_PER_US``;
     - softmax time, bm * bn elements at ``EXP_PER_US``, and for PARTIAL blocks the bit
       tests, bm * bn at ``BIT_TESTS_PER_US``;
     - the K and V tiles, 4 * bn * d bytes, streamed into shared memory at
@@ -39,6 +41,7 @@ from typing import Any
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
 TENSOR_FLOPS_PER_US = 6.5e7 # peak-ish mma.sync fp16 flops per SM, before the fragment term
+WGMMA_FLOPS_PER_US = 2.3e6   # wgmma (attention_wgmma) flops per SM, issue to completion
 FRAGMENT_OVERHEAD = 60      # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
 EXP_PER_US = 1.6e5          # exp2 + scaling + max/sum per element
 BIT_TESTS_PER_US = 1.5e4    # PARTIAL-block bit tests (word loads and selects)
@@ -97,7 +100,10 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
     if occ == 0:
         return Estimate(params, math.inf, 0, blocks, partial, max(counts, default=0))
 
-    tensor_us = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US * (1 + FRAGMENT_OVERHEAD / params["m_tiles"])
+    if params["strategy"] == "wgmma":  # operands come straight from shared memory: no fragment term
+        tensor_us = 4 * bm * bn * head_dim / WGMMA_FLOPS_PER_US
+    else:
+        tensor_us = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US * (1 + FRAGMENT_OVERHEAD / params["m_tiles"])
     per_block = tensor_us + bm * bn / EXP_PER_US + 4 * bn * head_dim / TILE_BYTES_PER_US
     latency = ITER_US + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
     per_partial = bm * bn / BIT_TESTS_PER_US
