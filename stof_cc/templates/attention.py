@@ -28,13 +28,16 @@ from stof_cc.templates.registry import KernelTemplate, register_template, render
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit
+SM_REGISTER_FILE = 64 * 1024  # 32-bit registers per SM: one CTA's threads x registers must fit
 MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (checked in CI)
 
 
 def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int, q_in_registers: bool = True) -> int:
     """Registers per thread for the S and O accumulators and the Q (mma.sync) or P (wgmma) fragments."""
-    fragments = head_dim // 4 if q_in_registers else block_n // 16  # P is packed a k-step at a time
-    return m_tiles * (block_n // 2 + head_dim // 2 + fragments)
+    if q_in_registers:  # mma.sync: Q fragments
+        return m_tiles * (block_n // 2 + head_dim // 2 + head_dim // 4)
+    # wgmma: S, O and packed P, fitted to the sm_90a ptxas reports
+    return (7 * block_n) // 12 + (11 * head_dim) // 25
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,9 @@ class _AttentionTemplate(KernelTemplate):
         for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
             params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
                       "warps": block_m // (16 * m_tiles), "m_tiles": m_tiles, "stages": stages}
-            if self.registers(problem, params) <= MAX_REGISTERS and self.shared_bytes(problem, params) <= SMEM_LIMIT:
+            registers = self.registers(problem, params)
+            if (registers <= MAX_REGISTERS and registers * params["warps"] * 32 <= SM_REGISTER_FILE
+                    and self.shared_bytes(problem, params) <= SMEM_LIMIT):
                 points.append(params)
         return points
 
@@ -119,11 +124,13 @@ class BlockwiseAttention(_AttentionTemplate):
 
 class WgmmaAttention(_AttentionTemplate):
     name = "attention_wgmma"
+    source_file = "attention_wgmma.cu.j2"
     strategy = "wgmma"
     mma = "wgmma"
+    stage_counts = (2,)  # K and V double-buffered: the software pipeline retires both every block
     arch_features = "a"  # wgmma exists only in the arch-specific sm_90a target
     capabilities = ((9, 0),)
-    shapes = ((64, 1), (128, 1))  # one or two warpgroups of 64 rows
+    shapes = ((64, 1), (128, 1), (192, 1))  # 1 to 3 warpgroups of 64 rows share each K/V tile (4 never won)
     block_ns = (64, 128)
     head_dims = (64, 128)  # whole 128-byte swizzle rows
 
