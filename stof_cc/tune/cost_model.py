@@ -27,7 +27,7 @@ The model prices one launch of a masked-attention template as
 
 Block counts come from the `BlockMask` at the candidate's own block shape, so finer
 blocks are rewarded exactly where the mask has fine structure. The constants are per-SM
-rates for an H100 SXM (sm_90, 132 SMs, fp16, d = 64), fitted to the sweep of
+rates for an H100 SXM (sm_90, 132 SMs, fp16, d = 64), fitted to sweeps of
 `benchmarks/mha.py --sweep` (the fit minimises the time lost by the model's pick; see
 benchmarks/RESULTS.md); other GPUs scale by their SM count. STOF's rule (rho = non-empty
 16x16 blocks over (S/16)^2 against tau = 1/log2(S/16)^2) is reported beside the choice.
@@ -40,16 +40,16 @@ from dataclasses import dataclass
 from typing import Any
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
-TENSOR_FLOPS_PER_US = 6.5e7 # peak-ish mma.sync fp16 flops per SM, before the fragment term
-WGMMA_FLOPS_PER_US = 2.3e6   # wgmma (attention_wgmma) flops per SM, issue to completion
-FRAGMENT_OVERHEAD = 60      # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
-EXP_PER_US = 1.6e5          # exp2 + scaling + max/sum per element
-BIT_TESTS_PER_US = 1.5e4    # PARTIAL-block bit tests (word loads and selects)
-TILE_BYTES_PER_US = 1.6e5   # K/V tile bytes streamed from L2 into shared memory
-ITER_US = 0.13              # fixed latency of one block iteration
-EXPOSED_LOAD_US = 0.00024   # per KiB of K/V a one-stage kernel waits for
-CTA_FIXED_US = 0.66         # per CTA: Q tile load, output store, prologue
-LAUNCH_US = 5.3             # kernel launch, first wave ramp and tail
+TENSOR_FLOPS_PER_US = 7.1e7   # peak-ish mma.sync fp16 flops per SM, before the fragment term
+WGMMA_FLOPS_PER_US = 2.1e6    # wgmma (attention_wgmma) flops per SM, issue to completion
+FRAGMENT_OVERHEAD = 67        # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
+EXP_PER_US = 1.8e5            # exp2 + scaling + max/sum per element
+BIT_TESTS_PER_US = 1.6e4      # PARTIAL-block bit tests (word loads and selects)
+TILE_BYTES_PER_US = 1.7e5     # K/V tile bytes streamed from L2 into shared memory
+ITER_US = 0.11                # fixed latency of one block iteration
+EXPOSED_LOAD_US = 0.00025     # per KiB of K/V a one-stage kernel waits for
+CTA_FIXED_US = 0.61           # per CTA: Q tile load, output store, prologue
+LAUNCH_US = 5.6               # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
 SM_MAX_WARPS = 64
