@@ -13,16 +13,18 @@ from pathlib import Path
 
 import torch
 
+from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
 from stof_cc.ir.ops import OPAQUE, pattern_kind
+from stof_cc.ir.reference import masked_attention
 from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskError, causal
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
-from stof_cc.runtime.attention import AttentionInputError, explain_attention
-from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS
+from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
+from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS, AttentionProblem
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -46,6 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     attention.add_argument("--heads", type=int, default=12)
     attention.add_argument("--head-dim", type=int, default=64)
     attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
+    attention.add_argument("--build-dir", help="write the chosen kernel's .cu here and compile it with nvcc")
+    attention.add_argument("--check", action="store_true",
+                           help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
     attention.set_defaults(run=_cmd_attention)
 
     add_masks_command(sub)
@@ -53,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError) as exc:
+    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
 
@@ -85,7 +90,44 @@ def _cmd_attention(args: argparse.Namespace) -> int:
     choice = explain_attention(args.batch, args.heads, args.seq, args.seq, args.head_dim, mask, _DTYPES[args.dtype])
     print(f"attention B={args.batch} H={args.heads} S={args.seq} D={args.head_dim} {args.dtype}, mask {mask!r}")
     print(choice.explain())
+    problem = AttentionProblem(args.batch, args.heads, args.seq, args.seq, args.head_dim, _DTYPES[args.dtype])
+    if args.build_dir:
+        _write_and_compile(choice, problem, Path(args.build_dir))
+    if args.check:
+        return _check_attention(problem, mask, choice)
     return 0
+
+
+def _write_and_compile(choice, problem: AttentionProblem, build_dir: Path) -> None:
+    """The chosen kernel's source under build_dir/attention/, and ptxas's verdict on it."""
+    name = choice.template.kernel_name(problem, choice.params)
+    source_path = build_dir / "attention" / f"{name}.cu"
+    source_path.parent.mkdir(parents=True, exist_ok=True)
+    source = choice.template.render(problem, choice.params)
+    source_path.write_text(source)
+    print(f"\nwrote {source_path}")
+    if nvcc_path() is None:
+        print("nvcc not found: not compiled")
+        return
+    arch = "sm_90" + choice.template.arch_features
+    report = compile_cubin(source, arch=arch, source_path=source_path).resources[name]
+    print(f"nvcc {arch}: {report.registers} registers, {report.spill_stores} bytes spilled, "
+          f"{choice.template.shared_bytes(problem, choice.params)} bytes of dynamic shared memory")
+
+
+def _check_attention(problem: AttentionProblem, mask, choice) -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: the kernel was not run against the reference")
+        return 0
+    q, k, v = (torch.randn(problem.batch, problem.heads, problem.seq_q, problem.head_dim,
+                           device="cuda", dtype=problem.dtype) for _ in range(3))
+    out = attention(q, k, v, mask, params=choice.params)
+    dense = mask.to_dense(problem.seq_q, problem.seq_k, batch=problem.batch, heads=problem.heads).cuda()
+    ref = masked_attention(q, k, v, dense)
+    err = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-6))
+    ok = err < 1e-2 and not torch.isnan(out).any()
+    print(f"kernel vs torch reference: relative error {err:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
 
 
 def _print_attention_choices(graph: Graph) -> None:

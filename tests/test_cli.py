@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from stof_cc.cli import main
 
 
@@ -57,3 +59,12 @@ def test_inspect_shows_the_kernel_for_causal_sdpa(tmp_path, capsys):
     )
     assert main(["inspect", f"{model}:factory", "--quiet-graph", "--build-dir", str(tmp_path / "b")]) == 0
     assert re.search(r"attention kernel (rowwise|blockwise|wgmma) m\d+ n\d+", capsys.readouterr().out)
+
+
+@pytest.mark.nvcc
+def test_attention_command_writes_and_compiles_the_chosen_kernel(tmp_path, capsys):
+    assert main(["attention", "--mask", "causal", "--seq", "1024", "--build-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    written = list((tmp_path / "attention").glob("stof_attn_*.cu"))
+    assert len(written) == 1 and f"wrote {written[0]}" in out
+    assert re.search(r"nvcc sm_90a?: \d+ registers, 0 bytes spilled", out)
