@@ -30,6 +30,9 @@ def test_spaces_are_not_empty_and_respect_limits():
             for params in space:
                 assert params["warps"] * 16 * params["m_tiles"] == params["block_m"]
                 assert template.shared_bytes(problem, params) <= 227 * 1024
+                # heads fastest, block rows slowest: every head starts its longest row first
+                grid, threads, _ = template.launch(problem, params)
+                assert grid == (4, 2, -(-1000 // params["block_m"])) and threads == 32 * params["warps"]
 
 
 def test_render_is_deterministic_and_names_the_kernel():

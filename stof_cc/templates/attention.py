@@ -105,9 +105,12 @@ class _AttentionTemplate(KernelTemplate):
                            dtype=problem.dtype_name, head_dim=problem.head_dim, **params)
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
-        """(grid, threads per CTA, dynamic shared bytes): one CTA per (block row, head, batch)."""
+        """(grid, threads per CTA, dynamic shared bytes): one CTA per (head, batch, block row),
+        heads fastest so the scheduler starts all long rows first."""
         n_block_rows = -(-problem.seq_q // params["block_m"])
-        return (n_block_rows, problem.heads, problem.batch), params["warps"] * 32, self.shared_bytes(problem, params)
+        if n_block_rows > 65535:
+            raise ValueError(f"{n_block_rows} block rows exceed the grid's z limit (65535); seq_q is too long")
+        return (problem.heads, problem.batch, n_block_rows), params["warps"] * 32, self.shared_bytes(problem, params)
 
 
 class RowwiseAttention(_AttentionTemplate):
