@@ -23,6 +23,7 @@ from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskError, causal
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
+from stof_cc.passes import CanonicalizeReport, canonicalize
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS, AttentionProblem
 
@@ -39,6 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--quiet-graph", action="store_true", help="do not print the whole graph")
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
+    inspect.add_argument("--canonicalize", action="store_true",
+                         help="show the graph after the canonicalize pass (and check that one with --check)")
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -67,6 +70,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     module, example_args, example_kwargs = load_factory(args.model)
     graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
     graph.verify()
+    if args.canonicalize:
+        report = CanonicalizeReport()
+        graph = canonicalize(graph, report=report)
+        graph.verify()
+        print(report)
     if not args.quiet_graph:
         print(graph)
         print()

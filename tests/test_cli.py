@@ -68,3 +68,11 @@ def test_attention_command_writes_and_compiles_the_chosen_kernel(tmp_path, capsy
     written = list((tmp_path / "attention").glob("stof_attn_*.cu"))
     assert len(written) == 1 and f"wrote {written[0]}" in out
     assert re.search(r"nvcc sm_90a?: \d+ registers, 0 bytes spilled", out)
+
+
+def test_inspect_canonicalize_reports_and_checks(example_path, tmp_path, capsys):
+    code = main(["inspect", example_path("tiny_bert"), "--quiet-graph", "--check", "--canonicalize",
+                 "--build-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "nodes folded to constants" in out and "-> OK" in out
+    assert "dropout" not in out.split("opaque ops")[0]

@@ -1,0 +1,136 @@
+"""The first pass: remove what inference does not compute, fold what does not depend on inputs.
+
+* ``dropout`` in eval mode (``train=False``) is the identity: its users read its input.
+* A ``cast`` whose output has its input's dtype and shape is the identity (device moves
+  are no-ops here: the interpreter and the runtime place every value on the run's device).
+* ``assert_metadata`` checks (``aten._assert_tensor_metadata``) are dropped when nothing
+  reads them.
+* A node whose every input is a constant is evaluated once, on the CPU, and becomes a
+  constant (transformers builds its mask index grids this way), unless its result is
+  larger than ``fold_limit`` elements or it draws random numbers or reads uninitialised
+  memory.
+* Nodes no output depends on are removed.
+
+Pure: the input graph is never modified; pass a `CanonicalizeReport` to learn what was done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import networkx as nx
+import torch
+
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec, iter_refs, map_refs
+from stof_cc.ir.ops import OPAQUE, reference_of
+
+FOLD_LIMIT = 1 << 20  # elements: larger constant results stay computed at run time
+_UNFOLDABLE_TARGETS = ("rand", "bernoulli", "normal", "dropout", "empty", "uniform")
+
+
+@dataclass
+class CanonicalizeReport:
+    """What the pass did, by node name of the input graph."""
+
+    identities: list[str] = field(default_factory=list)  # dropout / no-op casts bypassed
+    dropped_checks: list[str] = field(default_factory=list)
+    folded: list[str] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"canonicalize: {len(self.identities)} identities bypassed, {len(self.dropped_checks)} checks "
+                f"dropped, {len(self.folded)} nodes folded to constants, {len(self.dead)} dead nodes removed")
+
+
+def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: CanonicalizeReport | None = None) -> Graph:
+    """A canonical copy of ``graph``; ``report``, if given, is filled with what changed."""
+    report = report if report is not None else CanonicalizeReport()
+    out = Graph(graph.name)
+    out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
+    renamed: dict[str, Any] = {}  # input-graph name -> the Ref (or value) that replaces it
+
+    def rename(ref: Ref) -> Any:
+        return renamed.get(ref.name, ref)
+
+    for node in graph.nodes():
+        if node.op == INPUT:
+            out.add_input(node.name, node.spec)
+            continue
+        if node.op == CONSTANT:
+            out.add_constant(node.name, graph.constants[node.name])
+            continue
+        args, kwargs = map_refs(node.args, rename), map_refs(node.kwargs, rename)
+        if _is_identity(graph, node):
+            renamed[node.name] = args[0]
+            report.identities.append(node.name)
+        elif node.op == "assert_metadata" and not graph.users(node.name) and not _is_output(graph, node):
+            report.dropped_checks.append(node.name)
+        else:
+            value = _fold(out, node, args, kwargs, fold_limit)
+            if value is not None:
+                out.add_constant(node.name, value)
+                report.folded.append(node.name)
+            else:
+                out.add_node(replace(node, args=args, kwargs=kwargs))
+    out.outputs = [rename(r) if isinstance(r, Ref) else r for r in graph.outputs]
+    return _without_dead_nodes(out, report)
+
+
+def _is_identity(graph: Graph, node: Node) -> bool:
+    if node.op == "dropout":
+        train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
+        return train is False
+    if node.op == "cast" and node.args and isinstance(node.args[0], Ref):
+        source = graph.node(node.args[0].name).spec
+        return isinstance(source, TensorSpec) and source == node.spec
+    return False
+
+
+def _is_output(graph: Graph, node: Node) -> bool:
+    return any(isinstance(r, Ref) and r.name == node.name for r in graph.outputs)
+
+
+def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> torch.Tensor | None:
+    """The node's value if it depends on constants only and is worth keeping as one."""
+    if node.op == OPAQUE or not isinstance(node.spec, TensorSpec) or node.spec.numel > fold_limit:
+        return None
+    if node.target is not None and any(word in node.target for word in _UNFOLDABLE_TARGETS):
+        return None
+    if any(out.node(r.name).op != CONSTANT for r in iter_refs((args, kwargs))):
+        return None
+
+    def value_of(ref: Ref) -> torch.Tensor:
+        return out.constants[ref.name]
+
+    cpu = torch.device("cpu")
+    on_cpu = lambda v: cpu if isinstance(v, torch.device) else v  # noqa: E731
+    call_args = [on_cpu(a) for a in map_refs(args, value_of)]
+    call_kwargs = {k: on_cpu(v) for k, v in map_refs(kwargs, value_of).items()}
+    with torch.no_grad():
+        value = reference_of(node)(*call_args, **call_kwargs)
+    if not isinstance(value, torch.Tensor) or TensorSpec.of(value) != node.spec:
+        return None
+    return value.contiguous() if not value.is_contiguous() else value
+
+
+def _without_dead_nodes(graph: Graph, report: CanonicalizeReport) -> Graph:
+    """A copy keeping inputs and every node an output depends on."""
+    live: set[str] = set()
+    nxg = graph.nx_graph
+    for r in graph.outputs:
+        if isinstance(r, Ref):
+            live.add(r.name)
+            live |= nx.ancestors(nxg, r.name)
+    out = Graph(graph.name)
+    out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
+    for node in graph.nodes():
+        if node.op == INPUT or node.name in live:
+            if node.op == CONSTANT:
+                out.add_constant(node.name, graph.constants[node.name])
+            else:
+                out.add_node(node)
+        else:
+            report.dead.append(node.name)
+    out.outputs = list(graph.outputs)
+    return out
