@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m stof_cc.cli inspect examples/tiny_bert.py:factory --quiet-graph --check
-	$(PY) -m stof_cc.cli inspect examples/tiny_bert.py:factory --quiet-graph --check --canonicalize
+	$(PY) -m stof_cc.cli inspect examples/tiny_bert.py:factory --quiet-graph --check --passes
 	$(PY) -m stof_cc.cli inspect examples/gpt2_block.py:factory --quiet-graph --check
 	$(PY) -m stof_cc.cli inspect examples/encoder_layer.py:factory --quiet-graph --check
 	$(PY) -m stof_cc.cli masks show longformer:w=128,g=32 --seq 2048 --out stof_build/masks/longformer.png

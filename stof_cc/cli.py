@@ -23,7 +23,7 @@ from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskError, causal
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
-from stof_cc.passes import CanonicalizeReport, canonicalize
+from stof_cc.passes import AttentionReport, CanonicalizeReport, canonicalize, recognise_attention
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS, AttentionProblem
 
@@ -40,8 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--quiet-graph", action="store_true", help="do not print the whole graph")
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
-    inspect.add_argument("--canonicalize", action="store_true",
-                         help="show the graph after the canonicalize pass (and check that one with --check)")
+    inspect.add_argument("--passes", action="store_true",
+                         help="show the graph after canonicalize and recognise_attention (--check checks that one)")
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -70,11 +70,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     module, example_args, example_kwargs = load_factory(args.model)
     graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
     graph.verify()
-    if args.canonicalize:
-        report = CanonicalizeReport()
-        graph = canonicalize(graph, report=report)
+    if args.passes:
+        canonical, attention_report = CanonicalizeReport(), AttentionReport()
+        graph = recognise_attention(canonicalize(graph, report=canonical), report=attention_report)
         graph.verify()
-        print(report)
+        print(f"{canonical}\n{attention_report}\n")
     if not args.quiet_graph:
         print(graph)
         print()
@@ -139,10 +139,10 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
 
 
 def _print_attention_choices(graph: Graph) -> None:
-    """For each SDPA node: the kernel the cost model would pick (fp16; causal when the node
-    says so, no mask when it has none; a mask tensor is only known at run time)."""
+    """For each SDPA or recognised attention node: the kernel the cost model would pick (fp16;
+    causal when the node says so, no mask when it has none; a mask tensor is known at run time)."""
     for node in graph.nodes():
-        if node.op != "scaled_dot_product_attention":
+        if node.op not in ("scaled_dot_product_attention", "attention"):
             continue
         q, k = (graph.node(ref.name).spec.shape for ref in node.args[:2])
         mask_arg = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")

@@ -71,7 +71,7 @@ def test_attention_command_writes_and_compiles_the_chosen_kernel(tmp_path, capsy
 
 
 def test_inspect_canonicalize_reports_and_checks(example_path, tmp_path, capsys):
-    code = main(["inspect", example_path("tiny_bert"), "--quiet-graph", "--check", "--canonicalize",
+    code = main(["inspect", example_path("tiny_bert"), "--quiet-graph", "--check", "--passes",
                  "--build-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0 and "nodes folded to constants" in out and "-> OK" in out

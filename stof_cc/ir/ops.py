@@ -172,6 +172,18 @@ _ops("attention", "masked multi-head attention", {
     "scaled_dot_product_attention": ("aten.scaled_dot_product_attention",),
 })
 
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                        *, scale: float, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [causal]) v: what the
+    recognised `attention` node computes, with SDPA's conventions for ``mask``."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                            scale=scale)
+
+
+register_op(OpDef("attention", "attention", reference=attention_reference,
+                  doc="one attention node made by passes/attention.py from SDPA or the hand-written chain"))
+
 _ops("reduction", "row reductions: softmax and normalisations", {
     "softmax": ("aten.softmax", "aten._softmax"),
     "log_softmax": ("aten.log_softmax", "aten._log_softmax"),

@@ -74,7 +74,7 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
             else:
                 out.add_node(replace(node, args=args, kwargs=kwargs))
     out.outputs = [rename(r) if isinstance(r, Ref) else r for r in graph.outputs]
-    return _without_dead_nodes(out, report)
+    return remove_dead_nodes(out, report.dead)
 
 
 def _is_identity(graph: Graph, node: Node) -> bool:
@@ -114,8 +114,9 @@ def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> to
     return value.contiguous() if not value.is_contiguous() else value
 
 
-def _without_dead_nodes(graph: Graph, report: CanonicalizeReport) -> Graph:
-    """A copy keeping inputs and every node an output depends on."""
+def remove_dead_nodes(graph: Graph, removed: list[str] | None = None) -> Graph:
+    """A copy keeping inputs and every node an output depends on; appends the others' names
+    to ``removed``."""
     live: set[str] = set()
     nxg = graph.nx_graph
     for r in graph.outputs:
@@ -130,7 +131,7 @@ def _without_dead_nodes(graph: Graph, report: CanonicalizeReport) -> Graph:
                 out.add_constant(node.name, graph.constants[node.name])
             else:
                 out.add_node(node)
-        else:
-            report.dead.append(node.name)
+        elif removed is not None:
+            removed.append(node.name)
     out.outputs = list(graph.outputs)
     return out

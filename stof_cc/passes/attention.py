@@ -1,0 +1,217 @@
+"""Recognise attention: rewrite each attention computation into one `attention` node.
+
+Two forms are found:
+
+* ``scaled_dot_product_attention`` (with ``dropout_p == 0``): its mask, ``is_causal`` and
+  scale carry over (the default scale becomes explicit, 1 / sqrt(head_dim)).
+* The hand-written chain, as in transformers' eager BERT and GPT-2 (run `canonicalize`
+  first, so eval-mode dropout is gone)::
+
+      scores = matmul(q, transpose(k, -2, -1))      # or bmm
+      scores = scores * c  |  scores / c            # optional, c a number
+      scores = scores + mask                        # optional additive mask, or
+      scores = masked_fill(scores, masked, -inf)    # a boolean mask of what is hidden
+      out    = matmul(softmax(scores, -1), v)
+
+  Every intermediate must have no other reader (else it is needed elsewhere and the chain
+  stays as it is); the reason a softmax was not rewritten is recorded in the report.
+
+The new node keeps the name of the node it replaces (the SDPA call or the final matmul),
+so its readers are untouched: ``attention(q, k, v, mask, scale=..., is_causal=...)`` with
+SDPA's conventions for ``mask`` (boolean: True = attend; floating: added to the scores).
+A hidden-positions mask becomes its negation (a folded constant when the mask is one, else
+a ``logical_not`` node); a constant lower triangle becomes ``is_causal=True`` with no mask
+operand. Other masks stay tensor operands: turning them into `stof_cc.masks` descriptions
+(key padding from an ``attention_mask`` input) is not done yet. Pure: the input graph is
+never modified.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec
+from stof_cc.passes.canonicalize import remove_dead_nodes
+
+_MATMULS = ("matmul", "bmm")
+
+
+@dataclass(frozen=True)
+class AttentionMatch:
+    """One attention computation: operands, attributes and the nodes it replaces."""
+
+    root: str  # the node the attention node replaces (keeps its name)
+    q: Ref
+    k: Ref
+    v: Ref
+    mask: Ref | None
+    mask_hides: bool  # mask marks hidden positions (masked_fill): the node needs its negation
+    scale: float
+    is_causal: bool
+    covered: tuple[str, ...]  # nodes of the chain other than the root, removed
+
+
+@dataclass
+class AttentionReport:
+    matched: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)  # softmax or SDPA node -> reason
+
+    def __str__(self) -> str:
+        lines = [f"recognise_attention: {len(self.matched)} attention node(s)"]
+        lines += [f"  not rewritten: %{name}: {why}" for name, why in self.refused.items()]
+        return "\n".join(lines)
+
+
+def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> Graph:
+    """A copy of ``graph`` with every recognised attention computation as one node."""
+    report = report if report is not None else AttentionReport()
+    matches: dict[str, AttentionMatch] = {}
+    for node in graph.nodes():
+        match = _match_sdpa(graph, node, report) or _match_chain(graph, node, report)
+        if match is not None:
+            matches[match.root] = match
+            report.matched.append(match.root)
+    covered = {name for m in matches.values() for name in m.covered}
+
+    out = Graph(graph.name)
+    out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
+    for node in graph.nodes():
+        if node.op == INPUT:
+            out.add_input(node.name, node.spec)
+        elif node.op == CONSTANT:
+            out.add_constant(node.name, graph.constants[node.name])
+        elif node.name in matches:
+            m = matches[node.name]
+            mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
+            out.add_node(Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
+                              {"scale": m.scale, "is_causal": is_causal}, node.spec))
+        elif node.name not in covered:
+            out.add_node(node)
+    out.outputs = list(graph.outputs)
+    return remove_dead_nodes(out)  # e.g. a hidden-positions constant replaced by its negation
+
+
+def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
+    if node.op != "scaled_dot_product_attention":
+        return None
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    given = dict(zip(names, node.args, strict=False)) | node.kwargs
+    if given.get("dropout_p", 0.0) != 0.0:
+        report.refused[node.name] = "dropout_p is not 0 (training-mode attention)"
+        return None
+    if given.get("enable_gqa", False):
+        report.refused[node.name] = "grouped-query attention (enable_gqa) is not supported"
+        return None
+    q = given["query"]
+    head_dim = graph.node(q.name).spec.shape[-1]
+    scale = given.get("scale")
+    return AttentionMatch(node.name, q, given["key"], given["value"], given.get("attn_mask"), False,
+                          1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+                          bool(given.get("is_causal", False)), ())
+
+
+def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
+    """Match from the final matmul back to q and k; None (with a reason) when it is not the form."""
+    if node.op not in _MATMULS or not isinstance(node.args[0], Ref):
+        return None
+    probs = graph.node(node.args[0].name)
+    if probs.op != "softmax":
+        return None
+
+    def refuse(why: str) -> None:
+        report.refused[probs.name] = why
+
+    if not _reads_only(graph, probs, node):
+        return refuse("the probabilities are read elsewhere too")
+    if not _is_last_dim(graph, probs):
+        return refuse("softmax is not over the last dimension")
+    chain = [probs.name]
+    scores = graph.node(probs.args[0].name)
+    mask, mask_hides = None, False
+    if scores.op == "masked_fill" and isinstance(scores.args[1], Ref) and _is_minus_infinity(scores.args[2]):
+        if not _reads_only(graph, scores, probs):
+            return refuse("the masked scores are read elsewhere too")
+        mask, mask_hides = scores.args[1], True
+        chain.append(scores.name)
+        scores = graph.node(scores.args[0].name)
+    elif scores.op == "add" and all(isinstance(a, Ref) for a in scores.args[:2]):
+        inner, mask = _split_mask(graph, scores)
+        if inner is None:
+            return refuse("the added term is not a mask beside a q k^T product")
+        if not _reads_only(graph, scores, probs):
+            return refuse("the masked scores are read elsewhere too")
+        chain.append(scores.name)
+        scores = inner
+    scale = 1.0
+    if scores.op in ("mul", "div") and isinstance(scores.args[1], (int, float)):
+        if not _reads_only(graph, scores, graph.node(chain[-1])):
+            return refuse("the scaled scores are read elsewhere too")
+        scale = float(scores.args[1]) if scores.op == "mul" else 1.0 / float(scores.args[1])
+        chain.append(scores.name)
+        scores = graph.node(scores.args[0].name)
+    if scores.op not in _MATMULS:
+        return refuse(f"the scores come from {scores.op}, not a matmul")
+    if not _reads_only(graph, scores, graph.node(chain[-1])):
+        return refuse("the q k^T product is read elsewhere too")
+    key_t = graph.node(scores.args[1].name) if isinstance(scores.args[1], Ref) else None
+    if key_t is None or not _is_last_two_transpose(graph, key_t) or not _reads_only(graph, key_t, scores):
+        return refuse("the second operand of q k^T is not a transposed key read only there")
+    chain += [scores.name, key_t.name]
+    return AttentionMatch(node.name, scores.args[0], key_t.args[0], node.args[1], mask, mask_hides, scale, False,
+                          tuple(chain))
+
+
+def _is_minus_infinity(value: Any) -> bool:
+    return isinstance(value, (int, float)) and value <= -1e30
+
+
+def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref | None, bool]:
+    """(mask operand, is_causal) for a mask of hidden positions: its negation, or causal."""
+    hidden = graph.node(match.mask.name)
+    if hidden.op == CONSTANT:
+        allowed = ~graph.constants[hidden.name]
+        rows, cols = allowed.shape[-2:]
+        if rows == cols and torch.equal(allowed, torch.ones_like(allowed).tril().expand_as(allowed)):
+            return None, True
+        name = out.fresh_name(f"{match.root}_allowed")
+        out.add_constant(name, allowed)
+        return Ref(name), False
+    name = out.fresh_name(f"{match.root}_allowed")
+    out.add_node(Node(name, "logical_not", "aten.logical_not.default", (match.mask,), {}, hidden.spec))
+    return Ref(name), False
+
+
+def _split_mask(graph: Graph, add: Node) -> tuple[Node | None, Ref | None]:
+    """(the scores side, the mask side) of ``scores + mask`` in either order."""
+    for scores_ref, mask_ref in (add.args[:2], add.args[1::-1]):
+        producer = graph.node(scores_ref.name)
+        if producer.op in _MATMULS or (producer.op in ("mul", "div") and isinstance(producer.args[1], (int, float))):
+            return producer, mask_ref
+    return None, None
+
+
+def _reads_only(graph: Graph, producer: Node, reader: Node) -> bool:
+    """True when ``reader`` is the only consumer of ``producer`` and it is not a graph output."""
+    outputs = {r.name for r in graph.outputs if isinstance(r, Ref)}
+    return [u.name for u in graph.users(producer.name)] == [reader.name] and producer.name not in outputs
+
+
+def _is_last_dim(graph: Graph, softmax: Node) -> bool:
+    rank = len(graph.node(softmax.args[0].name).spec.shape)
+    dim = softmax.args[1] if len(softmax.args) > 1 else softmax.kwargs.get("dim")
+    return isinstance(dim, int) and dim % rank == rank - 1
+
+
+def _is_last_two_transpose(graph: Graph, node: Node) -> bool:
+    if node.op != "transpose" or not isinstance(node.args[0], Ref):
+        return False
+    spec: Any = graph.node(node.args[0].name).spec
+    if not isinstance(spec, TensorSpec):
+        return False
+    rank = len(spec.shape)
+    dims = sorted(d % rank for d in node.args[1:3])
+    return dims == [rank - 2, rank - 1]
