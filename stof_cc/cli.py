@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
+from stof_cc.backends.pycuda_backend import BackendError
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
@@ -61,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError) as exc:
+    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
+            BackendError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
 

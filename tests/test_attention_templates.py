@@ -49,6 +49,7 @@ def test_wgmma_template_is_hopper_only_and_uses_wgmma():
     source = WGMMA.render(problem, params)
     assert "wgmma.mma_async.sync.aligned.m64n" in source and "ldmatrix" not in source.split("extern \"C\"")[1]
     assert WGMMA.runs_on((9, 0)) and not WGMMA.runs_on((8, 0)) and ROWWISE.runs_on((8, 0))
+    assert not ROWWISE.runs_on((7, 5)) and not BLOCKWISE.runs_on((7, 5))  # no cp.async / bf16 mma
     assert WGMMA.space(PROBLEMS[0]) == []  # head_dim 32: no whole 128-byte swizzle rows
 
 

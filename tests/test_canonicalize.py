@@ -64,3 +64,19 @@ def test_fold_limit_keeps_large_results_computed():
     report = CanonicalizeReport()
     result = canonicalize(graph, fold_limit=0, report=report)
     assert report.folded == [] and "arange" in result.op_histogram()
+
+
+class _FilledMask(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(4, 4)
+        mask[:, :2] = 1  # export keeps this as an in-place fill_ on a slice
+        return x + mask
+
+
+def test_graphs_with_in_place_ops_are_left_alone():
+    x = torch.randn(4, 4)
+    graph = trace(_FilledMask(), (x,))
+    report = CanonicalizeReport()
+    result = canonicalize(graph, report=report)
+    assert "in-place ops" in str(report) and str(result) == str(graph)
+    assert torch.equal(interpret(result, x), _FilledMask()(x))

@@ -33,9 +33,9 @@ def test_one_long_row_is_the_critical_path():
 
 
 def test_stof_rule_matches_the_paper_threshold():
-    rho, tau, pick = stof_rule(nonempty_16=64 * 64, seq=1024)
+    rho, tau, pick = stof_rule(nonempty_16=64 * 64, blocks_16=64 * 64)  # S = 1024, all blocks on
     assert (rho, pick) == (1.0, "blockwise") and tau == pytest.approx(1 / 36)
-    assert stof_rule(nonempty_16=64, seq=1024)[2] == "rowwise"
+    assert stof_rule(nonempty_16=64, blocks_16=64 * 64)[2] == "rowwise"
 
 
 def test_explain_lists_every_candidate_best_first():
@@ -61,3 +61,4 @@ def test_explain_rejects_what_no_kernel_runs():
         explain_attention(1, 1, 128, 128, 64, dtype=torch.float32)
     with pytest.raises(AttentionInputError, match="seq_q=0"):
         explain_attention(1, 1, 0, 128, 64)
+

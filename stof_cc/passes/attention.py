@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec
-from stof_cc.passes.canonicalize import remove_dead_nodes
+from stof_cc.passes.canonicalize import mutating_nodes, remove_dead_nodes
 
 _MATMULS = ("matmul", "bmm")
 
@@ -69,6 +69,10 @@ class AttentionReport:
 def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> Graph:
     """A copy of ``graph`` with every recognised attention computation as one node."""
     report = report if report is not None else AttentionReport()
+    mutating = mutating_nodes(graph)
+    if mutating:  # a mutation could feed or read the chain's intermediates: leave the graph alone
+        report.refused["<graph>"] = f"in-place ops ({', '.join('%' + n for n in mutating[:3])})"
+        return graph.copy()
     matches: dict[str, AttentionMatch] = {}
     for node in graph.nodes():
         match = _match_sdpa(graph, node, report) or _match_chain(graph, node, report)
@@ -166,7 +170,9 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
 
 
 def _is_minus_infinity(value: Any) -> bool:
-    return isinstance(value, (int, float)) and value <= -1e30
+    """Only -inf: a finite fill (finfo.min) averages V over a fully hidden row, which the
+    attention node (SDPA's boolean-mask semantics) would not."""
+    return isinstance(value, float) and value == float("-inf")
 
 
 def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref | None, bool]:
@@ -174,8 +180,9 @@ def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref 
     hidden = graph.node(match.mask.name)
     if hidden.op == CONSTANT:
         allowed = ~graph.constants[hidden.name]
-        rows, cols = allowed.shape[-2:]
-        if rows == cols and torch.equal(allowed, torch.ones_like(allowed).tril().expand_as(allowed)):
+        rows, cols = graph.node(match.root).spec.shape[-2], graph.node(match.k.name).spec.shape[-2]
+        if rows == cols and allowed.shape[-2:] == (rows, cols) \
+                and torch.equal(allowed, torch.ones(rows, cols, dtype=torch.bool).tril().expand_as(allowed)):
             return None, True
         name = out.fresh_name(f"{match.root}_allowed")
         out.add_constant(name, allowed)

@@ -11,6 +11,10 @@
   memory.
 * Nodes no output depends on are removed.
 
+A graph with in-place ops (``fill_``, ``add_``, ``copy_``: torch.export keeps them, e.g. for
+``m[:, :2] = 1``) is returned unchanged, with the reason in the report: removing or folding
+around a mutation would change what the mutated tensor's readers see.
+
 Pure: the input graph is never modified; pass a `CanonicalizeReport` to learn what was done.
 """
 
@@ -22,11 +26,21 @@ from typing import Any
 import networkx as nx
 import torch
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec, iter_refs, map_refs
-from stof_cc.ir.ops import OPAQUE, reference_of
+from stof_cc.ir.graph import (
+    CONSTANT,
+    INPUT,
+    Graph,
+    GraphError,
+    Node,
+    Ref,
+    TensorSpec,
+    iter_refs,
+    map_refs,
+)
+from stof_cc.ir.ops import OPAQUE, reference_of, resolve_target
 
 FOLD_LIMIT = 1 << 20  # elements: larger constant results stay computed at run time
-_UNFOLDABLE_TARGETS = ("rand", "bernoulli", "normal", "dropout", "empty", "uniform")
+_UNINITIALISED_TARGETS = ("aten.empty", "aten.new_empty")
 
 
 @dataclass
@@ -37,8 +51,11 @@ class CanonicalizeReport:
     dropped_checks: list[str] = field(default_factory=list)
     folded: list[str] = field(default_factory=list)
     dead: list[str] = field(default_factory=list)
+    skipped: str = ""  # why the graph was left as it is, if it was
 
     def __str__(self) -> str:
+        if self.skipped:
+            return f"canonicalize: skipped: {self.skipped}"
         return (f"canonicalize: {len(self.identities)} identities bypassed, {len(self.dropped_checks)} checks "
                 f"dropped, {len(self.folded)} nodes folded to constants, {len(self.dead)} dead nodes removed")
 
@@ -46,6 +63,10 @@ class CanonicalizeReport:
 def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: CanonicalizeReport | None = None) -> Graph:
     """A canonical copy of ``graph``; ``report``, if given, is filled with what changed."""
     report = report if report is not None else CanonicalizeReport()
+    mutating = mutating_nodes(graph)
+    if mutating:
+        report.skipped = f"in-place ops ({', '.join('%' + n for n in mutating[:3])}) mutate values other nodes read"
+        return graph.copy()
     out = Graph(graph.name)
     out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
     renamed: dict[str, Any] = {}  # input-graph name -> the Ref (or value) that replaces it
@@ -77,6 +98,30 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
     return remove_dead_nodes(out, report.dead)
 
 
+def mutating_nodes(graph: Graph) -> list[str]:
+    """Names of nodes whose ATen overload writes into one of its inputs."""
+    names = []
+    for node in graph.nodes():
+        if node.target is None or not node.target.startswith("aten."):
+            continue
+        try:
+            overload = resolve_target(node.target)
+        except GraphError:
+            continue
+        schema = getattr(overload, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            names.append(node.name)
+    return names
+
+
+def _draws_random(target: str) -> bool:
+    try:
+        overload = resolve_target(target)
+    except GraphError:
+        return True  # unknown: do not fold
+    return torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ())
+
+
 def _is_identity(graph: Graph, node: Node) -> bool:
     if node.op == "dropout":
         train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
@@ -95,7 +140,7 @@ def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> to
     """The node's value if it depends on constants only and is worth keeping as one."""
     if node.op == OPAQUE or not isinstance(node.spec, TensorSpec) or node.spec.numel > fold_limit:
         return None
-    if node.target is not None and any(word in node.target for word in _UNFOLDABLE_TARGETS):
+    if node.target is not None and (node.target.startswith(_UNINITIALISED_TARGETS) or _draws_random(node.target)):
         return None
     if any(out.node(r.name).op != CONSTANT for r in iter_refs((args, kwargs))):
         return None

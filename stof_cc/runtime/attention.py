@@ -1,10 +1,11 @@
 """`stof_cc.attention(q, k, v, mask)`: masked multi-head attention on stof-cc's own kernels.
 
-Usable on its own, like FlexAttention. On each call it validates the inputs, picks a
-template and parameters with the analytical model (cached per problem and mask), takes
+Usable on its own, like FlexAttention (inference only: no backward). The first call for a
+mask and an input layout validates the inputs, picks a template and parameters with the
+analytical model (cached per problem and mask), takes
 the mask in the unified storage format at that kernel's block shape (converted once and
 cached per mask, sizes, block shape and device), and launches the compiled kernel on
-the current stream. Nothing here falls back to torch: an input the kernels do not
+the default stream (see the PyCUDA backend). Nothing here falls back to torch: an input the kernels do not
 support raises `AttentionInputError` naming the argument.
 """
 
@@ -76,6 +77,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keep its `from_dense` description to pay that once.
     """
     description = as_description(mask)
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        check_inputs(q, k, v)  # raises, naming the argument
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise AttentionInputError("stof_cc.attention is inference-only (no backward): call it under "
+                                  "torch.no_grad() or pass tensors that do not require grad")
     layout = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
               q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())))
     per_mask = _plans.setdefault(description, {})
@@ -113,9 +119,10 @@ class LaunchPlan:
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
-                or not out.is_contiguous():
-            raise AttentionInputError(f"out must be a contiguous {self.dtype} tensor of shape {self.shape} "
-                                      f"on {self.device}; got {out.dtype} {tuple(out.shape)} on {out.device}")
+                or not out.is_contiguous() or out.data_ptr() % 16:
+            raise AttentionInputError(f"out must be a contiguous, 16-byte aligned {self.dtype} tensor of shape "
+                                      f"{self.shape} on {self.device}; got {out.dtype} {tuple(out.shape)} on "
+                                      f"{out.device} at address {out.data_ptr():#x}")
         self.kernel.launch(self.grid, self.threads, self.shared_bytes,
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *self.size_args, *out.stride()[:3], *self.end_args)
@@ -200,7 +207,11 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
     per_mask = _choices.setdefault(description, {})
     if key not in per_mask:
         scored = []
-        for template, params in candidates(problem):
+        options = candidates(problem)
+        if not options:
+            raise AttentionInputError(f"no attention kernel runs on compute capability {_capability()} "
+                                      "(the templates need sm_80 or newer)")
+        for template, params in options:
             bm = cached_block_mask(description, problem, params, torch.device("cpu"))
             row_blocks = (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist()
             heads_batches = problem.batch * problem.heads // (bm.batch * bm.heads)
@@ -210,7 +221,7 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
         fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
-        rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), problem.seq_k)
+        rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
     return per_mask[key]
 

@@ -1,13 +1,12 @@
-"""Specs of the masked-attention templates (source: attention.cu.j2).
-
-Two strategies share one CUDA source because they differ only in CTA shape and staging:
+"""Specs of the masked-attention templates (sources: attention.cu.j2 for the mma.sync
+strategies, attention_wgmma.cu.j2 for Hopper; shared pieces in attention_common.j2).
 
 * ``attention_rowwise``: one warp per CTA owns a 16- or 32-row query strip and walks
   that strip's own non-empty blocks (mask blocks are that high, so skipping is fine-grained).
   Many small CTAs: good for short sequences and very sparse or irregular masks.
 * ``attention_blockwise``: 2 to 8 warps per CTA share each K/V tile of a 64- or 128-row
-  block row, double-buffered with cp.async: K/V reuse for long sequences.
-* ``attention_wgmma``: Hopper only (sm_90a). The blockwise walk with one or two
+  block row, staged by cp.async (one or two stages): K/V reuse for long sequences.
+* ``attention_wgmma``: Hopper only (sm_90a). The blockwise walk with one to three
   warpgroups per CTA issuing ``wgmma.mma_async`` straight from 128-byte-swizzled shared
   memory instead of ``mma.sync`` on ldmatrix fragments; head dim 64 and 128.
 
@@ -67,6 +66,7 @@ class _AttentionTemplate(KernelTemplate):
     arg_format = "P" * 9 + "ii" + "q" * 12 + "iif"
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
+    min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
     shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
     stage_counts = (1, 2)

@@ -8,7 +8,6 @@ parameter space, its launch geometry and its shared-memory need. Rendering is pu
 from __future__ import annotations
 
 import functools
-import hashlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,12 @@ class KernelTemplate(ABC):
     name: str
     source_file: str
     arch_features: str = ""  # "a" for sources that need the arch-specific target (sm_90a)
-    capabilities: tuple[tuple[int, int], ...] | None = None  # compute capabilities it runs on; None: all
+    min_capability: tuple[int, int] = (0, 0)  # oldest compute capability it compiles for
+    capabilities: tuple[tuple[int, int], ...] | None = None  # exactly these, when arch-specific
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
-        return self.capabilities is None or tuple(capability) in self.capabilities
+        capability = tuple(capability)
+        return capability >= self.min_capability and (self.capabilities is None or capability in self.capabilities)
 
     @abstractmethod
     def space(self, problem: Any) -> list[dict[str, Any]]:
@@ -54,11 +55,6 @@ class KernelTemplate(ABC):
     def kernel_name(self, problem: Any, params: dict[str, Any]) -> str:
         """The extern "C" symbol the rendered source defines."""
 
-    @functools.cached_property
-    def source_hash(self) -> str:
-        """Hash of the template source: part of every cache key, so an edit invalidates records."""
-        return hashlib.sha256((TEMPLATE_DIR / self.source_file).read_bytes()).hexdigest()[:16]
-
 
 _TEMPLATES: dict[str, KernelTemplate] = {}
 
@@ -70,14 +66,3 @@ def register_template(template: KernelTemplate) -> KernelTemplate:
         raise ValueError(f"template {template.name!r}: source file {template.source_file} not found")
     _TEMPLATES[template.name] = template
     return template
-
-
-def get_template(name: str) -> KernelTemplate:
-    try:
-        return _TEMPLATES[name]
-    except KeyError:
-        raise KeyError(f"unknown template {name!r}; registered: {', '.join(sorted(_TEMPLATES))}") from None
-
-
-def all_templates() -> list[KernelTemplate]:
-    return [_TEMPLATES[n] for n in sorted(_TEMPLATES)]

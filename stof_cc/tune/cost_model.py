@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
-TENSOR_FLOPS_PER_US = 7.1e7   # peak-ish mma.sync fp16 flops per SM, before the fragment term
+TENSOR_FLOPS_PER_US = 7.1e7   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
 WGMMA_FLOPS_PER_US = 2.1e6    # wgmma (attention_wgmma) flops per SM, issue to completion
 FRAGMENT_OVERHEAD = 67        # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
 EXP_PER_US = 1.8e5            # exp2 + scaling + max/sum per element
@@ -116,9 +116,9 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
     return Estimate(params, micros, occ, blocks, partial, max(counts, default=0))
 
 
-def stof_rule(nonempty_16: int, seq: int) -> tuple[float, float, str]:
-    """STOF's selection rule, for comparison: (rho, tau, 'blockwise' | 'rowwise')."""
-    n = max(seq // 16, 1)
-    rho = nonempty_16 / (n * n)
-    tau = 1.0 / max(math.log2(n), 1.0) ** 2
+def stof_rule(nonempty_16: int, blocks_16: int) -> tuple[float, float, str]:
+    """STOF's selection rule, for comparison: (rho, tau, 'blockwise' | 'rowwise'), from the
+    non-empty and total counts of 16 x 16 blocks of one mask slice."""
+    rho = nonempty_16 / max(blocks_16, 1)
+    tau = 1.0 / max(math.log2(math.sqrt(max(blocks_16, 1))), 1.0) ** 2
     return rho, tau, "blockwise" if rho >= tau else "rowwise"
