@@ -14,3 +14,16 @@ def test_attention_rejects_non_tensors_and_autograd_before_anything_else():
     q = torch.randn(1, 1, 16, 64, requires_grad=True)
     with pytest.raises(AttentionInputError, match="inference-only"):
         attention(q, q, q)
+
+
+def test_problems_past_the_grid_limits_are_named():
+    from stof_cc import explain_attention
+    from stof_cc.runtime.attention import candidates
+    from stof_cc.templates.attention import AttentionProblem
+
+    long = AttentionProblem(1, 1, 65536 * 64, 65536 * 64, 64, torch.float16)  # too many rows for m64 and below
+    assert candidates(long) and all(p["block_m"] > 64 for _, p in candidates(long))
+    with pytest.raises(AttentionInputError, match="no attention kernel runs"):
+        explain_attention(70000, 1, 16, 16, 64)  # batch is the grid's y
+    with pytest.raises(AttentionInputError, match="no attention kernel runs"):
+        explain_attention(1, 1, 65536 * 192 + 1, 16, 64)

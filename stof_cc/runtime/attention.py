@@ -23,6 +23,7 @@ from stof_cc.masks import MaskDescription, from_dense, full
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
+    GRID_YZ_LIMIT,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     AttentionProblem,
@@ -176,6 +177,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attention
         raise AttentionInputError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     if seq_q == 0 or k.shape[2] == 0:
         raise AttentionInputError("sequence lengths must be positive")
+    if batch > GRID_YZ_LIMIT:
+        raise AttentionInputError(f"batch {batch} exceeds {GRID_YZ_LIMIT}, the grid's y limit; split the batch")
     return AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype)
 
 
@@ -209,8 +212,9 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
         scored = []
         options = candidates(problem)
         if not options:
-            raise AttentionInputError(f"no attention kernel runs on compute capability {_capability()} "
-                                      "(the templates need sm_80 or newer)")
+            raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
+                                      f"{_capability()} (the templates need sm_80 or newer, a batch of at "
+                                      f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
         for template, params in options:
             bm = cached_block_mask(description, problem, params, torch.device("cpu"))
             row_blocks = (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist()

@@ -28,6 +28,7 @@ SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit
 SM_REGISTER_FILE = 64 * 1024  # 32-bit registers per SM: one CTA's threads x registers must fit
+GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y (batch) and gridDim.z (block rows)
 MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (checked in CI)
 
 
@@ -73,13 +74,15 @@ class _AttentionTemplate(KernelTemplate):
     head_dims = SUPPORTED_HEAD_DIMS
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
-        if problem.head_dim not in self.head_dims:
+        if problem.head_dim not in self.head_dims or problem.batch > GRID_YZ_LIMIT:
             return []
         points = []
         for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
             params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
                       "warps": block_m // (16 * m_tiles), "m_tiles": m_tiles, "stages": stages}
             registers = self.registers(problem, params)
+            if -(-problem.seq_q // block_m) > GRID_YZ_LIMIT:  # block rows are the grid's z
+                continue
             if (registers <= MAX_REGISTERS and registers * params["warps"] * 32 <= SM_REGISTER_FILE
                     and self.shared_bytes(problem, params) <= SMEM_LIMIT):
                 points.append(params)
@@ -108,8 +111,6 @@ class _AttentionTemplate(KernelTemplate):
         """(grid, threads per CTA, dynamic shared bytes): one CTA per (head, batch, block row),
         heads fastest so the scheduler starts all long rows first."""
         n_block_rows = -(-problem.seq_q // params["block_m"])
-        if n_block_rows > 65535:
-            raise ValueError(f"{n_block_rows} block rows exceed the grid's z limit (65535); seq_q is too long")
         return (problem.heads, problem.batch, n_block_rows), params["warps"] * 32, self.shared_bytes(problem, params)
 
 
