@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stof_cc.ir.reference import masked_attention  # noqa: E402
+from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
 from stof_cc.masks.workloads import (  # noqa: E402
     GRID_HEAD_DIM,
     GRID_HEADS,
@@ -46,12 +46,6 @@ def bench(fn) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if torch.isnan(out).any():
-        return math.inf
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 def flex_peer(desc, batch, heads, seq):
@@ -99,7 +93,7 @@ def run_case(name: str, seq: int, sweep: bool) -> dict:
     problem = check_inputs(q, k, v)
     choice = choose(problem, desc)
     ours = lambda: attention(q, k, v, desc)  # noqa: E731
-    row["stof_err"] = rel_error(ours(), ref)
+    row["stof_err"] = relative_error(ours(), ref)
     row["stof_ms"] = bench(ours)
     row["kernel"] = config_label(choice.params)
     row["tflops"] = 4 * attended * d / (row["stof_ms"] * 1e-3) / 1e12
@@ -107,7 +101,7 @@ def run_case(name: str, seq: int, sweep: bool) -> dict:
     row["peers"] = {}
     for peer, fn in peers(name, desc, dense, batch, heads, seq).items():
         try:
-            err = rel_error(fn(q, k, v), ref)
+            err = relative_error(fn(q, k, v), ref)
             row["peers"][peer] = {"ms": bench(lambda fn=fn: fn(q, k, v)), "err": err, "ok": err < TOLERANCE}
         except Exception as exc:
             row["peers"][peer] = {"ms": math.inf, "err": math.inf, "ok": False, "error": str(exc)[:200]}
@@ -120,7 +114,7 @@ def run_case(name: str, seq: int, sweep: bool) -> dict:
         measured = []
         for template, params in candidates(problem):
             fn = lambda params=params: attention(q, k, v, desc, params=params)  # noqa: E731
-            ok = rel_error(fn(), ref) < TOLERANCE
+            ok = relative_error(fn(), ref) < TOLERANCE
             measured.append({"template": template.name, "params": params,
                              "ms": bench(fn) if ok else math.inf, "ok": ok})
         model_order = [config_label(e.params) for e in choice.estimates]

@@ -20,3 +20,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
     return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Frobenius relative error of ``out`` against ``ref`` in fp32; inf if ``out`` has a NaN
+    (a NaN never passes a tolerance)."""
+    if torch.isnan(out).any():
+        return math.inf
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-6))

@@ -165,21 +165,28 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attention
         if t.device.type != "cuda":
             raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices "
                                       "(stof_cc.ir.reference.masked_attention is the CPU reference)")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise AttentionInputError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise AttentionInputError("q, k and v must share one dtype and one device")
     batch, heads, seq_q, head_dim = q.shape
     if k.shape[:2] != (batch, heads) or v.shape != k.shape or k.shape[3] != head_dim:
         raise AttentionInputError(f"k and v must be [{batch}, {heads}, S_k, {head_dim}] like q; "
                                   f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise AttentionInputError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    if seq_q == 0 or k.shape[2] == 0:
-        raise AttentionInputError("sequence lengths must be positive")
-    if batch > GRID_YZ_LIMIT:
-        raise AttentionInputError(f"batch {batch} exceeds {GRID_YZ_LIMIT}, the grid's y limit; split the batch")
-    return AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype)
+    return _validated(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype))
+
+
+def _validated(problem: AttentionProblem) -> AttentionProblem:
+    """The checks on sizes and dtype that `attention` and `explain_attention` share."""
+    if problem.dtype not in SUPPORTED_DTYPES:
+        raise AttentionInputError(f"dtype {problem.dtype} is not supported; supported: float16, bfloat16")
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise AttentionInputError(f"head_dim {problem.head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if min(problem.batch, problem.heads, problem.seq_q, problem.seq_k) <= 0:
+        raise AttentionInputError(f"sizes must be positive, got batch={problem.batch} heads={problem.heads} "
+                                  f"seq_q={problem.seq_q} seq_k={problem.seq_k}")
+    if problem.batch > GRID_YZ_LIMIT:
+        raise AttentionInputError(f"batch {problem.batch} exceeds {GRID_YZ_LIMIT}, the grid's y limit; "
+                                  "split the batch")
+    return problem
 
 
 def as_description(mask: MaskDescription | torch.Tensor | None) -> MaskDescription:
@@ -236,14 +243,8 @@ def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: 
     """The kernel `attention` would run for these sizes and mask, with every candidate's
     estimate; needs no GPU (the SM count defaults to the H100's 132 without one).
     ``choice.explain()`` formats it."""
-    if dtype not in SUPPORTED_DTYPES:
-        raise AttentionInputError(f"dtype {dtype} is not supported; supported: float16, bfloat16")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise AttentionInputError(f"head_dim {head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
-    if min(batch, heads, seq_q, seq_k) <= 0:
-        raise AttentionInputError(f"sizes must be positive, got batch={batch} heads={heads} "
-                                  f"seq_q={seq_q} seq_k={seq_k}")
-    return choose(AttentionProblem(batch, heads, seq_q, seq_k, head_dim, dtype), as_description(mask))
+    problem = _validated(AttentionProblem(batch, heads, seq_q, seq_k, head_dim, dtype))
+    return choose(problem, as_description(mask))
 
 
 def _pinned(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
