@@ -28,7 +28,7 @@ from stof_cc.templates.attention import AttentionProblem, config_label  # noqa: 
 from stof_cc.tune import cost_model  # noqa: E402
 
 CONSTANTS = ("TENSOR_FLOPS_PER_US", "WGMMA_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "EXP_PER_US", "BIT_TESTS_PER_US", "TILE_BYTES_PER_US",
-             "ITER_US", "EXPOSED_LOAD_US", "CTA_FIXED_US", "LAUNCH_US")
+             "ITER_US", "WS_ITER_US", "EXPOSED_LOAD_US", "CTA_FIXED_US", "LAUNCH_US")
 SM_COUNT = 132  # the H100 SXM the sweeps were measured on
 
 
@@ -47,7 +47,7 @@ def load_cases(path: str) -> list[tuple[str, list[tuple]]]:
             points.append((params, row["batch"] * GRID_HEADS // (bm.batch * bm.heads),
                            (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist(), int(bm.part_cols.numel()),
                            template.shared_bytes(problem, params), template.registers(problem, params),
-                           measured[config_label(params)]))
+                           template.launch(problem, params)[1], measured[config_label(params)]))
         cases.append((f"{row['mask']} S={row['seq']}", points))
     return cases
 
@@ -55,8 +55,8 @@ def load_cases(path: str) -> list[tuple[str, list[tuple]]]:
 def loss(cases, report: bool = False) -> float:
     total = 0.0
     for label, points in cases:
-        scored = [(cost_model.estimate(p, GRID_HEAD_DIM, hb, rows, part, smem, SM_COUNT, regs).micros, us, p)
-                  for p, hb, rows, part, smem, regs, us in points]
+        scored = [(cost_model.estimate(p, GRID_HEAD_DIM, hb, rows, part, smem, SM_COUNT, regs, threads).micros, us, p)
+                  for p, hb, rows, part, smem, regs, threads, us in points]
         best = min(us for _, us, _ in scored)
         est, picked_us, params = min(scored, key=lambda s: s[0])
         total += math.log(picked_us / best)

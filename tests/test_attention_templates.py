@@ -14,6 +14,7 @@ from stof_cc.templates.attention import (
     ROWWISE,
     SUPPORTED_HEAD_DIMS,
     WGMMA,
+    WGMMA_WS,
     AttentionProblem,
 )
 
@@ -32,7 +33,8 @@ def test_spaces_are_not_empty_and_respect_limits():
                 assert template.shared_bytes(problem, params) <= 227 * 1024
                 # heads fastest, block rows slowest: every head starts its longest row first
                 grid, threads, _ = template.launch(problem, params)
-                assert grid == (4, 2, -(-1000 // params["block_m"])) and threads == 32 * params["warps"]
+                producer = 128 if template is WGMMA_WS else 0  # the copy warpgroup
+                assert grid == (4, 2, -(-1000 // params["block_m"])) and threads == 32 * params["warps"] + producer
 
 
 def test_render_is_deterministic_and_names_the_kernel():

@@ -228,7 +228,8 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
             heads_batches = problem.batch * problem.heads // (bm.batch * bm.heads)
             scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks,
                                     int(bm.part_cols.numel()), template.shared_bytes(problem, params),
-                                    key[1], template.registers(problem, params)), template))
+                                    key[1], template.registers(problem, params),
+                                    template.launch(problem, params)[1]), template))
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
         fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))

@@ -29,15 +29,15 @@ SUPPORTED_HEAD_DIMS = (32, 64, 128)
 SMEM_LIMIT = 227 * 1024  # Hopper's per-block opt-in limit
 SM_REGISTER_FILE = 64 * 1024  # 32-bit registers per SM: one CTA's threads x registers must fit
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y (batch) and gridDim.z (block rows)
+# wgmma kernels' registers per thread by (head_dim, block_n): the sm_90a ptxas reports, which vary
+# by a few registers over block_m and dtype (checked in CI)
+WGMMA_REGISTERS = {(64, 64): 121, (64, 128): 185, (128, 64): 160, (128, 128): 208}
 MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (checked in CI)
 
 
-def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int, q_in_registers: bool = True) -> int:
-    """Registers per thread for the S and O accumulators and the Q (mma.sync) or P (wgmma) fragments."""
-    if q_in_registers:  # mma.sync: Q fragments
-        return m_tiles * (block_n // 2 + head_dim // 2 + head_dim // 4)
-    # wgmma: S, O and packed P, fitted to the sm_90a ptxas reports
-    return (7 * block_n) // 12 + (11 * head_dim) // 25
+def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int) -> int:
+    """Registers per thread for the S and O accumulators and the Q fragments of mma.sync."""
+    return m_tiles * (block_n // 2 + head_dim // 2 + head_dim // 4)
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,9 @@ class _AttentionTemplate(KernelTemplate):
         return points
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
-        """Registers per thread as ptxas allocates them: 1.25 x the accumulators plus 40 for
-        addressing, softmax state and mask words (within about 10% of the sm_90 reports)."""
-        accumulators = _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"],
-                                              q_in_registers=self.mma == "mma_sync")
-        return round(1.25 * accumulators) + 40
+        """Registers per thread as ptxas allocates them: 1.34 x the accumulators plus 25 for
+        addressing, softmax state and mask words (a least-squares fit to the sm_90 reports)."""
+        return round(1.34 * _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"])) + 25
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
@@ -138,12 +136,58 @@ class WgmmaAttention(_AttentionTemplate):
     block_ns = (64, 128)
     head_dims = (64, 128)  # whole 128-byte swizzle rows
 
+    def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        return WGMMA_REGISTERS[(problem.head_dim, params["block_n"])]
+
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
         return rows * problem.head_dim * 2 + 1024  # unpadded swizzled rows, 1 KB to align the tiles
 
 
+PRODUCER_THREADS = 128  # attention_wgmma_ws's copy warpgroup
+PRODUCER_REGISTERS = 40
+
+
+class WarpSpecialisedWgmmaAttention(WgmmaAttention):
+    """attention_wgmma with a producer warpgroup feeding 2 or 3 consumer warpgroups through
+    mbarriers (no CTA-wide barrier per block), registers moved to the consumers by setmaxnreg,
+    and the consumers taking turns to issue their wgmmas (ping-pong)."""
+
+    name = "attention_wgmma_ws"
+    source_file = "attention_wgmma_ws.cu.j2"
+    strategy = "wgmma_ws"
+    shapes = ((128, 1), (192, 1))  # 2 or 3 consumer warpgroups: one alone gains nothing from the split
+    stage_counts = (2, 3)
+
+    def consumer_registers(self, params: dict[str, Any]) -> int:
+        """Registers per consumer thread after setmaxnreg: what the producer leaves of the
+        register file, a multiple of 8, at most 240."""
+        spare = (SM_REGISTER_FILE - PRODUCER_THREADS * PRODUCER_REGISTERS) // (params["warps"] * 32)
+        return min(240, spare // 8 * 8)
+
+    def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
+        needed = super().registers  # a consumer's registers, before the launch-time cap
+        return [params for params in super().space(problem) if needed(problem, params) <= self.consumer_registers(params)]
+
+    def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        """What ptxas reports and the launch reserves: the register file split evenly over all
+        threads (setmaxnreg then moves registers from the producer to the consumers)."""
+        launch_cap = SM_REGISTER_FILE // (params["warps"] * 32 + PRODUCER_THREADS) // 8 * 8
+        return min(super().registers(problem, params), launch_cap)
+
+    def render(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
+        return render_file(self.source_file, name=self.kernel_name(problem, params), mma=self.mma,
+                           dtype=problem.dtype_name, head_dim=problem.head_dim,
+                           producer_registers=PRODUCER_REGISTERS,
+                           consumer_registers=self.consumer_registers(params), **params)
+
+    def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+        grid, threads, shared = super().launch(problem, params)
+        return grid, threads + PRODUCER_THREADS, shared
+
+
 ROWWISE = register_template(RowwiseAttention())
 BLOCKWISE = register_template(BlockwiseAttention())
 WGMMA = register_template(WgmmaAttention())
-ATTENTION_TEMPLATES = (ROWWISE, BLOCKWISE, WGMMA)
+WGMMA_WS = register_template(WarpSpecialisedWgmmaAttention())
+ATTENTION_TEMPLATES = (ROWWISE, BLOCKWISE, WGMMA, WGMMA_WS)

@@ -16,7 +16,8 @@ The model prices one launch of a masked-attention template as
       tests, bm * bn at ``BIT_TESTS_PER_US``;
     - the K and V tiles, 4 * bn * d bytes, streamed into shared memory at
       ``TILE_BYTES_PER_US`` (this is what makes CTAs with more rows cheaper per flop);
-    - a fixed latency ``ITER_US`` (barriers, waits, row reductions), plus, with one stage,
+    - a fixed latency ``ITER_US`` (barriers, waits, row reductions; ``WS_ITER_US`` for the
+      warp-specialised kernel, whose warpgroups meet at no CTA-wide barrier), plus, with one stage,
       the K/V load that nothing overlaps (``EXPOSED_LOAD_US`` per KiB). Latency is hidden
       by the other CTAs resident on the SM, so it is divided by the occupancy (CTAs per
       SM under the shared-memory, register, warp and CTA limits).
@@ -47,6 +48,7 @@ EXP_PER_US = 1.8e5            # exp2 + scaling + max/sum per element
 BIT_TESTS_PER_US = 1.6e4      # PARTIAL-block bit tests (word loads and selects)
 TILE_BYTES_PER_US = 1.7e5     # K/V tile bytes streamed from L2 into shared memory
 ITER_US = 0.11                # fixed latency of one block iteration
+WS_ITER_US = 0.11             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
 EXPOSED_LOAD_US = 0.00025     # per KiB of K/V a one-stage kernel waits for
 CTA_FIXED_US = 0.61           # per CTA: Q tile load, output store, prologue
 LAUNCH_US = 5.6               # kernel launch, first wave ramp and tail
@@ -84,28 +86,28 @@ def occupancy(threads: int, shared_bytes: int, registers_per_thread: int) -> int
 
 def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_blocks: Any,
              partial_blocks: int, shared_bytes: int, sm_count: int,
-             registers_per_thread: int = 128) -> Estimate:
+             registers_per_thread: int = 128, threads: int | None = None) -> Estimate:
     """Estimate one candidate.
 
     ``row_blocks`` holds the non-empty block count of every block row of every distinct
     mask (a 1-D integer tensor or list); ``heads_batches`` is how many (batch, head)
-    pairs each distinct mask serves.
+    pairs each distinct mask serves; ``threads`` is the CTA size (default: its warps).
     """
     bm, bn, warps = params["block_m"], params["block_n"], params["warps"]
     counts = [int(c) for c in row_blocks]
     blocks = sum(counts) * heads_batches
     partial = partial_blocks * heads_batches
     n_ctas = len(counts) * heads_batches
-    occ = occupancy(warps * 32, shared_bytes, registers_per_thread)
+    occ = occupancy(threads or warps * 32, shared_bytes, registers_per_thread)
     if occ == 0:
         return Estimate(params, math.inf, 0, blocks, partial, max(counts, default=0))
 
-    if params["strategy"] == "wgmma":  # operands come straight from shared memory: no fragment term
+    if params["strategy"].startswith("wgmma"):  # operands come straight from shared memory: no fragment term
         tensor_us = 4 * bm * bn * head_dim / WGMMA_FLOPS_PER_US
     else:
         tensor_us = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US * (1 + FRAGMENT_OVERHEAD / params["m_tiles"])
     per_block = tensor_us + bm * bn / EXP_PER_US + 4 * bn * head_dim / TILE_BYTES_PER_US
-    latency = ITER_US + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
+    latency = (WS_ITER_US if params["strategy"] == "wgmma_ws" else ITER_US) + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
     per_partial = bm * bn / BIT_TESTS_PER_US
     sm_work = blocks * (per_block + latency / occ) + partial * per_partial + n_ctas * CTA_FIXED_US
     waves = math.ceil(n_ctas / (sm_count * occ))
