@@ -2,6 +2,12 @@
 
     python benchmarks/mha.py --sweep --json sweep.json      # on the GPU
     python benchmarks/fit_cost_model.py sweep.json          # anywhere (CPU is enough)
+    python benchmarks/fit_cost_model.py sweep.json --evaluate   # the current constants' picks only
+
+`--evaluate` fits nothing: per case it prints the pick of the constants in cost_model.py, that
+pick's time as measured in the sweep, and its speedup over the sweep's best correct peer (all
+timings from the one benchmark process), then the geomean: how a refit would have fared in
+that run, without a new GPU run.
 
 Random search (log-uniform around the current constants, narrowing) minimising, over the sweep's
 cases, log(time of the model's pick / best measured time) plus a small penalty on the
@@ -67,12 +73,33 @@ def loss(cases, report: bool = False) -> float:
     return total
 
 
+def evaluate(path: str) -> None:
+    rows = {(r["mask"], r["seq"]): r for r in json.loads(Path(path).read_text())}
+    speedups = []
+    print("| mask | S | pick | ms (sweep) | best peer ms | speedup | measured best |")
+    print("|---|---|---|---|---|---|---|")
+    for label, points in load_cases(path):
+        mask, seq = label.split(" S=")
+        row = rows[(mask, int(seq))]
+        _, picked_us, params = min(((cost_model.estimate(p, GRID_HEAD_DIM, hb, r, part, smem, SM_COUNT, regs, threads).micros,
+                                     us, p) for p, hb, r, part, smem, regs, threads, us in points), key=lambda s: s[0])
+        speedups.append(row["best_peer_ms"] * 1e3 / picked_us)
+        print(f"| {mask} | {seq} | {config_label(params)} | {picked_us / 1e3:.4f} | {row['best_peer_ms']:.4f} | "
+              f"{speedups[-1]:.2f}x | {row['best_kernel']} {row['best_ms']:.4f} |")
+    geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
+    print(f"\ngeomean {geomean:.3f}x over {len(speedups)} cases; worst {min(speedups):.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweep", help="JSON written by benchmarks/mha.py --sweep --json")
     parser.add_argument("--trials", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evaluate", action="store_true", help="report the current constants' picks, fit nothing")
     args = parser.parse_args()
+    if args.evaluate:
+        evaluate(args.sweep)
+        return
     cases = load_cases(args.sweep)
     best = (loss(cases), {name: getattr(cost_model, name) for name in CONSTANTS})
     print(f"current constants: loss {best[0]:.3f}")

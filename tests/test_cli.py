@@ -58,7 +58,7 @@ def test_inspect_shows_the_kernel_for_causal_sdpa(tmp_path, capsys):
         "    return M(), tuple(torch.randn(1, 2, 256, 64) for _ in range(3))\n"
     )
     assert main(["inspect", f"{model}:factory", "--quiet-graph", "--build-dir", str(tmp_path / "b")]) == 0
-    assert re.search(r"attention kernel (rowwise|blockwise|wgmma) m\d+ n\d+", capsys.readouterr().out)
+    assert re.search(r"attention kernel (rowwise|blockwise|wgmma|wgmma_ws) m\d+ n\d+", capsys.readouterr().out)
 
 
 @pytest.mark.nvcc

@@ -12,8 +12,10 @@ The model prices one launch of a masked-attention template as
       ``m_tiles`` row tiles, so warps owning more rows load less per flop); for the
       wgmma template, which reads its operands from shared memory itself, the flops at
       ``WGMMA_FLOPS_PER_US``;
-    - softmax time, bm * bn elements at ``EXP_PER_US``, and for PARTIAL blocks the bit
-      tests, bm * bn at ``BIT_TESTS_PER_US``;
+    - softmax time, bm * bn elements at ``EXP_PER_US``, added to the tensor-core time, except
+      in the warp-specialised kernel, whose consumer warpgroups take turns on the tensor cores
+      so that one's softmax overlaps another's products: there the larger of the two counts;
+      for PARTIAL blocks the bit tests, bm * bn at ``BIT_TESTS_PER_US``;
     - the K and V tiles, 4 * bn * d bytes, streamed into shared memory at
       ``TILE_BYTES_PER_US`` (this is what makes CTAs with more rows cheaper per flop);
     - a fixed latency ``ITER_US`` (barriers, waits, row reductions; ``WS_ITER_US`` for the
@@ -41,17 +43,17 @@ from dataclasses import dataclass
 from typing import Any
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
-TENSOR_FLOPS_PER_US = 7.1e7   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
-WGMMA_FLOPS_PER_US = 2.1e6    # wgmma (attention_wgmma) flops per SM, issue to completion
-FRAGMENT_OVERHEAD = 67        # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
-EXP_PER_US = 1.8e5            # exp2 + scaling + max/sum per element
-BIT_TESTS_PER_US = 1.6e4      # PARTIAL-block bit tests (word loads and selects)
-TILE_BYTES_PER_US = 1.7e5     # K/V tile bytes streamed from L2 into shared memory
-ITER_US = 0.11                # fixed latency of one block iteration
-WS_ITER_US = 0.11             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
-EXPOSED_LOAD_US = 0.00025     # per KiB of K/V a one-stage kernel waits for
-CTA_FIXED_US = 0.61           # per CTA: Q tile load, output store, prologue
-LAUNCH_US = 5.6               # kernel launch, first wave ramp and tail
+TENSOR_FLOPS_PER_US = 4.86e7   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
+WGMMA_FLOPS_PER_US = 2.4e6    # wgmma (attention_wgmma) flops per SM, issue to completion
+FRAGMENT_OVERHEAD = 40.8        # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
+EXP_PER_US = 2.53e5            # exp2 + scaling + max/sum per element
+BIT_TESTS_PER_US = 1.01e5      # PARTIAL-block bit tests (word loads and selects)
+TILE_BYTES_PER_US = 5.03e5     # K/V tile bytes streamed from L2 into shared memory
+ITER_US = 0.018                # fixed latency of one block iteration
+WS_ITER_US = 0.058             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
+EXPOSED_LOAD_US = 3.4e-05     # per KiB of K/V a one-stage kernel waits for
+CTA_FIXED_US = 0.165           # per CTA: Q tile load, output store, prologue
+LAUNCH_US = 10.7               # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
 SM_MAX_WARPS = 64
@@ -106,7 +108,12 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
         tensor_us = 4 * bm * bn * head_dim / WGMMA_FLOPS_PER_US
     else:
         tensor_us = 4 * bm * bn * head_dim / TENSOR_FLOPS_PER_US * (1 + FRAGMENT_OVERHEAD / params["m_tiles"])
-    per_block = tensor_us + bm * bn / EXP_PER_US + 4 * bn * head_dim / TILE_BYTES_PER_US
+    softmax_us = bm * bn / EXP_PER_US
+    if params["strategy"] == "wgmma_ws":  # ping-pong: one warpgroup's softmax under another's wgmmas
+        compute_us = max(tensor_us, softmax_us)
+    else:
+        compute_us = tensor_us + softmax_us
+    per_block = compute_us + 4 * bn * head_dim / TILE_BYTES_PER_US
     latency = (WS_ITER_US if params["strategy"] == "wgmma_ws" else ITER_US) + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
     per_partial = bm * bn / BIT_TESTS_PER_US
     sm_work = blocks * (per_block + latency / occ) + partial * per_partial + n_ctas * CTA_FIXED_US
