@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from stof_cc.backends.nvcc import CompileError, compile_cubin
+from stof_cc.backends.nvcc import CompileError, compile_cubin, parse_ptxas
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
     BLOCKWISE,
@@ -75,6 +75,8 @@ def test_every_instance_compiles_for_sm90_without_real_spills():
         # ptxas occasionally trades a few bytes of spill for registers; more means the
         # register estimate that bounds the space is wrong.
         assert report.spill_stores <= 16 and report.spill_loads <= 16, f"{name} spills: {report}"
+        # a wgmma issued under a branch makes ptxas serialise every wgmma of the kernel
+        assert not report.wgmma_serialized, f"{name}: ptxas serialised its wgmma instructions (C7515)"
 
 
 @pytest.mark.nvcc
@@ -84,3 +86,16 @@ def test_compile_error_names_file_and_line(tmp_path):
         compile_cubin(source, arch="sm_90", source_path=tmp_path / "broken.cu")
     message = str(info.value)
     assert "broken.cu" in message and "(2)" in message and "int x = ;" in message
+
+
+def test_ptxas_report_flags_serialised_wgmma():
+    report = (
+        "ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+        "the presence of a wgmma under a branch in the function 'slow'\n"
+        "ptxas info    : Compiling entry function 'slow' for 'sm_90a'\n"
+        "ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem\n"
+        "ptxas info    : Compiling entry function 'fast' for 'sm_90a'\n"
+        "ptxas info    : Used 121 registers, used 1 barriers\n")
+    resources = parse_ptxas(report)
+    assert resources["slow"].wgmma_serialized and resources["slow"].registers == 168
+    assert not resources["fast"].wgmma_serialized
