@@ -24,7 +24,13 @@ from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskError, causal
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
-from stof_cc.passes import AttentionReport, CanonicalizeReport, canonicalize, recognise_attention
+from stof_cc.passes import (
+    AttentionReport,
+    CanonicalizeReport,
+    canonicalize,
+    partition,
+    recognise_attention,
+)
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS, AttentionProblem
 
@@ -42,7 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
     inspect.add_argument("--passes", action="store_true",
-                         help="show the graph after canonicalize and recognise_attention (--check checks that one)")
+                         help="show the graph after canonicalize and recognise_attention (--check checks that one) "
+                              "and its fusion partition")
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -76,7 +83,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         canonical, attention_report = CanonicalizeReport(), AttentionReport()
         graph = recognise_attention(canonicalize(graph, report=canonical), report=attention_report)
         graph.verify()
-        print(f"{canonical}\n{attention_report}\n")
+        print(f"{canonical}\n{attention_report}\n\nfusion partition (no code generation yet):\n{partition(graph)}\n")
     if not args.quiet_graph:
         print(graph)
         print()

@@ -229,6 +229,10 @@ class Graph:
         """Consumers of ``name``'s value, in insertion order."""
         return [self.node(u) for u in sorted(self._g.successors(name), key=self._order.__getitem__)]
 
+    def is_output(self, name: str) -> bool:
+        """Whether the graph returns the value of node ``name``."""
+        return any(isinstance(r, Ref) and r.name == name for r in self.outputs)
+
     def producers(self, name: str) -> list[Node]:
         return [self.node(p) for p in sorted(self._g.predecessors(name), key=self._order.__getitem__)]
 

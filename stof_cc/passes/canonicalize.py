@@ -85,7 +85,7 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
         if _is_identity(graph, node):
             renamed[node.name] = args[0]
             report.identities.append(node.name)
-        elif node.op == "assert_metadata" and not graph.users(node.name) and not _is_output(graph, node):
+        elif node.op == "assert_metadata" and not graph.users(node.name) and not graph.is_output(node.name):
             report.dropped_checks.append(node.name)
         else:
             value = _fold(out, node, args, kwargs, fold_limit)
@@ -130,10 +130,6 @@ def _is_identity(graph: Graph, node: Node) -> bool:
         source = graph.node(node.args[0].name).spec
         return isinstance(source, TensorSpec) and source == node.spec
     return False
-
-
-def _is_output(graph: Graph, node: Node) -> bool:
-    return any(isinstance(r, Ref) and r.name == node.name for r in graph.outputs)
 
 
 def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> torch.Tensor | None:

@@ -1,0 +1,207 @@
+"""Fusion partition: group a graph's nodes around anchors, by pattern kind only.
+
+Reads the pattern kinds of ``ir/ops.py`` and the graph's edges, never op names (DESIGN.md,
+"Pattern kinds drive fusion"). Run after `canonicalize` and `recognise_attention`.
+
+* Every ``gemm``, ``attention`` and ``reduction`` node anchors a group of its own; two
+  anchors never share a group in the default scheme.
+* Epilogue: an anchor's group absorbs its single consumer while that consumer is
+  elementwise, broadcast or injective, the value it reads is not a graph output, and
+  none of the consumer's other inputs depends on the group (that would make a cycle).
+* Prologue: an elementwise/broadcast/injective node whose users all sit in one anchored
+  group joins that group, if its own inputs do not depend on the group.
+* Left-over elementwise/broadcast/injective nodes form anchor-less ``elementwise``
+  groups (connected runs); anything else (``opaque``) is a group of its own that torch
+  runs.
+
+Where several partitions are legal, `FusionPlan.alternatives` lists the others: today one
+kind, a ``reduction`` (LayerNorm, softmax) merged into the GEMM group that produces its
+input, when the reduced row fits one CTA (at most ``ROW_LIMIT`` elements, hidden 768 and
+1024 included) — GEMM + bias + residual + LayerNorm as one group, against GEMM + bias +
+residual then LayerNorm. Each alternative is one such merge applied to the default; the
+search (issue 6) chooses. No template consumes the groups yet: this pass decides grouping
+only; code generation is not built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, TensorSpec
+from stof_cc.ir.ops import pattern_kind
+
+ANCHOR_KINDS = ("gemm", "attention", "reduction")
+FOLDABLE_KINDS = ("elementwise", "broadcast", "injective")
+ROW_LIMIT = 1024  # widest row a gemm_layernorm CTA holds in registers and shared memory
+
+
+class FusionError(GraphError):
+    """The partition would be invalid (a bug in this pass, never the user's graph)."""
+
+
+@dataclass(frozen=True)
+class FusionGroup:
+    """One future kernel: an anchor (None for an elementwise run) and its nodes in graph order."""
+
+    name: str
+    kind: str  # the anchor's kind, "elementwise" for anchor-less runs, "opaque" for torch
+    anchor: str | None
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FusionScheme:
+    """A partition of every computed node (inputs and constants excluded) into groups."""
+
+    groups: tuple[FusionGroup, ...]
+
+    def group_of(self, node: str) -> FusionGroup:
+        for group in self.groups:
+            if node in group.nodes:
+                return group
+        raise KeyError(f"%{node} is in no group")
+
+
+@dataclass
+class FusionPlan:
+    default: FusionScheme
+    alternatives: list[tuple[str, FusionScheme]] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # why a neighbour stayed out of a group
+
+    def __str__(self) -> str:
+        lines = [f"{'group':<12} {'kind':<11} {'anchor':<24} fused ops"]
+        for group in self.default.groups:
+            others = [n for n in group.nodes if n != group.anchor]
+            lines.append(f"{group.name:<12} {group.kind:<11} {group.anchor or '-':<24} {', '.join(others) or '-'}")
+        lines += [f"alternative: {label}" for label, _ in self.alternatives]
+        lines += [f"not fused: {why}" for why in self.refused]
+        return "\n".join(lines)
+
+
+def partition(graph: Graph) -> FusionPlan:
+    """The default fusion scheme of ``graph`` and its alternatives."""
+    computed = [n for n in graph.nodes() if n.op not in (INPUT, CONSTANT)]
+    kind = {n.name: pattern_kind(n.op) for n in computed}
+    dag = graph.nx_graph
+    owner: dict[str, str] = {}  # node -> anchor (or run) that owns it
+    members: dict[str, list[str]] = {}
+    refused: list[str] = []
+
+    def depends_on(group: str, node: str) -> bool:
+        return any(nx.has_path(dag, m, node) for m in members[group] if m != node)
+
+    for node in computed:  # anchors and their epilogues, in graph order
+        if kind[node.name] not in ANCHOR_KINDS:
+            continue
+        owner[node.name], members[node.name], tail = node.name, [node.name], node
+        while True:
+            users = graph.users(tail.name)
+            if len(users) != 1 or kind.get(users[0].name) not in FOLDABLE_KINDS or users[0].name in owner:
+                break
+            user = users[0]
+            if graph.is_output(tail.name):
+                refused.append(f"%{user.name} not in {node.name}'s epilogue: %{tail.name} is a graph output")
+                break
+            late = [p.name for p in graph.producers(user.name) if p.name != tail.name and p.name not in owner
+                    and p.op not in (INPUT, CONSTANT) and depends_on(node.name, p.name)]
+            if late:
+                refused.append(f"%{user.name} not in {node.name}'s epilogue: its input %{late[0]} depends on the group")
+                break
+            owner[user.name] = node.name
+            members[node.name].append(user.name)
+            tail = user
+
+    for node in reversed(computed):  # prologues: producers read only by one anchored group
+        if node.name in owner or kind[node.name] not in FOLDABLE_KINDS:
+            continue
+        groups = {owner.get(u.name) for u in graph.users(node.name)}
+        if len(groups) != 1 or None in groups or graph.is_output(node.name):
+            continue
+        (group,) = groups
+        if any(p.op not in (INPUT, CONSTANT) and depends_on(group, p.name) for p in graph.producers(node.name)):
+            refused.append(f"%{node.name} not in {group}'s prologue: its inputs depend on the group")
+            continue
+        owner[node.name] = group
+        members[group].append(node.name)
+
+    runs: set[str] = set()  # leads of anchor-less elementwise runs
+    for node in computed:  # left-overs: elementwise runs, opaque singles
+        if node.name in owner:
+            continue
+        lead = node.name
+        if kind[node.name] in FOLDABLE_KINDS:
+            producers = [p.name for p in graph.producers(node.name) if p.op not in (INPUT, CONSTANT)]
+            lead = next((owner[p] for p in producers if owner.get(p) in runs
+                         and not any(q not in members[owner[p]] and depends_on(owner[p], q) for q in producers)),
+                        node.name)
+            runs.add(lead)
+        owner[node.name] = lead
+        members.setdefault(lead, []).append(node.name)
+
+    order = {n.name: i for i, n in enumerate(computed)}
+    default = _scheme(members, kind, order)
+    _check_acyclic(graph, default)
+    plan = FusionPlan(default, refused=refused)
+    plan.alternatives = _reduction_merges(graph, default, kind, order)
+    return plan
+
+
+def _scheme(members: dict[str, list[str]], kind: dict[str, str], order: dict[str, int]) -> FusionScheme:
+    groups = []
+    for lead, nodes in sorted(members.items(), key=lambda item: order[item[0]]):
+        lead_kind = kind[lead]
+        if lead_kind in ANCHOR_KINDS:
+            group_kind, anchor = lead_kind, lead
+        elif lead_kind in FOLDABLE_KINDS:
+            group_kind, anchor = "elementwise", None
+        else:
+            group_kind, anchor = "opaque", None
+        groups.append(FusionGroup(f"g{len(groups)}", group_kind, anchor, tuple(sorted(nodes, key=order.get))))
+    return FusionScheme(tuple(groups))
+
+
+def _quotient(graph: Graph, scheme: FusionScheme) -> nx.DiGraph:
+    where = {n: g.name for g in scheme.groups for n in g.nodes}
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(g.name for g in scheme.groups)
+    for producer, consumer in graph.nx_graph.edges:
+        if producer in where and consumer in where and where[producer] != where[consumer]:
+            quotient.add_edge(where[producer], where[consumer])
+    return quotient
+
+
+def _check_acyclic(graph: Graph, scheme: FusionScheme) -> None:
+    quotient = _quotient(graph, scheme)
+    if not nx.is_directed_acyclic_graph(quotient):
+        cycle = " -> ".join(a for a, _ in nx.find_cycle(quotient))
+        raise FusionError(f"fusion groups form a cycle ({cycle}): a bug in stof_cc.passes.fusion")
+
+
+def _reduction_merges(graph: Graph, scheme: FusionScheme, kind: dict[str, str],
+                      order: dict[str, int]) -> list[tuple[str, FusionScheme]]:
+    """Each reduction group merged into the GEMM group whose output it alone reads."""
+    alternatives = []
+    for group in scheme.groups:
+        if group.kind != "reduction":
+            continue
+        reduction = graph.node(group.anchor)
+        row = _row_length(reduction)
+        source = next((r for r in reduction.refs() if graph.node(r.name).op not in (INPUT, CONSTANT)), None)
+        if source is None or row is None or row > ROW_LIMIT:
+            continue
+        producer = scheme.group_of(source.name)
+        if producer.kind != "gemm" or source.name != producer.nodes[-1] or len(graph.users(source.name)) != 1:
+            continue
+        merged = FusionGroup(producer.name, "gemm", producer.anchor,
+                             tuple(sorted(producer.nodes + group.nodes, key=order.get)))
+        candidate = FusionScheme(tuple(merged if g is producer else g for g in scheme.groups if g is not group))
+        if nx.is_directed_acyclic_graph(_quotient(graph, candidate)):
+            alternatives.append((f"{producer.anchor} + {group.anchor} (row {row})", candidate))
+    return alternatives
+
+
+def _row_length(node: Node) -> int | None:
+    spec = node.spec[0] if isinstance(node.spec, tuple) else node.spec
+    return spec.shape[-1] if isinstance(spec, TensorSpec) and spec.shape else None

@@ -1,0 +1,62 @@
+"""The fusion partition on the example models: complete, one anchor per group, acyclic, by kinds."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+from stof_cc.ir.frontend import trace
+from stof_cc.ir.graph import CONSTANT, INPUT
+from stof_cc.ir.ops import pattern_kind
+from stof_cc.loading import load_factory
+from stof_cc.passes import canonicalize, partition, recognise_attention
+from stof_cc.passes.fusion import ANCHOR_KINDS, FOLDABLE_KINDS, _quotient
+
+EXAMPLES = ("encoder_layer", "gpt2_block", "tiny_bert")
+
+
+def _passes(example: str):
+    module, args, kwargs = load_factory(f"examples/{example}.py:factory")
+    return recognise_attention(canonicalize(trace(module, args, kwargs)))
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_partition_is_complete_acyclic_and_by_kind(example):
+    graph = _passes(example)
+    plan = partition(graph)
+    computed = [n.name for n in graph.nodes() if n.op not in (INPUT, CONSTANT)]
+    placed = [n for g in plan.default.groups for n in g.nodes]
+    assert sorted(placed) == sorted(computed)  # every computed node in exactly one group
+    for group in plan.default.groups:
+        kinds = [pattern_kind(graph.node(n).op) for n in group.nodes]
+        anchors = [n for n in group.nodes if pattern_kind(graph.node(n).op) in ANCHOR_KINDS]
+        if group.kind in ANCHOR_KINDS:
+            assert anchors == [group.anchor] and pattern_kind(graph.node(group.anchor).op) == group.kind
+        elif group.kind == "elementwise":
+            assert group.anchor is None and set(kinds) <= set(FOLDABLE_KINDS)
+        else:
+            assert group.kind == "opaque" and len(group.nodes) == 1
+    for _, scheme in [("default", plan.default), *plan.alternatives]:
+        assert nx.is_directed_acyclic_graph(_quotient(graph, scheme))
+    assert any(g.kind == "attention" for g in plan.default.groups)
+
+
+def test_encoder_layer_groups_and_layernorm_alternatives():
+    graph = _passes("encoder_layer")
+    plan = partition(graph)
+    gelu = next(n for n in graph.nodes() if n.op == "gelu")
+    assert graph.node(plan.default.group_of(gelu.name).anchor).op == "linear"  # GEMM + bias + GELU
+    residuals = [n for n in graph.nodes() if n.op == "add"]
+    assert all(plan.default.group_of(n.name).kind == "gemm" for n in residuals)  # GEMM + bias + residual
+    # GEMM + bias + residual + LayerNorm offered as the alternative for both LayerNorms
+    assert len(plan.alternatives) == 2
+    for label, scheme in plan.alternatives:
+        merged = [g for g in scheme.groups if g.kind == "gemm" and any(graph.node(n).op == "layer_norm" for n in g.nodes)]
+        assert len(merged) == 1 and "layer_norm" in label
+        assert len(scheme.groups) == len(plan.default.groups) - 1
+
+
+def test_a_graph_output_stops_an_epilogue_with_a_reason():
+    plan = partition(_passes("tiny_bert"))
+    assert any("is a graph output" in why for why in plan.refused)
+    assert "alternative:" in str(plan) and "anchor" in str(plan)
