@@ -127,18 +127,25 @@ def partition(graph: Graph) -> FusionPlan:
         members[group].append(node.name)
 
     runs: set[str] = set()  # leads of anchor-less elementwise runs
-    for node in computed:  # left-overs: elementwise runs, opaque singles
+    for node in computed:  # left-overs: elementwise runs (merged where a node joins several), opaque singles
         if node.name in owner:
             continue
-        lead = node.name
-        if kind[node.name] in FOLDABLE_KINDS:
-            producers = [p.name for p in graph.producers(node.name) if p.op not in (INPUT, CONSTANT)]
-            lead = next((owner[p] for p in producers if owner.get(p) in runs
-                         and not any(q not in members[owner[p]] and depends_on(owner[p], q) for q in producers)),
-                        node.name)
-            runs.add(lead)
-        owner[node.name] = lead
-        members.setdefault(lead, []).append(node.name)
+        owner[node.name], members[node.name] = node.name, [node.name]
+        if kind[node.name] not in FOLDABLE_KINDS:
+            continue
+        runs.add(node.name)
+        for producer in graph.producers(node.name):
+            run = owner.get(producer.name)
+            if run not in runs or run == owner[node.name]:
+                continue
+            lead = owner[node.name]
+            if _path_outside(dag, members[run], members[lead]) or _path_outside(dag, members[lead], members[run]):
+                refused.append(f"%{node.name}: runs {run} and {lead} not merged (a path between them leaves both)")
+                continue
+            for m in members.pop(lead):  # merge this node's run into the producer's
+                owner[m] = run
+                members[run].append(m)
+            runs.discard(lead)
 
     order = {n.name: i for i, n in enumerate(computed)}
     default = _scheme(members, kind, order)
@@ -146,6 +153,15 @@ def partition(graph: Graph) -> FusionPlan:
     plan = FusionPlan(default, refused=refused)
     plan.alternatives = _reduction_merges(graph, default, kind, order)
     return plan
+
+
+def _path_outside(dag: nx.DiGraph, source: list[str], target: list[str]) -> bool:
+    """Whether a path from ``source`` to ``target`` passes through a node in neither: merging
+    the two would then make a cycle."""
+    both = set(source) | set(target)
+    downstream = set().union(*(nx.descendants(dag, n) for n in source)) - both
+    upstream = set().union(*(nx.ancestors(dag, n) for n in target)) - both
+    return bool(downstream & upstream)
 
 
 def _scheme(members: dict[str, list[str]], kind: dict[str, str], order: dict[str, int]) -> FusionScheme:

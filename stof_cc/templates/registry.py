@@ -66,3 +66,8 @@ def register_template(template: KernelTemplate) -> KernelTemplate:
         raise ValueError(f"template {template.name!r}: source file {template.source_file} not found")
     _TEMPLATES[template.name] = template
     return template
+
+
+def registered_templates() -> list[KernelTemplate]:
+    """Every registered template, in registration order."""
+    return list(_TEMPLATES.values())

@@ -1,0 +1,181 @@
+"""Elementwise chains -> C++ statements: the shared code generator of the fused templates.
+
+A fusion group's prologue or epilogue is a run of elementwise/broadcast nodes. `Chain`
+turns such a run into straight-line C++ over ``float`` values (one output element per
+evaluation), reading each outside tensor through one of three access patterns:
+
+* ``full``: the same shape as the chain's output, read at the element's flat index;
+* ``row``: a vector over the last dimension (a bias, a LayerNorm weight) broadcast over the
+  leading ones, read at ``index % row_length``;
+* ``scalar``: a one-element tensor, read at 0.
+
+Reads are emitted as ``LOAD_FULL(in0)``, ``LOAD_ROW(in1)``, ``LOAD_SCALAR(in2)``: each
+template defines these macros for its own indexing (a vector buffer, a GEMM tile's row and
+column), so one generator serves all of them.
+
+Anything else (other broadcasts, boolean ops, integer math, layout changes) raises
+`NotFusable` with the node and the reason, and the group runs through torch instead.
+Values are computed in fp32 and rounded once, at the store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
+
+
+class NotFusable(Exception):
+    """A node the chain generator cannot express; the message names it and says why."""
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A tensor the chain reads from outside: its graph value, C name and access pattern."""
+
+    ref: Ref
+    name: str
+    access: str  # "full" | "row" | "scalar"
+
+
+def _float(value: Any) -> str:
+    value = float(value)
+    if math.isinf(value):
+        return "INFINITY" if value > 0 else "-INFINITY"
+    return f"{value!r}f"
+
+
+def _gelu(node: Node, a: list[str]) -> str:
+    if node.kwargs.get("approximate", "none") == "tanh":
+        return f"0.5f * {a[0]} * (1.f + tanhf(0.7978845608f * ({a[0]} + 0.044715f * {a[0]} * {a[0]} * {a[0]})))"
+    return f"0.5f * {a[0]} * (1.f + erff({a[0]} * 0.7071067812f))"
+
+
+def _add(node: Node, a: list[str]) -> str:
+    alpha = node.kwargs.get("alpha", 1)
+    return f"{a[0]} + {a[1]}" if alpha == 1 else f"{a[0]} + {_float(alpha)} * {a[1]}"
+
+
+def _sub(node: Node, a: list[str]) -> str:
+    alpha = node.kwargs.get("alpha", 1)
+    lhs, rhs = (a[1], a[0]) if (node.target or "").startswith("aten.rsub") else (a[0], a[1])
+    return f"{lhs} - {rhs}" if alpha == 1 else f"{lhs} - {_float(alpha)} * {rhs}"
+
+
+def _div(node: Node, a: list[str]) -> str:
+    if node.kwargs.get("rounding_mode") is not None:
+        raise NotFusable(f"%{node.name}: div with rounding_mode={node.kwargs['rounding_mode']!r}")
+    return f"{a[0]} / {a[1]}"
+
+
+def _clamp(node: Node, a: list[str]) -> str:
+    low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    out = a[0]
+    if low is not None:
+        out = f"fmaxf({out}, {_float(low)})"
+    if high is not None:
+        out = f"fminf({out}, {_float(high)})"
+    return out
+
+
+def _identity(node: Node, a: list[str]) -> str:
+    return a[0]
+
+
+# op -> (number of leading value arguments, C expression); the tensor-valued arguments
+# arrive as C expressions in `a`
+EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
+    "add": (2, _add),
+    "sub": (2, _sub),
+    "mul": (2, lambda n, a: f"{a[0]} * {a[1]}"),
+    "div": (2, _div),
+    "maximum": (2, lambda n, a: f"fmaxf({a[0]}, {a[1]})"),
+    "minimum": (2, lambda n, a: f"fminf({a[0]}, {a[1]})"),
+    "relu": (1, lambda n, a: f"fmaxf({a[0]}, 0.f)"),
+    "gelu": (1, _gelu),
+    "silu": (1, lambda n, a: f"{a[0]} / (1.f + expf(-{a[0]}))"),
+    "sigmoid": (1, lambda n, a: f"1.f / (1.f + expf(-{a[0]}))"),
+    "tanh": (1, lambda n, a: f"tanhf({a[0]})"),
+    "exp": (1, lambda n, a: f"expf({a[0]})"),
+    "erf": (1, lambda n, a: f"erff({a[0]})"),
+    "sqrt": (1, lambda n, a: f"sqrtf({a[0]})"),
+    "rsqrt": (1, lambda n, a: f"rsqrtf({a[0]})"),
+    "neg": (1, lambda n, a: f"-{a[0]}"),
+    "pow": (2, lambda n, a: f"powf({a[0]}, {a[1]})"),
+    "clamp": (1, _clamp),
+    "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
+    "cast": (1, _identity),     # fp32 inside; the store rounds to the output dtype
+    "clone": (1, _identity),
+}
+
+
+class Chain:
+    """C++ for ``nodes`` (graph order), given C expressions for values computed before it.
+
+    ``known`` maps a value (node name) to its C expression, e.g. the GEMM accumulator of an
+    epilogue. ``shape`` is the shape every ``full`` operand and the result share.
+    """
+
+    def __init__(self, graph: Graph, nodes: Sequence[str], known: dict[str, str], shape: tuple[int, ...],
+                 operand_prefix: str = "in") -> None:
+        self.graph, self.shape = graph, tuple(shape)
+        self.operands: list[Operand] = []
+        self.lines: list[str] = []
+        self._values = dict(known)
+        self._prefix = operand_prefix
+        for name in nodes:
+            self._emit(graph.node(name))
+        self.result = self._values[nodes[-1]] if nodes else next(iter(known.values()))
+
+    def _emit(self, node: Node) -> None:
+        if node.op not in EMITTERS:
+            raise NotFusable(f"%{node.name}: op {node.op} ({node.target}) has no elementwise code generator")
+        count, emit = EMITTERS[node.op]
+        spec = node.spec
+        if not isinstance(spec, TensorSpec) or not spec.dtype.is_floating_point:
+            raise NotFusable(f"%{node.name}: only floating-point tensors are generated (got {spec})")
+        if tuple(spec.shape) != self.shape and not self._broadcasts_to_row(spec):
+            raise NotFusable(f"%{node.name}: shape {tuple(spec.shape)} is neither the output's {self.shape} nor a row")
+        args = [self._value(node, a) for a in node.args[:count]]
+        var = f"v_{node.name}"
+        self.lines.append(f"const float {var} = {emit(node, args)};")
+        self._values[node.name] = var
+
+    def _value(self, node: Node, arg: Any) -> str:
+        if isinstance(arg, (bool, int, float)):
+            return _float(arg)
+        if not isinstance(arg, Ref):
+            raise NotFusable(f"%{node.name}: argument {arg!r} is neither a tensor nor a number")
+        if arg.name in self._values:
+            return self._values[arg.name]
+        return self._load(node, arg)
+
+    def _load(self, node: Node, ref: Ref) -> str:
+        spec = self.graph.node(ref.name).spec
+        if not isinstance(spec, TensorSpec) or not spec.dtype.is_floating_point:
+            raise NotFusable(f"%{node.name}: operand %{ref.name} is not a floating-point tensor")
+        if math.prod(spec.shape) == 1:
+            access = "scalar"
+        elif tuple(spec.shape) == self.shape:
+            access = "full"
+        elif self._broadcasts_to_row(spec):
+            access = "row"
+        else:
+            raise NotFusable(f"%{node.name}: operand %{ref.name} of shape {tuple(spec.shape)} broadcasts to "
+                             f"{self.shape} in a way the generator does not read (only full, row and scalar)")
+        operand = Operand(ref, f"{self._prefix}{len(self.operands)}", access)
+        self.operands.append(operand)
+        expr = f"LOAD_{access.upper()}({operand.name})"
+        self._values[ref.name] = expr
+        return expr
+
+    def _broadcasts_to_row(self, spec: TensorSpec) -> bool:
+        shape = tuple(spec.shape)
+        return bool(self.shape) and shape[-1:] == self.shape[-1:] and math.prod(shape) == self.shape[-1]
+
+    def code(self, indent: str = "    ") -> str:
+        return "\n".join(indent + line for line in self.lines)

@@ -1,0 +1,63 @@
+"""Spec of the `elementwise` template (elementwise.cu.j2): any fused chain of elementwise and
+broadcast ops with one output, 16-byte vector loads and stores where every tensor is 16-bit
+(or every one 32-bit) and rows hold whole vectors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from stof_cc.codegen import Chain, NotFusable
+from stof_cc.ir.graph import Graph, TensorSpec
+from stof_cc.passes.fusion import FusionGroup
+from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, output_problem
+from stof_cc.templates.registry import register_template, render_file
+
+THREAD_COUNTS = (128, 256)
+
+
+class ElementwiseTemplate(GroupTemplate):
+    name = "elementwise"
+    source_file = "elementwise.cu.j2"
+    kinds = ("elementwise",)
+
+    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+        problem = output_problem(graph, group)
+        if not problem.shape:
+            raise NotFusable(f"group {group.name}: a 0-d output is not worth a kernel")
+        chain = Chain(graph, group.nodes, {}, problem.shape)
+        operands = [{"name": op.name, "ref": op.ref.name, "access": op.access,
+                     "ctype": c_type(graph.node(op.ref.name).spec.dtype, f"%{op.ref.name}")}
+                    for op in chain.operands]
+        if not operands:
+            raise NotFusable(f"group {group.name}: reads no tensor (canonicalize folds such chains)")
+        problem.details = {"chain": chain, "operands": operands}
+        return problem
+
+    def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
+        widths = {graph_spec.dtype.itemsize for graph_spec in self._tensor_specs(problem)}
+        vec = 16 // widths.pop() if len(widths) == 1 else 1
+        row = problem.shape[-1]
+        vecs = (1, vec) if vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 else (1,)
+        return [{"threads": t, "vec": v} for t in THREAD_COUNTS for v in vecs]
+
+    def _tensor_specs(self, problem: GroupProblem) -> list[TensorSpec]:
+        refs = [op["ref"] for op in problem.details["operands"]] + [problem.output]
+        return [problem.graph.node(r).spec for r in refs]
+
+    def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+        return f"stof_{problem.group.name}_elementwise_t{params['threads']}_v{params['vec']}"
+
+    def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+        chain = problem.details["chain"]
+        return render_file(self.source_file, name=self.kernel_name(problem, params), header=self.header(problem, params),
+                           n=math.prod(problem.shape), row=problem.shape[-1], operands=problem.details["operands"],
+                           out_type=c_type(problem.dtype, f"%{problem.output}"),
+                           chain=chain.code(" " * (12 if params["vec"] > 1 else 8)), result=chain.result, **params)
+
+    def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+        per_cta = params["threads"] * params["vec"]
+        return (min(-(-math.prod(problem.shape) // per_cta), 2**31 - 1), 1, 1), params["threads"], 0
+
+
+ELEMENTWISE = register_template(ElementwiseTemplate())

@@ -1,0 +1,85 @@
+"""Templates for fusion groups (everything but attention): the matching contract.
+
+A group template says which group kinds it serves and, through `match`, whether it can
+generate one particular group; `match` returns the `GroupProblem` the template renders
+from, or raises `NotFusable` naming the node and the reason. Shapes are static: a group's
+kernel is generated for the shapes it was traced with.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stof_cc.codegen import NotFusable
+from stof_cc.ir.graph import Graph, TensorSpec
+from stof_cc.passes.fusion import FusionGroup
+from stof_cc.templates.registry import KernelTemplate, registered_templates
+
+C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+
+
+@dataclass
+class GroupProblem:
+    """One group as a template sees it: its single output value, shape and dtype, plus
+    whatever the template's `match` worked out (``details``)."""
+
+    graph: Graph
+    group: FusionGroup
+    output: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    details: dict[str, Any]
+
+
+def c_type(dtype: torch.dtype, what: str) -> str:
+    if dtype not in C_TYPES:
+        raise NotFusable(f"{what}: dtype {dtype} (generated kernels read and write fp16, bf16 and fp32)")
+    return C_TYPES[dtype]
+
+
+def group_output(graph: Graph, group: FusionGroup) -> str:
+    """The one value the group hands on (read outside it, or returned by the graph)."""
+    inside = set(group.nodes)
+    leaving = [n for n in group.nodes
+               if graph.is_output(n) or any(u.name not in inside for u in graph.users(n))]
+    if len(leaving) != 1:
+        raise NotFusable(f"group {group.name} hands on {len(leaving)} values ({', '.join(leaving) or 'none'}); "
+                         "the generated kernels write exactly one")
+    return leaving[0]
+
+
+def output_problem(graph: Graph, group: FusionGroup) -> GroupProblem:
+    output = group_output(graph, group)
+    spec = graph.node(output).spec
+    if not isinstance(spec, TensorSpec):
+        raise NotFusable(f"%{output}: the group's output is not one tensor ({spec})")
+    c_type(spec.dtype, f"%{output}")
+    return GroupProblem(graph, group, output, tuple(spec.shape), spec.dtype, {})
+
+
+class GroupTemplate(KernelTemplate):
+    """A template for fusion groups of the kinds in ``kinds``."""
+
+    kinds: tuple[str, ...]
+
+    @abstractmethod
+    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+        """The problem to render for ``group``, or NotFusable with the reason."""
+
+    def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+        """The comment that opens every generated file: which IR nodes, which parameters."""
+        graph = problem.graph
+        lines = [f"// stof-cc fusion group {problem.group.name} ({problem.group.kind}) -> {self.name}",
+                 f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}",
+                 "// IR nodes implemented:"]
+        lines += [f"//   {graph.node(n)}" for n in problem.group.nodes]
+        return "\n".join(lines)
+
+
+def group_templates(kind: str) -> list[GroupTemplate]:
+    """Registered group templates serving ``kind``, in registration order."""
+    return [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]
