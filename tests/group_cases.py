@@ -1,0 +1,64 @@
+"""Fusion-group test cases shared by the CPU compile test and the GPU numerics test."""
+
+from __future__ import annotations
+
+import torch
+
+from stof_cc.ir.frontend import trace
+from stof_cc.passes import canonicalize, partition
+from stof_cc.templates.elementwise import ELEMENTWISE
+from stof_cc.templates.row_reduce import ROW_REDUCE
+
+DTYPES = [torch.float16, torch.bfloat16]
+SHAPES = [(8, 512, 768), (3, 7, 1000), (5, 100)]  # BERT-base rows; rows and counts no tile divides
+
+
+class BiasGeluResidual(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x + self.bias) * 0.5 + r
+
+
+class ResidualLayerNormSilu(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(width))
+        self.norm = torch.nn.LayerNorm(width)
+        torch.nn.init.normal_(self.norm.weight)
+        torch.nn.init.normal_(self.norm.bias)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.norm(x + self.bias + r))
+
+
+class ScaledSoftmax(torch.nn.Module):
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x * 0.125 + r, dim=-1)
+
+
+class RmsNorm(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(width, eps=1e-6)
+        torch.nn.init.normal_(self.norm.weight)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.norm(x - r)
+
+
+
+# (module type, template, group kind)
+CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
+         (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction")]
+
+
+def build(module_type, kind: str, shape: tuple[int, ...], dtype: torch.dtype):
+    """(module, inputs, graph, the one group of ``kind``) on fresh random inputs."""
+    module = (module_type(shape[-1]) if module_type is not ScaledSoftmax else module_type()).to(dtype)
+    inputs = (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
+    graph = canonicalize(trace(module, inputs, {}))
+    (group,) = [g for g in partition(graph).default.groups if g.kind == kind]
+    return module, inputs, graph, group
