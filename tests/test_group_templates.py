@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from group_cases import CASES, DTYPES, SHAPES, build
+
 from stof_cc.backends.nvcc import compile_cubin
 
 

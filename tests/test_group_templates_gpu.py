@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from group_cases import CASES, DTYPES, SHAPES, build
+
 from stof_cc.ir.graph import INPUT
 from stof_cc.runtime.group import run_group
 
