@@ -1,7 +1,8 @@
 """The `stof-cc` command line.
 
-Commands that exist are the ones that work; later stages (compile, tune, bench) add
-theirs here as they land.
+Commands that exist are the ones that work; later stages (tune, bench) add theirs here as
+they land. `compile` generates and nvcc-compiles the group kernels; running a compiled
+model (`stof_cc.compile`, issue 7) is not built yet.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import torch
 
 from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
 from stof_cc.backends.pycuda_backend import BackendError
+from stof_cc.codegen import NotFusable
+from stof_cc.codegen.build import attention_kernel, build_groups, format_builds
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
 from stof_cc.ir.ops import OPAQUE, pattern_kind
 from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.loading import FactoryError, load_factory
-from stof_cc.masks import MaskError, causal
+from stof_cc.masks import MaskError
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
 from stof_cc.passes import (
@@ -32,7 +35,7 @@ from stof_cc.passes import (
     recognise_attention,
 )
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
-from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS, AttentionProblem
+from stof_cc.templates.attention import AttentionProblem, config_label
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -64,6 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                            help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
     attention.set_defaults(run=_cmd_attention)
 
+    compile_ = sub.add_parser("compile", help="partition a model into fusion groups and write (and nvcc-compile) "
+                                              "each group's kernel")
+    compile_.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
+    compile_.add_argument("--build-dir", default="stof_build", help="where <model>/<group>.cu go (default: %(default)s)")
+    compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
+    compile_.set_defaults(run=_cmd_compile)
+
     add_masks_command(sub)
 
     args = parser.parse_args(argv)
@@ -83,7 +93,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         canonical, attention_report = CanonicalizeReport(), AttentionReport()
         graph = recognise_attention(canonicalize(graph, report=canonical), report=attention_report)
         graph.verify()
-        print(f"{canonical}\n{attention_report}\n\nfusion partition (no code generation yet):\n{partition(graph)}\n")
+        print(f"{canonical}\n{attention_report}\n\nfusion partition (`stof-cc compile` generates it):\n{partition(graph)}\n")
     if not args.quiet_graph:
         print(graph)
         print()
@@ -99,6 +109,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     print(f"\nwrote {dot_path}")
     if args.check:
         return _check_against_module(graph, module, example_args, example_kwargs)
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    module, example_args, example_kwargs = load_factory(args.model)
+    graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
+    graph = recognise_attention(canonicalize(graph))
+    graph.verify()
+    plan = partition(graph)
+    compile_kernels = not args.no_nvcc and nvcc_path() is not None
+    builds = build_groups(graph, plan, Path(args.build_dir) / graph.name, compile_kernels=compile_kernels)
+    print(format_builds(builds, plan))
+    written = [b for b in builds if b.path]
+    print(f"\n{len(written)} of {len(builds)} groups generated"
+          + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))
+    for reason in plan.refused:
+        print(f"not fused: {reason}")
     return 0
 
 
@@ -148,22 +175,17 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
 
 
 def _print_attention_choices(graph: Graph) -> None:
-    """For each SDPA or recognised attention node: the kernel the cost model would pick (fp16;
-    causal when the node says so, no mask when it has none; a mask tensor is known at run time)."""
+    """For each SDPA or recognised attention node: the kernel the cost model would pick (its
+    own mask: causal when it says so, none when it has none), or why there is none."""
     for node in graph.nodes():
         if node.op not in ("scaled_dot_product_attention", "attention"):
             continue
-        q, k = (graph.node(ref.name).spec.shape for ref in node.args[:2])
-        mask_arg = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        is_causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
-        if mask_arg is not None:
-            print(f"\n%{node.name}: attention with a mask tensor; the kernel is chosen at run time")
-        elif len(q) != 4 or q[-1] not in SUPPORTED_HEAD_DIMS:
-            print(f"\n%{node.name}: attention of shape {tuple(q)} has no stof-cc kernel "
-                  f"(head_dim {SUPPORTED_HEAD_DIMS})")
-        else:
-            choice = explain_attention(q[0], q[1], q[2], k[2], q[3], causal() if is_causal else None)
-            print(f"\n%{node.name}: attention kernel {choice.estimates[0].describe()}")
+        try:
+            template, problem, params = attention_kernel(graph, node)
+        except NotFusable as why:
+            print(f"\n{why}")
+            continue
+        print(f"\n%{node.name}: attention kernel {config_label(params)} ({template.kernel_name(problem, params)})")
 
 
 def format_histogram(graph: Graph) -> str:

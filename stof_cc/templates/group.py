@@ -71,15 +71,25 @@ class GroupTemplate(KernelTemplate):
         """The problem to render for ``group``, or NotFusable with the reason."""
 
     def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        """The comment that opens every generated file: which IR nodes, which parameters."""
-        graph = problem.graph
-        lines = [f"// stof-cc fusion group {problem.group.name} ({problem.group.kind}) -> {self.name}",
-                 f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}",
-                 "// IR nodes implemented:"]
-        lines += [f"//   {graph.node(n)}" for n in problem.group.nodes]
-        return "\n".join(lines)
+        return group_header(problem.graph, problem.group, self.name, params)
+
+    def default_params(self, problem: GroupProblem) -> dict[str, Any]:
+        """The point used until the search (issue 6) measures: the space's last (widest)."""
+        return self.space(problem)[-1]
+
+
+def group_header(graph: Graph, group: FusionGroup, template: str, params: dict[str, Any]) -> str:
+    """The comment that opens every generated file: which IR nodes, which parameters."""
+    lines = [f"// stof-cc fusion group {group.name} ({group.kind}) -> {template}",
+             f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}",
+             "// IR nodes implemented:"]
+    lines += [f"//   {graph.node(n)}" for n in group.nodes]
+    return "\n".join(lines)
 
 
 def group_templates(kind: str) -> list[GroupTemplate]:
     """Registered group templates serving ``kind``, in registration order."""
+    # the built-ins register when their modules load; they import this one, hence the late import
+    from stof_cc.templates import elementwise, row_reduce  # noqa: F401
+
     return [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]
