@@ -7,6 +7,7 @@ import torch
 from stof_cc.ir.frontend import trace
 from stof_cc.passes import canonicalize, partition
 from stof_cc.templates.elementwise import ELEMENTWISE
+from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
 from stof_cc.templates.row_reduce import ROW_REDUCE
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -50,9 +51,47 @@ class RmsNorm(torch.nn.Module):
 
 
 
+class LinearGelu(torch.nn.Module):
+    """The FFN's first GEMM: x W^T + b, then GELU."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, 2 * width if width % 8 == 0 else 200)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+class LinearResidual(torch.nn.Module):
+    """The attention output projection: x W^T + b + residual."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + r
+
+
+class HeadSplit(torch.nn.Module):
+    """A Q projection whose store writes the (batch, head, seq, head_dim) layout directly."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(width, width)
+        self.heads = width // 64 if width % 64 == 0 else 1
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        *lead, width = x.shape
+        return self.q(x).view(*lead, self.heads, width // self.heads).transpose(-3, -2)
+
+
 # (module type, template, group kind)
 CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
          (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction")]
+GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearResidual, GEMM_EPILOGUE, "gemm"),
+              (HeadSplit, GEMM_EPILOGUE, "gemm")]
+GEMM_SHAPES = [(8, 512, 768), (3, 333, 264)]  # BERT-base (M = 4096); M, N, K no tile divides (K % 8 == 0)
 
 
 def build(module_type, kind: str, shape: tuple[int, ...], dtype: torch.dtype):

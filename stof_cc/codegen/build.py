@@ -84,8 +84,6 @@ def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, di
         others = [n for n in group.nodes if n != group.anchor]
         note = "anchor only; " + (f"{', '.join(others)} stay torch views" if others else "nothing else")
         return template, f"{header}\n{template.render(problem, params)}", params, note
-    if group.kind == "gemm":
-        raise NotFusable("no GEMM template yet (gemm_epilogue is not built)")
     templates = group_templates(group.kind)
     if not templates:
         raise NotFusable(f"no template serves {group.kind} groups")

@@ -1,0 +1,63 @@
+"""gemm_epilogue without a GPU: the store-index remap of the head split on the host, and refusals."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from group_cases import HeadSplit, build
+
+from stof_cc.codegen import NotFusable
+from stof_cc.ir.frontend import trace
+from stof_cc.passes import canonicalize, partition
+from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+
+
+@pytest.mark.nvcc
+def test_head_split_store_index_matches_torch_permute(tmp_path: Path):
+    shape = (2, 5, 128)
+    _, _, graph, group = build(HeadSplit, "gemm", shape, torch.float16)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    m, n = problem.details["m"], problem.details["n"]
+    source = tmp_path / "index.cu"
+    source.write_text(f"""#include <cstdio>
+constexpr long long N = {n};
+int main() {{
+    static long long out[{m * n}];
+    for (int row = 0; row < {m}; ++row)
+        for (int col = 0; col < N; ++col) {{
+{problem.details["store_index"]}
+            out[out_index] = (long long)row * N + col;
+        }}
+    for (long long i = 0; i < {m * n}; ++i) std::printf("%lld\\n", out[i]);
+}}
+""")
+    subprocess.run(["nvcc", "-o", str(tmp_path / "index"), str(source)], check=True, capture_output=True)
+    got = [int(v) for v in subprocess.run([str(tmp_path / "index")], check=True, capture_output=True,
+                                          text=True).stdout.split()]
+    want = torch.arange(m * n).view(2, 5, 2, 64).transpose(-3, -2).contiguous().flatten().tolist()
+    assert got == want
+
+
+def _gemm_group(module: torch.nn.Module, x: torch.Tensor):
+    graph = canonicalize(trace(module, (x,), {}))
+    (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
+    return graph, group
+
+
+def test_refusals_name_the_node():
+    class MatMul(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ x.transpose(-1, -2)
+
+    graph, group = _gemm_group(MatMul(), torch.randn(4, 16, dtype=torch.float16))
+    with pytest.raises(NotFusable, match=r"matmul is not generated yet \(only linear"):
+        GEMM_EPILOGUE.match(graph, group)
+    graph, group = _gemm_group(torch.nn.Linear(16, 8), torch.randn(4, 16))
+    with pytest.raises(NotFusable, match=r"fp16 or bf16"):
+        GEMM_EPILOGUE.match(graph, group)
+    graph, group = _gemm_group(torch.nn.Linear(12, 8).half(), torch.randn(4, 12, dtype=torch.float16))
+    with pytest.raises(NotFusable, match=r"K = 12 is not a multiple of 8"):
+        GEMM_EPILOGUE.match(graph, group)
