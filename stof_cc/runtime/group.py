@@ -17,26 +17,38 @@ class GroupInputError(ValueError):
     """A tensor handed to a group kernel does not match what the kernel was generated for."""
 
 
+class GroupLaunch:
+    """A group kernel rendered, compiled and loaded once; calling it checks the inputs and launches."""
+
+    def __init__(self, template: GroupTemplate, problem: GroupProblem, params: dict[str, Any]) -> None:
+        self.problem, self.params = problem, params
+        source = template.render(problem, params)
+        name = template.kernel_name(problem, params)
+        if (name, source) not in _kernels:
+            _kernels[(name, source)] = load_kernel(source, name, "P" * (len(problem.details["operands"]) + 1),
+                                                   arch_features=template.arch_features)
+        self.kernel = _kernels[(name, source)]
+        self.geometry = template.launch(problem, params)
+
+    def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Read ``values`` (IR value name -> tensor); return the group's output, a new tensor."""
+        operands = self.problem.details["operands"]
+        tensors = [_checked(self.problem, op["ref"], values) for op in operands]
+        if self.params.get("vec", 1) > 1:
+            misaligned = [op["ref"] for op, t in zip(operands, tensors, strict=True) if t.data_ptr() % 16]
+            if misaligned:
+                raise GroupInputError(f"group {self.problem.group.name}: %{misaligned[0]} is not 16-byte aligned; "
+                                      "use the vec=1 variant")
+        out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
+        grid, threads, shared = self.geometry
+        self.kernel.launch(grid, threads, shared, *(t.data_ptr() for t in tensors), out.data_ptr())
+        return out
+
+
 def run_group(template: GroupTemplate, problem: GroupProblem, params: dict[str, Any],
               values: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Launch ``template``'s kernel for ``problem`` reading ``values`` (IR value name -> tensor)
-    and return the group's output, a new tensor on the inputs' device."""
-    tensors = [_checked(problem, op["ref"], values) for op in problem.details["operands"]]
-    vec = params.get("vec", 1)
-    misaligned = [op["ref"] for op, t in zip(problem.details["operands"], tensors, strict=True)
-                  if vec > 1 and t.data_ptr() % 16]
-    if misaligned:
-        raise GroupInputError(f"group {problem.group.name}: %{misaligned[0]} is not 16-byte aligned; "
-                              "use the vec=1 variant")
-    out = torch.empty(problem.shape, dtype=problem.dtype, device=tensors[0].device)
-    source = template.render(problem, params)
-    name = template.kernel_name(problem, params)
-    if (name, source) not in _kernels:
-        _kernels[(name, source)] = load_kernel(source, name, "P" * (len(tensors) + 1),
-                                               arch_features=template.arch_features)
-    grid, threads, shared = template.launch(problem, params)
-    _kernels[(name, source)].launch(grid, threads, shared, *(t.data_ptr() for t in tensors), out.data_ptr())
-    return out
+    """Launch ``template``'s kernel for ``problem`` once (see `GroupLaunch`)."""
+    return GroupLaunch(template, problem, params)(values)
 
 
 def _checked(problem: GroupProblem, ref: str, values: dict[str, torch.Tensor]) -> torch.Tensor:
