@@ -8,6 +8,7 @@ model (`stof_cc.compile`, issue 7) is not built yet.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from stof_cc.passes import (
 )
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.templates.attention import AttentionProblem, config_label
+from stof_cc.tune.database import TuningDatabase
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -73,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_.add_argument("--build-dir", default="stof_build", help="where <model>/<group>.cu go (default: %(default)s)")
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
     compile_.set_defaults(run=_cmd_compile)
+
+    cache = sub.add_parser("cache", help="list or clear the tuning database")
+    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument("--db", help="database file (default: $STOF_CC_TUNING_DB or the user cache directory)")
+    cache.set_defaults(run=_cmd_cache)
 
     add_masks_command(sub)
 
@@ -126,6 +133,19 @@ def _cmd_compile(args: argparse.Namespace) -> int:
           + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))
     for reason in plan.refused:
         print(f"not fused: {reason}")
+    return 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    db = TuningDatabase(args.db)
+    if args.action == "clear":
+        print(f"{db.path}: removed {db.clear()} record(s)")
+        return 0
+    records = db.records()
+    print(f"{db.path}: {len(records)} record(s)")
+    for r in records:
+        print(f"  {r.template:<16} {r.signature:<40} {r.micros:9.2f} us  {json.dumps(r.params, sort_keys=True)}  "
+              f"[{r.device}]")
     return 0
 
 

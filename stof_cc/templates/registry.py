@@ -35,6 +35,7 @@ class KernelTemplate(ABC):
 
     name: str
     source_file: str
+    template_dir: Path = TEMPLATE_DIR  # where source_file and the files it imports live
     arch_features: str = ""  # "a" for sources that need the arch-specific target (sm_90a)
     min_capability: tuple[int, int] = (0, 0)  # oldest compute capability it compiles for
     capabilities: tuple[tuple[int, int], ...] | None = None  # exactly these, when arch-specific
