@@ -29,16 +29,17 @@ class GroupLaunch:
                                                    arch_features=template.arch_features)
         self.kernel = _kernels[(name, source)]
         self.geometry = template.launch(problem, params)
+        self.aligned = set(template.aligned_operands(problem, params))
 
     def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """Read ``values`` (IR value name -> tensor); return the group's output, a new tensor."""
         operands = self.problem.details["operands"]
         tensors = [_checked(self.problem, op["ref"], values) for op in operands]
-        if self.params.get("vec", 1) > 1:
-            misaligned = [op["ref"] for op, t in zip(operands, tensors, strict=True) if t.data_ptr() % 16]
-            if misaligned:
-                raise GroupInputError(f"group {self.problem.group.name}: %{misaligned[0]} is not 16-byte aligned; "
-                                      "use the vec=1 variant")
+        misaligned = [op["ref"] for op, t in zip(operands, tensors, strict=True)
+                      if op["ref"] in self.aligned and t.data_ptr() % 16]
+        if misaligned:
+            raise GroupInputError(f"group {self.problem.group.name}: %{misaligned[0]} is not 16-byte aligned, which "
+                                  f"this kernel's 16-byte accesses need ({self.params})")
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
         grid, threads, shared = self.geometry
         self.kernel.launch(grid, threads, shared, *(t.data_ptr() for t in tensors), out.data_ptr())

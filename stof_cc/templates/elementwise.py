@@ -45,6 +45,11 @@ class ElementwiseTemplate(GroupTemplate):
         refs = [op["ref"] for op in problem.details["operands"]] + [problem.output]
         return [problem.graph.node(r).spec for r in refs]
 
+    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+        if params["vec"] == 1:
+            return []
+        return [op["ref"] for op in problem.details["operands"] if op["access"] != "scalar"]
+
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return f"stof_{problem.group.name}_elementwise_t{params['threads']}_v{params['vec']}"
 

@@ -89,6 +89,9 @@ class GemmEpilogueTemplate(GroupTemplate):
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         return {"block_m": 128, "block_n": 128, "stages": 4}
 
+    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+        return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: 16-byte cp.async
+
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return f"stof_{problem.group.name}_gemm_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
 

@@ -73,6 +73,10 @@ class GroupTemplate(KernelTemplate):
     def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return group_header(problem.graph, problem.group, self.name, params)
 
+    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+        """Values the kernel reads with 16-byte accesses: their tensors must be 16-byte aligned."""
+        return []
+
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         """The point used until the search (issue 6) measures: the space's last (widest)."""
         return self.space(problem)[-1]
