@@ -1,0 +1,181 @@
+"""Stage 2 of the search: measure the model's best few candidates and keep the fastest correct one.
+
+Stage 1 (`cost_model`) scores every candidate without running it; `search` keeps the top
+``top_k`` (default 8), compiles them in parallel processes (nvcc is CPU-bound; the cubins land
+in the on-disk cache the launcher reads), runs each once against the torch reference
+(relative error under 1e-2, no NaN, else it is out with the reason), times the survivors
+(warm-up, then the median of ``runs`` launches timed by CUDA events, rotating over several
+input sets so that no candidate finds its inputs in L2), and returns the fastest. A
+candidate that fails to compile, to launch or to match is timed as infinite, never fatal.
+
+With a `TuningDatabase`, the winners are remembered per template (the key covers the
+template's sources, the group signature and the GPU): when every template of the candidate
+list has a record, nothing is compiled or measured and the fastest record wins.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from stof_cc.backends.nvcc import CompileError, compile_cubin
+from stof_cc.templates.registry import KernelTemplate
+from stof_cc.tune.database import Device, TuningDatabase
+
+DEFAULT_TOP_K = 8
+MAX_ERROR = 1e-2
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (template, parameter point) with the model's estimate and its source."""
+
+    template: KernelTemplate
+    params: dict[str, Any]
+    estimate_us: float
+    source: str
+
+
+@dataclass
+class Outcome:
+    candidate: Candidate
+    micros: float = math.inf
+    failure: str = ""
+
+
+@dataclass
+class SearchReport:
+    """What one search did: counts, time, the winner and where the model ranked it."""
+
+    signature: str
+    candidates: int
+    pruned: int
+    measured: int
+    seconds: float
+    winner: Candidate
+    winner_us: float
+    winner_model_rank: int  # 1 = the model's own first choice
+    from_database: bool = False
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.from_database:
+            return (f"{self.signature}: {self.winner.template.name} {self.winner.params} from the tuning database "
+                    f"({self.winner_us:.1f} us when measured); nothing measured, {self.seconds:.2f} s")
+        failed = [o for o in self.outcomes if o.failure]
+        lines = [f"{self.signature}: {self.candidates} candidates, {self.pruned} pruned by the model, "
+                 f"{self.measured} measured, {len(failed)} failed, {self.seconds:.1f} s",
+                 f"  winner {self.winner.template.name} {self.winner.params}: {self.winner_us:.1f} us, "
+                 f"rank {self.winner_model_rank} under the model"]
+        lines += [f"  failed {o.candidate.template.name} {o.candidate.params}: {o.failure}" for o in failed]
+        return "\n".join(lines)
+
+
+def _compile(job: tuple[str, str]) -> str:
+    """Worker: compile one source into the cubin cache; '' or the error."""
+    source, arch = job
+    try:
+        compile_cubin(source, arch=arch)
+    except CompileError as exc:
+        return str(exc)
+    return ""
+
+
+def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
+    """Median microseconds of ``run(i)`` over ``runs`` launches, each timed by CUDA events;
+    ``i`` counts launches so the caller can rotate its input sets."""
+    import torch
+
+    for i in range(warmup):
+        run(i)
+    times = []
+    for i in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callable[[int], Any]],
+           check: Callable[[Any], float], *, signature: str, arch: str = "sm_90", top_k: int = DEFAULT_TOP_K,
+           runs: int = 20, timer: Callable[[Callable[[int], Any], int], float] = cuda_timer,
+           database: TuningDatabase | None = None, device: Device | None = None, workers: int = 4,
+           progress: Callable[[str], None] | None = None) -> SearchReport:
+    """Pick the fastest correct candidate.
+
+    ``build(candidate)`` returns ``run(i)``, which launches the candidate's kernel on input
+    set ``i`` (mod the caller's number of sets) and returns its output; ``check(output)`` is
+    the output's relative error against the torch reference for input set 0.
+    """
+    if not candidates:
+        raise ValueError(f"{signature}: no candidate to search")
+    started = time.perf_counter()
+    ranked = sorted(candidates, key=lambda c: c.estimate_us)
+    if database is not None and device is not None:
+        remembered = _from_database(ranked, database, signature, device)
+        if remembered is not None:
+            winner, micros = remembered
+            return SearchReport(signature, len(ranked), len(ranked), 0, time.perf_counter() - started, winner,
+                                micros, ranked.index(winner) + 1, from_database=True)
+    survivors = ranked[:top_k]
+    say = progress or (lambda _: None)
+    say(f"{signature}: compiling {len(survivors)} of {len(ranked)} candidates")
+    jobs = [(c.source, arch + c.template.arch_features) for c in survivors]
+    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+        errors = list(pool.map(_compile, jobs))
+    outcomes = []
+    for index, (candidate, error) in enumerate(zip(survivors, errors, strict=True), start=1):
+        outcome = Outcome(candidate, failure=f"compile: {error.splitlines()[0]}" if error else "")
+        if not error:
+            _measure(outcome, build, check, timer, runs)
+        outcomes.append(outcome)
+        say(f"  [{index}/{len(survivors)}] {candidate.template.name} {candidate.params}: "
+            + (outcome.failure or f"{outcome.micros:.1f} us"))
+    best = min(outcomes, key=lambda o: o.micros)
+    if math.isinf(best.micros):
+        raise RuntimeError(f"{signature}: every measured candidate failed: "
+                           + "; ".join(f"{o.candidate.params}: {o.failure}" for o in outcomes))
+    if database is not None and device is not None:
+        for template in {id(o.candidate.template): o.candidate.template for o in outcomes}.values():
+            mine = [o for o in outcomes if o.candidate.template is template and not math.isinf(o.micros)]
+            if mine:
+                fastest = min(mine, key=lambda o: o.micros)
+                database.store(template, signature, device, fastest.candidate.params, fastest.micros)
+    return SearchReport(signature, len(ranked), len(ranked) - len(survivors), len(survivors),
+                        time.perf_counter() - started, best.candidate, best.micros,
+                        ranked.index(best.candidate) + 1, outcomes=outcomes)
+
+
+def _measure(outcome: Outcome, build, check, timer, runs: int) -> None:
+    try:
+        run = build(outcome.candidate)
+        error = check(run(0))
+        if not error < MAX_ERROR:  # NaN fails too
+            outcome.failure = f"wrong result: relative error {error:.3g} against the torch reference"
+            return
+        outcome.micros = timer(run, runs)
+    except Exception as exc:  # a launch failure disqualifies this candidate, not the search
+        outcome.failure = f"{type(exc).__name__}: {exc}"
+
+
+def _from_database(ranked: list[Candidate], database: TuningDatabase, signature: str,
+                   device: Device) -> tuple[Candidate, float] | None:
+    """The fastest remembered winner, when every template of the list has a record whose
+    parameters are still among the candidates."""
+    best = None
+    for template in {id(c.template): c.template for c in ranked}.values():
+        record = database.lookup(template, signature, device)
+        match = record and next((c for c in ranked if c.template is template and c.params == record.params), None)
+        if match is None:
+            return None
+        if best is None or record.micros < best[1]:
+            best = (match, record.micros)
+    return best

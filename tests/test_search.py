@@ -1,0 +1,83 @@
+"""Stage 2 of the search on the CPU: pruning, failures, the database short-cut (fake timer, real nvcc)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stof_cc.templates.elementwise import ELEMENTWISE
+from stof_cc.templates.row_reduce import ROW_REDUCE
+from stof_cc.tune.database import Device, TuningDatabase
+from stof_cc.tune.search import Candidate, search
+
+H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), "13.0")
+GOOD = 'extern "C" __global__ void k{i}(float* x) {{ x[threadIdx.x] += {i}; }}\n'
+TIMES = {i: 10.0 + (i * 7) % 5 for i in range(10)}  # measured us per candidate; the model ranks by i
+
+
+def _candidates(template=ELEMENTWISE, count=10, broken=()):
+    return [Candidate(template, {"i": i}, float(i), "this is not CUDA" if i in broken else GOOD.format(i=i))
+            for i in range(count)]
+
+
+class FakeRun:
+    """Stands in for a launch: its "output" is its error against the reference."""
+
+    def __init__(self, i: int, wrong: bool) -> None:
+        self.i, self.wrong = i, wrong
+
+    def __call__(self, input_set: int) -> float:
+        return 0.5 if self.wrong else 0.0
+
+
+def _fake(wrong=(), raising=()):
+    """(build, check, timer) for candidates whose measured time is TIMES[i]."""
+    def build(candidate):
+        i = candidate.params["i"]
+        if i in raising:
+            raise RuntimeError("launch failed: too many resources requested")
+        return FakeRun(i, i in wrong)
+    return build, (lambda error: error), (lambda run, runs: TIMES[run.i])
+
+
+@pytest.mark.nvcc
+def test_top_k_pruning_and_model_rank():
+    build, check, timer = _fake()
+    report = search(_candidates(), build, check, signature="g0", top_k=3, timer=timer, workers=2)
+    assert (report.candidates, report.pruned, report.measured) == (10, 7, 3)
+    assert report.winner.params == {"i": 0} and report.winner_us == 10.0  # 10, 12, 14 us for i = 0, 1, 2
+    assert report.winner_model_rank == 1 and "3 measured" in str(report)
+
+
+@pytest.mark.nvcc
+def test_failures_are_timed_as_infinite_not_fatal():
+    build, check, timer = _fake(wrong={0}, raising={1})
+    report = search(_candidates(broken={2}), build, check, signature="g1", top_k=4, timer=timer, workers=2)
+    failures = {o.candidate.params["i"]: o.failure for o in report.outcomes if o.failure}
+    assert set(failures) == {0, 1, 2}
+    assert "wrong result" in failures[0] and "too many resources" in failures[1] and failures[2].startswith("compile")
+    assert report.winner.params == {"i": 3} and report.winner_model_rank == 4
+    build, check, timer = _fake(wrong=set(range(10)))
+    with pytest.raises(RuntimeError, match="every measured candidate failed"):
+        search(_candidates(), build, check, signature="g2", top_k=2, timer=timer)
+
+
+@pytest.mark.nvcc
+def test_a_warm_database_measures_nothing(tmp_path: Path):
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    candidates = _candidates(ELEMENTWISE, 4) + [Candidate(ROW_REDUCE, {"i": 9}, 9.0, GOOD.format(i=9))]
+    build, check, timer = _fake()
+    first = search(candidates, build, check, signature="g3", top_k=8, timer=timer, database=db, device=H100)
+    assert not first.from_database and first.measured == 5
+    assert {r.template for r in db.records()} == {"elementwise", "row_reduce"}
+
+    def must_not_build(candidate):
+        raise AssertionError("a warm database must not measure")
+
+    second = search(candidates, must_not_build, check, signature="g3", timer=timer, database=db, device=H100)
+    assert second.from_database and second.measured == 0
+    assert second.winner.params == first.winner.params and "nothing measured" in str(second)
+    other_gpu = Device("NVIDIA A100-SXM4-80GB", (8, 0), "13.0")
+    third = search(candidates, build, check, signature="g3", timer=timer, database=db, device=other_gpu)
+    assert not third.from_database
