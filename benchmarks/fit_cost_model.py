@@ -88,6 +88,40 @@ def evaluate(path: str) -> None:
               f"{speedups[-1]:.2f}x | {row['best_kernel']} {row['best_ms']:.4f} |")
     geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
     print(f"\ngeomean {geomean:.3f}x over {len(speedups)} cases; worst {min(speedups):.2f}x")
+    print(stage_two_summary(load_cases(path)))
+
+
+def stage_two_summary(cases, top_k: int = 8) -> str:
+    """What stage 2 over the model's top ``top_k`` would pick, from the sweep's timings: how far
+    from the exhaustive best, what share of the candidates it measures, and the Spearman rank
+    correlation between estimates and measured times (median over cases)."""
+    gaps, shares, correlations = [], [], []
+    for _, points in cases:
+        scored = sorted((cost_model.estimate(p, GRID_HEAD_DIM, hb, r, part, smem, SM_COUNT, regs, threads).micros, us)
+                        for p, hb, r, part, smem, regs, threads, us in points)
+        best = min(us for _, us in scored)
+        gaps.append(min(us for _, us in scored[:top_k]) / best)
+        shares.append(min(top_k, len(scored)) / len(scored))
+        correlations.append(_spearman([e for e, _ in scored], [us for _, us in scored]))
+    within = sum(g <= 1.05 for g in gaps)
+    return (f"stage 2 over the top {top_k}: within 5% of the exhaustive best in {within}/{len(gaps)} cases, "
+            f"worst {max(gaps):.3f}x; measures {max(shares):.0%} of the candidates at most; "
+            f"median Spearman correlation of estimates and times {sorted(correlations)[len(correlations) // 2]:.2f}")
+
+
+def _spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else 0.0
 
 
 def main() -> None:

@@ -27,6 +27,7 @@ from stof_cc.templates.attention import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     AttentionProblem,
+    config_label,
 )
 from stof_cc.templates.registry import KernelTemplate
 from stof_cc.tune.cost_model import Estimate, estimate, stof_rule
@@ -46,10 +47,13 @@ class AttentionChoice:
     params: dict[str, Any]
     estimates: tuple[Estimate, ...]
     stof_rule: tuple[float, float, str]
+    measured_us: float | None = None  # set when stage 2 of the search picked it
 
     def explain(self) -> str:
         rho, tau, pick = self.stof_rule
-        lines = [f"chosen: {self.template.name} {self.estimates[0].describe()}",
+        how = (f"measured {self.measured_us:.1f} us (stage 2 of the search)" if self.measured_us is not None
+               else "the cost model's first choice")
+        lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}",
                  f"STOF's rule: rho={rho:.4f} tau={tau:.4f} -> {pick}", "candidates (best first):"]
         lines += [f"  {e.describe()}" for e in self.estimates]
         return "\n".join(lines)
@@ -236,6 +240,16 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
         rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
     return per_mask[key]
+
+
+def adopt_choice(problem: AttentionProblem, description: MaskDescription, template: KernelTemplate,
+                 params: dict[str, Any], measured_us: float) -> AttentionChoice:
+    """Make a measured winner the choice for (problem, mask): later `attention` calls run it."""
+    modelled = choose(problem, description)
+    choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us)
+    _choices[description][(problem, _sm_count())] = choice
+    _plans.pop(description, None)  # plans built on the model's choice
+    return choice
 
 
 def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,

@@ -1,0 +1,77 @@
+"""Stage 2 of the search for `stof_cc.attention`: measure the cost model's best candidates for
+one problem and mask on the GPU, remember the winner, and make later calls run it."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+
+from stof_cc.backends.pycuda_backend import device_arch
+from stof_cc.ir.reference import masked_attention, relative_error
+from stof_cc.masks import MaskDescription
+from stof_cc.runtime.attention import (
+    adopt_choice,
+    as_description,
+    attention,
+    cached_block_mask,
+    check_inputs,
+    choose,
+)
+from stof_cc.templates.attention import ATTENTION_TEMPLATES, AttentionProblem, config_label
+from stof_cc.tune.database import Device, TuningDatabase
+from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
+
+
+def attention_candidates(problem: AttentionProblem, description: MaskDescription) -> list[Candidate]:
+    """Every candidate the model scored for (problem, mask), with its estimate and source."""
+    by_strategy = {t.strategy: t for t in ATTENTION_TEMPLATES}
+    out = []
+    for est in choose(problem, description).estimates:
+        template = by_strategy[est.params["strategy"]]
+        out.append(Candidate(template, est.params, est.micros, template.render(problem, est.params)))
+    return out
+
+
+def attention_signature(problem: AttentionProblem, description: MaskDescription) -> str:
+    """The group signature of the tuning key: shapes, dtype and the mask, named by its description
+    (shortened) and identified by a digest of its exact 64 x 64 block structure and bits, so
+    two dense or user masks of one shape never share a record."""
+    coarse = cached_block_mask(description, problem, {"block_m": 64, "block_n": 64}, torch.device("cpu"))
+    digest = hashlib.sha256()
+    for tensor in (coarse.full_ptr, coarse.full_cols, coarse.part_ptr, coarse.part_cols, coarse.part_bits):
+        digest.update(tensor.contiguous().numpy().tobytes())
+    name = repr(description)
+    name = name if len(name) <= 48 else name[:45] + "..."
+    return (f"attention {problem.dtype_name} B{problem.batch} H{problem.heads} Sq{problem.seq_q} "
+            f"Sk{problem.seq_k} D{problem.head_dim} {name} #{digest.hexdigest()[:16]}")
+
+
+def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale: float | None = None, *,
+                   database: TuningDatabase | None = None, top_k: int = DEFAULT_TOP_K, runs: int = 20,
+                   input_sets: int = 4, progress: Callable[[str], None] | None = None) -> SearchReport:
+    """Measure the model's top ``top_k`` kernels for these inputs' sizes and mask (on fresh
+    random inputs of the same sizes, rotated over ``input_sets`` copies), check each against
+    the torch reference, and adopt the fastest for later `attention` calls with this mask."""
+    description = as_description(mask)
+    problem = check_inputs(q, k, v)
+    sets = [tuple(torch.randn_like(t) for t in (q, k, v)) for _ in range(input_sets)]
+    outs = [torch.empty_like(q) for _ in range(input_sets)]
+    dense = description.to_dense(problem.seq_q, problem.seq_k, batch=problem.batch, heads=problem.heads).to(q.device)
+    reference = masked_attention(*sets[0], dense, scale=scale)
+
+    def build(candidate: Candidate) -> Callable[[int], torch.Tensor]:
+        def run(i: int) -> torch.Tensor:
+            qs, ks, vs = sets[i % input_sets]
+            return attention(qs, ks, vs, description, scale, params=candidate.params, out=outs[i % input_sets])
+        return run
+
+    report = search(attention_candidates(problem, description), build, lambda out: relative_error(out, reference),
+                    signature=attention_signature(problem, description), arch=device_arch(), top_k=top_k, runs=runs,
+                    database=database, device=Device.current() if database is not None else None,
+                    progress=progress)
+    adopt_choice(problem, description, report.winner.template, report.winner.params, report.winner_us)
+    if progress:
+        progress(f"  adopted {config_label(report.winner.params)}")
+    return report

@@ -1,0 +1,45 @@
+"""Stage 2 for attention: candidates and signatures on the CPU; measuring on the GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stof_cc import masks
+from stof_cc.runtime.attention import attention, explain_attention
+from stof_cc.runtime.tune_attention import attention_candidates, attention_signature, tune_attention
+from stof_cc.templates.attention import AttentionProblem
+from stof_cc.tune.database import TuningDatabase
+
+
+def test_candidates_follow_the_model_and_render():
+    problem = AttentionProblem(2, 4, 1024, 1024, 64, torch.float16)
+    mask = masks.sliding_window(64)
+    candidates = attention_candidates(problem, mask)
+    assert len(candidates) > 8
+    assert [c.estimate_us for c in candidates] == sorted(c.estimate_us for c in candidates)
+    assert candidates[0].params == explain_attention(2, 4, 1024, 1024, 64, mask).params
+    assert all("extern \"C\"" in c.source for c in candidates[:3])
+    signature = attention_signature(problem, mask)
+    assert "float16 B2 H4 Sq1024 Sk1024 D64" in signature
+    one, two = (masks.from_dense(torch.rand(1024, 1024) > 0.5) for _ in range(2))
+    assert attention_signature(problem, one) != attention_signature(problem, two)  # same repr, other bits
+    assert attention_signature(problem, mask) == attention_signature(problem, masks.sliding_window(64))
+
+
+@pytest.mark.gpu
+def test_tune_attention_measures_adopts_and_remembers(tmp_path: Path):
+    q, k, v = (torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = masks.causal()
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    report = tune_attention(q, k, v, mask, database=db, top_k=4, runs=5)
+    assert report.measured == 4 and not report.from_database and report.winner_us > 0
+    choice = explain_attention(2, 4, 1000, 1000, 64, mask)
+    assert choice.params == report.winner.params and choice.measured_us == report.winner_us
+    out = attention(q, k, v, mask)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    again = tune_attention(q, k, v, mask, database=db, top_k=4, runs=5)
+    assert again.from_database and again.measured == 0 and again.winner.params == report.winner.params
