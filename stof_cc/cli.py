@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from stof_cc.passes import (
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.templates.attention import AttentionProblem, config_label
 from stof_cc.tune.database import TuningDatabase
+from stof_cc.tune.model import tune_model
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -75,6 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_.add_argument("--build-dir", default="stof_build", help="where <model>/<group>.cu go (default: %(default)s)")
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
     compile_.set_defaults(run=_cmd_compile)
+
+    tune = sub.add_parser("tune", help="measure the best kernel parameters of every generated group on the GPU "
+                                       "and remember them in the tuning database")
+    tune.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
+    tune.add_argument("--db", help="database file (default: $STOF_CC_TUNING_DB or the user cache directory)")
+    tune.add_argument("--top-k", type=int, default=8, help="candidates per group measured in stage 2 (%(default)s)")
+    tune.set_defaults(run=_cmd_tune)
 
     cache = sub.add_parser("cache", help="list or clear the tuning database")
     cache.add_argument("action", choices=("list", "clear"))
@@ -133,6 +142,21 @@ def _cmd_compile(args: argparse.Namespace) -> int:
           + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))
     for reason in plan.refused:
         print(f"not fused: {reason}")
+    return 0
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("stof-cc: error: tuning measures kernels on the GPU, and no CUDA device is visible", file=sys.stderr)
+        return 2
+    module, example_args, example_kwargs = load_factory(args.model)
+    graph = recognise_attention(canonicalize(trace(module, example_args, example_kwargs, name=_model_name(args.model))))
+    db = TuningDatabase(args.db)
+    started = time.perf_counter()
+    reports = tune_model(graph, partition(graph), example_args, database=db, top_k=args.top_k)
+    measured = sum(r.measured for r in reports)
+    print(f"\ntuned {len(reports)} group(s) in {time.perf_counter() - started:.1f} s; {measured} candidate(s) "
+          f"measured; database {db.path}")
     return 0
 
 

@@ -20,6 +20,7 @@ from stof_cc.backends.nvcc import Resources, compile_cubin
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import causal
+from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import explain_attention
 from stof_cc.templates.attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, AttentionProblem
@@ -43,17 +44,16 @@ def attention_kernel(graph: Graph, node: Node) -> tuple[KernelTemplate, Attentio
     """The attention template, problem and parameters the cost model picks for an SDPA or
     recognised attention node (its own mask: causal or none); NotFusable with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
-    q, k = (graph.node(ref.name).spec for ref in node.args[:2])
-    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    is_causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
-    if mask is not None:
+    given = attention_arguments(node)
+    q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
+    if given.get("attn_mask") is not None:
         raise NotFusable(f"%{node.name}: a mask tensor is known only at run time (mask tensors are not yet "
                          "turned into mask descriptions)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
-    choice = explain_attention(b, h, s_q, k.shape[2], d, causal() if is_causal else None, dtype=dtype)
+    choice = explain_attention(b, h, s_q, k.shape[2], d, causal() if given.get("is_causal") else None, dtype=dtype)
     return choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params
 
 

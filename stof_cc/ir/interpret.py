@@ -7,6 +7,7 @@ use, so a large model interprets in the memory eager mode would need.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -23,6 +24,25 @@ def interpret(graph: Graph, *args: Any, device: torch.device | str | None = None
     device literals baked in at trace time (``aten.to(device=cpu)``, ``arange(device=...)``)
     follow ``device``, which defaults to the device of the first input tensor.
     """
+    outputs, _ = _evaluate(graph, args, kwargs, device, set())
+    if graph.out_spec is not None:
+        return pytree.tree_unflatten(outputs, graph.out_spec)
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def interpret_values(graph: Graph, names: Collection[str], *args: Any, device: torch.device | str | None = None,
+                     **kwargs: Any) -> dict[str, Any]:
+    """Evaluate ``graph`` like `interpret` and return the values of the nodes ``names`` (inputs,
+    constants or computed): the inputs a fusion group's kernel reads, e.g. to tune it."""
+    _, kept = _evaluate(graph, args, kwargs, device, set(names))
+    missing = set(names) - set(kept)
+    if missing:
+        raise GraphError(f"graph {graph.name!r} has no node(s) {sorted(missing)}")
+    return kept
+
+
+def _evaluate(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device | str | None,
+              keep: set[str]) -> tuple[list[Any], dict[str, Any]]:
     flat = _flatten_inputs(graph, args, kwargs)
     input_nodes = graph.inputs
     if len(flat) != len(input_nodes):
@@ -36,6 +56,7 @@ def interpret(graph: Graph, *args: Any, device: torch.device | str | None = None
     target_device = torch.device(device) if device is not None else (flat[0].device if flat else torch.device("cpu"))
     feed = dict(zip((n.name for n in input_nodes), flat, strict=True))
     env: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
     last_use = _last_uses(graph)
 
     def lookup(ref: Ref) -> Any:
@@ -56,13 +77,12 @@ def interpret(graph: Graph, *args: Any, device: torch.device | str | None = None
                 env[node.name] = reference_of(node)(*call_args, **call_kwargs)
             except Exception as exc:
                 raise GraphError(f"node %{node.name} ({node.op}, {node.target}) failed: {exc}") from exc
+        if node.name in keep:
+            kept[node.name] = env[node.name]
         for name in last_use.get(index, ()):
             env.pop(name, None)
 
-    outputs = [env[r.name] if isinstance(r, Ref) else r for r in graph.outputs]
-    if graph.out_spec is not None:
-        return pytree.tree_unflatten(outputs, graph.out_spec)
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    return [env[r.name] if isinstance(r, Ref) else r for r in graph.outputs], kept
 
 
 def _flatten_inputs(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:

@@ -99,11 +99,20 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
     return remove_dead_nodes(out)  # e.g. a hidden-positions constant replaced by its negation
 
 
+SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+
+
+def attention_arguments(node: Node) -> dict[str, Any]:
+    """The arguments of an SDPA node or a recognised `attention` node by SDPA's names (query,
+    key, value, attn_mask, is_causal, scale...), positional or keyword."""
+    given = dict(zip(SDPA_ARGUMENTS, node.args, strict=False)) | node.kwargs
+    return given | ({"attn_mask": given.pop("mask")} if "mask" in given else {})
+
+
 def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
     if node.op != "scaled_dot_product_attention":
         return None
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-    given = dict(zip(names, node.args, strict=False)) | node.kwargs
+    given = attention_arguments(node)
     if given.get("dropout_p", 0.0) != 0.0:
         report.refused[node.name] = "dropout_p is not 0 (training-mode attention)"
         return None

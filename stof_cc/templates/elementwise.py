@@ -10,8 +10,9 @@ from typing import Any
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, output_problem
+from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
 from stof_cc.templates.registry import register_template, render_file
+from stof_cc.tune.cost_model import memory_bound_us
 
 THREAD_COUNTS = (128, 256)
 
@@ -44,6 +45,10 @@ class ElementwiseTemplate(GroupTemplate):
     def _tensor_specs(self, problem: GroupProblem) -> list[TensorSpec]:
         refs = [op["ref"] for op in problem.details["operands"]] + [problem.output]
         return [problem.graph.node(r).spec for r in refs]
+
+    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+        """Bandwidth-bound; scalar accesses reach about 60% of it."""
+        return memory_bound_us(moved_bytes(problem), 1.0 if params["vec"] > 1 else 0.6)
 
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
         if params["vec"] == 1:

@@ -19,8 +19,9 @@ import torch
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, output_problem
+from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
 from stof_cc.templates.registry import register_template, render_file
+from stof_cc.tune.cost_model import gemm_us
 
 BLOCK_MS = (64, 128)   # one or two consumer warpgroups of 64 rows
 BLOCK_NS = (64, 128, 256)
@@ -88,6 +89,13 @@ class GemmEpilogueTemplate(GroupTemplate):
 
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         return {"block_m": 128, "block_n": 128, "stages": 4}
+
+    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+        d = problem.details
+        a_and_w = (d["m"] + d["n"]) * d["k"] * problem.dtype.itemsize
+        epilogue = moved_bytes(problem) - a_and_w  # the output and the epilogue's operands
+        return gemm_us(d["m"], d["n"], d["k"], params["block_m"], params["block_n"], params["stages"], epilogue,
+                       sm_count)
 
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
         return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: 16-byte cp.async

@@ -8,6 +8,7 @@ kernel is generated for the shapes it was traced with.
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.registry import KernelTemplate, registered_templates
+from stof_cc.tune.cost_model import memory_bound_us
 
 C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 
@@ -73,6 +75,11 @@ class GroupTemplate(KernelTemplate):
     def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return group_header(problem.graph, problem.group, self.name, params)
 
+    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+        """Stage 1's microseconds for this point without running it. The default, for templates
+        whose author gives none: every tensor read and the output written once at HBM speed."""
+        return memory_bound_us(moved_bytes(problem))
+
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
         """Values the kernel reads with 16-byte accesses: their tensors must be 16-byte aligned."""
         return []
@@ -80,6 +87,14 @@ class GroupTemplate(KernelTemplate):
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         """The point used until the search (issue 6) measures: the space's last (widest)."""
         return self.space(problem)[-1]
+
+
+def moved_bytes(problem: GroupProblem) -> int:
+    """Bytes a group kernel reads (each operand once) and writes (its output)."""
+    graph = problem.graph
+    read = sum(math.prod(graph.node(op["ref"]).spec.shape) * graph.node(op["ref"]).spec.dtype.itemsize
+               for op in problem.details["operands"])
+    return read + math.prod(problem.shape) * problem.dtype.itemsize
 
 
 def group_header(graph: Graph, group: FusionGroup, template: str, params: dict[str, Any]) -> str:

@@ -12,8 +12,9 @@ import torch
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, output_problem
+from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
 from stof_cc.templates.registry import register_template, render_file
+from stof_cc.tune.cost_model import row_reduce_us
 
 THREAD_COUNTS = (128, 256, 512)
 MAX_ITEMS = 32  # row elements per thread kept in registers
@@ -56,6 +57,11 @@ class RowReduceTemplate(GroupTemplate):
         row = problem.shape[-1]
         return [{"threads": t} for t in THREAD_COUNTS
                 if -(-row // t) <= MAX_ITEMS and (t == THREAD_COUNTS[0] or t <= row)]
+
+    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+        """Bandwidth, or waves of one-row CTAs (occupancy by warps: 64 per SM, at most 32 CTAs)."""
+        ctas_per_sm = min(32, 64 // (params["threads"] // 32))
+        return row_reduce_us(moved_bytes(problem), math.prod(problem.shape[:-1]), ctas_per_sm, sm_count)
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return f"stof_{problem.group.name}_row_reduce_{problem.details['reduction']}_t{params['threads']}"

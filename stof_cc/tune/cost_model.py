@@ -131,3 +131,35 @@ def stof_rule(nonempty_16: int, blocks_16: int) -> tuple[float, float, str]:
     rho = nonempty_16 / max(blocks_16, 1)
     tau = 1.0 / max(math.log2(math.sqrt(max(blocks_16, 1))), 1.0) ** 2
     return rho, tau, "blockwise" if rho >= tau else "rowwise"
+
+
+# -- fusion-group templates (elementwise, row_reduce, gemm_epilogue) ---------------------------
+# Uncalibrated first-principles rates for the H100 SXM (no GPU sweep has fitted them yet):
+# HBM3 bandwidth, a dense fp16 wgmma rate per SM that well-fed kernels reach, and launch cost.
+HBM_BYTES_PER_US = 3.0e6        # about 3 TB/s of the 3.35 TB/s peak
+GEMM_FLOPS_PER_US = 5.0e6       # per SM: about 660 TFLOP/s over 132 SMs
+GROUP_LAUNCH_US = 4.0
+ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
+
+
+def memory_bound_us(bytes_moved: float, efficiency: float = 1.0) -> float:
+    """A kernel that streams ``bytes_moved`` once through HBM at ``efficiency`` of the rate."""
+    return GROUP_LAUNCH_US + bytes_moved / (HBM_BYTES_PER_US * efficiency)
+
+
+def row_reduce_us(bytes_moved: float, rows: int, ctas_per_sm: int, sm_count: int) -> float:
+    """Bandwidth, or the waves of one-row CTAs when rows are few and short."""
+    waves = math.ceil(rows / (sm_count * max(ctas_per_sm, 1)))
+    return GROUP_LAUNCH_US + max(bytes_moved / HBM_BYTES_PER_US, waves * ROW_CTA_US)
+
+
+def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
+            sm_count: int) -> float:
+    """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
+    a partial tile costs a whole one), each tile at the wgmma rate discounted for narrow tiles
+    (more shared-memory traffic per flop) and shallow pipelines; then the epilogue's traffic."""
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    waves = math.ceil(tiles / sm_count)
+    efficiency = min(1.0, block_n / 256) ** 0.5 * (0.8 if block_m == 64 else 1.0) * (0.95 if stages == 3 else 1.0)
+    tile_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
+    return GROUP_LAUNCH_US + waves * tile_us + epilogue_bytes / HBM_BYTES_PER_US

@@ -1,0 +1,119 @@
+"""Tune every generated group of a partitioned model on the GPU (`stof-cc tune`).
+
+For each group a template covers: stage 1 scores every (template, parameter point) with the
+template's `estimate`; stage 2 (`search`) measures the top k on the group's real inputs
+(computed by the interpreter from the example inputs) and on random copies of them, checks
+each against the interpreter's value of the group's output, and stores the winner in the
+tuning database. Attention groups go through `tune_attention`. Groups no template covers
+are reported and skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stof_cc.codegen.chain import NotFusable
+from stof_cc.ir.graph import Graph
+from stof_cc.ir.interpret import interpret_values
+from stof_cc.ir.reference import relative_error
+from stof_cc.masks import causal
+from stof_cc.passes.attention import attention_arguments
+from stof_cc.passes.fusion import FusionGroup, FusionPlan
+from stof_cc.runtime.group import GroupLaunch
+from stof_cc.runtime.tune_attention import tune_attention
+from stof_cc.templates.group import group_output, group_templates
+from stof_cc.tune.database import Device, TuningDatabase
+from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
+
+INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2
+
+
+def group_signature(graph: Graph, group: FusionGroup) -> str:
+    """Ops in order with the output's and every outside input's spec: what the kernel computes."""
+    inside = set(group.nodes)
+    reads = sorted({r.name for n in group.nodes for r in graph.node(n).refs() if r.name not in inside})
+    ops = "+".join(graph.node(n).op for n in group.nodes)
+    inputs = ",".join(str(graph.node(r).spec) for r in reads)
+    return f"{group.kind} {ops} -> {graph.node(group_output(graph, group)).spec} <- {inputs}"
+
+
+def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...], *,
+               database: TuningDatabase, top_k: int = DEFAULT_TOP_K,
+               progress: Callable[[str], None] = print) -> list[SearchReport]:
+    """Search every group that has a template; returns one report per tuned group."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
+    needed = {r.name for g in plan.default.groups for n in g.nodes for r in graph.node(n).refs()}
+    needed |= {group_output(graph, g) for g in plan.default.groups if _has_single_output(graph, g)}
+    inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in example_inputs)
+    values = interpret_values(graph, needed, *inputs)
+    device = Device.current()
+    reports = []
+    for group in plan.default.groups:
+        if group.kind == "attention":
+            report = _tune_attention_group(graph, group, values, database, top_k, progress)
+        else:
+            report = _tune_group(graph, group, values, database, device, top_k, progress)
+        if report is not None:
+            progress(str(report))
+            reports.append(report)
+    return reports
+
+
+def _has_single_output(graph: Graph, group: FusionGroup) -> bool:
+    try:
+        group_output(graph, group)
+    except NotFusable:
+        return False
+    return True
+
+
+def _tune_group(graph, group, values, database, device, top_k, progress) -> SearchReport | None:
+    candidates, problems = [], {}
+    for template in group_templates(group.kind):
+        try:
+            problem = template.match(graph, group)
+        except NotFusable as why:
+            progress(f"{group.name}: {template.name} does not apply ({why})")
+            continue
+        if not template.runs_on(torch.cuda.get_device_capability()):
+            continue
+        for params in template.space(problem):
+            candidate = Candidate(template, params, template.estimate(problem, params, _sm_count()),
+                                  template.render(problem, params))
+            candidates.append(candidate)
+            problems[id(candidate)] = problem
+    if not candidates:
+        progress(f"{group.name} ({group.kind}): no template applies; torch runs it")
+        return None
+    reference = values[group_output(graph, group)]
+    sets = [values] + [{k: torch.randn_like(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                        for k, v in values.items()} for _ in range(INPUT_SETS - 1)]
+
+    def build(candidate: Candidate):
+        launch = GroupLaunch(candidate.template, problems[id(candidate)], candidate.params)
+        return lambda i: launch(sets[i % INPUT_SETS])
+
+    return search(candidates, build, lambda out: relative_error(out, reference),
+                  signature=group_signature(graph, group), top_k=top_k, database=database, device=device,
+                  progress=progress)
+
+
+def _tune_attention_group(graph, group, values, database, top_k, progress) -> SearchReport | None:
+    given = attention_arguments(graph.node(group.anchor))
+    if given.get("attn_mask") is not None:
+        progress(f"{group.name}: attention with a mask tensor is not tuned (mask tensors are not yet turned "
+                 "into mask descriptions)")
+        return None
+    q, k, v = (values[given[name].name] for name in ("query", "key", "value"))
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        q, k, v = (t.half() for t in (q, k, v))  # stof-cc compiles models to fp16
+    return tune_attention(q, k, v, causal() if given.get("is_causal") else None, given.get("scale"),
+                          database=database, top_k=top_k, progress=progress)
+
+
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

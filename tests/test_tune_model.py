@@ -1,0 +1,45 @@
+"""`stof-cc tune` and tune_model: signatures and the no-GPU error on the CPU; a real run on the GPU."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from group_cases import LinearResidual, ResidualLayerNormSilu, build
+
+from stof_cc.cli import main
+from stof_cc.ir.frontend import trace
+from stof_cc.passes import canonicalize, partition
+from stof_cc.tune.database import TuningDatabase
+from stof_cc.tune.model import group_signature, tune_model
+
+
+def test_group_signature_names_ops_and_specs():
+    _, _, graph, group = build(ResidualLayerNormSilu, "reduction", (4, 96), torch.float16)
+    signature = group_signature(graph, group)
+    assert signature.startswith("reduction add+add+layer_norm+silu -> f16[4,96] <- ")
+    _, _, other, group2 = build(ResidualLayerNormSilu, "reduction", (4, 128), torch.float16)
+    assert group_signature(other, group2) != signature  # another shape, another record
+
+
+def test_tune_without_a_gpu_is_a_clear_error(monkeypatch, example_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["tune", example_path("encoder_layer")]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_tune_model_then_a_warm_database_measures_nothing(tmp_path: Path):
+    module = LinearResidual(768).half()
+    inputs = (torch.randn(8, 128, 768, dtype=torch.float16), torch.randn(8, 128, 768, dtype=torch.float16))
+    graph = canonicalize(trace(module, inputs, {}))
+    plan = partition(graph)
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    first = tune_model(graph, plan, inputs, database=db, top_k=4, progress=lambda _: None)
+    assert first and all(r.measured > 0 for r in first)
+    started = time.perf_counter()
+    second = tune_model(graph, plan, inputs, database=db, top_k=4, progress=lambda _: None)
+    assert all(r.from_database and r.measured == 0 for r in second)
+    assert time.perf_counter() - started < 10
