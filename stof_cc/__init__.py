@@ -8,17 +8,20 @@ from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
+from stof_cc.runtime.compiled import CompiledModule, compile  # noqa: A004 (stof_cc.compile, like torch.compile)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionInputError",
+    "CompiledModule",
     "Graph",
     "GraphError",
     "Node",
     "TensorSpec",
     "TraceError",
     "attention",
+    "compile",
     "explain_attention",
     "interpret",
     "trace",

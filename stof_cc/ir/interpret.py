@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Ref, TensorSpec, map_refs
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, Ref, TensorSpec, map_refs
 from stof_cc.ir.ops import reference_of
 
 
@@ -41,8 +41,8 @@ def interpret_values(graph: Graph, names: Collection[str], *args: Any, device: t
     return kept
 
 
-def _evaluate(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device | str | None,
-              keep: set[str]) -> tuple[list[Any], dict[str, Any]]:
+def bind_inputs(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Input node name -> tensor, checked against the traced signature (count, shape, dtype)."""
     flat = _flatten_inputs(graph, args, kwargs)
     input_nodes = graph.inputs
     if len(flat) != len(input_nodes):
@@ -52,31 +52,40 @@ def _evaluate(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any], devic
             raise GraphError(f"input %{node.name} must be a tensor, got {type(value).__name__}")
         if TensorSpec.of(value) != node.spec:
             raise GraphError(f"input %{node.name}: expected {node.spec}, got {TensorSpec.of(value)}")
+    return dict(zip((n.name for n in input_nodes), flat, strict=True))
 
-    target_device = torch.device(device) if device is not None else (flat[0].device if flat else torch.device("cpu"))
-    feed = dict(zip((n.name for n in input_nodes), flat, strict=True))
-    env: dict[str, Any] = {}
-    kept: dict[str, Any] = {}
-    last_use = _last_uses(graph)
+
+def evaluate_node(graph: Graph, node: Node, env: dict[str, Any], device: torch.device) -> Any:
+    """The value of one node from its inputs in ``env``, by its torch reference; constants and
+    device literals baked in at trace time follow ``device``."""
+    if node.op == CONSTANT:
+        return graph.constants[node.name].to(device)
 
     def lookup(ref: Ref) -> Any:
         return env[ref.name]
 
     def retarget(value: Any) -> Any:
-        return target_device if isinstance(value, torch.device) else value
+        return device if isinstance(value, torch.device) else value
 
+    call_args = [retarget(a) for a in map_refs(node.args, lookup)]
+    call_kwargs = {k: retarget(v) for k, v in map_refs(node.kwargs, lookup).items()}
+    try:
+        return reference_of(node)(*call_args, **call_kwargs)
+    except Exception as exc:
+        raise GraphError(f"node %{node.name} ({node.op}, {node.target}) failed: {exc}") from exc
+
+
+def _evaluate(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device | str | None,
+              keep: set[str]) -> tuple[list[Any], dict[str, Any]]:
+    feed = bind_inputs(graph, args, kwargs)
+    first = next(iter(feed.values()), None)
+    target_device = torch.device(device) if device is not None else (first.device if first is not None
+                                                                      else torch.device("cpu"))
+    env: dict[str, Any] = {}
+    kept: dict[str, Any] = {}
+    last_use = _last_uses(graph)
     for index, node in enumerate(graph.nodes()):
-        if node.op == INPUT:
-            env[node.name] = feed[node.name]
-        elif node.op == CONSTANT:
-            env[node.name] = graph.constants[node.name].to(target_device)
-        else:
-            call_args = [retarget(a) for a in map_refs(node.args, lookup)]
-            call_kwargs = {k: retarget(v) for k, v in map_refs(node.kwargs, lookup).items()}
-            try:
-                env[node.name] = reference_of(node)(*call_args, **call_kwargs)
-            except Exception as exc:
-                raise GraphError(f"node %{node.name} ({node.op}, {node.target}) failed: {exc}") from exc
+        env[node.name] = feed[node.name] if node.op == INPUT else evaluate_node(graph, node, env, target_device)
         if node.name in keep:
             kept[node.name] = env[node.name]
         for name in last_use.get(index, ()):

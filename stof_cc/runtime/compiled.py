@@ -1,0 +1,209 @@
+"""`stof_cc.compile`: a traced, partitioned model run group by group.
+
+Each fusion group becomes one step, in graph order:
+
+* ``kernel``: a generated group kernel (`GroupLaunch`) writes the group's one output;
+* ``attention``: the group's views run in torch, its anchor in `stof_cc.attention` (the
+  node's own mask, causal or none, or the ``mask`` given to `compile`);
+* ``torch``: the group's nodes run through their torch references, as the interpreter does:
+  groups no template covers, and every group when no GPU (or no PyCUDA) is available.
+
+Values are dropped after their last reader, so intermediate memory follows their lifetimes
+(the torch caching allocator reuses it). Not built yet: CUDA graph capture (kernels launch on
+the default stream through PyCUDA, which capture does not allow) and tuned parameters
+(`compile` runs each template's default point or the attention cost model's pick; `stof-cc
+tune` fills the database that a later `compile` will read).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from stof_cc.codegen.build import attention_kernel, build_groups
+from stof_cc.codegen.chain import NotFusable
+from stof_cc.ir.frontend import trace
+from stof_cc.ir.graph import Graph, Ref
+from stof_cc.ir.interpret import bind_inputs, evaluate_node
+from stof_cc.masks import MaskDescription, causal
+from stof_cc.passes import canonicalize, partition, recognise_attention
+from stof_cc.passes.attention import attention_arguments
+from stof_cc.passes.fusion import FusionGroup, FusionPlan
+from stof_cc.templates.group import group_output, group_templates
+
+
+@dataclass
+class Step:
+    group: FusionGroup
+    kind: str  # "kernel" | "attention" | "torch"
+    note: str
+    launch: Any = None  # GroupLaunch for kernel steps
+    mask: MaskDescription | None = None  # attention steps
+
+
+@dataclass
+class Variant:
+    """One input signature's graph, plan and steps."""
+
+    graph: Graph
+    plan: FusionPlan
+    steps: list[Step]
+    dies_after: list[list[str]] = field(default_factory=list)  # values dead after each step
+    _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The parameters and buffers, moved to ``device`` once."""
+        if device not in self._constants:
+            self._constants[device] = {k: v.to(device) for k, v in self.graph.constants.items()}
+        return self._constants[device]
+
+
+class CompiledModule:
+    """Callable like the module it was compiled from (same arguments, same output structure)."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, mask: MaskDescription | None,
+                 use_gpu_kernels: bool, build_dir: Path | None) -> None:
+        self.module, self.dtype, self.mask = module, dtype, mask
+        self.use_gpu_kernels, self.build_dir = use_gpu_kernels, build_dir
+        self.variants: dict[tuple, Variant] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _cast((args, kwargs), self.dtype)
+        key = _signature((args, kwargs))
+        if key not in self.variants:  # a new input shape: compile a variant for it
+            self.variants[key] = self._compile(args, kwargs)
+        variant = self.variants[key]
+        inputs = bind_inputs(variant.graph, args, kwargs)
+        device = next((t.device for t in inputs.values()), torch.device("cpu"))
+        env: dict[str, Any] = {**variant.constants_on(device), **inputs}
+        with torch.no_grad():
+            for step, dead in zip(variant.steps, variant.dies_after, strict=True):
+                self._run(variant.graph, step, env, device)
+                for name in dead:
+                    env.pop(name, None)
+        outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+        if variant.graph.out_spec is not None:
+            return pytree.tree_unflatten(outputs, variant.graph.out_spec)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def explain(self) -> str:
+        """Per variant: every group, how it runs and why."""
+        lines = []
+        for key, variant in self.variants.items():
+            lines.append(f"variant {key}:")
+            lines += [f"  {s.group.name:<5} {s.group.kind:<11} {s.kind:<9} {s.note}" for s in variant.steps]
+        return "\n".join(lines)
+
+    # -- compiling one variant ------------------------------------------------------------------
+    def _compile(self, args: tuple, kwargs: dict) -> Variant:
+        graph = recognise_attention(canonicalize(trace(self.module, args, kwargs)))
+        graph.verify()
+        plan = partition(graph)
+        if self.build_dir is not None:
+            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
+        steps = [self._step(graph, group) for group in plan.default.groups]
+        return Variant(graph, plan, steps, _lifetimes(graph, steps))
+
+    def _step(self, graph: Graph, group: FusionGroup) -> Step:
+        if not self.use_gpu_kernels:
+            return Step(group, "torch", "no GPU kernels here (no CUDA device or no PyCUDA)")
+        if group.kind == "attention":
+            given = attention_arguments(graph.node(group.anchor))
+            if given.get("attn_mask") is not None and self.mask is None:
+                return Step(group, "torch", "attention with a mask tensor (mask tensors are not yet turned into "
+                                            "mask descriptions; pass mask= to compile)")
+            try:
+                attention_kernel(graph, graph.node(group.anchor))
+            except NotFusable as why:
+                return Step(group, "torch", str(why))
+            mask = self.mask if self.mask is not None else (causal() if given.get("is_causal") else None)
+            return Step(group, "attention", "stof_cc.attention for the anchor, views in torch", mask=mask)
+        reasons = []
+        for template in group_templates(group.kind):
+            try:
+                problem = template.match(graph, group)
+            except NotFusable as why:
+                reasons.append(f"{template.name}: {why}")
+                continue
+            if not template.runs_on(torch.cuda.get_device_capability()):
+                reasons.append(f"{template.name}: not for this GPU")
+                continue
+            from stof_cc.runtime.group import GroupLaunch  # needs PyCUDA: only on the GPU path
+
+            params = template.default_params(problem)
+            return Step(group, "kernel", f"{template.name} {params}", launch=GroupLaunch(template, problem, params))
+        return Step(group, "torch", "; ".join(reasons) or f"no template serves {group.kind} groups")
+
+    # -- running ----------------------------------------------------------------------------------
+    def _run(self, graph: Graph, step: Step, env: dict[str, Any], device: torch.device) -> None:
+        if step.kind == "kernel":
+            env[group_output(graph, step.group)] = step.launch(env)
+            return
+        for name in step.group.nodes:
+            node = graph.node(name)
+            if step.kind == "attention" and name == step.group.anchor:
+                env[name] = self._attention(node, env, step.mask)
+            else:
+                env[name] = evaluate_node(graph, node, env, device)
+
+    @staticmethod
+    def _attention(node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
+        from stof_cc.runtime.attention import attention
+
+        given = attention_arguments(node)
+        q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
+        return attention(q, k, v, mask, given.get("scale"))
+
+
+def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
+            example_kwargs: dict[str, Any] | None = None, *, mask: MaskDescription | None = None,
+            dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None) -> CompiledModule:
+    """Compile ``model`` for inputs shaped like ``example_inputs`` / ``example_kwargs`` (more
+    shapes compile on first use). The model and floating inputs run in ``dtype``; ``mask``
+    replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`."""
+    module = copy.deepcopy(model).to(dtype).eval()
+    compiled = CompiledModule(module, dtype, mask, _gpu_kernels_available(), Path(build_dir) if build_dir else None)
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    args, kwargs = _cast((args, dict(example_kwargs or {})), dtype)
+    compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
+    return compiled
+
+
+def _gpu_kernels_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import pycuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def _signature(tree: Any) -> tuple:
+    flat, spec = pytree.tree_flatten(tree)
+    return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+                                for t in flat)
+
+
+def _lifetimes(graph: Graph, steps: list[Step]) -> list[list[str]]:
+    """For each step, the values no later step reads (graph outputs live to the end)."""
+    last: dict[str, int] = {}
+    for index, step in enumerate(steps):
+        for name in step.group.nodes:
+            for ref in graph.node(name).refs():
+                last[ref.name] = index
+    outputs = {r.name for r in graph.outputs if isinstance(r, Ref)}
+    dies: list[list[str]] = [[] for _ in steps]
+    for name, index in last.items():
+        if name not in outputs:
+            dies[index].append(name)
+    return dies
