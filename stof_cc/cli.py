@@ -20,6 +20,7 @@ from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
 from stof_cc.backends.pycuda_backend import BackendError
 from stof_cc.codegen import NotFusable
 from stof_cc.codegen.build import attention_kernel, build_groups, format_builds
+from stof_cc.codegen.report import write_report
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
@@ -37,6 +38,7 @@ from stof_cc.passes import (
     recognise_attention,
 )
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
+from stof_cc.runtime.compiled import cast_floating
 from stof_cc.templates.attention import AttentionProblem, config_label
 from stof_cc.tune.database import TuningDatabase
 from stof_cc.tune.model import tune_model
@@ -76,6 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
     compile_.add_argument("--build-dir", default="stof_build", help="where <model>/<group>.cu go (default: %(default)s)")
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
+    compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                          help="the model and its floating inputs are cast to this before tracing (%(default)s)")
     compile_.set_defaults(run=_cmd_compile)
 
     tune = sub.add_parser("tune", help="measure the best kernel parameters of every generated group on the GPU "
@@ -130,13 +134,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     module, example_args, example_kwargs = load_factory(args.model)
-    graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
+    dtype = getattr(torch, args.dtype)
+    example_args, example_kwargs = cast_floating((tuple(example_args), example_kwargs), dtype)
+    graph = trace(module.to(dtype), example_args, example_kwargs, name=_model_name(args.model))
     graph = recognise_attention(canonicalize(graph))
     graph.verify()
     plan = partition(graph)
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
-    builds = build_groups(graph, plan, Path(args.build_dir) / graph.name, compile_kernels=compile_kernels)
+    out_dir = Path(args.build_dir) / graph.name
+    builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
     print(format_builds(builds, plan))
+    report = write_report(graph, plan, builds, out_dir)
+    print(f"\nwrote {', '.join(str(p) for p in report)}")
     written = [b for b in builds if b.path]
     print(f"\n{len(written)} of {len(builds)} groups generated"
           + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))
@@ -225,7 +234,7 @@ def _print_attention_choices(graph: Graph) -> None:
         if node.op not in ("scaled_dot_product_attention", "attention"):
             continue
         try:
-            template, problem, params = attention_kernel(graph, node)
+            template, problem, params, _ = attention_kernel(graph, node)
         except NotFusable as why:
             print(f"\n{why}")
             continue

@@ -10,6 +10,7 @@ matches, run through torch; the table says so, with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from stof_cc.templates.attention import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, A
 from stof_cc.templates.group import group_header, group_templates
 from stof_cc.templates.registry import KernelTemplate
 
+H100_SM_COUNT = 132  # estimates in the build report: the GPU the constants describe
+
 
 @dataclass
 class GroupBuild:
@@ -38,11 +41,13 @@ class GroupBuild:
     path: Path | None
     note: str
     resources: Resources | None = None
+    estimate_us: float | None = None  # stage 1 of the search
+    measured_us: float | None = None  # from the tuning database, when it has a record
 
 
-def attention_kernel(graph: Graph, node: Node) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any]]:
-    """The attention template, problem and parameters the cost model picks for an SDPA or
-    recognised attention node (its own mask: causal or none); NotFusable with the reason.
+def attention_kernel(graph: Graph, node: Node) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
+    """The attention template, problem, parameters and estimate the cost model picks for an SDPA
+    or recognised attention node (its own mask: causal or none); NotFusable with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
@@ -54,16 +59,19 @@ def attention_kernel(graph: Graph, node: Node) -> tuple[KernelTemplate, Attentio
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
     choice = explain_attention(b, h, s_q, k.shape[2], d, causal() if given.get("is_causal") else None, dtype=dtype)
-    return choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params
+    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params,
+            choice.estimates[0].micros)
 
 
-def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels: bool = True) -> list[GroupBuild]:
-    """Write (and compile) the kernel of every group a template covers; one entry per group."""
+def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels: bool = True,
+                 measured: Callable[[KernelTemplate, FusionGroup], float | None] | None = None) -> list[GroupBuild]:
+    """Write (and compile) the kernel of every group a template covers; one entry per group.
+    ``measured(template, group)``, if given, looks up a tuned time (the tuning database)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     builds = []
     for group in plan.default.groups:
         try:
-            template, source, params, note = _generate(graph, group)
+            template, source, params, note, estimate_us = _generate(graph, group)
         except NotFusable as why:
             builds.append(GroupBuild(group, None, None, None, f"torch: {why}"))
             continue
@@ -73,17 +81,18 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
         if compile_kernels:
             compiled = compile_cubin(source, arch="sm_90" + template.arch_features, source_path=path)
             resources = next(iter(compiled.resources.values()), None)
-        builds.append(GroupBuild(group, template.name, params, path, note, resources))
+        builds.append(GroupBuild(group, template.name, params, path, note, resources, estimate_us,
+                                 measured(template, group) if measured else None))
     return builds
 
 
-def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, dict[str, Any], str]:
+def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
     if group.kind == "attention":
-        template, problem, params = attention_kernel(graph, graph.node(group.anchor))
+        template, problem, params, estimate_us = attention_kernel(graph, graph.node(group.anchor))
         header = group_header(graph, group, template.name, params)
         others = [n for n in group.nodes if n != group.anchor]
         note = "anchor only; " + (f"{', '.join(others)} stay torch views" if others else "nothing else")
-        return template, f"{header}\n{template.render(problem, params)}", params, note
+        return template, f"{header}\n{template.render(problem, params)}", params, note, estimate_us
     templates = group_templates(group.kind)
     if not templates:
         raise NotFusable(f"no template serves {group.kind} groups")
@@ -95,7 +104,8 @@ def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, di
             reasons.append(f"{template.name}: {why}")
             continue
         params = template.default_params(problem)
-        return template, template.render(problem, params), params, "fused"
+        return (template, template.render(problem, params), params, "fused",
+                template.estimate(problem, params, H100_SM_COUNT))
     raise NotFusable("; ".join(reasons))
 
 

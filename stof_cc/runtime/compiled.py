@@ -73,7 +73,7 @@ class CompiledModule:
         self.variants: dict[tuple, Variant] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _cast((args, kwargs), self.dtype)
+        args, kwargs = cast_floating((args, kwargs), self.dtype)
         key = _signature((args, kwargs))
         if key not in self.variants:  # a new input shape: compile a variant for it
             self.variants[key] = self._compile(args, kwargs)
@@ -169,7 +169,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     module = copy.deepcopy(model).to(dtype).eval()
     compiled = CompiledModule(module, dtype, mask, _gpu_kernels_available(), Path(build_dir) if build_dir else None)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
-    args, kwargs = _cast((args, dict(example_kwargs or {})), dtype)
+    args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
     compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
     return compiled
 
@@ -184,7 +184,8 @@ def _gpu_kernels_available() -> bool:
     return True
 
 
-def _cast(tree: Any, dtype: torch.dtype) -> Any:
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched)."""
     return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
