@@ -33,9 +33,9 @@ from stof_cc.masks.spec import parse_spec
 from stof_cc.passes import (
     AttentionReport,
     CanonicalizeReport,
-    canonicalize,
+    KeyPaddingReport,
     partition,
-    recognise_attention,
+    run_passes,
 )
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.runtime.compiled import cast_floating
@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
     inspect.add_argument("--passes", action="store_true",
-                         help="show the graph after canonicalize and recognise_attention (--check checks that one) "
+                         help="show the graph after canonicalize, recognise_attention and describe_key_padding "
+                              "(--check checks that one) "
                               "and its fusion partition")
     inspect.set_defaults(run=_cmd_inspect)
 
@@ -110,10 +111,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
     graph.verify()
     if args.passes:
-        canonical, attention_report = CanonicalizeReport(), AttentionReport()
-        graph = recognise_attention(canonicalize(graph, report=canonical), report=attention_report)
+        canonical, attention_report, padding = CanonicalizeReport(), AttentionReport(), KeyPaddingReport()
+        graph = run_passes(graph, canonical, attention_report, padding)
         graph.verify()
-        print(f"{canonical}\n{attention_report}\n\nfusion partition (`stof-cc compile` generates it):\n{partition(graph)}\n")
+        print(f"{canonical}\n{attention_report}\n{padding}\n\nfusion partition (`stof-cc compile` generates it):\n"
+              f"{partition(graph)}\n")
     if not args.quiet_graph:
         print(graph)
         print()
@@ -137,7 +139,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     example_args, example_kwargs = cast_floating((tuple(example_args), example_kwargs), dtype)
     graph = trace(module.to(dtype), example_args, example_kwargs, name=_model_name(args.model))
-    graph = recognise_attention(canonicalize(graph))
+    graph = run_passes(graph)
     graph.verify()
     plan = partition(graph)
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
@@ -159,7 +161,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print("stof-cc: error: tuning measures kernels on the GPU, and no CUDA device is visible", file=sys.stderr)
         return 2
     module, example_args, example_kwargs = load_factory(args.model)
-    graph = recognise_attention(canonicalize(trace(module, example_args, example_kwargs, name=_model_name(args.model))))
+    graph = run_passes(trace(module, example_args, example_kwargs, name=_model_name(args.model)))
     db = TuningDatabase(args.db)
     started = time.perf_counter()
     reports = tune_model(graph, partition(graph), example_args, database=db, top_k=args.top_k)

@@ -20,7 +20,7 @@ import torch
 from stof_cc.backends.nvcc import Resources, compile_cubin
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Node
-from stof_cc.masks import causal
+from stof_cc.masks import causal, key_padding
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import explain_attention
@@ -47,18 +47,22 @@ class GroupBuild:
 
 def attention_kernel(graph: Graph, node: Node) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
     """The attention template, problem, parameters and estimate the cost model picks for an SDPA
-    or recognised attention node (its own mask: causal or none); NotFusable with the reason.
+    or recognised attention node (its own mask: causal, none, or key padding, which is known
+    only per call and is chosen for here as if no key were padded); NotFusable with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
     if given.get("attn_mask") is not None:
-        raise NotFusable(f"%{node.name}: a mask tensor is known only at run time (mask tensors are not yet "
-                         "turned into mask descriptions)")
+        raise NotFusable(f"%{node.name}: a mask tensor that is not key padding is known only at run time "
+                         "(pass mask= to stof_cc.compile)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
-    choice = explain_attention(b, h, s_q, k.shape[2], d, causal() if given.get("is_causal") else None, dtype=dtype)
+    mask = causal() if given.get("is_causal") else None
+    if given.get("key_padding") is not None:  # known per call: chosen here for unpadded keys
+        mask = key_padding([k.shape[2]] * b) & mask if mask is not None else key_padding([k.shape[2]] * b)
+    choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
     return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params,
             choice.estimates[0].micros)
 

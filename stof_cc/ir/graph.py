@@ -248,6 +248,24 @@ class Graph:
         return counts
 
     # -- copying --------------------------------------------------------------------
+    def rebuild(self, rewrite: Callable[[Node, Graph], Node | None]) -> Graph:
+        """A new graph with the same inputs, constants and outputs whose computed nodes are
+        ``rewrite(node, new_graph)``: the node itself, a replacement, or None to drop it (the
+        callback may add nodes of its own to ``new_graph`` first). Passes build on this."""
+        out = Graph(self.name)
+        out.in_spec, out.out_spec = self.in_spec, self.out_spec
+        for node in self.nodes():
+            if node.op == INPUT:
+                out.add_input(node.name, node.spec)
+            elif node.op == CONSTANT:
+                out.add_constant(node.name, self.constants[node.name])
+            else:
+                new = rewrite(node, out)
+                if new is not None:
+                    out.add_node(new)
+        out.outputs = list(self.outputs)
+        return out
+
     def copy(self) -> Graph:
         """A deep copy of the structure; constant tensors are shared (they are never mutated)."""
         out = Graph(self.name)

@@ -174,11 +174,20 @@ _ops("attention", "masked multi-head attention", {
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                        *, scale: float, is_causal: bool = False) -> torch.Tensor:
+                        *, scale: float, is_causal: bool = False,
+                        key_padding: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [causal]) v: what the
-    recognised `attention` node computes, with SDPA's conventions for ``mask``."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                            scale=scale)
+    recognised `attention` node computes, with SDPA's conventions for ``mask``. With
+    ``key_padding`` [B, S_k] (nonzero = a real token) keys are attended only where it is
+    nonzero, and a query that can attend no key gives 0, as stof-cc's kernels do."""
+    if key_padding is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                                scale=scale)
+    allowed = (key_padding != 0)[:, None, None, :]
+    if is_causal:
+        allowed = allowed & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out.masked_fill(~allowed.any(-1, keepdim=True), 0)
 
 
 register_op(OpDef("attention", "attention", reference=attention_reference,

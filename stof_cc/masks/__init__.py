@@ -6,7 +6,7 @@ from stof_cc.masks.description import MaskDescription
 from stof_cc.masks.errors import MaskError, MaskTypeError
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 from stof_cc.masks.spec import parse_spec
-from stof_cc.masks.user import from_dense, from_mask_mod
+from stof_cc.masks.user import from_dense, from_mask_mod, from_padding
 from stof_cc.masks.zoo import (
     bigbird,
     causal,
@@ -37,6 +37,7 @@ __all__ = [
     "fixed",
     "from_dense",
     "from_mask_mod",
+    "from_padding",
     "full",
     "global_tokens",
     "key_padding",

@@ -14,6 +14,7 @@ from torch import Tensor
 from stof_cc.masks.description import MaskDescription, MaskMod
 from stof_cc.masks.errors import MaskError, MaskTypeError
 from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, classes_from
+from stof_cc.masks.zoo import key_padding
 
 
 class _Dense(MaskDescription):
@@ -128,3 +129,17 @@ def from_mask_mod(
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
     return _MaskMod(fn, name or getattr(fn, "__name__", type(fn).__name__))
+
+
+def from_padding(padding: Tensor, seq_q: int) -> MaskDescription:
+    """The mask of an ``attention_mask``-style tensor [B, S_k] (nonzero = a real token):
+    `key_padding` with per-row lengths when every row is ones then zeros (the usual right
+    padding), else the dense [B, 1, seq_q, S_k] mask."""
+    if not isinstance(padding, Tensor) or padding.dim() != 2:
+        raise MaskTypeError(f"from_padding: padding must be a [batch, keys] tensor, got {getattr(padding, 'shape', padding)}")
+    keep = (padding != 0).cpu()
+    lengths = keep.sum(1)
+    prefix = torch.arange(keep.shape[1])[None, :] < lengths[:, None]
+    if torch.equal(keep, prefix):
+        return key_padding(lengths.tolist())
+    return from_dense(keep[:, None, None, :].expand(keep.shape[0], 1, seq_q, keep.shape[1]).contiguous())

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec
+from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec
 from stof_cc.passes.canonicalize import mutating_nodes, remove_dead_nodes
 
 _MATMULS = ("matmul", "bmm")
@@ -81,22 +81,15 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
             report.matched.append(match.root)
     covered = {name for m in matches.values() for name in m.covered}
 
-    out = Graph(graph.name)
-    out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
-    for node in graph.nodes():
-        if node.op == INPUT:
-            out.add_input(node.name, node.spec)
-        elif node.op == CONSTANT:
-            out.add_constant(node.name, graph.constants[node.name])
-        elif node.name in matches:
+    def rewrite(node: Node, out: Graph) -> Node | None:
+        if node.name in matches:
             m = matches[node.name]
             mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
-            out.add_node(Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
-                              {"scale": m.scale, "is_causal": is_causal}, node.spec))
-        elif node.name not in covered:
-            out.add_node(node)
-    out.outputs = list(graph.outputs)
-    return remove_dead_nodes(out)  # e.g. a hidden-positions constant replaced by its negation
+            return Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
+                        {"scale": m.scale, "is_causal": is_causal}, node.spec)
+        return None if node.name in covered else node
+
+    return remove_dead_nodes(graph.rebuild(rewrite))  # e.g. a hidden-positions constant replaced by its negation
 
 
 SDPA_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")

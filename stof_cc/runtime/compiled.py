@@ -30,8 +30,8 @@ from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, evaluate_node
-from stof_cc.masks import MaskDescription, causal
-from stof_cc.passes import canonicalize, partition, recognise_attention
+from stof_cc.masks import MaskDescription, causal, from_padding
+from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import group_output, group_templates
@@ -71,6 +71,7 @@ class CompiledModule:
         self.module, self.dtype, self.mask = module, dtype, mask
         self.use_gpu_kernels, self.build_dir = use_gpu_kernels, build_dir
         self.variants: dict[tuple, Variant] = {}
+        self._padding_masks: dict[tuple, MaskDescription] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating((args, kwargs), self.dtype)
@@ -101,7 +102,7 @@ class CompiledModule:
 
     # -- compiling one variant ------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
-        graph = recognise_attention(canonicalize(trace(self.module, args, kwargs)))
+        graph = run_passes(trace(self.module, args, kwargs))
         graph.verify()
         plan = partition(graph)
         if self.build_dir is not None:
@@ -115,8 +116,8 @@ class CompiledModule:
         if group.kind == "attention":
             given = attention_arguments(graph.node(group.anchor))
             if given.get("attn_mask") is not None and self.mask is None:
-                return Step(group, "torch", "attention with a mask tensor (mask tensors are not yet turned into "
-                                            "mask descriptions; pass mask= to compile)")
+                return Step(group, "torch", "attention with a mask tensor that is not key padding (pass mask= "
+                                            "to compile)")
             try:
                 attention_kernel(graph, graph.node(group.anchor))
             except NotFusable as why:
@@ -151,13 +152,23 @@ class CompiledModule:
             else:
                 env[name] = evaluate_node(graph, node, env, device)
 
-    @staticmethod
-    def _attention(node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
+    def _attention(self, node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
         from stof_cc.runtime.attention import attention
 
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
+        if given.get("key_padding") is not None and self.mask is None:
+            padding = self._padding_mask(env[given["key_padding"].name], q.shape[-2])
+            mask = padding & mask if mask is not None else padding
         return attention(q, k, v, mask, given.get("scale"))
+
+    def _padding_mask(self, padding: torch.Tensor, seq_q: int) -> MaskDescription:
+        """The key-padding description of this call's ``attention_mask``, one per distinct value
+        (attention's choices and BlockMasks are cached per description object)."""
+        key = (seq_q, tuple(padding.shape), padding.cpu().numpy().tobytes())
+        if key not in self._padding_masks:
+            self._padding_masks[key] = from_padding(padding, seq_q)
+        return self._padding_masks[key]
 
 
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001

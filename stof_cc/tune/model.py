@@ -19,7 +19,7 @@ from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
 from stof_cc.ir.reference import relative_error
-from stof_cc.masks import causal
+from stof_cc.masks import causal, from_padding
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.group import GroupLaunch
@@ -105,14 +105,16 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
 def _tune_attention_group(graph, group, values, database, top_k, progress) -> SearchReport | None:
     given = attention_arguments(graph.node(group.anchor))
     if given.get("attn_mask") is not None:
-        progress(f"{group.name}: attention with a mask tensor is not tuned (mask tensors are not yet turned "
-                 "into mask descriptions)")
+        progress(f"{group.name}: attention with a mask tensor that is not key padding is not tuned")
         return None
     q, k, v = (values[given[name].name] for name in ("query", "key", "value"))
     if q.dtype not in (torch.float16, torch.bfloat16):
         q, k, v = (t.half() for t in (q, k, v))  # stof-cc compiles models to fp16
-    return tune_attention(q, k, v, causal() if given.get("is_causal") else None, given.get("scale"),
-                          database=database, top_k=top_k, progress=progress)
+    mask = causal() if given.get("is_causal") else None
+    if given.get("key_padding") is not None:  # tuned for the example's padding
+        padding = from_padding(values[given["key_padding"].name], q.shape[-2])
+        mask = padding & mask if mask is not None else padding
+    return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)
 
 
 def _sm_count() -> int:

@@ -1,0 +1,69 @@
+"""describe_key_padding: BERT's attention_mask becomes key_padding; other masks stay, with reasons."""
+
+from __future__ import annotations
+
+import torch
+
+from stof_cc import masks
+from stof_cc.ir.frontend import trace
+from stof_cc.ir.interpret import interpret
+from stof_cc.loading import load_factory
+from stof_cc.passes import KeyPaddingReport, canonicalize, recognise_attention, run_passes
+
+
+def test_bert_attention_mask_becomes_key_padding(example_path):
+    module, args, kwargs = load_factory(example_path("tiny_bert"))
+    original = trace(module, args, kwargs)
+    report = KeyPaddingReport()
+    graph = run_passes(original, padding=report)
+    assert set(report.rewritten.values()) == {"attention_mask"} and len(report.rewritten) == 2
+    attention = [n for n in graph.nodes() if n.op == "attention"]
+    assert all(n.args[3] is None and n.kwargs["key_padding"].name == "attention_mask" for n in attention)
+    assert len(graph) < len(recognise_attention(canonicalize(original)))  # the mask subgraph is gone
+    want, got = interpret(original, *args, **kwargs), interpret(graph, *args, **kwargs)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+class MaskedAttention(torch.nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v, padding):
+        if self.how == "padding":
+            mask = padding[:, None, None, :].bool()
+        elif self.how == "bias":  # ALiBi-like: a bias, not a mask
+            mask = (1.0 - padding[:, None, None, :].float()) * -1e9 + torch.arange(q.shape[-2]).float()[None, None, None, :] * 0.5
+        else:  # depends on the query too: not key padding
+            mask = padding[:, None, :, None].bool() & padding[:, None, None, :].bool()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _run(how: str):
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    padding = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    report = KeyPaddingReport()
+    original = trace(MaskedAttention(how), (q, k, v, padding))
+    graph = run_passes(original, padding=report)
+    return report, original, graph, (q, k, v, padding)
+
+
+def test_boolean_padding_mask_is_recognised_and_equal():
+    report, original, graph, args = _run("padding")
+    assert report.rewritten
+    torch.testing.assert_close(interpret(graph, *args), interpret(original, *args), rtol=1e-5, atol=1e-5)
+
+
+def test_biases_and_query_dependent_masks_stay_tensors():
+    report, *_ = _run("bias")
+    assert not report.rewritten and "biases the scores" in next(iter(report.refused.values()))
+    report, *_ = _run("query")
+    assert not report.rewritten and "not a function of the key's padding bit" in next(iter(report.refused.values()))
+
+
+def test_from_padding_uses_lengths_for_right_padding():
+    right = masks.from_padding(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]]), seq_q=4)
+    assert "key_padding" in repr(right)
+    holes = masks.from_padding(torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]), seq_q=4)
+    dense = holes.to_dense(4, 4, batch=2, heads=1)
+    assert dense[0, 0, :, 1].logical_not().all() and dense[0, 0, :, 2].all() and dense[1].all()
