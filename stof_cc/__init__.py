@@ -9,12 +9,21 @@ from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.runtime.compiled import CompiledModule, compile  # noqa: A004 (stof_cc.compile, like torch.compile)
+from stof_cc.templates.group import GroupProblem, GroupTemplate  # noqa: E402
+from stof_cc.templates.registry import (  # noqa: E402
+    TemplateRegistrationError,
+    register_template,
+    unregister_template,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionInputError",
     "CompiledModule",
+    "GroupProblem",
+    "GroupTemplate",
+    "TemplateRegistrationError",
     "Graph",
     "GraphError",
     "Node",
@@ -24,6 +33,8 @@ __all__ = [
     "compile",
     "explain_attention",
     "interpret",
+    "register_template",
     "trace",
+    "unregister_template",
     "__version__",
 ]

@@ -7,11 +7,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
-from stof_cc.templates.registry import register_template, render_file
+from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import memory_bound_us
 
 THREAD_COUNTS = (128, 256)
@@ -34,6 +36,9 @@ class ElementwiseTemplate(GroupTemplate):
             raise NotFusable(f"group {group.name}: reads no tensor (canonicalize folds such chains)")
         problem.details = {"chain": chain, "operands": operands}
         return problem
+
+    def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+        return _BiasGeluResidual(), (torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16))
 
     def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
         widths = {graph_spec.dtype.itemsize for graph_spec in self._tensor_specs(problem)}
@@ -60,7 +65,7 @@ class ElementwiseTemplate(GroupTemplate):
 
     def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         chain = problem.details["chain"]
-        return render_file(self.source_file, name=self.kernel_name(problem, params), header=self.header(problem, params),
+        return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
                            n=math.prod(problem.shape), row=problem.shape[-1], operands=problem.details["operands"],
                            out_type=c_type(problem.dtype, f"%{problem.output}"),
                            chain=chain.code(" " * (12 if params["vec"] > 1 else 8)), result=chain.result, **params)
@@ -70,4 +75,9 @@ class ElementwiseTemplate(GroupTemplate):
         return (min(-(-math.prod(problem.shape) // per_cta), 2**31 - 1), 1, 1), params["threads"], 0
 
 
-ELEMENTWISE = register_template(ElementwiseTemplate())
+class _BiasGeluResidual(torch.nn.Module):
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x + 1.0) * 0.5 + r
+
+
+ELEMENTWISE = register_template(ElementwiseTemplate(), validate=False)  # validated in tests/test_register_template.py

@@ -18,7 +18,11 @@ import torch
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.registry import KernelTemplate, registered_templates
+from stof_cc.templates.registry import (
+    KernelTemplate,
+    TemplateRegistrationError,
+    registered_templates,
+)
 from stof_cc.tune.cost_model import memory_bound_us
 
 C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
@@ -71,6 +75,46 @@ class GroupTemplate(KernelTemplate):
     @abstractmethod
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
         """The problem to render for ``group``, or NotFusable with the reason."""
+
+    @abstractmethod
+    def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+        """A small module and inputs with a group this template generates: registration checks
+        the spec on it, and it documents what the template is for."""
+
+    def validate(self) -> None:
+        """The spec matches a group of its example, has parameters there, and renders."""
+        from stof_cc.ir.frontend import trace
+        from stof_cc.passes import partition, run_passes
+
+        module, inputs = self.example()
+        graph = run_passes(trace(module, inputs))
+        reasons = []
+        for group in partition(graph).default.groups:
+            if group.kind not in self.kinds:
+                continue
+            try:
+                problem = self.match(graph, group)
+            except NotFusable as why:
+                reasons.append(str(why))
+                continue
+            except Exception as exc:
+                raise TemplateRegistrationError(f"template {self.name!r}: match() failed on group {group.name} of "
+                                                f"its example: {type(exc).__name__}: {exc}") from exc
+            space = self.space(problem)
+            if not space:
+                raise TemplateRegistrationError(f"template {self.name!r}: its parameter space is empty for "
+                                                f"group {group.name} of its example")
+            try:
+                source = self.render(problem, space[0])
+            except Exception as exc:
+                raise TemplateRegistrationError(f"template {self.name!r} does not render for {space[0]}: "
+                                                f"{type(exc).__name__}: {exc}") from exc
+            if f"{self.kernel_name(problem, space[0])}(" not in source:
+                raise TemplateRegistrationError(f"template {self.name!r}: the rendered source does not define "
+                                                f"{self.kernel_name(problem, space[0])}")
+            return
+        raise TemplateRegistrationError(f"template {self.name!r} matches no {'/'.join(self.kinds)} group of its "
+                                        f"example" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return group_header(problem.graph, problem.group, self.name, params)

@@ -18,16 +18,13 @@ TEMPLATE_DIR = Path(__file__).resolve().parent
 
 
 @functools.cache
-def _environment() -> jinja2.Environment:
+def _environment(template_dir: Path) -> jinja2.Environment:
+    """Templates in ``template_dir`` see stof-cc's own macro files too (group_common.j2, ...)."""
     return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        loader=jinja2.FileSystemLoader([str(template_dir), str(TEMPLATE_DIR)]),
         undefined=jinja2.StrictUndefined,  # a missing parameter is an error, not an empty string
         keep_trailing_newline=True,
     )
-
-
-def render_file(filename: str, **context: Any) -> str:
-    return _environment().get_template(filename).render(**context)
 
 
 class KernelTemplate(ABC):
@@ -39,6 +36,10 @@ class KernelTemplate(ABC):
     arch_features: str = ""  # "a" for sources that need the arch-specific target (sm_90a)
     min_capability: tuple[int, int] = (0, 0)  # oldest compute capability it compiles for
     capabilities: tuple[tuple[int, int], ...] | None = None  # exactly these, when arch-specific
+
+    def render_source(self, **context: Any) -> str:
+        """``source_file`` rendered with ``context`` (the specs' `render` calls this)."""
+        return _environment(Path(self.template_dir)).get_template(self.source_file).render(**context)
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
         capability = tuple(capability)
@@ -57,16 +58,47 @@ class KernelTemplate(ABC):
         """The extern "C" symbol the rendered source defines."""
 
 
+    def validate(self) -> None:  # noqa: B027 (optional hook: templates without an example check nothing)
+        """Check the template against its own example; raise TemplateRegistrationError if it
+        does not match, has no parameters or does not render. Nothing to check by default."""
+
+
+class TemplateRegistrationError(ValueError):
+    """A template was refused at registration; the message names it and says why."""
+
+
 _TEMPLATES: dict[str, KernelTemplate] = {}
 
 
-def register_template(template: KernelTemplate) -> KernelTemplate:
+def register_template(template: KernelTemplate, *, validate: bool = True) -> KernelTemplate:
+    """Add ``template`` to the registry: from then on it takes part in code generation, the
+    cost model and the search like a built-in. Checked here, not at compile time: the name is
+    free, the source file exists and parses, and (``validate``) the spec matches a group of its
+    own example, has parameters there and renders. Built-ins skip the example check at import
+    (it traces a model) and are validated by the test suite instead."""
+    if not isinstance(template, KernelTemplate):
+        raise TemplateRegistrationError(f"register_template needs a KernelTemplate, got {type(template).__name__}")
     if template.name in _TEMPLATES:
-        raise ValueError(f"template {template.name!r} is already registered")
-    if not (TEMPLATE_DIR / template.source_file).is_file():
-        raise ValueError(f"template {template.name!r}: source file {template.source_file} not found")
+        raise TemplateRegistrationError(f"template name {template.name!r} is already taken "
+                                        f"(by {type(_TEMPLATES[template.name]).__name__})")
+    path = Path(template.template_dir) / template.source_file
+    if not path.is_file():
+        raise TemplateRegistrationError(f"template {template.name!r}: source file {path} not found")
+    try:
+        _environment(Path(template.template_dir)).parse(path.read_text())
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateRegistrationError(f"template {template.name!r}: {path}:{exc.lineno}: {exc.message}") from exc
+    if validate:
+        template.validate()
     _TEMPLATES[template.name] = template
     return template
+
+
+def unregister_template(name: str) -> KernelTemplate:
+    """Remove a registered template (a notebook re-registering an edited spec, a test cleaning up)."""
+    if name not in _TEMPLATES:
+        raise TemplateRegistrationError(f"no template named {name!r} is registered")
+    return _TEMPLATES.pop(name)
 
 
 def registered_templates() -> list[KernelTemplate]:

@@ -13,7 +13,7 @@ from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
-from stof_cc.templates.registry import register_template, render_file
+from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import row_reduce_us
 
 THREAD_COUNTS = (128, 256, 512)
@@ -53,6 +53,9 @@ class RowReduceTemplate(GroupTemplate):
                            "epilogue": epilogue.code(" " * 12), "result": epilogue.result}
         return problem
 
+    def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+        return torch.nn.LayerNorm(64).half(), (torch.randn(4, 64, dtype=torch.float16),)
+
     def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
         row = problem.shape[-1]
         return [{"threads": t} for t in THREAD_COUNTS
@@ -68,7 +71,7 @@ class RowReduceTemplate(GroupTemplate):
 
     def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         d, row = problem.details, problem.shape[-1]
-        return render_file(self.source_file, name=self.kernel_name(problem, params), header=self.header(problem, params),
+        return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
                            row=row, items=-(-row // params["threads"]), out_type=c_type(problem.dtype, f"%{problem.output}"),
                            eps=f"{d['eps']!r}f", **{k: d[k] for k in ("reduction", "operands", "weight", "bias",
                                                                        "prologue", "input", "epilogue", "result")},
@@ -120,4 +123,4 @@ def _operand_dicts(graph: Graph, group: FusionGroup, chain: Chain) -> list[dict[
     return [_row_operand(graph, op.ref, op.name, op.access) for op in chain.operands]
 
 
-ROW_REDUCE = register_template(RowReduceTemplate())
+ROW_REDUCE = register_template(RowReduceTemplate(), validate=False)  # validated in tests/test_register_template.py
