@@ -47,3 +47,11 @@ def test_compiled_module_matches_eager_on_the_gpu(example, example_path):
     for g, w in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want), strict=True):
         assert float((g.float() - w.float()).norm() / w.float().norm()) < 1e-2
     assert "kernel" in compiled.explain() or "attention" in compiled.explain()
+
+
+def test_mask_override_on_the_sparse_bert_example(example_path):
+    from stof_cc.masks.workloads import grid_mask
+
+    module, (x, dense), _ = load_factory(example_path("sparse_bert"))
+    compiled = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32)
+    torch.testing.assert_close(compiled(x, dense), module(x, dense).detach(), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,125 @@
+"""End to end: the 12-layer sparse BERT-base encoder against the peers (issue 7).
+
+    python benchmarks/e2e.py [--masks sliding,longformer,bigbird] [--seqs 512,2048] [--json e2e.json] [--append]
+
+WORKLOADS.md's encoder table: fp16 inference, masks sliding / longformer / bigbird of the MHA
+grid, S in {512, 2048}, 4096 tokens per call (S = 512: B = 8; S = 2048: B = 2). Peers, all in
+this process on the same random inputs: eager PyTorch with SDPA and the boolean mask;
+`torch.compile` of it (default, and mode="reduce-overhead"); the same model with FlexAttention
+and the mask's block mask, compiled (both modes). stof-cc: `stof_cc.compile(model, inputs,
+mask=<description>)`; its compile time is reported apart (cold: empty compile caches are not
+forced, so it is the time in this process; warm: a second `stof_cc.compile`). Every output is
+checked against the fp32 eager result (relative error < 1e-2) before timing; times are medians
+of `triton.testing.do_bench` after warm-up. Needs an NVIDIA GPU, PyCUDA and nvcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from sparse_bert import SparseBert  # noqa: E402
+
+import stof_cc  # noqa: E402
+from stof_cc.ir.reference import relative_error  # noqa: E402
+from stof_cc.masks.workloads import grid_mask  # noqa: E402
+
+TOKENS, TOLERANCE = 4096, 1e-2
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def run_row(name: str, seq: int) -> dict:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    torch._dynamo.config.cache_size_limit = 1000
+    batch = TOKENS // seq
+    desc = grid_mask(name, seq)
+    dense = desc.to_dense(seq, seq).cuda()
+    torch.manual_seed(0)
+    model = SparseBert().cuda().eval()
+    x = torch.randn(batch, seq, 768, device="cuda")
+    with torch.no_grad():
+        want = model(x, dense)
+    model, x = model.half(), x.half()
+    block_mask = create_block_mask(desc.mask_mod_for(seq, seq, batch, 12), None, None, seq, seq, device="cuda")
+    flex = SparseBert(attention="flex", block_mask=block_mask).cuda().half().eval()
+    flex.load_state_dict(model.state_dict())
+    peers = {"eager": lambda: model(x, dense)}
+    for mode in ("default", "reduce-overhead"):
+        peers[f"compiled_{mode}"] = (lambda m=torch.compile(model, mode=mode): m(x, dense))
+        peers[f"flex_{mode}"] = (lambda m=torch.compile(flex, mode=mode): m(x, dense))
+    row = {"mask": name, "seq": seq, "batch": batch, "peers": {}}
+    with torch.no_grad():
+        for label, fn in peers.items():
+            try:
+                err = relative_error(fn(), want)
+                row["peers"][label] = {"ms": bench(fn), "err": err, "ok": err < TOLERANCE}
+            except Exception as exc:  # a missing peer is reported, not dropped silently
+                row["peers"][label] = {"ms": math.inf, "err": math.inf, "ok": False, "error": str(exc)[:200]}
+
+        started = time.perf_counter()
+        compiled = stof_cc.compile(model, (x, dense), mask=desc)
+        row["stof_compile_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        stof_cc.compile(model, (x, dense), mask=desc)
+        row["stof_compile_warm_s"] = time.perf_counter() - started
+        ours = lambda: compiled(x, dense)  # noqa: E731
+        row["stof_err"] = relative_error(ours(), want)
+        row["stof_ms"] = bench(ours)
+        row["stof_steps"] = compiled.explain()
+    correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
+    row["best_peer_ms"] = min(correct) if correct else math.inf
+    row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < TOLERANCE else 0.0
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--masks", default="sliding,longformer,bigbird")
+    parser.add_argument("--seqs", default="512,2048")
+    parser.add_argument("--json")
+    parser.add_argument("--append", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for seq in map(int, args.seqs.split(",")):
+        for name in args.masks.split(","):
+            rows.append(run_row(name, seq))
+            print(f"{name} S={seq}: stof {rows[-1]['stof_ms']:.3f} ms, best peer {rows[-1]['best_peer_ms']:.3f} ms "
+                  f"-> {rows[-1]['speedup']:.2f}x", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
+    names = list(rows[0]["peers"])
+    lines = [f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
+             "| mask | S | stof ms | " + " | ".join(f"{n} ms" for n in names) + " | speedup | compile s (cold / warm) |",
+             "|" + "---|" * (len(names) + 5)]
+    for r in rows:
+        cells = " | ".join(f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)") for n in names)
+        lines.append(f"| {r['mask']} | {r['seq']} | {r['stof_ms']:.3f} | {cells} | {r['speedup']:.2f}x | "
+                     f"{r['stof_compile_s']:.1f} / {r['stof_compile_warm_s']:.1f} |")
+    geo = math.exp(sum(math.log(max(r["speedup"], 1e-9)) for r in rows) / len(rows))
+    lines.append(f"\ngeomean speedup over the best peer: {geo:.2f}x")
+    table = "\n".join(lines)
+    print(table)
+    if args.append:
+        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
+            f.write(f"\n## End to end (issue 7)\n\nCommand: `python benchmarks/e2e.py`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
