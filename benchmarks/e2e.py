@@ -62,8 +62,9 @@ def run_row(name: str, seq: int) -> dict:
     flex.load_state_dict(model.state_dict())
     peers = {"eager": lambda: model(x, dense)}
     for mode in ("default", "reduce-overhead"):
-        peers[f"compiled_{mode}"] = (lambda m=torch.compile(model, mode=mode): m(x, dense))
-        peers[f"flex_{mode}"] = (lambda m=torch.compile(flex, mode=mode): m(x, dense))
+        for label, module in (("compiled", model), ("flex", flex)):
+            compiled_module = torch.compile(module, mode=mode)
+            peers[f"{label}_{mode}"] = lambda m=compiled_module: m(x, dense)
     row = {"mask": name, "seq": seq, "batch": batch, "peers": {}}
     with torch.no_grad():
         for label, fn in peers.items():
