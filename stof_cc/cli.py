@@ -164,7 +164,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     graph = run_passes(trace(module, example_args, example_kwargs, name=_model_name(args.model)))
     db = TuningDatabase(args.db)
     started = time.perf_counter()
-    reports = tune_model(graph, partition(graph), example_args, database=db, top_k=args.top_k)
+    reports = tune_model(graph, partition(graph), example_args, example_kwargs, database=db, top_k=args.top_k)
     measured = sum(r.measured for r in reports)
     print(f"\ntuned {len(reports)} group(s) in {time.perf_counter() - started:.1f} s; {measured} candidate(s) "
           f"measured; database {db.path}")

@@ -35,6 +35,7 @@ from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import group_output, group_templates
+from stof_cc.tune.database import TuningDatabase
 
 
 @dataclass
@@ -67,9 +68,11 @@ class CompiledModule:
     """Callable like the module it was compiled from (same arguments, same output structure)."""
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, mask: MaskDescription | None,
-                 use_gpu_kernels: bool, build_dir: Path | None) -> None:
+                 use_gpu_kernels: bool, build_dir: Path | None, database: TuningDatabase | None = None,
+                 tune: bool = False) -> None:
         self.module, self.dtype, self.mask = module, dtype, mask
         self.use_gpu_kernels, self.build_dir = use_gpu_kernels, build_dir
+        self.database, self.tune = database, tune
         self.variants: dict[tuple, Variant] = {}
         self._padding_masks: dict[tuple, MaskDescription] = {}
 
@@ -107,6 +110,10 @@ class CompiledModule:
         plan = partition(graph)
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
+        if self.tune and self.use_gpu_kernels and self.database is not None:
+            from stof_cc.tune.model import tune_model  # measures (or reuses records) on the GPU
+
+            tune_model(graph, plan, args, kwargs, database=self.database, progress=lambda _: None)
         steps = [self._step(graph, group) for group in plan.default.groups]
         return Variant(graph, plan, steps, _lifetimes(graph, steps))
 
@@ -136,9 +143,22 @@ class CompiledModule:
                 continue
             from stof_cc.runtime.group import GroupLaunch  # needs PyCUDA: only on the GPU path
 
-            params = template.default_params(problem)
-            return Step(group, "kernel", f"{template.name} {params}", launch=GroupLaunch(template, problem, params))
+            params, how = self._params(template, problem, graph, group)
+            return Step(group, "kernel", f"{template.name} {params} ({how})",
+                        launch=GroupLaunch(template, problem, params))
         return Step(group, "torch", "; ".join(reasons) or f"no template serves {group.kind} groups")
+
+    def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
+        """The tuning database's winner for this group when it has one (and it is still a legal
+        point), else the template's default point."""
+        if self.database is not None:
+            from stof_cc.tune.database import Device
+            from stof_cc.tune.model import group_signature
+
+            record = self.database.lookup(template, group_signature(graph, group), Device.current())
+            if record is not None and record.params in template.space(problem):
+                return record.params, f"tuned, {record.micros:.1f} us"
+        return template.default_params(problem), "default point, not tuned"
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, graph: Graph, step: Step, env: dict[str, Any], device: torch.device) -> None:
@@ -173,12 +193,20 @@ class CompiledModule:
 
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
             example_kwargs: dict[str, Any] | None = None, *, mask: MaskDescription | None = None,
-            dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None) -> CompiledModule:
+            dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None, tune: bool = False,
+            database: TuningDatabase | str | Path | None = None) -> CompiledModule:
     """Compile ``model`` for inputs shaped like ``example_inputs`` / ``example_kwargs`` (more
     shapes compile on first use). The model and floating inputs run in ``dtype``; ``mask``
-    replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`."""
+    replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`.
+    Group kernels run the tuning database's winners where it has them (``database``: a
+    `TuningDatabase` or its path; default the user's); ``tune=True`` first measures, on the GPU,
+    every group the database has no record for (`stof-cc tune` does the same from the shell)."""
     module = copy.deepcopy(model).to(dtype).eval()
-    compiled = CompiledModule(module, dtype, mask, _gpu_kernels_available(), Path(build_dir) if build_dir else None)
+    gpu = _gpu_kernels_available()
+    if gpu and not isinstance(database, TuningDatabase):
+        database = TuningDatabase(database)
+    compiled = CompiledModule(module, dtype, mask, gpu, Path(build_dir) if build_dir else None,
+                              database if gpu else None, tune)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
     compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now

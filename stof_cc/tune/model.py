@@ -40,16 +40,17 @@ def group_signature(graph: Graph, group: FusionGroup) -> str:
     return f"{group.kind} {ops} -> {graph.node(group_output(graph, group)).spec} <- {inputs}"
 
 
-def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...], *,
-               database: TuningDatabase, top_k: int = DEFAULT_TOP_K,
-               progress: Callable[[str], None] = print) -> list[SearchReport]:
+def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
+               example_kwargs: dict[str, Any] | None = None, *, database: TuningDatabase,
+               top_k: int = DEFAULT_TOP_K, progress: Callable[[str], None] = print) -> list[SearchReport]:
     """Search every group that has a template; returns one report per tuned group."""
     if not torch.cuda.is_available():
         raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
     needed = {r.name for g in plan.default.groups for n in g.nodes for r in graph.node(n).refs()}
     needed |= {group_output(graph, g) for g in plan.default.groups if _has_single_output(graph, g)}
     inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in example_inputs)
-    values = interpret_values(graph, needed, *inputs)
+    kwargs = {k: t.cuda() if isinstance(t, torch.Tensor) else t for k, t in (example_kwargs or {}).items()}
+    values = interpret_values(graph, needed, *inputs, **kwargs)
     device = Device.current()
     reports = []
     for group in plan.default.groups:
