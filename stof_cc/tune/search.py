@@ -1,8 +1,9 @@
 """Stage 2 of the search: measure the model's best few candidates and keep the fastest correct one.
 
 Stage 1 (`cost_model`) scores every candidate without running it; `search` keeps the top
-``top_k`` (default 8), compiles them in parallel processes (nvcc is CPU-bound; the cubins land
-in the on-disk cache the launcher reads), runs each once against the torch reference
+``top_k`` (default 8), compiles them in parallel (one nvcc process per candidate, started from
+a thread pool: no fork of a process that holds a CUDA context; the cubins land in the on-disk
+cache the launcher reads), runs each once against the torch reference
 (relative error under 1e-2, no NaN, else it is out with the reason), times the survivors
 (warm-up, then the median of ``runs`` launches timed by CUDA events, rotating over several
 input sets so that no candidate finds its inputs in L2), and returns the fastest. A
@@ -19,7 +20,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,7 @@ class SearchReport:
 
 
 def _compile(job: tuple[str, str]) -> str:
-    """Worker: compile one source into the cubin cache; '' or the error."""
+    """One compile job: the source into the cubin cache; '' or the error."""
     source, arch = job
     try:
         compile_cubin(source, arch=arch)
@@ -129,7 +130,7 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
     say = progress or (lambda _: None)
     say(f"{signature}: compiling {len(survivors)} of {len(ranked)} candidates")
     jobs = [(c.source, arch + c.template.arch_features) for c in survivors]
-    with ProcessPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:  # each job is an nvcc process
         errors = list(pool.map(_compile, jobs))
     outcomes = []
     for index, (candidate, error) in enumerate(zip(survivors, errors, strict=True), start=1):
