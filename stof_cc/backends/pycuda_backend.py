@@ -5,10 +5,10 @@ cubin cache); PyCUDA loads the cubin into the CUDA primary context, which torch 
 too (``pycuda.autoprimaryctx``), so kernels read and write torch tensors by
 ``data_ptr()`` with no copies.
 
-Streams: PyCUDA cannot wrap a foreign stream handle, so kernels launch on the legacy
-default stream, which is torch's current stream unless the caller switched streams. A
-launch under another current stream (a user stream, CUDA graph capture) raises
-`BackendError` instead of racing with torch's work.
+Streams: PyCUDA cannot wrap a foreign stream handle, so it launches on the legacy default
+stream, torch's current stream unless the caller switched streams. Under any other current
+stream (a user stream, CUDA graph capture) the same cubin is launched on that stream through
+the driver API instead (`stream_launch.DriverKernel`), so the work is ordered with torch's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from stof_cc.backends.nvcc import Resources, compile_cubin
+from stof_cc.backends.stream_launch import DriverKernel
 
 
 class BackendError(RuntimeError):
@@ -59,15 +60,19 @@ class Kernel:
     source_path: Path
     resources: Resources | None
     _function: object
+    cubin: bytes = b""
+    arg_format: str = ""
     _max_dynamic_smem: int = 48 * 1024
+    _on_streams: DriverKernel | None = None  # the same kernel for launches off the default stream
 
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, *args: object) -> None:
-        """Launch on the default stream; pointers are passed as ints (``tensor.data_ptr()``)."""
-        if _current_raw_stream() != 0:
-            raise BackendError(
-                f"kernel {self.name}: torch's current stream is not the default stream; stof-cc "
-                "kernels launch on the default stream (PyCUDA cannot wrap other stream handles)"
-            )
+        """Launch on torch's current stream; pointers are passed as ints (``tensor.data_ptr()``)."""
+        stream = _current_raw_stream()
+        if stream != 0:
+            if self._on_streams is None:
+                self._on_streams = DriverKernel(self.cubin, self.name, self.arg_format)
+            self._on_streams.launch(grid, threads, shared_bytes, stream, *args)
+            return
         if shared_bytes > self._max_dynamic_smem:
             drv = _driver()
             self._function.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
@@ -86,6 +91,7 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
     kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
     kernel._function.prepare(arg_format)
+    kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
     return kernel
 
 

@@ -5,7 +5,7 @@ mask and an input layout validates the inputs, picks a template and parameters w
 analytical model (cached per problem and mask), takes
 the mask in the unified storage format at that kernel's block shape (converted once and
 cached per mask, sizes, block shape and device), and launches the compiled kernel on
-the default stream (see the PyCUDA backend). Nothing here falls back to torch: an input the kernels do not
+torch's current stream (see the PyCUDA backend). Nothing here falls back to torch: an input the kernels do not
 support raises `AttentionInputError` naming the argument.
 """
 

@@ -9,10 +9,10 @@ Each fusion group becomes one step, in graph order:
   groups no template covers, and every group when no GPU (or no PyCUDA) is available.
 
 Values are dropped after their last reader, so intermediate memory follows their lifetimes
-(the torch caching allocator reuses it). Not built yet: CUDA graph capture (kernels launch on
-the default stream through PyCUDA, which capture does not allow) and tuned parameters
-(`compile` runs each template's default point or the attention cost model's pick; `stof-cc
-tune` fills the database that a later `compile` will read).
+(the torch caching allocator reuses it). Kernel steps run the tuning database's winners where it
+has them (``tune=True`` measures first), else the template's default point. With
+``cuda_graphs=True`` a variant is captured once and replayed (launches off the default stream go
+through the driver-API launcher); **neither the GPU path nor the capture has run on a GPU yet**.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Variant:
     plan: FusionPlan
     steps: list[Step]
     dies_after: list[list[str]] = field(default_factory=list)  # values dead after each step
+    graph_capture: tuple | None = None  # (CUDAGraph, static inputs, static outputs) once captured
     _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -69,8 +70,8 @@ class CompiledModule:
 
     def __init__(self, module: torch.nn.Module, dtype: torch.dtype, mask: MaskDescription | None,
                  use_gpu_kernels: bool, build_dir: Path | None, database: TuningDatabase | None = None,
-                 tune: bool = False) -> None:
-        self.module, self.dtype, self.mask = module, dtype, mask
+                 tune: bool = False, cuda_graphs: bool = False) -> None:
+        self.module, self.dtype, self.mask, self.cuda_graphs = module, dtype, mask, cuda_graphs
         self.use_gpu_kernels, self.build_dir = use_gpu_kernels, build_dir
         self.database, self.tune = database, tune
         self.variants: dict[tuple, Variant] = {}
@@ -83,17 +84,45 @@ class CompiledModule:
             self.variants[key] = self._compile(args, kwargs)
         variant = self.variants[key]
         inputs = bind_inputs(variant.graph, args, kwargs)
-        device = next((t.device for t in inputs.values()), torch.device("cpu"))
-        env: dict[str, Any] = {**variant.constants_on(device), **inputs}
         with torch.no_grad():
-            for step, dead in zip(variant.steps, variant.dies_after, strict=True):
-                self._run(variant.graph, step, env, device)
-                for name in dead:
-                    env.pop(name, None)
-        outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+            if self.cuda_graphs and self.use_gpu_kernels and _capturable(variant):
+                outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
+            else:
+                outputs = self._execute(variant, inputs)
         if variant.graph.out_spec is not None:
             return pytree.tree_unflatten(outputs, variant.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _execute(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
+        device = next((t.device for t in inputs.values()), torch.device("cpu"))
+        env: dict[str, Any] = {**variant.constants_on(device), **inputs}
+        for step, dead in zip(variant.steps, variant.dies_after, strict=True):
+            self._run(variant.graph, step, env, device)
+            for name in dead:
+                env.pop(name, None)
+        return [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+
+    def _replay(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
+        """Run the variant as one CUDA graph: captured on first use (after two warm-up runs on
+        a side stream, which build every launch plan and cache), then replayed with the new
+        inputs copied into the captured ones."""
+        if variant.graph_capture is None:
+            static = {name: t.clone() for name, t in inputs.items()}
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._execute(variant, static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = self._execute(variant, static)
+            variant.graph_capture = (graph, static, outputs)
+        graph, static, outputs = variant.graph_capture
+        for name, tensor in inputs.items():
+            static[name].copy_(tensor)
+        graph.replay()
+        return outputs
 
     def explain(self) -> str:
         """Per variant: every group, how it runs and why."""
@@ -194,19 +223,21 @@ class CompiledModule:
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
             example_kwargs: dict[str, Any] | None = None, *, mask: MaskDescription | None = None,
             dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None, tune: bool = False,
-            database: TuningDatabase | str | Path | None = None) -> CompiledModule:
+            database: TuningDatabase | str | Path | None = None, cuda_graphs: bool = False) -> CompiledModule:
     """Compile ``model`` for inputs shaped like ``example_inputs`` / ``example_kwargs`` (more
     shapes compile on first use). The model and floating inputs run in ``dtype``; ``mask``
     replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`.
     Group kernels run the tuning database's winners where it has them (``database``: a
     `TuningDatabase` or its path; default the user's); ``tune=True`` first measures, on the GPU,
-    every group the database has no record for (`stof-cc tune` does the same from the shell)."""
+    every group the database has no record for (`stof-cc tune` does the same from the shell).
+    ``cuda_graphs=True`` replays each input shape as one CUDA graph (not for models with key
+    padding, whose masks are read per call); off by default until it has run on a GPU."""
     module = copy.deepcopy(model).to(dtype).eval()
     gpu = _gpu_kernels_available()
     if gpu and not isinstance(database, TuningDatabase):
         database = TuningDatabase(database)
     compiled = CompiledModule(module, dtype, mask, gpu, Path(build_dir) if build_dir else None,
-                              database if gpu else None, tune)
+                              database if gpu else None, tune, cuda_graphs)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
     compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
@@ -232,6 +263,12 @@ def _signature(tree: Any) -> tuple:
     flat, spec = pytree.tree_flatten(tree)
     return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
                                 for t in flat)
+
+
+def _capturable(variant: Variant) -> bool:
+    """A CUDA graph fixes every launch: key padding, read from the inputs per call, cannot be."""
+    return not any(variant.graph.node(s.group.anchor).kwargs.get("key_padding") is not None
+                   for s in variant.steps if s.kind == "attention")
 
 
 def _lifetimes(graph: Graph, steps: list[Step]) -> list[list[str]]:
