@@ -93,6 +93,7 @@ def test_the_gpu_path_plumbing_with_fake_kernels(monkeypatch, example_path, tmp_
 
     monkeypatch.setenv("STOF_CC_TUNING_DB", str(tmp_path / "t.sqlite"))
     monkeypatch.setattr(stof_cc.runtime.compiled, "_gpu_kernels_available", lambda: True)
+    monkeypatch.setattr(stof_cc.runtime.compiled, "_on_gpu", lambda tree: True)  # CPU tensors stand in
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(Device, "current", staticmethod(lambda: Device("fake H100", (9, 0), "13.0")))
     monkeypatch.setattr(stof_cc.runtime.group, "GroupLaunch", FakeLaunch)
@@ -130,3 +131,25 @@ def test_cuda_graph_replay_matches_the_plain_path(example_path):
         got = graphed(*fresh)
         assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-3
     assert all(v.graph_capture is not None for v in graphed.variants.values())
+
+
+def test_mask_override_reaches_stof_attention_on_the_gpu_path(monkeypatch, example_path, tmp_path):
+    import stof_cc.runtime.attention
+    import stof_cc.runtime.compiled
+    import stof_cc.runtime.group
+    from stof_cc.masks.workloads import grid_mask
+    from stof_cc.tune.database import Device
+
+    monkeypatch.setenv("STOF_CC_TUNING_DB", str(tmp_path / "t.sqlite"))
+    monkeypatch.setattr(stof_cc.runtime.compiled, "_gpu_kernels_available", lambda: True)
+    monkeypatch.setattr(stof_cc.runtime.compiled, "_on_gpu", lambda tree: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(Device, "current", staticmethod(lambda: Device("fake H100", (9, 0), "13.0")))
+    monkeypatch.setattr(stof_cc.runtime.group, "GroupLaunch", FakeLaunch)
+    monkeypatch.setattr(stof_cc.runtime.attention, "attention", _fake_attention)
+    module, (x, dense), _ = load_factory(example_path("sparse_bert"))
+    compiled = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32)
+    torch.testing.assert_close(compiled(x, dense), module(x, dense).detach(), rtol=1e-4, atol=1e-4)
+    import re
+
+    assert len(re.findall(r"attention\s+attention", compiled.explain())) == 2  # replaced mask, not torch steps

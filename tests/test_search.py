@@ -81,3 +81,13 @@ def test_a_warm_database_measures_nothing(tmp_path: Path):
     other_gpu = Device("NVIDIA A100-SXM4-80GB", (8, 0), "13.0")
     third = search(candidates, build, check, signature="g3", timer=timer, database=db, device=other_gpu)
     assert not third.from_database
+
+
+@pytest.mark.nvcc
+def test_templates_outside_the_survivors_need_no_record(tmp_path: Path):
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    candidates = _candidates(ELEMENTWISE, 4) + [Candidate(ROW_REDUCE, {"i": 9}, 9.0, GOOD.format(i=9))]
+    build, check, timer = _fake()
+    search(candidates, build, check, signature="g4", top_k=2, timer=timer, database=db, device=H100)
+    again = search(candidates, build, check, signature="g4", top_k=2, timer=timer, database=db, device=H100)
+    assert again.from_database  # row_reduce was never a survivor, so it has (and needs) no record

@@ -45,14 +45,15 @@ class GroupBuild:
     measured_us: float | None = None  # from the tuning database, when it has a record
 
 
-def attention_kernel(graph: Graph, node: Node) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
+def attention_kernel(graph: Graph, node: Node,
+                     ignore_mask: bool = False) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
     """The attention template, problem, parameters and estimate the cost model picks for an SDPA
     or recognised attention node (its own mask: causal, none, or key padding, which is known
     only per call and is chosen for here as if no key were padded); NotFusable with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
-    if given.get("attn_mask") is not None:
+    if given.get("attn_mask") is not None and not ignore_mask:  # (ignored: `compile(mask=)` replaces it)
         raise NotFusable(f"%{node.name}: a mask tensor that is not key padding is known only at run time "
                          "(pass mask= to stof_cc.compile)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:

@@ -55,6 +55,7 @@ class Variant:
     plan: FusionPlan
     steps: list[Step]
     dies_after: list[list[str]] = field(default_factory=list)  # values dead after each step
+    gpu: bool = False  # generated kernels run (the inputs are on a GPU with PyCUDA)
     graph_capture: tuple | None = None  # (CUDAGraph, static inputs, static outputs) once captured
     _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
 
@@ -85,7 +86,7 @@ class CompiledModule:
         variant = self.variants[key]
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
-            if self.cuda_graphs and self.use_gpu_kernels and _capturable(variant):
+            if self.cuda_graphs and variant.gpu and _capturable(variant):
                 outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
             else:
                 outputs = self._execute(variant, inputs)
@@ -139,27 +140,29 @@ class CompiledModule:
         plan = partition(graph)
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
-        if self.tune and self.use_gpu_kernels and self.database is not None:
+        # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
+        gpu = self.use_gpu_kernels and _on_gpu((args, kwargs))
+        if self.tune and gpu and self.database is not None:
             from stof_cc.tune.model import tune_model  # measures (or reuses records) on the GPU
 
-            tune_model(graph, plan, args, kwargs, database=self.database, progress=lambda _: None)
-        steps = [self._step(graph, group) for group in plan.default.groups]
-        return Variant(graph, plan, steps, _lifetimes(graph, steps))
+            tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask, progress=lambda _: None)
+        steps = [self._step(graph, group, gpu) for group in plan.default.groups]
+        return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 
-    def _step(self, graph: Graph, group: FusionGroup) -> Step:
-        if not self.use_gpu_kernels:
-            return Step(group, "torch", "no GPU kernels here (no CUDA device or no PyCUDA)")
+    def _step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
+        if not gpu:
+            return Step(group, "torch", "no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA)")
         if group.kind == "attention":
             given = attention_arguments(graph.node(group.anchor))
             if given.get("attn_mask") is not None and self.mask is None:
                 return Step(group, "torch", "attention with a mask tensor that is not key padding (pass mask= "
                                             "to compile)")
             try:
-                attention_kernel(graph, graph.node(group.anchor))
+                attention_kernel(graph, graph.node(group.anchor), ignore_mask=self.mask is not None)
             except NotFusable as why:
                 return Step(group, "torch", str(why))
-            mask = self.mask if self.mask is not None else (causal() if given.get("is_causal") else None)
-            return Step(group, "attention", "stof_cc.attention for the anchor, views in torch", mask=mask)
+            return Step(group, "attention", "stof_cc.attention for the anchor, views in torch",
+                        mask=node_mask(given, self.mask))
         reasons = []
         for template in group_templates(group.kind):
             try:
@@ -169,6 +172,9 @@ class CompiledModule:
                 continue
             if not template.runs_on(torch.cuda.get_device_capability()):
                 reasons.append(f"{template.name}: not for this GPU")
+                continue
+            if not template.space(problem):
+                reasons.append(f"{template.name}: no parameter point fits this group")
                 continue
             from stof_cc.runtime.group import GroupLaunch  # needs PyCUDA: only on the GPU path
 
@@ -207,16 +213,20 @@ class CompiledModule:
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
         if given.get("key_padding") is not None and self.mask is None:
-            padding = self._padding_mask(env[given["key_padding"].name], q.shape[-2])
-            mask = padding & mask if mask is not None else padding
-        return attention(q, k, v, mask, given.get("scale"))
+            mask = self._padding_mask(env[given["key_padding"].name], q.shape[-2], mask)
+        dtype = q.dtype
+        if dtype not in (torch.float16, torch.bfloat16):  # the kernels are fp16/bf16: an fp32 model gets fp16
+            q, k, v = (t.half() for t in (q, k, v))
+        return attention(q, k, v, mask, given.get("scale")).to(dtype)
 
-    def _padding_mask(self, padding: torch.Tensor, seq_q: int) -> MaskDescription:
-        """The key-padding description of this call's ``attention_mask``, one per distinct value
-        (attention's choices and BlockMasks are cached per description object)."""
-        key = (seq_q, tuple(padding.shape), padding.cpu().numpy().tobytes())
+    def _padding_mask(self, padding: torch.Tensor, seq_q: int, other: MaskDescription | None) -> MaskDescription:
+        """The key-padding description of this call's ``attention_mask`` (combined with the node's
+        own mask), one object per distinct value: attention caches its choices and BlockMasks
+        per description object."""
+        key = (seq_q, tuple(padding.shape), padding.ne(0).to(torch.uint8).cpu().numpy().tobytes(), id(other))
         if key not in self._padding_masks:
-            self._padding_masks[key] = from_padding(padding, seq_q)
+            keys = from_padding(padding, seq_q)
+            self._padding_masks[key] = keys & other if other is not None else keys
         return self._padding_masks[key]
 
 
@@ -263,6 +273,21 @@ def _signature(tree: Any) -> tuple:
     flat, spec = pytree.tree_flatten(tree)
     return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
                                 for t in flat)
+
+
+CAUSAL = causal()  # one object: attention's choices (and tuned winners) are cached per description
+
+
+def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
+    """The description an attention node runs with: ``compile``'s override, else causal or none
+    (key padding is added per call)."""
+    if override is not None:
+        return override
+    return CAUSAL if given.get("is_causal") else None
+
+
+def _on_gpu(tree: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
 
 
 def _capturable(variant: Variant) -> bool:

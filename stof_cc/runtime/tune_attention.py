@@ -56,8 +56,9 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
     the torch reference, and adopt the fastest for later `attention` calls with this mask."""
     description = as_description(mask)
     problem = check_inputs(q, k, v)
-    sets = [tuple(torch.randn_like(t) for t in (q, k, v)) for _ in range(input_sets)]
-    outs = [torch.empty_like(q) for _ in range(input_sets)]
+    # contiguous: the layout the kernels read without copies, and the one `out` must have
+    sets = [tuple(torch.randn(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)) for _ in range(input_sets)]
+    outs = [torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(input_sets)]
     dense = description.to_dense(problem.seq_q, problem.seq_k, batch=problem.batch, heads=problem.heads).to(q.device)
     reference = masked_attention(*sets[0], dense, scale=scale)
 

@@ -15,13 +15,16 @@ from typing import Any
 
 import torch
 
+from stof_cc.backends.pycuda_backend import device_arch
+from stof_cc.codegen.build import attention_kernel
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
 from stof_cc.ir.reference import relative_error
-from stof_cc.masks import causal, from_padding
+from stof_cc.masks import MaskDescription, from_padding
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
+from stof_cc.runtime.compiled import node_mask
 from stof_cc.runtime.group import GroupLaunch
 from stof_cc.runtime.tune_attention import tune_attention
 from stof_cc.templates.group import group_output, group_templates
@@ -42,6 +45,7 @@ def group_signature(graph: Graph, group: FusionGroup) -> str:
 
 def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
                example_kwargs: dict[str, Any] | None = None, *, database: TuningDatabase,
+               mask: MaskDescription | None = None,
                top_k: int = DEFAULT_TOP_K, progress: Callable[[str], None] = print) -> list[SearchReport]:
     """Search every group that has a template; returns one report per tuned group."""
     if not torch.cuda.is_available():
@@ -55,7 +59,7 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
     reports = []
     for group in plan.default.groups:
         if group.kind == "attention":
-            report = _tune_attention_group(graph, group, values, database, top_k, progress)
+            report = _tune_attention_group(graph, group, values, database, top_k, progress, mask)
         else:
             report = _tune_group(graph, group, values, database, device, top_k, progress)
         if report is not None:
@@ -91,28 +95,34 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
         progress(f"{group.name} ({group.kind}): no template applies; torch runs it")
         return None
     reference = values[group_output(graph, group)]
-    sets = [values] + [{k: torch.randn_like(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-                        for k, v in values.items()} for _ in range(INPUT_SETS - 1)]
+    operands = {op["ref"] for problem in problems.values() for op in problem.details["operands"]}
+    sets = [values] + [{**values, **{k: torch.randn_like(values[k]) for k in operands
+                                     if values[k].is_floating_point()}} for _ in range(INPUT_SETS - 1)]
 
     def build(candidate: Candidate):
         launch = GroupLaunch(candidate.template, problems[id(candidate)], candidate.params)
         return lambda i: launch(sets[i % INPUT_SETS])
 
     return search(candidates, build, lambda out: relative_error(out, reference),
-                  signature=group_signature(graph, group), top_k=top_k, database=database, device=device,
-                  progress=progress)
+                  signature=group_signature(graph, group), arch=device_arch(), top_k=top_k, database=database,
+                  device=device, progress=progress)
 
 
-def _tune_attention_group(graph, group, values, database, top_k, progress) -> SearchReport | None:
+def _tune_attention_group(graph, group, values, database, top_k, progress, override=None) -> SearchReport | None:
     given = attention_arguments(graph.node(group.anchor))
-    if given.get("attn_mask") is not None:
+    try:
+        attention_kernel(graph, graph.node(group.anchor), ignore_mask=override is not None)
+    except NotFusable as why:
+        progress(f"{group.name}: not tuned ({why})")
+        return None
+    if given.get("attn_mask") is not None and override is None:
         progress(f"{group.name}: attention with a mask tensor that is not key padding is not tuned")
         return None
     q, k, v = (values[given[name].name] for name in ("query", "key", "value"))
     if q.dtype not in (torch.float16, torch.bfloat16):
         q, k, v = (t.half() for t in (q, k, v))  # stof-cc compiles models to fp16
-    mask = causal() if given.get("is_causal") else None
-    if given.get("key_padding") is not None:  # tuned for the example's padding
+    mask = node_mask(given, override)  # the same object the compiled step runs with
+    if given.get("key_padding") is not None and override is None:  # tuned for the example's padding (per call at run time)
         padding = from_padding(values[given["key_padding"].name], q.shape[-2])
         mask = padding & mask if mask is not None else padding
     return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)

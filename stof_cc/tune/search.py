@@ -121,7 +121,7 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
     started = time.perf_counter()
     ranked = sorted(candidates, key=lambda c: c.estimate_us)
     if database is not None and device is not None:
-        remembered = _from_database(ranked, database, signature, device)
+        remembered = _from_database(ranked[:top_k], ranked, database, signature, device)
         if remembered is not None:
             winner, micros = remembered
             return SearchReport(signature, len(ranked), len(ranked), 0, time.perf_counter() - started, winner,
@@ -167,12 +167,12 @@ def _measure(outcome: Outcome, build, check, timer, runs: int) -> None:
         outcome.failure = f"{type(exc).__name__}: {exc}"
 
 
-def _from_database(ranked: list[Candidate], database: TuningDatabase, signature: str,
+def _from_database(survivors: list[Candidate], ranked: list[Candidate], database: TuningDatabase, signature: str,
                    device: Device) -> tuple[Candidate, float] | None:
-    """The fastest remembered winner, when every template of the list has a record whose
-    parameters are still among the candidates."""
+    """The fastest remembered winner, when every template among the model's survivors (the
+    ones stage 2 would measure, and so store) has a record whose parameters are still legal."""
     best = None
-    for template in {id(c.template): c.template for c in ranked}.values():
+    for template in {id(c.template): c.template for c in survivors}.values():
         record = database.lookup(template, signature, device)
         match = record and next((c for c in ranked if c.template is template and c.params == record.params), None)
         if match is None:
