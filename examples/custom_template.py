@@ -25,7 +25,7 @@ from stof_cc.codegen.build import build_groups, format_builds
 from stof_cc.ir.graph import Graph
 from stof_cc.passes import partition, run_passes
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import c_type, output_problem
+from stof_cc.templates.group import c_type, kernel_operand, output_problem
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,8 +57,7 @@ class SwiGLUSplitTemplate(stof_cc.GroupTemplate):
         if split.args[1:] not in ((2, -1), (2, len(source.spec.shape) - 1)) or source.spec.shape[-1] % 2:
             raise NotFusable(f"%{split.name}: not two halves of the last dimension")
         problem = output_problem(graph, group)
-        problem.details = {"operands": [{"name": "in0", "ref": source.name, "access": "full",
-                                         "ctype": c_type(source.spec.dtype, f"%{source.name}")}]}
+        problem.details = {"operands": [kernel_operand(graph, source.name, "in0", "full")]}
         return problem
 
     def space(self, problem: stof_cc.GroupProblem) -> list[dict[str, Any]]:

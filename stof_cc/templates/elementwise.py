@@ -12,7 +12,14 @@ import torch
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
+from stof_cc.templates.group import (
+    GroupProblem,
+    GroupTemplate,
+    c_type,
+    chain_operands,
+    moved_bytes,
+    output_problem,
+)
 from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import memory_bound_us
 
@@ -29,9 +36,7 @@ class ElementwiseTemplate(GroupTemplate):
         if not problem.shape:
             raise NotFusable(f"group {group.name}: a 0-d output is not worth a kernel")
         chain = Chain(graph, group.nodes, {}, problem.shape)
-        operands = [{"name": op.name, "ref": op.ref.name, "access": op.access,
-                     "ctype": c_type(graph.node(op.ref.name).spec.dtype, f"%{op.ref.name}")}
-                    for op in chain.operands]
+        operands = chain_operands(graph, group, chain)
         if not operands:
             raise NotFusable(f"group {group.name}: reads no tensor (canonicalize folds such chains)")
         problem.details = {"chain": chain, "operands": operands}

@@ -17,9 +17,17 @@ from typing import Any
 import torch
 
 from stof_cc.codegen import Chain, NotFusable
-from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
+from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
+from stof_cc.templates.group import (
+    GroupProblem,
+    GroupTemplate,
+    c_type,
+    chain_operands,
+    kernel_operand,
+    moved_bytes,
+    output_problem,
+)
 from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import gemm_us
 
@@ -60,13 +68,10 @@ class GemmEpilogueTemplate(GroupTemplate):
         elementwise, layout = _split_epilogue(graph, group.nodes[position + 1:])
         anchor_shape = tuple(anchor.spec.shape)
         chain = Chain(graph, elementwise, {anchor.name: "acc_b"}, anchor_shape, operand_prefix="ep")
-        operands = [_operand(graph, x, "A", "full"), _operand(graph, w, "W", "full")]
+        operands = [kernel_operand(graph, x.name, "A", "full"), kernel_operand(graph, w.name, "W", "full")]
         if isinstance(bias, Ref):
-            operands.append(_operand(graph, bias, "bias", "row"))
-        operands += [_operand(graph, op.ref, op.name, op.access) for op in chain.operands]
-        inside = [op["ref"] for op in operands if op["ref"] in group.nodes]
-        if inside:
-            raise NotFusable(f"group {group.name}: %{inside[0]} is computed inside the group and read again")
+            operands.append(kernel_operand(graph, bias.name, "bias", "row"))
+        operands += chain_operands(graph, group, chain)
         acc = "acc_v + LOAD_ROW(bias)" if isinstance(bias, Ref) else "acc_v"
         code = " " * 16 + f"const float acc_b = {acc};\n" + chain.code(" " * 16)
         problem.details = {"m": m, "n": n, "k": k, "lda": k, "ldw": k, "operands": operands,
@@ -165,13 +170,6 @@ def _permutation(node: Node, rank: int) -> list[int]:
     order = list(range(rank))
     order[a], order[b] = order[b], order[a]
     return order
-
-
-def _operand(graph: Graph, ref: Ref, name: str, access: str) -> dict[str, Any]:
-    spec = graph.node(ref.name).spec
-    if not isinstance(spec, TensorSpec):
-        raise NotFusable(f"%{ref.name}: not a tensor")
-    return {"name": name, "ref": ref.name, "access": access, "ctype": c_type(spec.dtype, f"%{ref.name}")}
 
 
 GEMM_EPILOGUE = register_template(GemmEpilogueTemplate(), validate=False)  # validated in tests/test_register_template.py

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import NotFusable
+from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.registry import (
@@ -131,6 +131,23 @@ class GroupTemplate(KernelTemplate):
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         """The point used until the search (issue 6) measures: the space's last (widest)."""
         return self.space(problem)[-1]
+
+
+def kernel_operand(graph: Graph, ref: str, name: str, access: str) -> dict[str, Any]:
+    """One tensor a group kernel reads: its C parameter name, IR value, access pattern, C type."""
+    spec = graph.node(ref).spec
+    if not isinstance(spec, TensorSpec):
+        raise NotFusable(f"%{ref}: not a tensor ({spec})")
+    return {"name": name, "ref": ref, "access": access, "ctype": c_type(spec.dtype, f"%{ref}")}
+
+
+def chain_operands(graph: Graph, group: FusionGroup, chain: Chain) -> list[dict[str, Any]]:
+    """The kernel operands of a chain; a value the group computes itself cannot be one (the
+    kernel never writes it to memory)."""
+    inside = [op.ref.name for op in chain.operands if op.ref.name in group.nodes]
+    if inside:
+        raise NotFusable(f"group {group.name}: %{inside[0]} is computed inside the group and read again")
+    return [kernel_operand(graph, op.ref.name, op.name, op.access) for op in chain.operands]
 
 
 def moved_bytes(problem: GroupProblem) -> int:

@@ -12,7 +12,15 @@ import torch
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
-from stof_cc.templates.group import GroupProblem, GroupTemplate, c_type, moved_bytes, output_problem
+from stof_cc.templates.group import (
+    GroupProblem,
+    GroupTemplate,
+    c_type,
+    chain_operands,
+    kernel_operand,
+    moved_bytes,
+    output_problem,
+)
 from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import row_reduce_us
 
@@ -37,16 +45,16 @@ class RowReduceTemplate(GroupTemplate):
             if source.name != before[-1]:
                 raise NotFusable(f"%{anchor.name}: its input %{source.name} is not the end of the group's prologue")
             prologue = Chain(graph, before, {}, problem.shape, operand_prefix="in")
-            operands += _operand_dicts(graph, group, prologue)
+            operands += chain_operands(graph, group, prologue)
             prologue_code, input_expr = prologue.code(" " * 12), prologue.result
         else:
-            operands.append(_row_operand(graph, source, "x_in", "full"))
+            operands.append(kernel_operand(graph, source.name, "x_in", "full"))
             prologue_code, input_expr = "", "LOAD_FULL(x_in)"
         for ref, name in ((weight, "weight"), (bias, "bias")):
             if ref is not None:
-                operands.append(_row_operand(graph, ref, name, "row"))
+                operands.append(kernel_operand(graph, ref.name, name, "row"))
         epilogue = Chain(graph, after, {anchor.name: "y"}, problem.shape, operand_prefix="ep")
-        operands += _operand_dicts(graph, group, epilogue)
+        operands += chain_operands(graph, group, epilogue)
         problem.details = {"reduction": reduction, "eps": eps, "operands": operands,
                            "weight": "weight" if weight is not None else "", "bias": "bias" if bias is not None else "",
                            "prologue": prologue_code, "input": input_expr,
@@ -110,17 +118,6 @@ def _reduction(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[str, R
             eps = torch.finfo(in_spec.dtype).eps if eps is None else eps
         return node.op, source, weight, bias, float(eps)
     raise NotFusable(f"%{node.name}: reduction {node.op} has no row_reduce form (softmax, layer_norm, rms_norm)")
-
-
-def _row_operand(graph: Graph, ref: Ref, name: str, access: str) -> dict[str, Any]:
-    return {"name": name, "ref": ref.name, "access": access, "ctype": c_type(graph.node(ref.name).spec.dtype, f"%{ref.name}")}
-
-
-def _operand_dicts(graph: Graph, group: FusionGroup, chain: Chain) -> list[dict[str, Any]]:
-    inside = [op.ref.name for op in chain.operands if op.ref.name in group.nodes]
-    if inside:
-        raise NotFusable(f"group {group.name}: %{inside[0]} is read on both sides of the reduction")
-    return [_row_operand(graph, op.ref, op.name, op.access) for op in chain.operands]
 
 
 ROW_REDUCE = register_template(RowReduceTemplate(), validate=False)  # validated in tests/test_register_template.py
