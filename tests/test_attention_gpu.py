@@ -71,7 +71,8 @@ def test_every_template_instance_matches_reference(dtype, head_dim):
     dense = mask.to_dense(seq, seq, batch=BATCH, heads=HEADS).cuda()
     for template, params in candidates(problem):
         q, k, v = _inputs(seq, head_dim, dtype)
-        out = torch.full_like(q, float("nan"))
+        # SDPA's output layout ([B, S, H, D] memory) rather than contiguous: strided stores
+        out = torch.full((BATCH, seq, HEADS, head_dim), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
         attention(q, k, v, mask, params=params, out=out)
         _check(out, masked_attention(q, k, v, dense), f"{template.name} {params}")
 

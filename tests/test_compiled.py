@@ -78,9 +78,10 @@ class FakeLaunch:
         return env[self.problem.output]
 
 
-def _fake_attention(q, k, v, mask=None, scale=None):
+def _fake_attention(q, k, v, mask=None, scale=None, *, out=None):
     dense = None if mask is None else mask.to_dense(q.shape[-2], k.shape[-2], batch=q.shape[0], heads=q.shape[1])
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
+    result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
+    return result if out is None else out.copy_(result)
 
 
 def test_the_gpu_path_plumbing_with_fake_kernels(monkeypatch, example_path, tmp_path):

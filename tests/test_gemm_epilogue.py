@@ -39,6 +39,24 @@ int main() {{
                                           text=True).stdout.split()]
     want = torch.arange(m * n).view(2, 5, 2, 64).transpose(-3, -2).contiguous().flatten().tolist()
     assert got == want
+    # the epilogue stores columns (c, c + 1), c even, as one pair: adjacent and pair-aligned in the output
+    position = {source: i for i, source in enumerate(got)}
+    assert problem.details["paired_store"]
+    assert all(position[i + 1] == position[i] + 1 and position[i] % 2 == 0 for i in range(0, m * n, 2))
+
+
+def test_a_permute_of_the_innermost_axis_stores_single_elements():
+    class HeadSplitTransposed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).view(2, 5, 2, 64).transpose(-1, -2)
+
+    graph, group = _gemm_group(HeadSplitTransposed().half(), torch.randn(2, 5, 64, dtype=torch.float16))
+    problem = GEMM_EPILOGUE.match(graph, group)
+    assert not problem.details["paired_store"]
 
 
 def _gemm_group(module: torch.nn.Module, x: torch.Tensor):

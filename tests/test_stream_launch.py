@@ -1,22 +1,29 @@
-"""The driver-API launcher without a GPU: parameter packing and the calls it makes (a fake libcuda)."""
+"""The driver-API launcher without a GPU: parameter typing and the calls it makes (a fake libcuda)."""
 
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import pytest
 
-from stof_cc.backends.stream_launch import DriverError, DriverKernel, pack_arguments
+from stof_cc.backends.stream_launch import DriverError, DriverKernel, ParameterBlock
 
 
-def test_packing_follows_the_cuda_parameter_layout():
-    # pointers 8-aligned, int32 4, int64 8-aligned (padding after an odd number of ints), float 4
-    packed = pack_arguments("PPiiqf", (0x1000, 0x2000, 7, 9, 1 << 40, 0.5))
-    assert len(packed) == 8 + 8 + 4 + 4 + 8 + 4
-    assert struct.unpack_from("@q", packed, 24)[0] == 1 << 40
-    padded = pack_arguments("Piq", (1, 2, 3))
-    assert len(padded) == 8 + 4 + 4 + 8  # the int64 starts 8-aligned
+def test_parameters_are_typed_by_the_format_and_refilled():
+    block = ParameterBlock("PPiqf128s")
+    block.fill((0x1000, 0x2000, 7, 1 << 40, 0.5, bytes(range(128))))
+    assert [type(o) for o in block.objects[:5]] == [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32,
+                                                   ctypes.c_int64, ctypes.c_float]
+    assert block.objects[3].value == 1 << 40 and block.objects[4].value == 0.5
+    assert ctypes.sizeof(block.objects[5]) == 128 and block.objects[5].raw == bytes(range(128))
+    pointers = block.fill((1, 2, 3, 4, 1.5, b"x" * 128))
+    assert ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_uint64)).contents.value == 1
+    assert ctypes.string_at(pointers[5], 128) == b"x" * 128
+    assert len(ParameterBlock("128s128sPP").objects) == 4
+    with pytest.raises(DriverError, match="2 parameters, got 3 arguments"):
+        ParameterBlock("PP").fill((1, 2, 3))
+    with pytest.raises(DriverError, match="128-byte parameter got 5 bytes"):
+        ParameterBlock("128s").fill((b"short",))
 
 
 class FakeLib:
@@ -40,21 +47,24 @@ class FakeLib:
         return self._result("cuFuncSetAttribute")
 
     def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t)).contents.value
-        self.seen = ((gx, gy, gz), (bx, by, bz), shared, stream.value, ctypes.string_at(extra[1], size), extra[4])
+        """Reads each parameter back through its pointer, as the driver does."""
+        values = [ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64)).contents.value,
+                  ctypes.cast(params[1], ctypes.POINTER(ctypes.c_uint64)).contents.value,
+                  ctypes.cast(params[2], ctypes.POINTER(ctypes.c_int32)).contents.value]
+        self.seen = ((gx, gy, gz), (bx, by, bz), shared, stream.value, values, extra)
         return self._result("cuLaunchKernel")
 
     def cuGetErrorString(self, result, text):
         return 0
 
 
-def test_launch_passes_grid_stream_and_the_packed_buffer():
+def test_launch_passes_grid_stream_and_a_pointer_per_parameter():
     lib = FakeLib()
     kernel = DriverKernel(b"\x7fELF-cubin", "k", "PPi", lib=lib)
     kernel.launch((3, 2, 1), 128, 64 * 1024, 0xABC, 0x10, 0x20, 5)
-    grid, block, shared, stream, buffer, end = lib.seen
+    grid, block, shared, stream, values, extra = lib.seen
     assert grid == (3, 2, 1) and block == (128, 1, 1) and shared == 64 * 1024 and stream == 0xABC
-    assert buffer == pack_arguments("PPi", (0x10, 0x20, 5)) and end is None  # CU_LAUNCH_PARAM_END
+    assert values == [0x10, 0x20, 5] and extra is None
     assert lib.attribute == (8, 64 * 1024)  # more than 48 KiB of dynamic shared memory: opted in once
     kernel.launch((1, 1, 1), 32, 64 * 1024, 0xABC, 1, 2, 3)
     assert lib.calls.count("cuFuncSetAttribute") == 1

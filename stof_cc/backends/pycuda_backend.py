@@ -65,10 +65,16 @@ class Kernel:
     _max_dynamic_smem: int = 48 * 1024
     _on_streams: DriverKernel | None = None  # the same kernel for launches off the default stream
 
+    @property
+    def by_value_structs(self) -> bool:
+        """Takes byte blobs (tensor maps, ``128s``), which PyCUDA's prepared calls cannot pack:
+        launched through the driver API on every stream."""
+        return "s" in self.arg_format
+
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, *args: object) -> None:
         """Launch on torch's current stream; pointers are passed as ints (``tensor.data_ptr()``)."""
         stream = _current_raw_stream()
-        if stream != 0:
+        if stream != 0 or self.by_value_structs:
             if self._on_streams is None:
                 self._on_streams = DriverKernel(self.cubin, self.name, self.arg_format)
             self._on_streams.launch(grid, threads, shared_bytes, stream, *args)
@@ -90,8 +96,9 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     arch = device_arch() + arch_features
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
     kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
-    kernel._function.prepare(arg_format)
     kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
+    if not kernel.by_value_structs:
+        kernel._function.prepare(arg_format)
     return kernel
 
 

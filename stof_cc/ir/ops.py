@@ -110,10 +110,17 @@ def resolve_target(target: str) -> Callable[..., Any]:
         raise GraphError(f"target {target!r} names no torch operator") from None
 
 
+_STRIDE_FREE = {"aten.view.default": "aten.reshape.default", "aten._unsafe_view.default": "aten.reshape.default"}
+
+
 def reference_of(node: Node) -> Callable[..., Any]:
-    """The torch callable that defines what ``node`` computes."""
+    """The torch callable that defines what ``node`` computes.
+
+    ``view`` runs as ``reshape``: the IR is functional (no value is mutated through an alias),
+    so the two compute the same values, and kernels that replace eager's ops may return a
+    different memory layout than eager did, on which a strict ``view`` would fail."""
     if node.target is not None:
-        return resolve_target(node.target)
+        return resolve_target(_STRIDE_FREE.get(node.target, node.target))
     op = get_op(node.op)
     if op.reference is None:
         raise GraphError(f"node %{node.name} ({node.op}) has neither a target nor a reference")

@@ -184,7 +184,7 @@ def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref 
         allowed = ~graph.constants[hidden.name]
         rows, cols = graph.node(match.root).spec.shape[-2], graph.node(match.k.name).spec.shape[-2]
         if rows == cols and allowed.shape[-2:] == (rows, cols) \
-                and torch.equal(allowed, torch.ones(rows, cols, dtype=torch.bool).tril().expand_as(allowed)):
+                and torch.equal(allowed, torch.ones(rows, cols, dtype=torch.bool, device=allowed.device).tril().expand_as(allowed)):
             return None, True
         name = out.fresh_name(f"{match.root}_allowed")
         out.add_constant(name, allowed)

@@ -75,7 +75,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     boolean tensor [S_q, S_k] or [B|1, H|1, S_q, S_k] (True = attend), or None (no mask).
     A query row with no allowed key gives 0. ``params`` pins a template's parameters
     (``{"strategy": "blockwise", "block_m": 64, ...}``) instead of the model's choice.
-    ``out``, if given, receives the result (a contiguous tensor shaped and typed like q).
+    ``out``, if given, receives the result: shaped and typed like q, unit stride in head_dim,
+    16-byte aligned rows (contiguous, or e.g. a [B, S, H, D] buffer transposed to [B, H, S, D],
+    the layout SDPA returns, which lets a following transpose + view cost nothing).
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
@@ -124,10 +126,11 @@ class LaunchPlan:
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
-                or not out.is_contiguous() or out.data_ptr() % 16:
-            raise AttentionInputError(f"out must be a contiguous, 16-byte aligned {self.dtype} tensor of shape "
-                                      f"{self.shape} on {self.device}; got {out.dtype} {tuple(out.shape)} on "
-                                      f"{out.device} at address {out.data_ptr():#x}")
+                or out.stride(3) != 1 or any(st % 8 for st in out.stride()[:3]) or out.data_ptr() % 16:
+            raise AttentionInputError(f"out must be a 16-byte aligned {self.dtype} tensor of shape "
+                                      f"{self.shape} on {self.device} with unit stride in head_dim and row "
+                                      f"strides a multiple of 8; got {out.dtype} {tuple(out.shape)} on "
+                                      f"{out.device}, strides {out.stride()}, address {out.data_ptr():#x}")
         self.kernel.launch(self.grid, self.threads, self.shared_bytes,
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *self.size_args, *out.stride()[:3], *self.end_args)

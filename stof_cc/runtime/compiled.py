@@ -217,7 +217,9 @@ class CompiledModule:
         dtype = q.dtype
         if dtype not in (torch.float16, torch.bfloat16):  # the kernels are fp16/bf16: an fp32 model gets fp16
             q, k, v = (t.half() for t in (q, k, v))
-        return attention(q, k, v, mask, given.get("scale")).to(dtype)
+        b, h, s, d = q.shape
+        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
+        return attention(q, k, v, mask, given.get("scale"), out=out).to(dtype)
 
     def _padding_mask(self, padding: torch.Tensor, seq_q: int, other: MaskDescription | None) -> MaskDescription:
         """The key-padding description of this call's ``attention_mask`` (combined with the node's

@@ -8,9 +8,11 @@ from typing import Any
 import torch
 
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_2d
 from stof_cc.templates.group import GroupProblem, GroupTemplate
 
 _kernels: dict[tuple[str, str], Kernel] = {}
+MAX_CACHED_MAPS = 16  # per launch; a key is an operand's address (shapes and strides are fixed per launch)
 
 
 class GroupInputError(ValueError):
@@ -24,12 +26,14 @@ class GroupLaunch:
         self.problem, self.params = problem, params
         source = template.render(problem, params)
         name = template.kernel_name(problem, params)
+        self.maps = template.tensor_maps(problem, params)
+        arg_format = TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.details["operands"]) + 1)
         if (name, source) not in _kernels:
-            _kernels[(name, source)] = load_kernel(source, name, "P" * (len(problem.details["operands"]) + 1),
-                                                   arch_features=template.arch_features)
+            _kernels[(name, source)] = load_kernel(source, name, arg_format, arch_features=template.arch_features)
         self.kernel = _kernels[(name, source)]
         self.geometry = template.launch(problem, params)
         self.aligned = set(template.aligned_operands(problem, params))
+        self._encoded: dict[tuple, bytes] = {}  # (operand, address) -> tensor map: weights and reused buffers
 
     def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """Read ``values`` (IR value name -> tensor); return the group's output, a new tensor."""
@@ -42,8 +46,20 @@ class GroupLaunch:
                                   f"this kernel's 16-byte accesses need ({self.params})")
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
         grid, threads, shared = self.geometry
-        self.kernel.launch(grid, threads, shared, *(t.data_ptr() for t in tensors), out.data_ptr())
+        self.kernel.launch(grid, threads, shared, *self._tensor_maps(tensors), *(t.data_ptr() for t in tensors),
+                           out.data_ptr())
         return out
+
+    def _tensor_maps(self, tensors: list[torch.Tensor]) -> list[bytes]:
+        maps = []
+        for index, box_rows, box_cols in self.maps:
+            key = (index, tensors[index].data_ptr())
+            if key not in self._encoded:
+                if len(self._encoded) >= MAX_CACHED_MAPS:
+                    self._encoded.clear()
+                self._encoded[key] = encode_2d(tensors[index], box_rows, box_cols)
+            maps.append(self._encoded[key])
+        return maps
 
 
 def run_group(template: GroupTemplate, problem: GroupProblem, params: dict[str, Any],

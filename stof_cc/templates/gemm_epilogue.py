@@ -1,8 +1,10 @@
 """Spec of the `gemm_epilogue` template (gemm_epilogue.cu.j2): a GEMM group anchored by
 ``linear`` (x W^T + b), its elementwise epilogue (activation, residual, scale, cast) applied
 to the fp32 accumulators, and trailing view/transpose/permute nodes folded into the store
-index (the head split of Q/K/V projections). Hopper (sm_90a) wgmma with a producer
-warpgroup; A and W are read as contiguous row-major matrices.
+index (the head split of Q/K/V projections). Hopper (sm_90a) wgmma fed by TMA from a producer
+warpgroup; A and W are read as contiguous row-major matrices through tensor maps the launcher
+encodes (`tensor_maps`). TMA replaced an earlier cp.async producer (128 threads copying 16-byte
+chunks): measured on the H100 it reached 0.31-0.45 of cuBLAS, TMA 0.63-0.76 (RESULTS.md).
 
 Deviation from issue 5's wording (``mma.sync``): on the H100 mma.sync cannot approach
 cuBLAS (which uses wgmma), so the template targets wgmma; other GPUs run GEMM groups
@@ -32,7 +34,7 @@ from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import gemm_us
 
 BLOCK_MS = (64, 128)   # one or two consumer warpgroups of 64 rows
-BLOCK_NS = (64, 128, 256)
+BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
 STAGE_COUNTS = (3, 4)
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
@@ -64,7 +66,7 @@ class GemmEpilogueTemplate(GroupTemplate):
         k = x_spec.shape[-1]
         n, m = w_spec.shape[0], math.prod(x_spec.shape[:-1])
         if k % 8:
-            raise NotFusable(f"%{anchor.name}: K = {k} is not a multiple of 8 (16-byte rows)")
+            raise NotFusable(f"%{anchor.name}: K = {k} is not a multiple of 8 (TMA needs 16-byte rows)")
         elementwise, layout = _split_epilogue(graph, group.nodes[position + 1:])
         anchor_shape = tuple(anchor.spec.shape)
         chain = Chain(graph, elementwise, {anchor.name: "acc_b"}, anchor_shape, operand_prefix="ep")
@@ -73,11 +75,11 @@ class GemmEpilogueTemplate(GroupTemplate):
             operands.append(kernel_operand(graph, bias.name, "bias", "row"))
         operands += chain_operands(graph, group, chain)
         acc = "acc_v + LOAD_ROW(bias)" if isinstance(bias, Ref) else "acc_v"
-        code = " " * 16 + f"const float acc_b = {acc};\n" + chain.code(" " * 16)
-        problem.details = {"m": m, "n": n, "k": k, "lda": k, "ldw": k, "operands": operands,
-                           "dtype": MMA_DTYPES[x_spec.dtype],
-                           "chain": code, "result": chain.result,
-                           "store_index": _store_index(graph, anchor, layout)}
+        code = " " * 8 + f"const float acc_b = {acc};\n" + chain.code(" " * 8)
+        store_index, paired = _store_index(graph, anchor, layout)
+        problem.details = {"m": m, "n": n, "k": k, "operands": operands,
+                           "dtype": MMA_DTYPES[x_spec.dtype], "chain": code, "result": chain.result,
+                           "store_index": store_index, "paired_store": paired}
         return problem
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -96,7 +98,7 @@ class GemmEpilogueTemplate(GroupTemplate):
         return points
 
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
-        return {"block_m": 128, "block_n": 128, "stages": 4}
+        return {"block_m": 128, "block_n": 256, "stages": 4}  # the fastest at BERT-base shapes (RESULTS.md)
 
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
         d = problem.details
@@ -106,7 +108,10 @@ class GemmEpilogueTemplate(GroupTemplate):
                        sm_count)
 
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
-        return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: 16-byte cp.async
+        return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: TMA needs 16-byte addresses
+
+    def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
+        return [(0, params["block_m"], 64), (1, params["block_n"], 64)]  # A and W: 64-column (128-byte) boxes
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return f"stof_{problem.group.name}_gemm_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
@@ -116,8 +121,8 @@ class GemmEpilogueTemplate(GroupTemplate):
         return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
                            out_type=c_type(problem.dtype, f"%{problem.output}"),
                            producer_registers=PRODUCER_REGISTERS, consumer_registers=CONSUMER_REGISTERS,
-                           **{k: d[k] for k in ("m", "n", "k", "lda", "ldw", "operands", "dtype", "chain", "result",
-                                                "store_index")}, **params)
+                           **{k: d[k] for k in ("m", "n", "k", "operands", "dtype", "chain", "result",
+                                                "store_index", "paired_store")}, **params)
 
     def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
         d = problem.details
@@ -140,15 +145,19 @@ def _split_epilogue(graph: Graph, nodes: tuple[str, ...]) -> tuple[list[str], li
     return elementwise, layout
 
 
-def _store_index(graph: Graph, anchor: Node, layout: list[Node]) -> str:
-    """C++ computing `out_index` of element (row, col) through the trailing views and permutes."""
+def _store_index(graph: Graph, anchor: Node, layout: list[Node]) -> tuple[str, bool]:
+    """C++ computing `out_index` of element (row, col) through the trailing views and permutes,
+    and whether columns (c, c + 1), c even, stay adjacent and pair-aligned in the output (every
+    permute keeps an even innermost axis innermost)."""
     lines = ["long long out_index = (long long)row * N + col;"]
     shape = list(anchor.spec.shape)
+    paired = shape[-1] % 2 == 0
     for node in layout:
         if node.op != "transpose":
             shape = list(node.spec.shape)  # a view keeps the row-major element order
             continue
         order = _permutation(node, len(shape))
+        paired = paired and order[-1] == len(shape) - 1 and shape[-1] % 2 == 0
         new_shape = [shape[d] for d in order]
         old_strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
         new_strides = [math.prod(new_shape[i + 1:]) for i in range(len(new_shape))]
@@ -157,7 +166,7 @@ def _store_index(graph: Graph, anchor: Node, layout: list[Node]) -> str:
         shape = new_shape
         if tuple(shape) != tuple(node.spec.shape):
             raise NotFusable(f"%{node.name}: permuted shape {shape} disagrees with {node.spec}")
-    return "\n".join(" " * 16 + line for line in lines)
+    return "\n".join(" " * 8 + line for line in lines), paired
 
 
 def _permutation(node: Node, rank: int) -> list[int]:

@@ -128,6 +128,11 @@ class GroupTemplate(KernelTemplate):
         """Values the kernel reads with 16-byte accesses: their tensors must be 16-byte aligned."""
         return []
 
+    def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
+        """TMA tensor maps the kernel takes first, by value: (operand index, box rows, box
+        columns) each; the launcher encodes them from the operands' tensors (`tensor_map`)."""
+        return []
+
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         """The point used until the search (issue 6) measures: the space's last (widest)."""
         return self.space(problem)[-1]
