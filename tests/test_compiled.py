@@ -124,7 +124,7 @@ def test_cuda_graph_replay_matches_the_plain_path(example_path):
     module, args, _ = load_factory(example_path("gpt2_block"))
     module = module.cuda().half()
     args = tuple(a.cuda().half() for a in args)
-    plain = stof_cc.compile(module, args)
+    plain = stof_cc.compile(module, args, cuda_graphs=False)
     graphed = stof_cc.compile(module, args, cuda_graphs=True)
     for _ in range(2):  # the second call replays with new inputs copied in
         fresh = tuple(torch.randn_like(a) for a in args)
@@ -149,8 +149,21 @@ def test_mask_override_reaches_stof_attention_on_the_gpu_path(monkeypatch, examp
     monkeypatch.setattr(stof_cc.runtime.group, "GroupLaunch", FakeLaunch)
     monkeypatch.setattr(stof_cc.runtime.attention, "attention", _fake_attention)
     module, (x, dense), _ = load_factory(example_path("sparse_bert"))
-    compiled = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32)
+    compiled = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32,
+                               cuda_graphs=False)
     torch.testing.assert_close(compiled(x, dense), module(x, dense).detach(), rtol=1e-4, atol=1e-4)
     import re
 
     assert len(re.findall(r"attention\s+attention", compiled.explain())) == 2  # replaced mask, not torch steps
+
+    # with CUDA graphs (the default), a capture that fails warns once and the shape runs uncaptured
+    def failing_capture(self, variant, inputs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(stof_cc.runtime.compiled.CompiledModule, "_replay", failing_capture)
+    graphed = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32)
+    with pytest.warns(UserWarning, match="capture failed, this input shape runs uncaptured: operation not permitted"):
+        first = graphed(x, dense)
+    torch.testing.assert_close(first, module(x, dense).detach(), rtol=1e-4, atol=1e-4)
+    assert all(v.capture_failed for v in graphed.variants.values())
+    torch.testing.assert_close(graphed(x, dense), first)  # no second attempt (and no second warning)

@@ -18,6 +18,7 @@ from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
 from stof_cc.templates.group import group_templates
 from stof_cc.templates.row_reduce import ROW_REDUCE
+from stof_cc.tune.database import template_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
@@ -46,6 +47,9 @@ def test_a_registered_template_takes_part_in_code_generation(tmp_path: Path):
         (build,) = build_groups(graph, partition(graph), tmp_path / "build", compile_kernels=False)
         assert build.template == "swiglu_split" and build.path.read_text().startswith("// stof-cc fusion group")
         assert build.estimate_us is not None  # the default estimate, as the spec gives none
+        # the tuning database keys it like a built-in: its own file and stof-cc's macros it imports
+        assert "group_common.j2" in (tmp_path / "swiglu_split.cu.j2").read_text()
+        assert len(template_digest(template)) == 64
     finally:
         stof_cc.unregister_template(template.name)
     assert template not in group_templates("elementwise")

@@ -30,7 +30,7 @@ from stof_cc.templates.attention import (
     config_label,
 )
 from stof_cc.templates.registry import KernelTemplate
-from stof_cc.tune.cost_model import Estimate, estimate, stof_rule
+from stof_cc.tune.cost_model import Estimate, estimate, sm_count, stof_rule
 
 LOG2E = 1.4426950408889634
 
@@ -220,7 +220,7 @@ def candidates(problem: AttentionProblem,
 
 def choose(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
     """The model's pick for this problem and mask (cached with the mask)."""
-    key = (problem, _sm_count())
+    key = (problem, sm_count())
     per_mask = _choices.setdefault(description, {})
     if key not in per_mask:
         scored = []
@@ -250,7 +250,7 @@ def adopt_choice(problem: AttentionProblem, description: MaskDescription, templa
     """Make a measured winner the choice for (problem, mask): later `attention` calls run it."""
     modelled = choose(problem, description)
     choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us)
-    _choices[description][(problem, _sm_count())] = choice
+    _choices[description][(problem, sm_count())] = choice
     _plans.pop(description, None)  # plans built on the model's choice
     return choice
 
@@ -315,8 +315,3 @@ def _row_order(block_mask: BlockMask) -> torch.Tensor:
 
 def _capability() -> tuple[int, int]:
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
-
-
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count \
-        if torch.cuda.is_available() else 132

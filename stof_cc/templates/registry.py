@@ -27,6 +27,14 @@ def _environment(template_dir: Path) -> jinja2.Environment:
     )
 
 
+def template_file_text(template_dir: Path, name: str) -> str:
+    """The text of ``name`` as a template in ``template_dir`` sees it when rendering (its own
+    folder first, then stof-cc's)."""
+    environment = _environment(Path(template_dir))
+    source, _, _ = environment.loader.get_source(environment, name)
+    return source
+
+
 class KernelTemplate(ABC):
     """One template: its name, source file, parameter space and launch rule."""
 

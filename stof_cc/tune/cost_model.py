@@ -42,6 +42,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
 TENSOR_FLOPS_PER_US = 4.86e7   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
 WGMMA_FLOPS_PER_US = 2.4e6    # wgmma (attention_wgmma) flops per SM, issue to completion
@@ -163,3 +165,10 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     efficiency = min(1.0, block_n / 256) ** 0.5 * (0.8 if block_m == 64 else 1.0) * (0.95 if stages == 3 else 1.0)
     tile_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
     return GROUP_LAUNCH_US + waves * tile_us + epilogue_bytes / HBM_BYTES_PER_US
+
+
+def sm_count() -> int:
+    """SMs of the current GPU; without one, the H100's 132 (estimates still rank on the CPU)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132

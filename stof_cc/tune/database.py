@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stof_cc.templates.registry import KernelTemplate
+from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 SCHEMA_VERSION = 1
 _IMPORT = re.compile(r"""\{%-?\s*(?:import|from|include)\s+["']([^"']+)["']""")
@@ -70,7 +70,6 @@ class Record:
 def template_digest(template: KernelTemplate) -> str:
     """sha256 of the template's Jinja2 source, every file it imports (transitively), and its
     spec class's Python source: any edit to what renders or constrains it changes the key."""
-    directory = Path(template.template_dir)
     digest = hashlib.sha256()
     seen: set[str] = set()
     pending = [template.source_file]
@@ -79,12 +78,15 @@ def template_digest(template: KernelTemplate) -> str:
         if name in seen:
             continue
         seen.add(name)
-        text = (directory / name).read_text()
+        text = template_file_text(template.template_dir, name)  # imports may live in stof-cc's folder
         digest.update(name.encode() + b"\0" + text.encode())
         pending += _IMPORT.findall(text)
     for cls in type(template).__mro__:
         if cls.__module__.startswith("stof_cc") or cls is type(template):
-            digest.update(inspect.getsource(cls).encode())
+            try:
+                digest.update(inspect.getsource(cls).encode())
+            except (OSError, TypeError):  # made at run time (no source file): its name stands in
+                digest.update(cls.__qualname__.encode())
     return digest.hexdigest()
 
 

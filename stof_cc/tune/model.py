@@ -28,6 +28,7 @@ from stof_cc.runtime.compiled import node_mask
 from stof_cc.runtime.group import GroupLaunch
 from stof_cc.runtime.tune_attention import tune_attention
 from stof_cc.templates.group import group_output, group_templates
+from stof_cc.tune.cost_model import sm_count
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
 
@@ -87,7 +88,7 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
         if not template.runs_on(torch.cuda.get_device_capability()):
             continue
         for params in template.space(problem):
-            candidate = Candidate(template, params, template.estimate(problem, params, _sm_count()),
+            candidate = Candidate(template, params, template.estimate(problem, params, sm_count()),
                                   template.render(problem, params))
             candidates.append(candidate)
             problems[id(candidate)] = problem
@@ -126,7 +127,3 @@ def _tune_attention_group(graph, group, values, database, top_k, progress, overr
         padding = from_padding(values[given["key_padding"].name], q.shape[-2])
         mask = padding & mask if mask is not None else padding
     return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)
-
-
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count

@@ -1,0 +1,83 @@
+"""Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
+
+    python benchmarks/gemm_points.py [REGEX] [SHAPES]
+
+REGEX filters points by tag (``m128n192s4``); SHAPES picks rows of (K, N) by index, comma
+separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096); M = 4096 tokens,
+fp16. Unlike `benchmarks/fusion.py` no Python runs between launches: CUDA events around 50
+back-to-back launches of the prepared kernel (tensor maps encoded once), median of 5. Each point
+is first checked against ``F.linear``. Needs an NVIDIA Hopper GPU, PyCUDA and nvcc.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fusion import TOKENS, Gemm  # noqa: E402
+
+from stof_cc.ir.frontend import trace  # noqa: E402
+from stof_cc.ir.graph import INPUT  # noqa: E402
+from stof_cc.ir.reference import relative_error  # noqa: E402
+from stof_cc.passes import canonicalize, partition  # noqa: E402
+from stof_cc.runtime.group import GroupLaunch  # noqa: E402
+from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE  # noqa: E402
+from stof_cc.tune.cost_model import sm_count  # noqa: E402
+
+SHAPES = [(768, 3072), (3072, 768), (768, 768), (4096, 4096)]
+
+
+def timed_ms(fn, launches: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(launches):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / launches)
+    return sorted(times)[2]
+
+
+def main() -> None:
+    only = re.compile(sys.argv[1]) if len(sys.argv) > 1 else None
+    shapes = [SHAPES[int(i)] for i in sys.argv[2].split(",")] if len(sys.argv) > 2 else SHAPES
+    for k, n in shapes:
+        module = Gemm(k, n).half()
+        x = torch.randn(TOKENS, k, dtype=torch.float16)
+        graph = canonicalize(trace(module, (x, x[:, :1]), {}))
+        problem = GEMM_EPILOGUE.match(graph, partition(graph).default.groups[0])
+        x_gpu, w_gpu = x.cuda(), module.fc.weight.detach().cuda()
+        first_input = next(node.name for node in graph.nodes() if node.op == INPUT)
+        values = {first_input: x_gpu} | {name: t.cuda() for name, t in graph.constants.items()}
+        cublas = timed_ms(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
+        want = torch.nn.functional.linear(x_gpu, w_gpu).float()
+        flops = 2 * TOKENS * n * k
+        print(f"M={TOKENS} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
+        default = GEMM_EPILOGUE.default_params(problem)
+        for params in GEMM_EPILOGUE.space(problem):
+            tag = f"m{params['block_m']}n{params['block_n']}s{params['stages']}"
+            if only and not only.fullmatch(tag):
+                continue
+            launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
+            out = launch(values)
+            operands = [values[op["ref"]] for op in problem.details["operands"]]
+            args = launch._tensor_maps(operands) + [t.data_ptr() for t in operands] + [out.data_ptr()]
+            ms = timed_ms(lambda launch=launch, args=args: launch.kernel.launch(*launch.geometry, *args))
+            estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
+            print(f"  {tag:11s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "
+                  f"estimate {estimate:6.1f} us error {relative_error(out, want):.1e}"
+                  f"{'  <- default (stage 1 pick)' if params == default else ''}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
