@@ -60,3 +60,15 @@ def test_a_graph_output_stops_an_epilogue_with_a_reason():
     plan = partition(_passes("tiny_bert"))
     assert any("is a graph output" in why for why in plan.refused)
     assert "alternative:" in str(plan) and "anchor" in str(plan)
+
+
+def test_a_split_ends_an_epilogue_so_the_gemm_stays_generatable():
+    """GPT-2's c_attn linear feeds a 3-way split: the split (three outputs) cannot be a kernel's
+    epilogue, so it joins the attention group's views and the GEMM group is the linear alone."""
+    graph = _passes("gpt2_block")
+    plan = partition(graph)
+    assert any("split" in why and "3 outputs" in why for why in plan.refused)
+    (qkv,) = [g for g in plan.default.groups if g.kind == "gemm" and graph.node(g.anchor).spec.shape[-1] == 3 * 128]
+    assert qkv.nodes == (qkv.anchor,)
+    (attention,) = [g for g in plan.default.groups if g.kind == "attention"]
+    assert any(graph.node(n).op == "split" for n in attention.nodes)

@@ -6,8 +6,9 @@ Reads the pattern kinds of ``ir/ops.py`` and the graph's edges, never op names (
 * Every ``gemm``, ``attention`` and ``reduction`` node anchors a group of its own; two
   anchors never share a group in the default scheme.
 * Epilogue: an anchor's group absorbs its single consumer while that consumer is
-  elementwise, broadcast or injective, the value it reads is not a graph output, and
-  none of the consumer's other inputs depends on the group (that would make a cycle).
+  elementwise, broadcast or injective with one tensor out (a kernel writes one output: a
+  split ends the epilogue), the value it reads is not a graph output, and none of the
+  consumer's other inputs depends on the group (that would make a cycle).
 * Prologue: an elementwise/broadcast/injective node whose users all sit in one anchored
   group joins that group, if its own inputs do not depend on the group.
 * Left-over elementwise/broadcast/injective nodes form anchor-less ``elementwise``
@@ -19,8 +20,7 @@ kind, a ``reduction`` (LayerNorm, softmax) merged into the GEMM group that produ
 input, when the reduced row fits one CTA (at most ``ROW_LIMIT`` elements, hidden 768 and
 1024 included) — GEMM + bias + residual + LayerNorm as one group, against GEMM + bias +
 residual then LayerNorm. Each alternative is one such merge applied to the default; the
-search (issue 6) chooses. No template consumes the groups yet: this pass decides grouping
-only; code generation is not built.
+search (issue 6) chooses. Templates (`stof_cc.templates`) then generate the groups they match.
 """
 
 from __future__ import annotations
@@ -101,6 +101,9 @@ def partition(graph: Graph) -> FusionPlan:
             if len(users) != 1 or kind.get(users[0].name) not in FOLDABLE_KINDS or users[0].name in owner:
                 break
             user = users[0]
+            if not isinstance(user.spec, TensorSpec):
+                refused.append(f"%{user.name} not in {node.name}'s epilogue: it has {len(user.spec or ())} outputs")
+                break
             if graph.is_output(tail.name):
                 refused.append(f"%{user.name} not in {node.name}'s epilogue: %{tail.name} is a graph output")
                 break

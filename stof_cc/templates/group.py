@@ -62,7 +62,8 @@ def output_problem(graph: Graph, group: FusionGroup) -> GroupProblem:
     output = group_output(graph, group)
     spec = graph.node(output).spec
     if not isinstance(spec, TensorSpec):
-        raise NotFusable(f"%{output}: the group's output is not one tensor ({spec})")
+        shown = ", ".join(map(str, spec)) if isinstance(spec, tuple) else str(spec)
+        raise NotFusable(f"%{output}: the group's output is not one tensor ({shown}); a kernel writes one")
     c_type(spec.dtype, f"%{output}")
     return GroupProblem(graph, group, output, tuple(spec.shape), spec.dtype, {})
 
