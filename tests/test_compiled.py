@@ -111,6 +111,10 @@ def test_the_gpu_path_plumbing_with_fake_kernels(monkeypatch, example_path, tmp_
     assert "row_reduce" in explained and "default point, not tuned" in explained
     assert explained.count(" attention ") >= 2  # both layers' attention through stof_cc.attention (key padding)
     assert "row_reduce" in FakeLaunch.launched
+    # key padding is read per call, which a CUDA graph cannot replay; a mask= override replaces it
+    (variant,) = compiled.variants.values()
+    assert not stof_cc.runtime.compiled._capturable(variant, mask_override=False)
+    assert stof_cc.runtime.compiled._capturable(variant, mask_override=True)
 
 
 def test_cuda_graphs_flag_is_harmless_without_a_gpu(example_path):

@@ -90,7 +90,8 @@ class CompiledModule:
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
             outputs = None
-            if self.cuda_graphs and variant.gpu and not variant.capture_failed and _capturable(variant):
+            if self.cuda_graphs and variant.gpu and not variant.capture_failed \
+                    and _capturable(variant, self.mask is not None):
                 try:
                     outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
                 except RuntimeError as exc:  # e.g. a torch step that synchronises, which capture forbids
@@ -301,10 +302,11 @@ def _on_gpu(tree: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
 
 
-def _capturable(variant: Variant) -> bool:
-    """A CUDA graph fixes every launch: key padding, read from the inputs per call, cannot be."""
-    return not any(variant.graph.node(s.group.anchor).kwargs.get("key_padding") is not None
-                   for s in variant.steps if s.kind == "attention")
+def _capturable(variant: Variant, mask_override: bool) -> bool:
+    """A CUDA graph fixes every launch: key padding, read from the inputs per call, cannot be
+    (unless ``compile(mask=...)`` replaced it)."""
+    return mask_override or not any(variant.graph.node(s.group.anchor).kwargs.get("key_padding") is not None
+                                    for s in variant.steps if s.kind == "attention")
 
 
 def _lifetimes(graph: Graph, steps: list[Step]) -> list[list[str]]:
