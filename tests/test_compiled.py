@@ -84,9 +84,10 @@ def _fake_attention(q, k, v, mask=None, scale=None, *, out=None):
     return result if out is None else out.copy_(result)
 
 
-def test_the_gpu_path_plumbing_with_fake_kernels(monkeypatch, example_path, tmp_path):
-    """Everything of the GPU path but the kernels: step selection, value flow into and out of
-    kernel steps, key padding per call, lifetimes."""
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """The GPU path on the CPU: kernels compile with nvcc for sm_90 as on an H100, and fakes
+    stand in for loading and launching them (CPU tensors play the GPU's)."""
     import stof_cc.runtime.attention
     import stof_cc.runtime.compiled
     import stof_cc.runtime.group
@@ -94,12 +95,20 @@ def test_the_gpu_path_plumbing_with_fake_kernels(monkeypatch, example_path, tmp_
 
     monkeypatch.setenv("STOF_CC_TUNING_DB", str(tmp_path / "t.sqlite"))
     monkeypatch.setattr(stof_cc.runtime.compiled, "_gpu_kernels_available", lambda: True)
-    monkeypatch.setattr(stof_cc.runtime.compiled, "_on_gpu", lambda tree: True)  # CPU tensors stand in
+    monkeypatch.setattr(stof_cc.runtime.compiled, "_on_gpu", lambda tree: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(Device, "current", staticmethod(lambda: Device("fake H100", (9, 0), "13.0")))
     monkeypatch.setattr(stof_cc.runtime.group, "GroupLaunch", FakeLaunch)
     monkeypatch.setattr(stof_cc.runtime.attention, "attention", _fake_attention)
     FakeLaunch.launched = []
+    return monkeypatch
+
+
+@pytest.mark.nvcc
+def test_the_gpu_path_plumbing_with_fake_kernels(fake_gpu, example_path):
+    """Everything of the GPU path but running the kernels: step selection, compilation, value
+    flow into and out of kernel steps, key padding per call, lifetimes."""
+    import stof_cc.runtime.compiled
 
     module, args, kwargs = load_factory(example_path("tiny_bert"))
     compiled = stof_cc.compile(module, args, kwargs, dtype=torch.float32)
@@ -138,20 +147,12 @@ def test_cuda_graph_replay_matches_the_plain_path(example_path):
     assert all(v.graph_capture is not None for v in graphed.variants.values())
 
 
-def test_mask_override_reaches_stof_attention_on_the_gpu_path(monkeypatch, example_path, tmp_path):
-    import stof_cc.runtime.attention
+@pytest.mark.nvcc
+def test_mask_override_reaches_stof_attention_on_the_gpu_path(fake_gpu, example_path):
     import stof_cc.runtime.compiled
-    import stof_cc.runtime.group
     from stof_cc.masks.workloads import grid_mask
-    from stof_cc.tune.database import Device
 
-    monkeypatch.setenv("STOF_CC_TUNING_DB", str(tmp_path / "t.sqlite"))
-    monkeypatch.setattr(stof_cc.runtime.compiled, "_gpu_kernels_available", lambda: True)
-    monkeypatch.setattr(stof_cc.runtime.compiled, "_on_gpu", lambda tree: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    monkeypatch.setattr(Device, "current", staticmethod(lambda: Device("fake H100", (9, 0), "13.0")))
-    monkeypatch.setattr(stof_cc.runtime.group, "GroupLaunch", FakeLaunch)
-    monkeypatch.setattr(stof_cc.runtime.attention, "attention", _fake_attention)
+    monkeypatch = fake_gpu
     module, (x, dense), _ = load_factory(example_path("sparse_bert"))
     compiled = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32,
                                cuda_graphs=False)
@@ -171,3 +172,21 @@ def test_mask_override_reaches_stof_attention_on_the_gpu_path(monkeypatch, examp
     torch.testing.assert_close(first, module(x, dense).detach(), rtol=1e-4, atol=1e-4)
     assert all(v.capture_failed for v in graphed.variants.values())
     torch.testing.assert_close(graphed(x, dense), first)  # no second attempt (and no second warning)
+
+
+def test_a_kernel_that_does_not_compile_falls_back_to_torch_and_says_so(fake_gpu, example_path):
+    import stof_cc.runtime.compiled
+
+    def first_fails(jobs, workers=None):
+        return ["kernel.cu(12): error: identifier \"oops\" is undefined"] + [""] * (len(jobs) - 1)
+
+    fake_gpu.setattr(stof_cc.runtime.compiled, "compile_many", first_fails)
+    module, args, _ = load_factory(example_path("gpt2_block"))
+    with pytest.warns(UserWarning, match=r"group g0: .* did not compile, torch runs it: kernel.cu\(12\)"):
+        compiled = stof_cc.compile(module, args, dtype=torch.float32, cuda_graphs=False)
+    # (the fake attention is SDPA, eager's is GPT-2's matmul chain: fp32 rounding apart)
+    torch.testing.assert_close(compiled(*args), module(*args).detach(), rtol=1e-3, atol=1e-3)
+    (variant,) = compiled.variants.values()
+    assert variant.steps[0].kind == "torch" and "did not compile" in variant.steps[0].note
+    assert any(step.kind == "kernel" for step in variant.steps)
+

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -100,6 +101,22 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
     _atomic_write(cubin_path, cubin)
     _atomic_write(report_path, proc.stderr.encode())
     return Compiled(cubin, arch, parse_ptxas(proc.stderr), source_path)
+
+
+def compile_many(jobs: list[tuple[str, str]], workers: int | None = None) -> list[str]:
+    """Compile (source, arch) jobs into the cache in parallel (each nvcc is its own process);
+    one entry per job: '' or its error message."""
+    def one(job: tuple[str, str]) -> str:
+        try:
+            compile_cubin(job[0], arch=job[1])
+        except CompileError as exc:
+            return str(exc)
+        return ""
+
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(jobs)))) as pool:
+        return list(pool.map(one, jobs))
 
 
 def _require_nvcc() -> str:

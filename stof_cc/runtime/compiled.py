@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from stof_cc.backends.nvcc import compile_many
 from stof_cc.codegen.build import attention_kernel, build_groups
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import trace
@@ -45,7 +46,8 @@ class Step:
     group: FusionGroup
     kind: str  # "kernel" | "attention" | "torch"
     note: str
-    launch: Any = None  # GroupLaunch for kernel steps
+    kernel: tuple | None = None  # kernel steps: (template, problem, params)
+    launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps
 
 
@@ -157,6 +159,7 @@ class CompiledModule:
 
             tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask, progress=lambda _: None)
         steps = [self._step(graph, group, gpu) for group in plan.default.groups]
+        _load_kernels(steps)
         return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 
     def _step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
@@ -186,11 +189,8 @@ class CompiledModule:
             if not template.space(problem):
                 reasons.append(f"{template.name}: no parameter point fits this group")
                 continue
-            from stof_cc.runtime.group import GroupLaunch  # needs PyCUDA: only on the GPU path
-
             params, how = self._params(template, problem, graph, group)
-            return Step(group, "kernel", f"{template.name} {params} ({how})",
-                        launch=GroupLaunch(template, problem, params))
+            return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params))
         return Step(group, "torch", "; ".join(reasons) or f"no template serves {group.kind} groups")
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
@@ -300,6 +300,26 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
 
 def _on_gpu(tree: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
+
+
+def _load_kernels(steps: list[Step]) -> None:
+    """Compile every kernel step's source in parallel (one nvcc process each), then load them.
+    A kernel that does not compile turns its step into a torch step that says why, with a
+    warning: the model still runs, the failure is not hidden."""
+    pending = [s for s in steps if s.kind == "kernel"]
+    if not pending:
+        return
+    from stof_cc.backends.pycuda_backend import device_arch  # needs PyCUDA: only on the GPU path
+    from stof_cc.runtime.group import GroupLaunch
+
+    arch = device_arch()
+    errors = compile_many([(t.render(p, params), arch + t.arch_features) for t, p, params in (s.kernel for s in pending)])
+    for step, error in zip(pending, errors, strict=True):
+        if error:
+            step.kind, step.note = "torch", f"{step.note} did not compile, torch runs it: {error.splitlines()[0]}"
+            warnings.warn(f"stof_cc: group {step.group.name}: {step.note}", stacklevel=3)
+        else:
+            step.launch = GroupLaunch(*step.kernel)
 
 
 def _capturable(variant: Variant, mask_override: bool) -> bool:

@@ -20,11 +20,10 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from stof_cc.backends.nvcc import CompileError, compile_cubin
+from stof_cc.backends.nvcc import compile_many
 from stof_cc.templates.registry import KernelTemplate
 from stof_cc.tune.database import Device, TuningDatabase
 
@@ -77,16 +76,6 @@ class SearchReport:
         return "\n".join(lines)
 
 
-def _compile(job: tuple[str, str]) -> str:
-    """One compile job: the source into the cubin cache; '' or the error."""
-    source, arch = job
-    try:
-        compile_cubin(source, arch=arch)
-    except CompileError as exc:
-        return str(exc)
-    return ""
-
-
 def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
     """Median microseconds of ``run(i)`` over ``runs`` launches, each timed by CUDA events;
     ``i`` counts launches so the caller can rotate its input sets."""
@@ -129,9 +118,7 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
     survivors = ranked[:top_k]
     say = progress or (lambda _: None)
     say(f"{signature}: compiling {len(survivors)} of {len(ranked)} candidates")
-    jobs = [(c.source, arch + c.template.arch_features) for c in survivors]
-    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:  # each job is an nvcc process
-        errors = list(pool.map(_compile, jobs))
+    errors = compile_many([(c.source, arch + c.template.arch_features) for c in survivors], workers)
     outcomes = []
     for index, (candidate, error) in enumerate(zip(survivors, errors, strict=True), start=1):
         outcome = Outcome(candidate, failure=f"compile: {error.splitlines()[0]}" if error else "")
