@@ -1,8 +1,8 @@
 """The `stof-cc` command line.
 
-Commands that exist are the ones that work; later stages (tune, bench) add theirs here as
-they land. `compile` generates and nvcc-compiles the group kernels; running a compiled
-model (`stof_cc.compile`, issue 7) is not built yet.
+Commands that exist are the ones that work. `compile` generates and nvcc-compiles the group
+kernels and writes the build folder; `tune` measures them on the GPU; running a compiled model
+is the Python API's `stof_cc.compile`.
 """
 
 from __future__ import annotations
