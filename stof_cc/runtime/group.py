@@ -46,11 +46,13 @@ class GroupLaunch:
                                   f"this kernel's 16-byte accesses need ({self.params})")
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
         grid, threads, shared = self.geometry
-        self.kernel.launch(grid, threads, shared, *self._tensor_maps(tensors), *(t.data_ptr() for t in tensors),
+        self.kernel.launch(grid, threads, shared, *self.tensor_map_args(tensors), *(t.data_ptr() for t in tensors),
                            out.data_ptr())
         return out
 
-    def _tensor_maps(self, tensors: list[torch.Tensor]) -> list[bytes]:
+    def tensor_map_args(self, tensors: list[torch.Tensor]) -> list[bytes]:
+        """The tensor maps the kernel takes first, for these operand tensors (encoded once per
+        operand address)."""
         maps = []
         for index, box_rows, box_cols in self.maps:
             key = (index, tensors[index].data_ptr())
