@@ -8,8 +8,13 @@ M = 4096 tokens, fp16, (K, N) in {(768, 768), (768, 3072), (3072, 768)}. Per sha
   parameter point, against ``torch.nn.functional.linear`` (cuBLAS): its share of cuBLAS;
 * ``gemm_bias_gelu``: x W^T + b then GELU as one `gemm_epilogue` kernel, against eager
   (cuBLAS + GELU kernel) and ``torch.compile``;
-* ``gemm_bias_residual_layernorm``: `gemm_epilogue` (bias + residual) then `row_reduce`
-  (LayerNorm): two kernels, against eager and ``torch.compile`` (N = 768 only).
+* ``gemm_bias_residual_layernorm``: the scheme stage 1 chooses, one `gemm_layernorm` kernel
+  (a cluster of CTAs holds whole rows), and the default scheme's two kernels
+  (`gemm_epilogue` with bias + residual, then `row_reduce`), against eager and
+  ``torch.compile`` (N = 768 only).
+
+The GEMM group's every parameter point is timed and the best kept (the other groups run at
+their default points).
 
 Every implementation is checked against the fp32 result first (relative error < 1e-2); times
 are medians of ``triton.testing.do_bench`` after warm-up, all in one process on random
@@ -29,13 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stof_cc.codegen import NotFusable  # noqa: E402
 from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
 from stof_cc.runtime.group import GroupLaunch  # noqa: E402
-from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE  # noqa: E402
-from stof_cc.templates.row_reduce import ROW_REDUCE  # noqa: E402
+from stof_cc.templates.gemm_epilogue import point_tag  # noqa: E402
+from stof_cc.templates.group import group_templates  # noqa: E402
+from stof_cc.tune.scheme import choose_scheme  # noqa: E402
 
 TOKENS = 4096
 SHAPES = ((768, 768), (768, 3072), (3072, 768))
@@ -76,20 +83,17 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def stof_pipeline(module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor, sweep: bool):
-    """(callable running the generated kernels in order, label of the GEMM point) for the best
-    GEMM point when sweeping, else the default one."""
+def stof_pipeline(module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor, chosen: bool = True):
+    """(median ms, callable running the generated kernels in order, label of the GEMM point) at
+    the best GEMM point, for stage 1's chosen scheme or (``chosen=False``) the default one."""
     graph = canonicalize(trace(module, (x.cpu(), r.cpu()), {}))
-    groups = partition(graph).default.groups
+    plan = choose_scheme(graph, partition(graph))
+    groups = plan.scheme.groups if chosen else plan.default.groups
     inputs = [n.name for n in graph.nodes() if n.op == INPUT]
     values = dict(zip(inputs, (x, r), strict=True)) | {k: v.cuda() for k, v in graph.constants.items()}
-    steps = []
-    for group in groups:
-        template = GEMM_EPILOGUE if group.kind == "gemm" else ROW_REDUCE
-        problem = template.match(graph, group)
-        steps.append((template, problem, group))
+    steps = [(*_matching_template(graph, group), group) for group in groups]
     gemm_template, gemm_problem, _ = steps[0]
-    points = gemm_template.space(gemm_problem) if sweep else [gemm_template.default_params(gemm_problem)]
+    points = gemm_template.space(gemm_problem)
     best = None
     for params in points:
         launches = [GroupLaunch(gemm_template, gemm_problem, params)]
@@ -103,8 +107,17 @@ def stof_pipeline(module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor, swe
 
         ms = bench(run)
         if best is None or ms < best[0]:
-            best = (ms, run, f"m{params['block_m']} n{params['block_n']} s{params['stages']}")
+            best = (ms, run, f"{gemm_template.name} {point_tag(params)}" + (" + row_reduce" if len(steps) > 1 else ""))
     return best
+
+
+def _matching_template(graph, group):
+    for template in group_templates(group.kind):
+        try:
+            return template, template.match(graph, group)
+        except NotFusable:
+            continue
+    raise NotFusable(f"no template generates group {group.name}")
 
 
 def _output(graph, group) -> str:
@@ -113,7 +126,7 @@ def _output(graph, group) -> str:
     return group_output(graph, group)
 
 
-def run_case(name: str, module_type, k: int, n: int) -> dict:
+def run_case(name: str, module_type, k: int, n: int, chosen: bool = True) -> dict:
     torch.manual_seed(0)
     module = module_type(k, n).half().cuda().eval()
     x = torch.randn(TOKENS, k, device="cuda", dtype=torch.float16)
@@ -124,7 +137,7 @@ def run_case(name: str, module_type, k: int, n: int) -> dict:
         eager = lambda: module(x, r)  # noqa: E731
         compiled_module = torch.compile(module)
         compiled = lambda: compiled_module(x, r)  # noqa: E731
-        ours_ms, ours, point = stof_pipeline(module.cpu(), x, r, sweep=True)
+        ours_ms, ours, point = stof_pipeline(module.cpu(), x, r, chosen)
         module.cuda()
         row = {"case": name, "k": k, "n": n, "stof_ms": ours_ms, "stof_point": point,
                "stof_err": relative_error(ours(), want)}
@@ -147,6 +160,8 @@ def main() -> None:
         rows.append(run_case("gemm_bias_gelu", GemmBiasGelu, k, n))
         if n == 768:
             rows.append(run_case("gemm_bias_residual_layernorm", GemmBiasResidualLayerNorm, k, n))
+            rows.append(run_case("gemm_bias_residual_layernorm (default scheme)", GemmBiasResidualLayerNorm, k, n,
+                                 chosen=False))
         print(rows[-1], flush=True)
     head = (f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"CUDA {torch.version.cuda}; M = {TOKENS}, fp16")

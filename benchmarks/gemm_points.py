@@ -2,7 +2,7 @@
 
     python benchmarks/gemm_points.py [REGEX] [SHAPES]
 
-REGEX filters points by tag (``m128n192s4``); SHAPES picks rows of (K, N) by index, comma
+REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096); M = 4096 tokens,
 fp16. Unlike `benchmarks/fusion.py` only the driver launch runs between launches (no argument
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
@@ -28,7 +28,7 @@ from stof_cc.ir.graph import INPUT  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
 from stof_cc.runtime.group import GroupLaunch  # noqa: E402
-from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE  # noqa: E402
+from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, point_tag  # noqa: E402
 from stof_cc.tune.cost_model import sm_count  # noqa: E402
 
 SHAPES = [(768, 3072), (3072, 768), (768, 768), (4096, 4096)]
@@ -66,7 +66,7 @@ def main() -> None:
         print(f"M={TOKENS} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
         default = GEMM_EPILOGUE.default_params(problem)
         for params in GEMM_EPILOGUE.space(problem):
-            tag = f"m{params['block_m']}n{params['block_n']}s{params['stages']}"
+            tag = point_tag(params)
             if only and not only.fullmatch(tag):
                 continue
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
@@ -75,7 +75,7 @@ def main() -> None:
             args = launch.tensor_map_args(operands) + [t.data_ptr() for t in operands] + [out.data_ptr()]
             ms = timed_ms(lambda launch=launch, args=args: launch.kernel.launch(*launch.geometry, *args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
-            print(f"  {tag:11s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "
+            print(f"  {tag:15s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "
                   f"estimate {estimate:6.1f} us error {relative_error(out, want):.1e}"
                   f"{'  <- default (stage 1 pick)' if params == default else ''}", flush=True)
 

@@ -42,6 +42,7 @@ from stof_cc.runtime.compiled import cast_floating
 from stof_cc.templates.attention import AttentionProblem, config_label
 from stof_cc.tune.database import TuningDatabase
 from stof_cc.tune.model import tune_model
+from stof_cc.tune.scheme import choose_scheme
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -141,7 +142,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     graph = trace(module.to(dtype), example_args, example_kwargs, name=_model_name(args.model))
     graph = run_passes(graph)
     graph.verify()
-    plan = partition(graph)
+    plan = choose_scheme(graph, partition(graph))
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
     out_dir = Path(args.build_dir) / graph.name
     builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
@@ -164,7 +165,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     graph = run_passes(trace(module, example_args, example_kwargs, name=_model_name(args.model)))
     db = TuningDatabase(args.db)
     started = time.perf_counter()
-    reports = tune_model(graph, partition(graph), example_args, example_kwargs, database=db, top_k=args.top_k)
+    reports = tune_model(graph, choose_scheme(graph, partition(graph)), example_args, example_kwargs, database=db, top_k=args.top_k)
     measured = sum(r.measured for r in reports)
     print(f"\ntuned {len(reports)} group(s) in {time.perf_counter() - started:.1f} s; {measured} candidate(s) "
           f"measured; database {db.path}")

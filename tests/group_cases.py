@@ -8,7 +8,9 @@ from stof_cc.ir.frontend import trace
 from stof_cc.passes import canonicalize, partition
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+from stof_cc.templates.gemm_layernorm import GEMM_LAYERNORM
 from stof_cc.templates.row_reduce import ROW_REDUCE
+from stof_cc.tune.scheme import H100, choose_scheme
 
 DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [(8, 512, 768), (3, 7, 1000), (5, 100)]  # BERT-base rows; rows and counts no tile divides
@@ -73,6 +75,33 @@ class LinearResidual(torch.nn.Module):
         return self.proj(x) + r
 
 
+class LinearResidualLayerNorm(torch.nn.Module):
+    """BERT's output block, then an activation: LayerNorm(x W^T + b + residual) -> SiLU."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        torch.nn.init.normal_(self.norm.weight)
+        torch.nn.init.normal_(self.norm.bias)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.norm(self.proj(x) + r))
+
+
+class LinearRmsNorm(torch.nn.Module):
+    """RMSNorm(x W^T - residual), no bias: the other norm gemm_layernorm serves."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width, bias=False)
+        self.norm = torch.nn.RMSNorm(width, eps=1e-6)
+        torch.nn.init.normal_(self.norm.weight)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x) - r)
+
+
 class HeadSplit(torch.nn.Module):
     """A Q projection whose store writes the (batch, head, seq, head_dim) layout directly."""
 
@@ -90,14 +119,16 @@ class HeadSplit(torch.nn.Module):
 CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
          (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction")]
 GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearResidual, GEMM_EPILOGUE, "gemm"),
-              (HeadSplit, GEMM_EPILOGUE, "gemm")]
+              (HeadSplit, GEMM_EPILOGUE, "gemm"), (LinearResidualLayerNorm, GEMM_LAYERNORM, "gemm"),
+              (LinearRmsNorm, GEMM_LAYERNORM, "gemm")]
 GEMM_SHAPES = [(8, 512, 768), (3, 333, 264)]  # BERT-base (M = 4096); M, N, K no tile divides (K % 8 == 0)
 
 
 def build(module_type, kind: str, shape: tuple[int, ...], dtype: torch.dtype):
-    """(module, inputs, graph, the one group of ``kind``) on fresh random inputs."""
+    """(module, inputs, graph, the one group of ``kind`` in the scheme stage 1 chooses) on fresh
+    random inputs."""
     module = (module_type(shape[-1]) if module_type is not ScaledSoftmax else module_type()).to(dtype)
     inputs = (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
     graph = canonicalize(trace(module, inputs, {}))
-    (group,) = [g for g in partition(graph).default.groups if g.kind == kind]
+    (group,) = [g for g in choose_scheme(graph, partition(graph), H100).scheme.groups if g.kind == kind]
     return module, inputs, graph, group

@@ -72,3 +72,23 @@ def test_a_split_ends_an_epilogue_so_the_gemm_stays_generatable():
     assert qkv.nodes == (qkv.anchor,)
     (attention,) = [g for g in plan.default.groups if g.kind == "attention"]
     assert any(graph.node(n).op == "split" for n in attention.nodes)
+
+
+def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generates_it():
+    from stof_cc.tune.scheme import H100, choose_scheme
+
+    module, args, kwargs = load_factory("examples/encoder_layer.py:factory")
+    half = recognise_attention(canonicalize(trace(module.half(), tuple(a.half() for a in args), kwargs)))
+    plan = choose_scheme(half, partition(half), H100)
+    merged = [g for g in plan.scheme.groups if any(half.node(n).op == "layer_norm" for n in g.nodes)]
+    assert len(merged) == 2 and all(g.kind == "gemm" for g in merged)  # gemm_layernorm beats two kernels
+    assert len(plan.scheme.groups) == len(plan.default.groups) - 2
+    assert all(": merged (" in line for line in plan.choices) and len(plan.choices) == 2
+    assert nx.is_directed_acyclic_graph(_quotient(half, plan.scheme))
+    # fp32: no GEMM template (wgmma takes fp16/bf16), so nothing is merged and the reason says so
+    single = _passes("encoder_layer")
+    plan = choose_scheme(single, partition(single), H100)
+    assert plan.scheme.groups == plan.default.groups
+    assert all("kept apart (no template generates it)" in line for line in plan.choices)
+    # a GPU the templates do not run on keeps the default too
+    assert choose_scheme(half, partition(half), (8, 0)).scheme.groups == partition(half).default.groups

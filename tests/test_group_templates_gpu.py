@@ -40,3 +40,32 @@ def test_group_kernel_matches_torch(module_type, template, kind, shape, dtype):
         assert not torch.isnan(got).any(), params
         err = float((got.float() - want).norm() / want.norm())
         assert err < 1e-2, f"{template.name} {params} {shape} {dtype}: relative error {err}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ctas", [1, 3])
+def test_persistent_gemm_walks_many_tiles_per_cta(ctas, dtype):
+    """At most one CTA per SM walks the tiles, so on the odd shape every CTA has one tile at
+    most; a grid of 1 or 3 CTAs makes each walk dozens (both ping-pong teams, the ring's laps
+    across tile boundaries, ragged last tiles)."""
+    from group_cases import LinearGelu
+
+    from stof_cc.runtime.group import GroupLaunch
+    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+
+    if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
+        pytest.skip("gemm_epilogue needs sm_90")
+    module, (x, r), graph, group = build(LinearGelu, "gemm", (3, 333, 264), dtype)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    want = module.float()(x.float(), r.float()).cuda()
+    values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
+    values |= {name: t.cuda() for name, t in graph.constants.items()}
+    for params in ({"schedule": "cooperative", "block_m": 128, "block_n": 128, "stages": 3},
+                   {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 3},
+                   {"schedule": "pingpong", "block_m": 128, "block_n": 64, "stages": 4}):
+        launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
+        _, threads, shared = launch.geometry
+        launch.geometry = ((ctas, 1, 1), threads, shared)
+        got = launch(values)
+        err = float((got.float() - want).norm() / want.norm())
+        assert err < 1e-2, f"{params} on {ctas} CTA(s): relative error {err}"

@@ -74,7 +74,7 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
     ``measured(template, group)``, if given, looks up a tuned time (the tuning database)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     builds = []
-    for group in plan.default.groups:
+    for group in plan.scheme.groups:
         try:
             template, source, params, note, estimate_us = _generate(graph, group)
         except NotFusable as why:
@@ -124,7 +124,7 @@ def format_builds(builds: list[GroupBuild], plan: FusionPlan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths, strict=True)) + "  " + r[5] for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 11)
-    lines.append(f"scheme: default ({len(plan.default.groups)} groups); "
-                 f"{len(plan.alternatives)} alternative(s) for the search:")
-    lines += [f"  {label}" for label, _ in plan.alternatives]
+    lines.append(f"scheme: {'chosen' if plan.chosen else 'default'} ({len(plan.scheme.groups)} groups); "
+                 f"{len(plan.alternatives)} alternative(s):")
+    lines += [f"  {line}" for line in plan.choices or [label for label, _ in plan.alternatives]]
     return "\n".join(lines)

@@ -102,7 +102,8 @@ def index_html(graph: Graph, plan: FusionPlan, builds: list[GroupBuild], picture
                     f"<td>{html.escape(b.template or 'torch')}</td>"
                     f"<td>{html.escape(str(b.params) if b.params else '-')}</td><td>{estimate}</td>"
                     f"<td>{measured}</td><td>{source}</td></tr>")
-    alternatives = "".join(f"<li>{html.escape(label)}</li>" for label, _ in plan.alternatives) or "<li>none</li>"
+    alternatives = "".join(f"<li>{html.escape(line)}</li>"
+                           for line in plan.choices or [label for label, _ in plan.alternatives]) or "<li>none</li>"
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>stof-cc: {html.escape(graph.name)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
@@ -116,7 +117,7 @@ database.</p>
 <th>estimate (us)</th><th>measured (us)</th><th>source</th></tr>
 {chr(10).join(rows)}
 </table>
-<h2>Alternative fusion schemes for the search</h2><ul>{alternatives}</ul>
+<h2>Alternative fusion schemes (stage 1's choice)</h2><ul>{alternatives}</ul>
 </body></html>
 """
 

@@ -19,8 +19,8 @@ Where several partitions are legal, `FusionPlan.alternatives` lists the others: 
 kind, a ``reduction`` (LayerNorm, softmax) merged into the GEMM group that produces its
 input, when the reduced row fits one CTA (at most ``ROW_LIMIT`` elements, hidden 768 and
 1024 included) — GEMM + bias + residual + LayerNorm as one group, against GEMM + bias +
-residual then LayerNorm. Each alternative is one such merge applied to the default; the
-search (issue 6) chooses. Templates (`stof_cc.templates`) then generate the groups they match.
+residual then LayerNorm. Each alternative is one such merge applied to the default;
+`stof_cc.tune.scheme.choose_scheme` picks by the cost model (``plan.scheme``). Templates (`stof_cc.templates`) then generate the groups they match.
 """
 
 from __future__ import annotations
@@ -69,13 +69,21 @@ class FusionPlan:
     default: FusionScheme
     alternatives: list[tuple[str, FusionScheme]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # why a neighbour stayed out of a group
+    chosen: FusionScheme | None = None  # set by stof_cc.tune.scheme.choose_scheme
+    choices: list[str] = field(default_factory=list)  # what it decided per alternative, and why
+
+    @property
+    def scheme(self) -> FusionScheme:
+        """The scheme to generate: the chosen one, else the default."""
+        return self.chosen or self.default
 
     def __str__(self) -> str:
         lines = [f"{'group':<12} {'kind':<11} {'anchor':<24} fused ops"]
-        for group in self.default.groups:
+        for group in self.scheme.groups:
             others = [n for n in group.nodes if n != group.anchor]
             lines.append(f"{group.name:<12} {group.kind:<11} {group.anchor or '-':<24} {', '.join(others) or '-'}")
         lines += [f"alternative: {label}" for label, _ in self.alternatives]
+        lines += [f"chosen: {line}" for line in self.choices]
         lines += [f"not fused: {why}" for why in self.refused]
         return "\n".join(lines)
 

@@ -39,6 +39,7 @@ from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import group_output, group_templates
 from stof_cc.tune.database import TuningDatabase
+from stof_cc.tune.scheme import choose_scheme
 
 
 @dataclass
@@ -149,7 +150,7 @@ class CompiledModule:
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
         graph = run_passes(trace(self.module, args, kwargs))
         graph.verify()
-        plan = partition(graph)
+        plan = choose_scheme(graph, partition(graph))
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
@@ -158,7 +159,7 @@ class CompiledModule:
             from stof_cc.tune.model import tune_model  # measures (or reuses records) on the GPU
 
             tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask, progress=lambda _: None)
-        steps = [self._step(graph, group, gpu) for group in plan.default.groups]
+        steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
         _load_kernels(steps)
         return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 

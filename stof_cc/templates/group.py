@@ -176,6 +176,6 @@ def group_header(graph: Graph, group: FusionGroup, template: str, params: dict[s
 def group_templates(kind: str) -> list[GroupTemplate]:
     """Registered group templates serving ``kind``, in registration order."""
     # the built-ins register when their modules load; they import this one, hence the late import
-    from stof_cc.templates import elementwise, gemm_epilogue, row_reduce  # noqa: F401
+    from stof_cc.templates import elementwise, gemm_epilogue, gemm_layernorm, row_reduce  # noqa: F401
 
     return [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]

@@ -36,7 +36,7 @@ class RowReduceTemplate(GroupTemplate):
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
         problem = output_problem(graph, group)
         anchor = graph.node(group.anchor)
-        reduction, source, weight, bias, eps = _reduction(graph, anchor, problem.shape)
+        reduction, source, weight, bias, eps = reduction_inputs(graph, anchor, problem.shape)
         position = group.nodes.index(anchor.name)
         before, after = list(group.nodes[:position]), list(group.nodes[position + 1:])
         operands: list[dict[str, Any]] = []
@@ -89,7 +89,7 @@ class RowReduceTemplate(GroupTemplate):
         return (math.prod(problem.shape[:-1]), 1, 1), params["threads"], 0
 
 
-def _reduction(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[str, Ref, Ref | None, Ref | None, float]:
+def reduction_inputs(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[str, Ref, Ref | None, Ref | None, float]:
     """(kind, input, weight, bias, eps) of a last-dimension softmax / LayerNorm / RMSNorm."""
     args = list(node.args)
     source = args[0] if args else None

@@ -155,16 +155,24 @@ def row_reduce_us(bytes_moved: float, rows: int, ctas_per_sm: int, sm_count: int
     return GROUP_LAUNCH_US + max(bytes_moved / HBM_BYTES_PER_US, waves * ROW_CTA_US)
 
 
+# gemm_layernorm's two cluster barriers and distributed-shared-memory reads of row sums: a guess
+# (a few microseconds of latency at most), not fitted to measurements yet.
+ROW_EXCHANGE_US = 1.0
+
+
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
-            sm_count: int) -> float:
+            sm_count: int, pingpong: bool = False) -> float:
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
     a partial tile costs a whole one), each tile at the wgmma rate discounted for narrow tiles
-    (more shared-memory traffic per flop) and shallow pipelines; then the epilogue's traffic."""
+    (more shared-memory traffic per flop) and shallow pipelines; then the epilogue's traffic,
+    all of it exposed when the consumers share a tile, only the last tile's under ping-pong
+    (the others run under the other warpgroup's products)."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / sm_count)
     efficiency = min(1.0, block_n / 256) ** 0.5 * (0.8 if block_m == 64 else 1.0) * (0.95 if stages == 3 else 1.0)
     tile_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
-    return GROUP_LAUNCH_US + waves * tile_us + epilogue_bytes / HBM_BYTES_PER_US
+    exposed_epilogue = 1 / waves if pingpong else 1.0
+    return GROUP_LAUNCH_US + waves * tile_us + exposed_epilogue * epilogue_bytes / HBM_BYTES_PER_US
 
 
 def sm_count() -> int:

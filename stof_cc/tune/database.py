@@ -32,7 +32,7 @@ from typing import Any
 from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 SCHEMA_VERSION = 1
-_IMPORT = re.compile(r"""\{%-?\s*(?:import|from|include)\s+["']([^"']+)["']""")
+_IMPORT = re.compile(r"""\{%-?\s*(?:import|from|include|extends)\s+["']([^"']+)["']""")
 
 
 class TuningDatabaseWarning(UserWarning):

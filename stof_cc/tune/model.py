@@ -51,14 +51,14 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
     """Search every group that has a template; returns one report per tuned group."""
     if not torch.cuda.is_available():
         raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
-    needed = {r.name for g in plan.default.groups for n in g.nodes for r in graph.node(n).refs()}
-    needed |= {group_output(graph, g) for g in plan.default.groups if _has_single_output(graph, g)}
+    needed = {r.name for g in plan.scheme.groups for n in g.nodes for r in graph.node(n).refs()}
+    needed |= {group_output(graph, g) for g in plan.scheme.groups if _has_single_output(graph, g)}
     inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in example_inputs)
     kwargs = {k: t.cuda() if isinstance(t, torch.Tensor) else t for k, t in (example_kwargs or {}).items()}
     values = interpret_values(graph, needed, *inputs, **kwargs)
     device = Device.current()
     reports = []
-    for group in plan.default.groups:
+    for group in plan.scheme.groups:
         if group.kind == "attention":
             report = _tune_attention_group(graph, group, values, database, top_k, progress, mask)
         else:

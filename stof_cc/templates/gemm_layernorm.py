@@ -1,0 +1,114 @@
+"""Spec of the `gemm_layernorm` template (gemm_layernorm.cu.j2, which extends gemm_epilogue's):
+GEMM + bias + elementwise (the residual add) + LayerNorm or RMSNorm over the GEMM's rows +
+elementwise, one kernel. The fusion pass offers this group as an alternative scheme (a norm
+reading only a GEMM group's output, rows of at most 1024); `stof_cc.tune.scheme` takes it when
+its estimate beats the two-kernel form (gemm_epilogue, then row_reduce).
+
+A row of N = 768 does not fit one CTA's accumulators at a tile height that fills the GPU
+(4096 rows / 64 = 64 CTAs for 132 SMs), so a cluster of ceil(N / block_n) CTAs (at most 8,
+the portable cluster size) holds the rows and sums them through distributed shared memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stof_cc.codegen import Chain, NotFusable
+from stof_cc.ir.graph import Graph
+from stof_cc.passes.fusion import ROW_LIMIT, FusionGroup
+from stof_cc.templates.gemm_epilogue import (
+    BLOCK_MS,
+    BLOCK_NS,
+    SMEM_LIMIT,
+    STAGE_COUNTS,
+    GemmEpilogueTemplate,
+    gemm_anchor,
+    gemm_details,
+    split_epilogue,
+)
+from stof_cc.templates.group import GroupProblem, chain_operands, kernel_operand, output_problem
+from stof_cc.templates.registry import register_template
+from stof_cc.templates.row_reduce import reduction_inputs
+from stof_cc.tune.cost_model import ROW_EXCHANGE_US
+
+NORMS = ("layer_norm", "rms_norm")
+MAX_CLUSTER = 8  # portable cluster size
+
+
+class GemmLayerNormTemplate(GemmEpilogueTemplate):
+    name = "gemm_layernorm"
+    source_file = "gemm_layernorm.cu.j2"
+    render_keys = (*GemmEpilogueTemplate.render_keys, "norm", "eps", "weight", "bias", "post_chain", "post_result")
+
+    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+        problem = output_problem(graph, group)
+        anchor, tail = gemm_anchor(graph, group)
+        norms = [name for name in tail if graph.node(name).op in NORMS]
+        if len(norms) != 1:
+            raise NotFusable(f"%{anchor.name}: gemm_layernorm needs one LayerNorm or RMSNorm after the GEMM, "
+                             f"found {len(norms)}")
+        at = tail.index(norms[0])
+        norm = graph.node(norms[0])
+        kind, source, weight, bias, eps = reduction_inputs(graph, norm, problem.shape)
+        if source.name != (tail[at - 1] if at else anchor.name):
+            raise NotFusable(f"%{norm.name}: normalises %{source.name}, not the end of the GEMM's epilogue")
+        before, before_layout = split_epilogue(graph, tail[:at])
+        after, after_layout = split_epilogue(graph, tail[at + 1:])
+        if before_layout or after_layout:
+            raise NotFusable(f"%{norm.name}: layout changes around the norm are not generated")
+        details = gemm_details(graph, group, anchor, before)
+        if details["n"] > ROW_LIMIT:
+            raise NotFusable(f"%{norm.name}: rows of {details['n']} (at most {ROW_LIMIT})")
+        for ref, role in ((weight, "ln_weight"), (bias, "ln_bias")):
+            if ref is not None:
+                details["operands"].append(kernel_operand(graph, ref.name, role, "row"))
+        post = Chain(graph, after, {norm.name: "acc_v"}, problem.shape, operand_prefix="post")
+        details["operands"] += chain_operands(graph, group, post)
+        problem.details = details | {
+            "norm": kind, "eps": f"{eps!r}f", "weight": "ln_weight" if weight is not None else "",
+            "bias": "ln_bias" if bias is not None else "", "post_chain": post.code(" " * 12),
+            "post_result": post.result, "store_index": " " * 12 + "long long out_index = (long long)row * N + col;",
+            "paired_store": details["n"] % 2 == 0}
+        return problem
+
+    def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64)).half(), (
+            torch.randn(4, 64, dtype=torch.float16),)
+
+    def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
+        """Cooperative tiles only (the cluster holds one row block at a time); block_n so that
+        at most 8 CTAs cover a row."""
+        points = []
+        for block_m in BLOCK_MS:
+            for block_n in BLOCK_NS:
+                if -(-problem.details["n"] // block_n) > MAX_CLUSTER or block_n // 2 + 48 > 232:
+                    continue
+                for stages in STAGE_COUNTS:
+                    params = {"schedule": "cooperative", "block_m": block_m, "block_n": block_n, "stages": stages}
+                    if self._shared_bytes(params) + 2 * block_m * 4 <= SMEM_LIMIT:
+                        points.append(params)
+        return points
+
+    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+        return super().estimate(problem, params, sm_count) + ROW_EXCHANGE_US
+
+    def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+        return super().kernel_name(problem, params).replace("_gemm_", "_gemm_ln_", 1)
+
+    def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+        return self.render_source_with(problem, params, cluster=self._cluster(problem, params))
+
+    def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+        """One tile per CTA (grid = row blocks x cluster, the cluster along x, set in the source)."""
+        d = problem.details
+        tiles = -(-d["m"] // params["block_m"]) * self._cluster(problem, params)
+        return (tiles, 1, 1), params["block_m"] // 64 * 128 + 128, self._shared_bytes(params)
+
+    @staticmethod
+    def _cluster(problem: GroupProblem, params: dict[str, Any]) -> int:
+        return -(-problem.details["n"] // params["block_n"])
+
+
+GEMM_LAYERNORM = register_template(GemmLayerNormTemplate(), validate=False)  # validated in tests/test_register_template.py

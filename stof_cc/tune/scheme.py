@@ -1,0 +1,62 @@
+"""Stage 1 over fusion schemes: take each of the plan's alternative merges (GEMM + LayerNorm
+as one group) where a template generates the merged group and the cost model estimates it
+faster than the two groups it replaces.
+
+Merges are independent of each other (each folds one reduction group into the GEMM group
+that alone feeds it), so they are judged one at a time and applied together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stof_cc.codegen import NotFusable
+from stof_cc.ir.graph import Graph
+from stof_cc.passes.fusion import FusionGroup, FusionPlan, FusionScheme
+from stof_cc.templates.group import group_templates
+from stof_cc.tune.cost_model import sm_count
+
+H100 = (9, 0)  # the target when no GPU is visible (kernels are written and compiled for sm_90)
+
+
+def best_estimate(graph: Graph, group: FusionGroup, capability: tuple[int, int], sms: int) -> float:
+    """The lowest stage-1 estimate (us) of any template point for ``group`` on this GPU;
+    infinity when no template generates it (it would run in torch)."""
+    best = math.inf
+    for template in group_templates(group.kind):
+        if not template.runs_on(capability):
+            continue
+        try:
+            problem = template.match(graph, group)
+        except NotFusable:
+            continue
+        best = min([best] + [template.estimate(problem, params, sms) for params in template.space(problem)])
+    return best
+
+
+def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | None = None) -> FusionPlan:
+    """Set ``plan.chosen`` (and ``plan.choices``, one line per alternative saying what was
+    decided and why) and return the plan. ``capability``: the GPU's when one is visible, else
+    the H100's."""
+    if capability is None:
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else H100
+    sms = sm_count()
+    groups = list(plan.default.groups)
+    plan.choices = []
+    for label, alternative in plan.alternatives:
+        merged = next(g for g in alternative.groups if g not in plan.default.groups)
+        replaced = [g for g in plan.default.groups if g not in alternative.groups]
+        fused_us = best_estimate(graph, merged, capability, sms)
+        apart_us = sum(best_estimate(graph, g, capability, sms) for g in replaced)
+        if fused_us < apart_us:
+            at = groups.index(replaced[0])
+            groups = [g for g in groups if g not in replaced]
+            groups.insert(at, merged)
+            plan.choices.append(f"{label}: merged ({fused_us:.1f} us estimated against {apart_us:.1f} us apart)")
+        else:
+            why = "no template generates it" if math.isinf(fused_us) else f"{fused_us:.1f} us against {apart_us:.1f}"
+            plan.choices.append(f"{label}: kept apart ({why})")
+    plan.chosen = FusionScheme(tuple(groups))
+    return plan
