@@ -45,9 +45,9 @@ def test_group_kernel_matches_torch(module_type, template, kind, shape, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ctas", [1, 3])
 def test_persistent_gemm_walks_many_tiles_per_cta(ctas, dtype):
-    """At most one CTA per SM walks the tiles, so on the odd shape every CTA has one tile at
-    most; a grid of 1 or 3 CTAs makes each walk dozens (both ping-pong teams, the ring's laps
-    across tile boundaries, ragged last tiles)."""
+    """At most one CTA per SM walks the tiles, so on the odd shapes every CTA has one tile at
+    most; a grid of 1 or 3 CTAs makes each walk dozens: both ping-pong teams, the ring's laps
+    across tile boundaries and ragged last tiles."""
     from group_cases import LinearGelu
 
     from stof_cc.runtime.group import GroupLaunch
@@ -55,7 +55,7 @@ def test_persistent_gemm_walks_many_tiles_per_cta(ctas, dtype):
 
     if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
         pytest.skip("gemm_epilogue needs sm_90")
-    module, (x, r), graph, group = build(LinearGelu, "gemm", (3, 333, 264), dtype)
+    module, (x, r), graph, group = build(LinearGelu, "gemm", (3, 111, 264), dtype)  # M = 333: ragged
     problem = GEMM_EPILOGUE.match(graph, group)
     want = module.float()(x.float(), r.float()).cuda()
     values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
@@ -63,6 +63,7 @@ def test_persistent_gemm_walks_many_tiles_per_cta(ctas, dtype):
     for params in ({"schedule": "cooperative", "block_m": 128, "block_n": 128, "stages": 3},
                    {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 3},
                    {"schedule": "pingpong", "block_m": 128, "block_n": 64, "stages": 4}):
+        assert params in GEMM_EPILOGUE.space(problem)
         launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
         _, threads, shared = launch.geometry
         launch.geometry = ((ctas, 1, 1), threads, shared)

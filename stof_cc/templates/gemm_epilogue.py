@@ -6,7 +6,12 @@ warpgroup; A and W are read as contiguous row-major matrices through tensor maps
 encodes (`tensor_maps`). The kernel is persistent: one CTA per SM walks the output tiles, its
 producer running ahead into the next tile; under the ``pingpong`` schedule two consumer
 warpgroups take alternate tiles so one's epilogue (GELU is ~30 instructions per element) hides
-under the other's tensor-core work, under ``cooperative`` they share each tile. TMA replaced an earlier cp.async producer (128 threads copying 16-byte
+under the other's tensor-core work, under ``cooperative`` they share each tile.
+
+Tried and taken out: clusters of two CTAs multicasting each W chunk (TMA ``.multicast::cluster``,
+consumers releasing buffers in both CTAs). Correct on the H100, but its best point was 0.87-0.96x
+the speed of the best point without it at each BERT-base shape (RESULTS.md, 2026-11-23): L2
+bandwidth is not what holds these tiles back. TMA replaced an earlier cp.async producer (128 threads copying 16-byte
 chunks): measured on the H100 it reached 0.31-0.45 of cuBLAS, TMA 0.63-0.76 (RESULTS.md).
 
 Deviation from issue 5's wording (``mma.sync``): on the H100 mma.sync cannot approach

@@ -136,10 +136,16 @@ def stof_rule(nonempty_16: int, blocks_16: int) -> tuple[float, float, str]:
 
 
 # -- fusion-group templates (elementwise, row_reduce, gemm_epilogue) ---------------------------
-# Uncalibrated first-principles rates for the H100 SXM (no GPU sweep has fitted them yet):
-# HBM3 bandwidth, a dense fp16 wgmma rate per SM that well-fed kernels reach, and launch cost.
+# First-principles rates for the H100 SXM: HBM3 bandwidth, launch cost. The GEMM constants below
+# are fitted (grid search, log error) to one H100 run of every gemm_epilogue point at the three
+# BERT-base shapes (benchmarks/gemm_points.py, 2026-11-23): a wgmma rate per SM reached by a
+# warpgroup tile of FULL_RATE_INTENSITY (rows x cols / (rows + cols)) or more, less below it.
 HBM_BYTES_PER_US = 3.0e6        # about 3 TB/s of the 3.35 TB/s peak
-GEMM_FLOPS_PER_US = 5.0e6       # per SM: about 660 TFLOP/s over 132 SMs
+GEMM_FLOPS_PER_US = 5.0e6       # per SM: about 660 TFLOP/s over 132 SMs at full intensity
+FULL_RATE_INTENSITY = 48.0      # 64 x 192 is 48, 128 x 128 is 64: shared-memory operand traffic per flop
+INTENSITY_EXPONENT = 1.5        # the rate falls as (intensity / FULL_RATE_INTENSITY) ** 1.5 below it
+ONE_ROW_BLOCK_RATE = 0.8        # 64-row tiles: one m64 wgmma stream per tile at a time hides less latency
+THREE_STAGE_RATE = 0.8          # a 3-buffer ring exposes more of each TMA load's latency
 GROUP_LAUNCH_US = 4.0
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
 
@@ -163,13 +169,16 @@ ROW_EXCHANGE_US = 1.0
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
             sm_count: int, pingpong: bool = False) -> float:
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
-    a partial tile costs a whole one), each tile at the wgmma rate discounted for narrow tiles
-    (more shared-memory traffic per flop) and shallow pipelines; then the epilogue's traffic,
-    all of it exposed when the consumers share a tile, only the last tile's under ping-pong
-    (the others run under the other warpgroup's products)."""
+    a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
+    intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
+    the ring depth and the consumer count; then the epilogue's traffic, all of it exposed when
+    the consumers share a tile, only the last tile's under ping-pong (the others run under the
+    other warpgroup's products)."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / sm_count)
-    efficiency = min(1.0, block_n / 256) ** 0.5 * (0.8 if block_m == 64 else 1.0) * (0.95 if stages == 3 else 1.0)
+    rows = block_m if pingpong else 64
+    efficiency = min(1.0, rows * block_n / (rows + block_n) / FULL_RATE_INTENSITY) ** INTENSITY_EXPONENT
+    efficiency *= (ONE_ROW_BLOCK_RATE if block_m == 64 else 1.0) * (THREE_STAGE_RATE if stages == 3 else 1.0)
     tile_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
     exposed_epilogue = 1 / waves if pingpong else 1.0
     return GROUP_LAUNCH_US + waves * tile_us + exposed_epilogue * epilogue_bytes / HBM_BYTES_PER_US
