@@ -31,7 +31,7 @@ from stof_cc.templates.gemm_epilogue import (
 from stof_cc.templates.group import GroupProblem, chain_operands, kernel_operand, output_problem
 from stof_cc.templates.registry import register_template
 from stof_cc.templates.row_reduce import reduction_inputs
-from stof_cc.tune.cost_model import ROW_EXCHANGE_US
+from stof_cc.tune.cost_model import ROW_EXCHANGE_US, WIDE_CLUSTER_RATE
 
 NORMS = ("layer_norm", "rms_norm")
 MAX_CLUSTER = 8  # portable cluster size
@@ -92,7 +92,10 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
         return points
 
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
-        return super().estimate(problem, params, sm_count) + ROW_EXCHANGE_US
+        tiles_us = super().estimate(problem, params, sm_count)
+        if self._cluster(problem, params) > 3:
+            tiles_us /= WIDE_CLUSTER_RATE
+        return tiles_us + ROW_EXCHANGE_US
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return super().kernel_name(problem, params).replace("_gemm_", "_gemm_ln_", 1)

@@ -164,6 +164,12 @@ def row_reduce_us(bytes_moved: float, rows: int, ctas_per_sm: int, sm_count: int
 # gemm_layernorm's two cluster barriers and distributed-shared-memory reads of row sums: a guess
 # (a few microseconds of latency at most), not fitted to measurements yet.
 ROW_EXCHANGE_US = 1.0
+# gemm_layernorm clusters of more than 3 CTAs (one CTA per SM each): inferred, not fitted. On the
+# H100 the 128 x 256 tile (3 CTAs per row block) was the fastest of the 12 points in both sweeps
+# at K = 768 and 3072 (RESULTS.md), while the tile model alone ranks 128 x 192 (4 CTAs) first;
+# and BERT-base end to end was 0.29 ms slower with 4-CTA clusters than with the two-kernel form.
+# A GPC of 16-18 SMs holds fewer 4-CTA than 3-CTA clusters' worth of SMs at once.
+WIDE_CLUSTER_RATE = 0.7
 
 
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,

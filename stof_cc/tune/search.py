@@ -76,9 +76,17 @@ class SearchReport:
         return "\n".join(lines)
 
 
+# GPU cycles the stream sleeps before each timed launch (about 0.1 ms on an H100): longer than the
+# host takes to issue the start event, the launch (Python argument checks included) and the end
+# event, so the events bracket the kernel alone. Without it, the H100 run of the MHA grid timed
+# launch overhead: every candidate read 15-25 us slow and stage 2 picked by noise.
+LEAD_CYCLES = 200_000
+
+
 def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
-    """Median microseconds of ``run(i)`` over ``runs`` launches, each timed by CUDA events;
-    ``i`` counts launches so the caller can rotate its input sets."""
+    """Median microseconds of ``run(i)`` over ``runs`` launches, each timed by CUDA events
+    recorded while the stream is still busy with a sleep (``LEAD_CYCLES``); ``i`` counts
+    launches so the caller can rotate its input sets."""
     import torch
 
     for i in range(warmup):
@@ -86,6 +94,7 @@ def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
     times = []
     for i in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(LEAD_CYCLES)
         start.record()
         run(i)
         end.record()
