@@ -91,3 +91,34 @@ def test_templates_outside_the_survivors_need_no_record(tmp_path: Path):
     search(candidates, build, check, signature="g4", top_k=2, timer=timer, database=db, device=H100)
     again = search(candidates, build, check, signature="g4", top_k=2, timer=timer, database=db, device=H100)
     assert again.from_database  # row_reduce was never a survivor, so it has (and needs) no record
+
+
+def test_cuda_timer_records_each_start_event_behind_a_gpu_sleep(monkeypatch):
+    """The H100 run of the MHA grid showed events around a bare Python launch time the host's
+    launch path; the stream must be busy (asleep) when the start event is recorded."""
+    import torch
+
+    from stof_cc.tune import search as search_module
+
+    calls: list[str] = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            self.name = "end" if sum(c.startswith("new") for c in calls) % 2 else "start"
+            calls.append("new")
+
+        def record(self) -> None:
+            calls.append(f"record {self.name}")
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other) -> float:
+            return 0.025
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(f"sleep {cycles}"))
+    micros = search_module.cuda_timer(lambda i: calls.append("launch"), runs=3, warmup=1)
+    assert micros == 25.0
+    timed = [c for c in calls if c != "new"][1:]  # after the warm-up launch
+    assert timed == [f"sleep {search_module.LEAD_CYCLES}", "record start", "launch", "record end"] * 3
