@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import stof_cc
+from stof_cc.ir.frontend import trace
 from stof_cc.loading import load_factory
 
 EXAMPLES = ("tiny_bert", "gpt2_block", "encoder_layer")
@@ -190,3 +191,36 @@ def test_a_kernel_that_does_not_compile_falls_back_to_torch_and_says_so(fake_gpu
     assert variant.steps[0].kind == "torch" and "did not compile" in variant.steps[0].note
     assert any(step.kind == "kernel" for step in variant.steps)
 
+
+
+class _RmsNormThenGelus(torch.nn.Module):
+    """A long epilogue after the norm: at 128 x 256 tiles ptxas spills (found in review)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(768, 768)
+        self.norm = torch.nn.RMSNorm(768)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(torch.nn.functional.gelu(self.norm(self.fc(x)))) * 2.0
+
+
+@pytest.mark.nvcc
+def test_a_point_that_spills_registers_gives_way_to_one_that_does_not():
+    from stof_cc.passes import canonicalize, partition
+    from stof_cc.runtime.compiled import _spill_bytes, spill_free_point
+    from stof_cc.templates.gemm_layernorm import GEMM_LAYERNORM
+    from stof_cc.tune.scheme import H100, choose_scheme
+
+    x = torch.randn(4000, 768, dtype=torch.float16)
+    graph = canonicalize(trace(_RmsNormThenGelus().half(), (x,), {}))
+    (group,) = [g for g in choose_scheme(graph, partition(graph), H100).scheme.groups if g.kind == "gemm"]
+    problem = GEMM_LAYERNORM.match(graph, group)
+    # outside the space (its register rule drops it), like a default whose estimate missed a long epilogue
+    default = {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4}
+    assert default not in GEMM_LAYERNORM.space(problem)
+    assert _spill_bytes(GEMM_LAYERNORM, problem, default, "sm_90") > 0  # the premise
+    (_, _, chosen), note = spill_free_point(GEMM_LAYERNORM, problem, default, "sm_90")
+    assert chosen != default and chosen in GEMM_LAYERNORM.space(problem)
+    assert _spill_bytes(GEMM_LAYERNORM, problem, chosen, "sm_90") == 0
+    assert "the default point spills registers" in note

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
+import torch
 
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import CONSTANT, INPUT
@@ -92,3 +93,35 @@ def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generate
     assert all("kept apart (no template generates it)" in line for line in plan.choices)
     # a GPU the templates do not run on keeps the default too
     assert choose_scheme(half, partition(half), (8, 0)).scheme.groups == partition(half).default.groups
+
+
+class _LayerNormTimesCumsum(torch.nn.Module):
+    """The merged GEMM + LayerNorm group's trailing multiply reads a group (cumsum) whose node
+    comes after the GEMM: ordering groups by their first node would run the merge too early."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+        self.norm = torch.nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * torch.cumsum(y, -1)
+
+
+def test_groups_run_in_dependency_order_after_a_merge():
+    import stof_cc
+    from stof_cc.tune.scheme import H100, choose_scheme
+
+    module = _LayerNormTimesCumsum().half()
+    x, y = torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16)
+    graph = recognise_attention(canonicalize(trace(module, (x, y), {})))
+    plan = choose_scheme(graph, partition(graph), H100)
+    assert any("merged" in line for line in plan.choices)
+    for scheme in (plan.default, plan.scheme, *(s for _, s in plan.alternatives)):
+        seen: set[str] = set()
+        for group in scheme.groups:
+            inputs = {r.name for n in group.nodes for r in graph.node(n).refs()} - set(group.nodes)
+            assert all(graph.node(i).op in (INPUT, CONSTANT) or i in seen for i in inputs), group
+            seen |= set(group.nodes)
+    compiled = stof_cc.compile(module, (x, y), cuda_graphs=False)
+    assert torch.equal(compiled(x, y), module(x, y))

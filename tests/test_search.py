@@ -95,7 +95,8 @@ def test_templates_outside_the_survivors_need_no_record(tmp_path: Path):
 
 def test_cuda_timer_records_each_start_event_behind_a_gpu_sleep(monkeypatch):
     """The H100 run of the MHA grid showed events around a bare Python launch time the host's
-    launch path; the stream must be busy (asleep) when the start event is recorded."""
+    launch path; the stream must be busy (asleep) when the start event is recorded, and a
+    launch the sleep did not cover is timed again with a longer one."""
     import torch
 
     from stof_cc.tune import search as search_module
@@ -113,6 +114,10 @@ def test_cuda_timer_records_each_start_event_behind_a_gpu_sleep(monkeypatch):
         def synchronize(self) -> None:
             pass
 
+        def query(self) -> bool:
+            calls.append(f"query {self.name}")
+            return len([c for c in calls if c.startswith("query")]) == 1  # the first timed launch was not covered
+
         def elapsed_time(self, other) -> float:
             return 0.025
 
@@ -121,4 +126,6 @@ def test_cuda_timer_records_each_start_event_behind_a_gpu_sleep(monkeypatch):
     micros = search_module.cuda_timer(lambda i: calls.append("launch"), runs=3, warmup=1)
     assert micros == 25.0
     timed = [c for c in calls if c != "new"][1:]  # after the warm-up launch
-    assert timed == [f"sleep {search_module.LEAD_CYCLES}", "record start", "launch", "record end"] * 3
+    lead = search_module.LEAD_CYCLES
+    once = ["record start", "launch", "record end", "query start"]
+    assert timed == [f"sleep {lead}", *once, f"sleep {2 * lead}", *once] + [f"sleep {2 * lead}", *once] * 2

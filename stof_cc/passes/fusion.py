@@ -161,6 +161,7 @@ def partition(graph: Graph) -> FusionPlan:
     order = {n.name: i for i, n in enumerate(computed)}
     default = _scheme(members, kind, order)
     _check_acyclic(graph, default)
+    default = FusionScheme(in_dependency_order(graph, default.groups))
     plan = FusionPlan(default, refused=refused)
     plan.alternatives = _reduction_merges(graph, default, kind, order)
     return plan
@@ -187,6 +188,17 @@ def _scheme(members: dict[str, list[str]], kind: dict[str, str], order: dict[str
             group_kind, anchor = "opaque", None
         groups.append(FusionGroup(f"g{len(groups)}", group_kind, anchor, tuple(sorted(nodes, key=order.get))))
     return FusionScheme(tuple(groups))
+
+
+def in_dependency_order(graph: Graph, groups: tuple[FusionGroup, ...] | list[FusionGroup]) -> tuple[FusionGroup, ...]:
+    """``groups`` ordered so every group runs after the groups it reads from (a topological
+    order of the quotient graph; ties keep the given order). Ordering by each group's first
+    node is not enough: a merged or prologue-grown group can read a group whose first node
+    comes later."""
+    position = {g.name: i for i, g in enumerate(groups)}
+    by_name = {g.name: g for g in groups}
+    quotient = _quotient(graph, FusionScheme(tuple(groups)))
+    return tuple(by_name[name] for name in nx.lexicographical_topological_sort(quotient, key=position.get))
 
 
 def _quotient(graph: Graph, scheme: FusionScheme) -> nx.DiGraph:
@@ -225,6 +237,7 @@ def _reduction_merges(graph: Graph, scheme: FusionScheme, kind: dict[str, str],
                              tuple(sorted(producer.nodes + group.nodes, key=order.get)))
         candidate = FusionScheme(tuple(merged if g is producer else g for g in scheme.groups if g is not group))
         if nx.is_directed_acyclic_graph(_quotient(graph, candidate)):
+            candidate = FusionScheme(in_dependency_order(graph, candidate.groups))
             alternatives.append((f"{producer.anchor} + {group.anchor} (row {row})", candidate))
     return alternatives
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from stof_cc.backends.nvcc import compile_many
+from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
 from stof_cc.codegen.build import attention_kernel, build_groups
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import trace
@@ -38,6 +38,7 @@ from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import group_output, group_templates
+from stof_cc.tune.cost_model import sm_count
 from stof_cc.tune.database import TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
 
@@ -48,6 +49,7 @@ class Step:
     kind: str  # "kernel" | "attention" | "torch"
     note: str
     kernel: tuple | None = None  # kernel steps: (template, problem, params)
+    tuned: bool = False  # kernel steps: params are a measured winner (else stage 1's default point)
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps
 
@@ -191,7 +193,8 @@ class CompiledModule:
                 reasons.append(f"{template.name}: no parameter point fits this group")
                 continue
             params, how = self._params(template, problem, graph, group)
-            return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params))
+            return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),
+                        tuned=how.startswith("tuned"))
         return Step(group, "torch", "; ".join(reasons) or f"no template serves {group.kind} groups")
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
@@ -319,8 +322,35 @@ def _load_kernels(steps: list[Step]) -> None:
         if error:
             step.kind, step.note = "torch", f"{step.note} did not compile, torch runs it: {error.splitlines()[0]}"
             warnings.warn(f"stof_cc: group {step.group.name}: {step.note}", stacklevel=3)
-        else:
-            step.launch = GroupLaunch(*step.kernel)
+            continue
+        if not step.tuned:
+            step.kernel, why = spill_free_point(*step.kernel, arch)
+            step.note += why
+        step.launch = GroupLaunch(*step.kernel)
+
+
+def spill_free_point(template, problem, params: dict[str, Any], arch: str) -> tuple[tuple, str]:
+    """(template, problem, point) to run instead of a default ``params`` whose compiled kernel
+    spills registers (ptxas's report): the best-estimated point that does not, and a note saying
+    so. Stage 1 estimates cannot see register pressure from a long epilogue (a norm, then two
+    activations); the compiler's report can. A measured (tuned) point is kept as it is."""
+    if not _spill_bytes(template, problem, params, arch):
+        return (template, problem, params), ""
+    others = sorted((q for q in template.space(problem) if q != params),
+                    key=lambda q: template.estimate(problem, q, sm_count()))
+    for other in others:
+        try:
+            if not _spill_bytes(template, problem, other, arch):
+                return (template, problem, other), f"; the default point spills registers, so {other}"
+        except CompileError:
+            continue
+    return (template, problem, params), "; every point spills registers"
+
+
+def _spill_bytes(template, problem, params: dict[str, Any], arch: str) -> int:
+    compiled = compile_cubin(template.render(problem, params), arch=arch + template.arch_features)
+    report = compiled.resources.get(template.kernel_name(problem, params))
+    return report.spill_stores if report is not None else 0
 
 
 def _capturable(variant: Variant, mask_override: bool) -> bool:

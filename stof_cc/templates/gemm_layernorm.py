@@ -69,7 +69,7 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
         problem.details = details | {
             "norm": kind, "eps": f"{eps!r}f", "weight": "ln_weight" if weight is not None else "",
             "bias": "ln_bias" if bias is not None else "", "post_chain": post.code(" " * 12),
-            "post_result": post.result, "store_index": " " * 12 + "long long out_index = (long long)row * N + col;",
+            "post_result": post.result, "post_ops": len(after), "store_index": " " * 12 + "long long out_index = (long long)row * N + col;",
             "paired_store": details["n"] % 2 == 0}
         return problem
 
@@ -79,11 +79,13 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
 
     def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
         """Cooperative tiles only (the cluster holds one row block at a time); block_n so that
-        at most 8 CTAs cover a row."""
+        at most 8 CTAs cover a row; and no point whose registers would spill (see
+        `_fits_registers`)."""
         points = []
         for block_m in BLOCK_MS:
             for block_n in BLOCK_NS:
-                if -(-problem.details["n"] // block_n) > MAX_CLUSTER or block_n // 2 + 48 > 232:
+                if (-(-problem.details["n"] // block_n) > MAX_CLUSTER
+                        or not _fits_registers(block_m, block_n, problem.details["post_ops"])):
                     continue
                 for stages in STAGE_COUNTS:
                     params = {"schedule": "cooperative", "block_m": block_m, "block_n": block_n, "stages": stages}
@@ -112,6 +114,16 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
     @staticmethod
     def _cluster(problem: GroupProblem, params: dict[str, Any]) -> int:
         return -(-problem.details["n"] // params["block_n"])
+
+
+def _fits_registers(block_m: int, block_n: int, post_ops: int) -> bool:
+    """Whether a consumer thread's pre-norm values (block_n / 2: a warpgroup holds 64 rows),
+    the norm's state and addressing (~40) and the trailing chain (~8 per op) fit ptxas's cap:
+    168 registers at 384 threads (block_m 128; ptxas allocates by the launch bound, not the
+    setmaxnreg raise), 255 at 256. Checked against ptxas: 128 x 256 with LayerNorm alone does
+    not spill, with LayerNorm then SiLU it spills 12-16 bytes."""
+    cap = 168 if block_m == 128 else 255
+    return block_n // 2 + 40 + 8 * post_ops <= cap
 
 
 GEMM_LAYERNORM = register_template(GemmLayerNormTemplate(), validate=False)  # validated in tests/test_register_template.py

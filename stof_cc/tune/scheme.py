@@ -14,7 +14,7 @@ import torch
 
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph
-from stof_cc.passes.fusion import FusionGroup, FusionPlan, FusionScheme
+from stof_cc.passes.fusion import FusionGroup, FusionPlan, FusionScheme, in_dependency_order
 from stof_cc.templates.group import group_templates
 from stof_cc.tune.cost_model import sm_count
 
@@ -58,5 +58,5 @@ def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | 
         else:
             why = "no template generates it" if math.isinf(fused_us) else f"{fused_us:.1f} us against {apart_us:.1f}"
             plan.choices.append(f"{label}: kept apart ({why})")
-    plan.chosen = FusionScheme(tuple(groups))
+    plan.chosen = FusionScheme(in_dependency_order(graph, groups))  # the merged group may read later ones
     return plan

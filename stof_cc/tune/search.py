@@ -79,8 +79,11 @@ class SearchReport:
 # GPU cycles the stream sleeps before each timed launch (about 0.1 ms on an H100): longer than the
 # host takes to issue the start event, the launch (Python argument checks included) and the end
 # event, so the events bracket the kernel alone. Without it, the H100 run of the MHA grid timed
-# launch overhead: every candidate read 15-25 us slow and stage 2 picked by noise.
+# launch overhead: every candidate read 15-25 us slow and stage 2 picked by noise. A launch the
+# sleep did not cover (the start event already passed once the end event is issued) is timed
+# again with twice the sleep, up to MAX_LEAD_CYCLES.
 LEAD_CYCLES = 200_000
+MAX_LEAD_CYCLES = 8 * LEAD_CYCLES
 
 
 def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
@@ -91,14 +94,19 @@ def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
 
     for i in range(warmup):
         run(i)
-    times = []
+    times, lead = [], LEAD_CYCLES
     for i in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(LEAD_CYCLES)
-        start.record()
-        run(i)
-        end.record()
-        end.synchronize()
+        while True:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(lead)
+            start.record()
+            run(i)
+            end.record()
+            uncovered = start.query()  # the GPU reached the start before the launch was issued
+            end.synchronize()
+            if not uncovered or lead >= MAX_LEAD_CYCLES:
+                break
+            lead *= 2
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
 
