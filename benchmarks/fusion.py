@@ -39,7 +39,7 @@ from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
-from stof_cc.runtime.group import GroupLaunch  # noqa: E402
+from stof_cc.runtime.group import GroupLaunch, precompile  # noqa: E402
 from stof_cc.templates.gemm_epilogue import point_tag  # noqa: E402
 from stof_cc.templates.group import group_templates  # noqa: E402
 from stof_cc.tune.scheme import choose_scheme  # noqa: E402
@@ -95,6 +95,7 @@ def stof_pipeline(module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor, cho
     gemm_template, gemm_problem, _ = steps[0]
     points = gemm_template.space(gemm_problem)
     best = None
+    precompile(gemm_template, gemm_problem, points)
     for params in points:
         launches = [GroupLaunch(gemm_template, gemm_problem, params)]
         launches += [GroupLaunch(t, p, t.default_params(p)) for t, p, _ in steps[1:]]

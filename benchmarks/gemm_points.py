@@ -27,7 +27,7 @@ from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
-from stof_cc.runtime.group import GroupLaunch  # noqa: E402
+from stof_cc.runtime.group import GroupLaunch, precompile  # noqa: E402
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, point_tag  # noqa: E402
 from stof_cc.tune.cost_model import sm_count  # noqa: E402
 
@@ -65,6 +65,7 @@ def main() -> None:
         flops = 2 * TOKENS * n * k
         print(f"M={TOKENS} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
         default = GEMM_EPILOGUE.default_params(problem)
+        precompile(GEMM_EPILOGUE, problem, GEMM_EPILOGUE.space(problem))
         for params in GEMM_EPILOGUE.space(problem):
             tag = point_tag(params)
             if only and not only.fullmatch(tag):

@@ -9,7 +9,7 @@ import torch
 from group_cases import CASES, DTYPES, GEMM_CASES, GEMM_SHAPES, SHAPES, build
 
 from stof_cc.ir.graph import INPUT
-from stof_cc.runtime.group import run_group
+from stof_cc.runtime.group import precompile, run_group
 
 pytestmark = pytest.mark.gpu
 BERT_BASE_ROWS = 4096
@@ -35,6 +35,7 @@ def test_group_kernel_matches_torch(module_type, template, kind, shape, dtype):
     values |= {name: t.cuda() for name, t in graph.constants.items()}
     if not template.runs_on(torch.cuda.get_device_capability()):
         pytest.skip(f"{template.name} needs compute capability {template.capabilities or template.min_capability}")
+    precompile(template, problem, points(template, problem, shape))
     for params in points(template, problem, shape):
         got = run_group(template, problem, params, values)
         assert not torch.isnan(got).any(), params

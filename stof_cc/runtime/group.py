@@ -64,6 +64,17 @@ class GroupLaunch:
         return maps
 
 
+def precompile(template: GroupTemplate, problem: GroupProblem, points: list[dict[str, Any]]) -> None:
+    """Compile ``points`` of ``template`` for this GPU in parallel (one nvcc process each) into
+    the cache, so that launching them one by one finds them compiled. Failures are left for
+    the launch to report (it raises the compiler's message)."""
+    from stof_cc.backends.nvcc import compile_many
+    from stof_cc.backends.pycuda_backend import device_arch
+
+    arch = device_arch() + template.arch_features
+    compile_many([(template.render(problem, params), arch) for params in points])
+
+
 def run_group(template: GroupTemplate, problem: GroupProblem, params: dict[str, Any],
               values: dict[str, torch.Tensor]) -> torch.Tensor:
     """Launch ``template``'s kernel for ``problem`` once (see `GroupLaunch`)."""
