@@ -1,6 +1,7 @@
 """End to end: the 12-layer sparse BERT-base encoder against the peers (issue 7).
 
     python benchmarks/e2e.py [--masks sliding,longformer,bigbird] [--seqs 512,2048] [--json e2e.json] [--append]
+                             [--profile]
 
 WORKLOADS.md's encoder table: fp16 inference, masks sliding / longformer / bigbird of the MHA
 grid, S in {512, 2048}, 4096 tokens per call (S = 512: B = 8; S = 2048: B = 2). Peers, all in
@@ -45,7 +46,33 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def run_row(name: str, seq: int) -> dict:
+def kernel_breakdown(fn, calls: int = 5, top: int = 18) -> list[tuple[str, float, int]]:
+    """GPU time per kernel name (digits folded, so the 12 layers' kernels add up), in us per call."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            key = re.sub(r"\d+", "#", event.name)[:90]
+            entry = totals.setdefault(key, [0.0, 0])
+            entry[0] += event.device_time_total / calls
+            entry[1] += 1
+    rows = sorted(((k, us, n // calls) for k, (us, n) in totals.items()), key=lambda r: -r[1])
+    print(f"    GPU time {sum(r[1] for r in rows):.0f} us per call, {sum(r[2] for r in rows)} kernels")
+    for key, us, count in rows[:top]:
+        print(f"    {us:8.1f} us  x{count:<3d} {key}")
+    return rows
+
+
+def run_row(name: str, seq: int, profile: bool = False) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
 
     torch._dynamo.config.cache_size_limit = 1000
@@ -96,6 +123,11 @@ def run_row(name: str, seq: int) -> dict:
         row["stof_err"] = max(row["stof_err"], row["stof_graph_err"])
         row["stof_ms"] = min(row["stof_plain_ms"], row["stof_graph_ms"])
         row["stof_steps"] = compiled.explain()
+        if profile:  # where the time goes: stof's kernels beside FlexAttention's (same kernels as their graphed modes)
+            print(f"  {name} S={seq} kernels, stof-cc:")
+            kernel_breakdown(plain)
+            print(f"  {name} S={seq} kernels, flex (torch.compile default):")
+            kernel_breakdown(peers["flex_default"])
     correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
     row["best_peer_ms"] = min(correct) if correct else math.inf
     row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < TOLERANCE else 0.0
@@ -108,11 +140,12 @@ def main() -> None:
     parser.add_argument("--seqs", default="512,2048")
     parser.add_argument("--json")
     parser.add_argument("--append", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel (stof-cc and flex)")
     args = parser.parse_args()
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for name in args.masks.split(","):
-            rows.append(run_row(name, seq))
+            rows.append(run_row(name, seq, args.profile))
             print(f"{name} S={seq}: stof {rows[-1]['stof_ms']:.3f} ms, best peer {rows[-1]['best_peer_ms']:.3f} ms "
                   f"-> {rows[-1]['speedup']:.2f}x", flush=True)
             if args.json:

@@ -1,6 +1,6 @@
 """Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
 
-    python benchmarks/gemm_points.py [REGEX] [SHAPES]
+    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096); M = 4096 tokens,
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fusion import TOKENS, Gemm  # noqa: E402
+from fusion import TOKENS, Gemm, GemmBiasGelu  # noqa: E402
 
 from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
@@ -50,10 +50,12 @@ def timed_ms(fn, launches: int = 50) -> float:
 
 
 def main() -> None:
-    only = re.compile(sys.argv[1]) if len(sys.argv) > 1 else None
-    shapes = [SHAPES[int(i)] for i in sys.argv[2].split(",")] if len(sys.argv) > 2 else SHAPES
+    positional = [a for a in sys.argv[1:] if a != "--gelu"]
+    module_type = GemmBiasGelu if "--gelu" in sys.argv else Gemm
+    only = re.compile(positional[0]) if positional else None
+    shapes = [SHAPES[int(i)] for i in positional[1].split(",")] if len(positional) > 1 else SHAPES
     for k, n in shapes:
-        module = Gemm(k, n).half()
+        module = module_type(k, n).half()
         x = torch.randn(TOKENS, k, dtype=torch.float16)
         graph = canonicalize(trace(module, (x, x[:, :1]), {}))
         problem = GEMM_EPILOGUE.match(graph, partition(graph).default.groups[0])
@@ -61,7 +63,7 @@ def main() -> None:
         first_input = next(node.name for node in graph.nodes() if node.op == INPUT)
         values = {first_input: x_gpu} | {name: t.cuda() for name, t in graph.constants.items()}
         cublas = timed_ms(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
-        want = torch.nn.functional.linear(x_gpu, w_gpu).float()
+        want = module.cuda()(x_gpu, x_gpu).float()
         flops = 2 * TOKENS * n * k
         print(f"M={TOKENS} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
         default = GEMM_EPILOGUE.default_params(problem)
@@ -73,7 +75,7 @@ def main() -> None:
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
             operands = [values[op["ref"]] for op in problem.details["operands"]]
-            args = launch.tensor_map_args(operands) + [t.data_ptr() for t in operands] + [out.data_ptr()]
+            args = launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
             ms = timed_ms(lambda launch=launch, args=args: launch.kernel.launch(*launch.geometry, *args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
             print(f"  {tag:15s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "

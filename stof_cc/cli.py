@@ -33,6 +33,7 @@ from stof_cc.masks.spec import parse_spec
 from stof_cc.passes import (
     AttentionReport,
     CanonicalizeReport,
+    HorizontalReport,
     KeyPaddingReport,
     partition,
     run_passes,
@@ -113,9 +114,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     graph.verify()
     if args.passes:
         canonical, attention_report, padding = CanonicalizeReport(), AttentionReport(), KeyPaddingReport()
-        graph = run_passes(graph, canonical, attention_report, padding)
+        horizontal = HorizontalReport()
+        graph = run_passes(graph, canonical, attention_report, padding, horizontal)
         graph.verify()
-        print(f"{canonical}\n{attention_report}\n{padding}\n\nfusion partition (`stof-cc compile` generates it):\n"
+        print(f"{canonical}\n{horizontal}\n{attention_report}\n{padding}\n\nfusion partition (`stof-cc compile` generates it):\n"
               f"{partition(graph)}\n")
     if not args.quiet_graph:
         print(graph)

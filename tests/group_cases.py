@@ -126,9 +126,15 @@ GEMM_SHAPES = [(8, 512, 768), (3, 333, 264)]  # BERT-base (M = 4096); M, N, K no
 
 def build(module_type, kind: str, shape: tuple[int, ...], dtype: torch.dtype):
     """(module, inputs, graph, the one group of ``kind`` in the scheme stage 1 chooses) on fresh
-    random inputs."""
+    random inputs. The GEMM + norm modules take their one alternative scheme (the norm merged
+    into the GEMM group) whatever stage 1 chooses: they are gemm_layernorm's cases."""
     module = (module_type(shape[-1]) if module_type is not ScaledSoftmax else module_type()).to(dtype)
     inputs = (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
     graph = canonicalize(trace(module, inputs, {}))
-    (group,) = [g for g in choose_scheme(graph, partition(graph), H100).scheme.groups if g.kind == kind]
+    plan = partition(graph)
+    if module_type in (LinearResidualLayerNorm, LinearRmsNorm):
+        ((_, scheme),) = plan.alternatives
+    else:
+        scheme = choose_scheme(graph, plan, H100).scheme
+    (group,) = [g for g in scheme.groups if g.kind == kind]
     return module, inputs, graph, group

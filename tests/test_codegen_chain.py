@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import jinja2
 import numpy as np
 import pytest
 import torch
@@ -20,6 +21,7 @@ from stof_cc.ir.frontend import trace
 from stof_cc.passes import canonicalize, partition
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.group import group_templates
+from stof_cc.templates.registry import TEMPLATE_DIR
 
 SHAPE = (3, 5, 16)
 
@@ -50,9 +52,12 @@ def _group(module: torch.nn.Module, *inputs: torch.Tensor):
 
 def _host_program(chain: Chain, n: int, row: int) -> str:
     loads = "\n".join(f"    std::vector<float> {op.name} = read(argv[{i + 1}]);" for i, op in enumerate(chain.operands))
+    environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)))
+    prelude = environment.from_string('{% import "group_common.j2" as c %}{{ c.prelude() }}').render()  # gelu_erf
     return f"""#include <cmath>
 #include <cstdio>
 #include <vector>
+{prelude}
 static std::vector<float> read(const char* path) {{
     std::vector<float> v; FILE* f = std::fopen(path, "rb"); float x;
     while (std::fread(&x, sizeof x, 1, f) == 1) v.push_back(x);

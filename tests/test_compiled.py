@@ -206,7 +206,7 @@ class _RmsNormThenGelus(torch.nn.Module):
 
 
 @pytest.mark.nvcc
-def test_a_point_that_spills_registers_gives_way_to_one_that_does_not():
+def test_a_point_that_spills_registers_gives_way_to_one_that_does_not(norm_merges_win):
     from stof_cc.passes import canonicalize, partition
     from stof_cc.runtime.compiled import _spill_bytes, spill_free_point
     from stof_cc.templates.gemm_layernorm import GEMM_LAYERNORM

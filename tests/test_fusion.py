@@ -75,7 +75,7 @@ def test_a_split_ends_an_epilogue_so_the_gemm_stays_generatable():
     assert any(graph.node(n).op == "split" for n in attention.nodes)
 
 
-def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generates_it():
+def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generates_it(norm_merges_win):
     from stof_cc.tune.scheme import H100, choose_scheme
 
     module, args, kwargs = load_factory("examples/encoder_layer.py:factory")
@@ -108,7 +108,7 @@ class _LayerNormTimesCumsum(torch.nn.Module):
         return self.norm(self.fc(x)) * torch.cumsum(y, -1)
 
 
-def test_groups_run_in_dependency_order_after_a_merge():
+def test_groups_run_in_dependency_order_after_a_merge(norm_merges_win):
     import stof_cc
     from stof_cc.tune.scheme import H100, choose_scheme
 

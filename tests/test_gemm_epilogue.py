@@ -79,3 +79,27 @@ def test_refusals_name_the_node():
     graph, group = _gemm_group(torch.nn.Linear(12, 8).half(), torch.randn(4, 12, dtype=torch.float16))
     with pytest.raises(NotFusable, match=r"K = 12 is not a multiple of 8"):
         GEMM_EPILOGUE.match(graph, group)
+
+
+def test_row_major_outputs_store_through_a_tensor_map_and_staging_tiles():
+    from stof_cc.templates.group import OUTPUT_MAP
+
+    graph, group = _gemm_group(torch.nn.Linear(64, 200).half(), torch.randn(2, 5, 64, dtype=torch.float16))
+    problem = GEMM_EPILOGUE.match(graph, group)
+    assert problem.details["tma_store"]
+    for params in GEMM_EPILOGUE.space(problem):
+        rows = params["block_m"] if params["schedule"] == "pingpong" else 64  # a consumer warpgroup's rows
+        assert GEMM_EPILOGUE.tensor_maps(problem, params)[-1] == (OUTPUT_MAP, rows, 64)
+        ring = params["stages"] * (params["block_m"] + params["block_n"]) * 128
+        staging = (2 if params["schedule"] == "pingpong" else 1) * params["block_m"] * params["block_n"] * 2
+        assert GEMM_EPILOGUE.shared_bytes(problem, params) == ring + staging + 1024 <= 227 * 1024
+        assert "map_out" in GEMM_EPILOGUE.render(problem, params)
+    # the head split permutes rows of the output: stored element by element, no output map
+    _, _, graph, group = build(HeadSplit, "gemm", (2, 5, 128), torch.float16)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    assert not problem.details["tma_store"]
+    params = GEMM_EPILOGUE.default_params(problem)
+    assert len(GEMM_EPILOGUE.tensor_maps(problem, params)) == 2 and "map_out" not in GEMM_EPILOGUE.render(problem, params)
+    # N not a multiple of 8: rows are not 16-byte aligned
+    graph, group = _gemm_group(torch.nn.Linear(64, 36).half(), torch.randn(3, 64, dtype=torch.float16))
+    assert not GEMM_EPILOGUE.match(graph, group).details["tma_store"]

@@ -71,3 +71,19 @@ def test_persistent_gemm_walks_many_tiles_per_cta(ctas, dtype):
         got = launch(values)
         err = float((got.float() - want).norm() / want.norm())
         assert err < 1e-2, f"{params} on {ctas} CTA(s): relative error {err}"
+
+
+def test_gelu_is_accurate_to_fp32_precision():
+    """Generated GELU (gelu_erf: erf from Abramowitz & Stegun 7.1.28, not erff) against torch's
+    in float64 over [-10, 10] in fp32, where rounding to fp16/bf16 hides nothing."""
+    from stof_cc.ir.frontend import trace
+    from stof_cc.passes import canonicalize, partition
+    from stof_cc.templates.elementwise import ELEMENTWISE
+
+    x = torch.linspace(-10, 10, 1 << 20)
+    graph = canonicalize(trace(torch.nn.GELU(), (x,), {}))
+    (group,) = partition(graph).default.groups
+    problem = ELEMENTWISE.match(graph, group)
+    got = run_group(ELEMENTWISE, problem, ELEMENTWISE.default_params(problem), {graph.inputs[0].name: x.cuda()})
+    want = torch.nn.functional.gelu(x.double())
+    assert float((got.double().cpu() - want).abs().max()) < 1e-6

@@ -51,7 +51,7 @@ def _float(value: Any) -> str:
 def _gelu(node: Node, a: list[str]) -> str:
     if node.kwargs.get("approximate", "none") == "tanh":
         return f"0.5f * {a[0]} * (1.f + tanhf(0.7978845608f * ({a[0]} + 0.044715f * {a[0]} * {a[0]} * {a[0]})))"
-    return f"0.5f * {a[0]} * (1.f + erff({a[0]} * 0.7071067812f))"
+    return f"gelu_erf({a[0]})"  # group_common.j2's prelude
 
 
 def _add(node: Node, a: list[str]) -> str:

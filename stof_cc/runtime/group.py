@@ -9,7 +9,7 @@ import torch
 
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_2d
-from stof_cc.templates.group import GroupProblem, GroupTemplate
+from stof_cc.templates.group import OUTPUT_MAP, GroupProblem, GroupTemplate
 
 _kernels: dict[tuple[str, str], Kernel] = {}
 MAX_CACHED_MAPS = 16  # per launch; a key is an operand's address (shapes and strides are fixed per launch)
@@ -46,20 +46,21 @@ class GroupLaunch:
                                   f"this kernel's 16-byte accesses need ({self.params})")
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
         grid, threads, shared = self.geometry
-        self.kernel.launch(grid, threads, shared, *self.tensor_map_args(tensors), *(t.data_ptr() for t in tensors),
-                           out.data_ptr())
+        self.kernel.launch(grid, threads, shared, *self.tensor_map_args(tensors, out),
+                           *(t.data_ptr() for t in tensors), out.data_ptr())
         return out
 
-    def tensor_map_args(self, tensors: list[torch.Tensor]) -> list[bytes]:
-        """The tensor maps the kernel takes first, for these operand tensors (encoded once per
-        operand address)."""
+    def tensor_map_args(self, tensors: list[torch.Tensor], out: torch.Tensor) -> list[bytes]:
+        """The tensor maps the kernel takes first, for these operand tensors and output (encoded
+        once per tensor address)."""
         maps = []
         for index, box_rows, box_cols in self.maps:
-            key = (index, tensors[index].data_ptr())
+            tensor = out if index == OUTPUT_MAP else tensors[index]
+            key = (index, tensor.data_ptr())
             if key not in self._encoded:
                 if len(self._encoded) >= MAX_CACHED_MAPS:
                     self._encoded.clear()
-                self._encoded[key] = encode_2d(tensors[index], box_rows, box_cols)
+                self._encoded[key] = encode_2d(tensor, box_rows, box_cols)
             maps.append(self._encoded[key])
         return maps
 

@@ -6,7 +6,10 @@ warpgroup; A and W are read as contiguous row-major matrices through tensor maps
 encodes (`tensor_maps`). The kernel is persistent: one CTA per SM walks the output tiles, its
 producer running ahead into the next tile; under the ``pingpong`` schedule two consumer
 warpgroups take alternate tiles so one's epilogue (GELU is ~30 instructions per element) hides
-under the other's tensor-core work, under ``cooperative`` they share each tile.
+under the other's tensor-core work, under ``cooperative`` they share each tile. Row-major
+outputs (N a multiple of 8) leave through shared staging tiles and TMA bulk stores
+(``tma_store``): 16-byte-aligned full-sector writes issued by one thread, asynchronous to
+the next tile's mainloop, instead of 4-byte stores from every thread.
 
 Tried and taken out: clusters of two CTAs multicasting each W chunk (TMA ``.multicast::cluster``,
 consumers releasing buffers in both CTAs). Correct on the H100, but its best point was 0.87-0.96x
@@ -30,6 +33,7 @@ from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
+    OUTPUT_MAP,
     GroupProblem,
     GroupTemplate,
     c_type,
@@ -39,7 +43,7 @@ from stof_cc.templates.group import (
     output_problem,
 )
 from stof_cc.templates.registry import register_template
-from stof_cc.tune.cost_model import gemm_us, sm_count
+from stof_cc.tune.cost_model import epilogue_cost, gemm_us, sm_count
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
@@ -58,7 +62,7 @@ class GemmEpilogueTemplate(GroupTemplate):
     kinds = ("gemm",)
     arch_features = "a"
     capabilities = ((9, 0),)
-    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store")
+    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store", "tma_store")
 
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
         problem = output_problem(graph, group)
@@ -66,7 +70,10 @@ class GemmEpilogueTemplate(GroupTemplate):
         elementwise, layout = split_epilogue(graph, tail)
         problem.details = gemm_details(graph, group, anchor, elementwise)
         store_index, paired = _store_index(graph, anchor, layout)
-        problem.details |= {"store_index": store_index, "paired_store": paired}
+        # TMA stores the output where it stays row-major [M, N] with 16-byte rows
+        row_major = all(node.op != "transpose" for node in layout)
+        tma_store = row_major and problem.dtype in MMA_DTYPES and problem.details["n"] % 8 == 0
+        problem.details |= {"store_index": store_index, "paired_store": paired, "tma_store": tma_store}
         return problem
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -82,7 +89,7 @@ class GemmEpilogueTemplate(GroupTemplate):
                         # accumulators (a warpgroup's rows x block_n / 128 threads), addressing and the epilogue
                         registers = _rows_per_warpgroup(params) * block_n // 128 + 48
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
-                        if self._shared_bytes(params) <= SMEM_LIMIT and registers <= limit:
+                        if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
         return points
 
@@ -96,13 +103,19 @@ class GemmEpilogueTemplate(GroupTemplate):
         a_and_w = (d["m"] + d["n"]) * d["k"] * problem.dtype.itemsize
         epilogue = moved_bytes(problem) - a_and_w  # the output and the epilogue's operands
         return gemm_us(d["m"], d["n"], d["k"], params["block_m"], params["block_n"], params["stages"], epilogue,
-                       sm_count, pingpong=params["schedule"] == "pingpong")
+                       sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d["epilogue_ops"],
+                       tma_store=d["tma_store"])
 
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
         return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: TMA needs 16-byte addresses
 
     def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
-        return [(0, params["block_m"], 64), (1, params["block_n"], 64)]  # A and W: 64-column (128-byte) boxes
+        """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store): a
+        consumer warpgroup's rows."""
+        maps = [(0, params["block_m"], 64), (1, params["block_n"], 64)]
+        if problem.details["tma_store"]:
+            maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
+        return maps
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return f"stof_{problem.group.name}_gemm_{point_tag(params)}"
@@ -123,12 +136,16 @@ class GemmEpilogueTemplate(GroupTemplate):
         """Persistent: at most one CTA per SM (each walks tiles blockIdx.x + i gridDim.x)."""
         d = problem.details
         tiles = -(-d["n"] // params["block_n"]) * -(-d["m"] // params["block_m"])
-        return (min(tiles, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self._shared_bytes(params)
+        return (min(tiles, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
 
     @staticmethod
-    def _shared_bytes(params: dict[str, Any]) -> int:
-        """The ring of A and W chunks, plus 1024 to align it for the 128-byte swizzle."""
-        return params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2 + 1024
+    def shared_bytes(problem: GroupProblem, params: dict[str, Any]) -> int:
+        """The ring of A and W chunks, the TMA store's staging tiles (one per consumer
+        warpgroup: under ping-pong each holds a whole tile), plus 1024 to align them for the
+        128-byte swizzle."""
+        ring = params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2
+        staging = _consumer_warpgroups(params) * _rows_per_warpgroup(params) * params["block_n"] * 2
+        return ring + (staging if problem.details["tma_store"] else 0) + 1024
 
 
 def point_tag(params: dict[str, Any]) -> str:
@@ -174,7 +191,9 @@ def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: li
         operands.append(kernel_operand(graph, bias.name, "bias", "row"))
     operands += chain_operands(graph, group, chain)
     acc = "acc_v + LOAD_ROW(bias)" if isinstance(bias, Ref) else "acc_v"
+    ops = [graph.node(name).op for name in elementwise] + (["add"] if isinstance(bias, Ref) else [])
     return {"m": math.prod(x_spec.shape[:-1]), "n": w_spec.shape[0], "k": x_spec.shape[-1], "operands": operands,
+            "epilogue_ops": epilogue_cost(ops),
             "dtype": MMA_DTYPES[x_spec.dtype], "chain": " " * 12 + f"const float acc_b = {acc};\n" + chain.code(" " * 12),
             "result": chain.result}
 

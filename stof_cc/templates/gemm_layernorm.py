@@ -70,7 +70,7 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
             "norm": kind, "eps": f"{eps!r}f", "weight": "ln_weight" if weight is not None else "",
             "bias": "ln_bias" if bias is not None else "", "post_chain": post.code(" " * 12),
             "post_result": post.result, "post_ops": len(after), "store_index": " " * 12 + "long long out_index = (long long)row * N + col;",
-            "paired_store": details["n"] % 2 == 0}
+            "paired_store": details["n"] % 2 == 0, "tma_store": False}  # the norm's store loop writes directly
         return problem
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -89,7 +89,7 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
                     continue
                 for stages in STAGE_COUNTS:
                     params = {"schedule": "cooperative", "block_m": block_m, "block_n": block_n, "stages": stages}
-                    if self._shared_bytes(params) + 2 * block_m * 4 <= SMEM_LIMIT:
+                    if self.shared_bytes(problem, params) + 2 * block_m * 4 <= SMEM_LIMIT:
                         points.append(params)
         return points
 
@@ -109,7 +109,7 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
         """One tile per CTA (grid = row blocks x cluster, the cluster along x, set in the source)."""
         d = problem.details
         tiles = -(-d["m"] // params["block_m"]) * self._cluster(problem, params)
-        return (tiles, 1, 1), params["block_m"] // 64 * 128 + 128, self._shared_bytes(params)
+        return (tiles, 1, 1), params["block_m"] // 64 * 128 + 128, self.shared_bytes(problem, params)
 
     @staticmethod
     def _cluster(problem: GroupProblem, params: dict[str, Any]) -> int:

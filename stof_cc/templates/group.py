@@ -131,12 +131,16 @@ class GroupTemplate(KernelTemplate):
 
     def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
         """TMA tensor maps the kernel takes first, by value: (operand index, box rows, box
-        columns) each; the launcher encodes them from the operands' tensors (`tensor_map`)."""
+        columns) each, index `OUTPUT_MAP` for the output; the launcher encodes them from the
+        tensors (`tensor_map`)."""
         return []
 
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
         """The point used until the search (issue 6) measures: the space's last (widest)."""
         return self.space(problem)[-1]
+
+
+OUTPUT_MAP = -1  # `tensor_maps` index of the group's output tensor
 
 
 def kernel_operand(graph: Graph, ref: str, name: str, access: str) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """Spec of the `row_reduce` template (row_reduce.cu.j2): softmax, LayerNorm or RMSNorm over
 the last dimension, with the group's elementwise prologue (e.g. bias + residual) and
-epilogue fused; one CTA per row, the row held in registers (rows up to 32 x threads)."""
+epilogue fused; the row held in registers (at most MAX_ITEMS elements per thread), by one
+warp (several rows per CTA, warp-shuffle reductions only) or by a whole CTA (one row per CTA,
+CTA-wide reductions), with 16-byte vector loads and stores where every tensor it reads and
+writes has one item size and rows hold whole vectors."""
 
 from __future__ import annotations
 
@@ -22,9 +25,16 @@ from stof_cc.templates.group import (
     output_problem,
 )
 from stof_cc.templates.registry import register_template
-from stof_cc.tune.cost_model import row_reduce_us
+from stof_cc.tune.cost_model import (
+    ROW_CTA_VECTOR_RATE,
+    ROW_SCALAR_RATE,
+    ROW_WARP_VECTOR_RATE,
+    row_reduce_us,
+    sm_count,
+)
 
-THREAD_COUNTS = (128, 256, 512)
+THREAD_COUNTS = (128, 256, 512)  # the CTA layout: one row per CTA of this many threads
+WARP_ROWS = (4, 8)               # the warp layout: one row per warp, this many rows (warps) per CTA
 MAX_ITEMS = 32  # row elements per thread kept in registers
 
 
@@ -39,54 +49,95 @@ class RowReduceTemplate(GroupTemplate):
         reduction, source, weight, bias, eps = reduction_inputs(graph, anchor, problem.shape)
         position = group.nodes.index(anchor.name)
         before, after = list(group.nodes[:position]), list(group.nodes[position + 1:])
-        operands: list[dict[str, Any]] = []
 
+        # read before the reduction (the prologue, or the input itself) / after it (the norm's
+        # weight and bias, the epilogue): each loop of the kernel loads only its own operands
         if before:
             if source.name != before[-1]:
                 raise NotFusable(f"%{anchor.name}: its input %{source.name} is not the end of the group's prologue")
             prologue = Chain(graph, before, {}, problem.shape, operand_prefix="in")
-            operands += chain_operands(graph, group, prologue)
-            prologue_code, input_expr = prologue.code(" " * 12), prologue.result
+            prologue_operands = chain_operands(graph, group, prologue)
+            prologue_code, input_expr = prologue.code(" " * 16), prologue.result
         else:
-            operands.append(kernel_operand(graph, source.name, "x_in", "full"))
+            prologue_operands = [kernel_operand(graph, source.name, "x_in", "full")]
             prologue_code, input_expr = "", "LOAD_FULL(x_in)"
-        for ref, name in ((weight, "weight"), (bias, "bias")):
-            if ref is not None:
-                operands.append(kernel_operand(graph, ref.name, name, "row"))
+        epilogue_operands = [kernel_operand(graph, ref.name, name, "row")
+                             for ref, name in ((weight, "weight"), (bias, "bias")) if ref is not None]
         epilogue = Chain(graph, after, {anchor.name: "y"}, problem.shape, operand_prefix="ep")
-        operands += chain_operands(graph, group, epilogue)
-        problem.details = {"reduction": reduction, "eps": eps, "operands": operands,
+        epilogue_operands += chain_operands(graph, group, epilogue)
+        problem.details = {"reduction": reduction, "eps": eps, "operands": prologue_operands + epilogue_operands,
+                           "prologue_operands": prologue_operands, "epilogue_operands": epilogue_operands,
                            "weight": "weight" if weight is not None else "", "bias": "bias" if bias is not None else "",
                            "prologue": prologue_code, "input": input_expr,
-                           "epilogue": epilogue.code(" " * 12), "result": epilogue.result}
+                           "epilogue": epilogue.code(" " * 16), "result": epilogue.result}
         return problem
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
         return torch.nn.LayerNorm(64).half(), (torch.randn(4, 64, dtype=torch.float16),)
 
     def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
+        """Vector points first, then scalar ones; within each, the warp layout (rows of at most
+        32 x MAX_ITEMS elements) before the CTA layout (a CTA wider than 128 threads only where
+        every thread holds part of the row). Stage 1 breaks ties in this order."""
         row = problem.shape[-1]
-        return [{"threads": t} for t in THREAD_COUNTS
-                if -(-row // t) <= MAX_ITEMS and (t == THREAD_COUNTS[0] or t <= row)]
+        widest = self.vector_width(problem)
+        points = []
+        for vec in ((widest, 1) if widest > 1 and row % widest == 0 else (1,)):
+            vectors = row // vec
+            points += [{"row_threads": 32, "rows": rows, "vec": vec} for rows in WARP_ROWS
+                       if -(-vectors // 32) * vec <= MAX_ITEMS]
+            points += [{"row_threads": t, "rows": 1, "vec": vec} for t in THREAD_COUNTS
+                       if -(-vectors // t) * vec <= MAX_ITEMS and (t == THREAD_COUNTS[0] or t <= vectors)]
+        return points
+
+    @staticmethod
+    def vector_width(problem: GroupProblem) -> int:
+        """Elements per 16-byte vector when every tensor the kernel reads or writes (scalars
+        aside: they are read as p[0]) has the same item size, else 1."""
+        graph = problem.graph
+        specs = [graph.node(op["ref"]).spec for op in problem.details["operands"] if op["access"] != "scalar"]
+        widths = {spec.dtype.itemsize for spec in specs} | {problem.dtype.itemsize}
+        return 16 // widths.pop() if len(widths) == 1 else 1
 
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
-        """Bandwidth, or waves of one-row CTAs (occupancy by warps: 64 per SM, at most 32 CTAs)."""
-        ctas_per_sm = min(32, 64 // (params["threads"] // 32))
-        return row_reduce_us(moved_bytes(problem), math.prod(problem.shape[:-1]), ctas_per_sm, sm_count)
+        """Bandwidth at the layout's rate (`cost_model.ROW_*_RATE`), or waves of CTAs when rows
+        are few (occupancy by warps: 64 per SM, at most 32 CTAs)."""
+        warps = params["row_threads"] * params["rows"] // 32
+        rows_per_sm = min(32, 64 // warps) * params["rows"]
+        if params["vec"] == 1:
+            rate = ROW_SCALAR_RATE
+        else:
+            rate = ROW_WARP_VECTOR_RATE if params["row_threads"] == 32 else ROW_CTA_VECTOR_RATE
+        return row_reduce_us(moved_bytes(problem), math.prod(problem.shape[:-1]), rows_per_sm, sm_count, rate)
+
+    def default_params(self, problem: GroupProblem) -> dict[str, Any]:
+        """Stage 1's pick (the first point of the best estimate)."""
+        return min(self.space(problem), key=lambda params: self.estimate(problem, params, sm_count()))
+
+    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+        if params["vec"] == 1:
+            return []
+        return [op["ref"] for op in problem.details["operands"] if op["access"] != "scalar"]
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return f"stof_{problem.group.name}_row_reduce_{problem.details['reduction']}_t{params['threads']}"
+        return (f"stof_{problem.group.name}_row_reduce_{problem.details['reduction']}"
+                f"_t{params['row_threads']}x{params['rows']}_v{params['vec']}")
 
     def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         d, row = problem.details, problem.shape[-1]
+        vectors = row // params["vec"]
         return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
-                           row=row, items=-(-row // params["threads"]), out_type=c_type(problem.dtype, f"%{problem.output}"),
-                           eps=f"{d['eps']!r}f", **{k: d[k] for k in ("reduction", "operands", "weight", "bias",
-                                                                       "prologue", "input", "epilogue", "result")},
-                           **params)
+                                  row=row, m=math.prod(problem.shape[:-1]), items=-(-vectors // params["row_threads"]),
+                                  threads=params["row_threads"] * params["rows"],
+                                  out_type=c_type(problem.dtype, f"%{problem.output}"), eps=f"{d['eps']!r}f",
+                                  **{k: d[k] for k in ("reduction", "operands", "prologue_operands",
+                                                       "epilogue_operands", "weight", "bias", "prologue", "input",
+                                                       "epilogue", "result")},
+                                  **params)
 
     def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
-        return (math.prod(problem.shape[:-1]), 1, 1), params["threads"], 0
+        rows = math.prod(problem.shape[:-1])
+        return (-(-rows // params["rows"]), 1, 1), params["row_threads"] * params["rows"], 0
 
 
 def reduction_inputs(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[str, Ref, Ref | None, Ref | None, float]:
