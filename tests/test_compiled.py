@@ -3,6 +3,8 @@ the GPU the generated kernels against eager."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -224,3 +226,37 @@ def test_a_point_that_spills_registers_gives_way_to_one_that_does_not(norm_merge
     assert chosen != default and chosen in GEMM_LAYERNORM.space(problem)
     assert _spill_bytes(GEMM_LAYERNORM, problem, chosen, "sm_90") == 0
     assert "the default point spills registers" in note
+
+
+@pytest.mark.nvcc
+def test_compile_takes_a_merge_the_tuning_database_measured_faster(fake_gpu, example_path):
+    """Stage 2 over schemes, as compile sees it: where the database holds measured winners for a
+    merged GEMM + LayerNorm group and for both groups it replaces, the merge follows them."""
+    from stof_cc.codegen import NotFusable
+    from stof_cc.passes import partition, run_passes
+    from stof_cc.templates.group import group_templates
+    from stof_cc.tune.database import Device, TuningDatabase
+    from stof_cc.tune.model import group_signature
+
+    module, args, kwargs = load_factory(example_path("encoder_layer"))
+    graph = run_passes(trace(copy.deepcopy(module).half().eval(), tuple(a.half() for a in args), kwargs))
+    plan, database, device = partition(graph), TuningDatabase(), Device.current()
+
+    def record(group, micros):
+        for template in group_templates(group.kind):
+            try:
+                problem = template.match(graph, group)
+            except NotFusable:
+                continue
+            database.store(template, group_signature(graph, group), device, template.default_params(problem), micros)
+            return
+        raise AssertionError(f"no template for {group}")
+
+    assert "gemm_layernorm" not in stof_cc.compile(module, args, kwargs).explain()  # estimated: kept apart
+    for _, alternative in plan.alternatives:
+        record(next(g for g in alternative.groups if g not in plan.default.groups), 1.0)
+        for group in plan.default.groups:
+            if group not in alternative.groups:
+                record(group, 10.0)
+    explained = stof_cc.compile(module, args, kwargs).explain()
+    assert explained.count("gemm_layernorm") == 2 and explained.count("(tuned, 1.0 us)") == 2

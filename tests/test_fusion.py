@@ -95,6 +95,30 @@ def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generate
     assert choose_scheme(half, partition(half), (8, 0)).scheme.groups == partition(half).default.groups
 
 
+def test_measured_times_decide_a_merge_where_both_sides_were_measured():
+    """Stage 2 over schemes: with the tuning database's times for the merged group and for the
+    groups it replaces, the merge is decided by them; where a side has no record, by estimates."""
+    from stof_cc.tune.scheme import H100, choose_scheme
+
+    module, args, kwargs = load_factory("examples/encoder_layer.py:factory")
+    half = recognise_attention(canonicalize(trace(module.half(), tuple(a.half() for a in args), kwargs)))
+    plan = partition(half)
+    merged = {next(g for g in alt.groups if g not in plan.default.groups) for _, alt in plan.alternatives}
+    replaced = {g for _, alt in plan.alternatives for g in plan.default.groups if g not in alt.groups}
+
+    def times(merged_us):
+        return lambda group: merged_us if group in merged else 10.0 if group in replaced else None
+
+    plan = choose_scheme(half, plan, H100, measured=times(5.0))  # 5 us merged against 10 + 10 apart
+    assert all(": merged (5.0 us measured against 20.0 us apart)" in line for line in plan.choices)
+    assert len(plan.scheme.groups) == len(plan.default.groups) - 2
+    plan = choose_scheme(half, plan, H100, measured=times(25.0))
+    assert all("kept apart (25.0 us measured against 20.0)" in line for line in plan.choices)
+    assert plan.scheme.groups == plan.default.groups
+    plan = choose_scheme(half, plan, H100, measured=lambda group: 1.0 if group in merged else None)
+    assert all(" us estimated against " in line for line in plan.choices)  # the groups apart were never measured
+
+
 class _LayerNormTimesCumsum(torch.nn.Module):
     """The merged GEMM + LayerNorm group's trailing multiply reads a group (cumsum) whose node
     comes after the GEMM: ordering groups by their first node would run the merge too early."""

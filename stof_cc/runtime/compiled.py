@@ -39,7 +39,7 @@ from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import group_output, group_templates
 from stof_cc.tune.cost_model import sm_count
-from stof_cc.tune.database import TuningDatabase
+from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
 
 
@@ -152,15 +152,23 @@ class CompiledModule:
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
         graph = run_passes(trace(self.module, args, kwargs))
         graph.verify()
-        plan = choose_scheme(graph, partition(graph))
-        if self.build_dir is not None:
-            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
         gpu = self.use_gpu_kernels and _on_gpu((args, kwargs))
-        if self.tune and gpu and self.database is not None:
-            from stof_cc.tune.model import tune_model  # measures (or reuses records) on the GPU
+        plan = partition(graph)
+        if gpu and self.database is not None:
+            from stof_cc.tune.model import (  # imports this module: not at the top
+                measured_times,
+                tune_model,
+            )
 
-            tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask, progress=lambda _: None)
+            if self.tune:  # chooses the scheme by the measured times of both sides of each merge
+                tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask, progress=lambda _: None)
+            else:  # measured where an earlier tune recorded both sides, else estimated
+                choose_scheme(graph, plan, measured=measured_times(graph, self.database, Device.current()))
+        else:
+            choose_scheme(graph, plan)
+        if self.build_dir is not None:
+            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
         _load_kernels(steps)
         return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)

@@ -30,6 +30,7 @@ from stof_cc.runtime.tune_attention import tune_attention
 from stof_cc.templates.group import group_output, group_templates
 from stof_cc.tune.cost_model import sm_count
 from stof_cc.tune.database import Device, TuningDatabase
+from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
 
 INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2
@@ -44,21 +45,34 @@ def group_signature(graph: Graph, group: FusionGroup) -> str:
     return f"{group.kind} {ops} -> {graph.node(group_output(graph, group)).spec} <- {inputs}"
 
 
+def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Callable[[FusionGroup], float | None]:
+    """A group's measured best time in ``database`` (the fastest of its templates' records) or
+    None: what `choose_scheme` decides merges by once both sides were tuned."""
+    def measured(group: FusionGroup) -> float | None:
+        times = [record.micros for template in group_templates(group.kind)
+                 if (record := database.lookup(template, group_signature(graph, group), device)) is not None]
+        return min(times) if times else None
+    return measured
+
+
 def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
                example_kwargs: dict[str, Any] | None = None, *, database: TuningDatabase,
                mask: MaskDescription | None = None,
                top_k: int = DEFAULT_TOP_K, progress: Callable[[str], None] = print) -> list[SearchReport]:
-    """Search every group that has a template; returns one report per tuned group."""
+    """Search every group that has a template, in every scheme the plan offers (both sides of
+    each alternative merge), then choose the scheme again by the measured times (``plan`` is
+    updated); returns one report per tuned group."""
     if not torch.cuda.is_available():
         raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
-    needed = {r.name for g in plan.scheme.groups for n in g.nodes for r in graph.node(n).refs()}
-    needed |= {group_output(graph, g) for g in plan.scheme.groups if _has_single_output(graph, g)}
+    groups = list(dict.fromkeys([*plan.default.groups, *(g for _, s in plan.alternatives for g in s.groups)]))
+    needed = {r.name for g in groups for n in g.nodes for r in graph.node(n).refs()}
+    needed |= {group_output(graph, g) for g in groups if _has_single_output(graph, g)}
     inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in example_inputs)
     kwargs = {k: t.cuda() if isinstance(t, torch.Tensor) else t for k, t in (example_kwargs or {}).items()}
     values = interpret_values(graph, needed, *inputs, **kwargs)
     device = Device.current()
     reports = []
-    for group in plan.scheme.groups:
+    for group in groups:
         if group.kind == "attention":
             report = _tune_attention_group(graph, group, values, database, top_k, progress, mask)
         else:
@@ -66,6 +80,9 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
         if report is not None:
             progress(str(report))
             reports.append(report)
+    choose_scheme(graph, plan, measured=measured_times(graph, database, device))
+    for line in plan.choices:
+        progress(f"scheme: {line}")
     return reports
 
 
