@@ -12,6 +12,7 @@ passes) register a ``reference`` callable instead.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,8 +97,10 @@ def pattern_kind(op: str) -> str:
     return get_op(op).kind
 
 
+@functools.cache
 def resolve_target(target: str) -> Callable[..., Any]:
-    """The callable behind a target string: ``aten.x.overload`` or ``operator.name``."""
+    """The callable behind a target string: ``aten.x.overload`` or ``operator.name`` (cached: a
+    compiled model resolves its torch steps' targets on every call)."""
     namespace, _, rest = target.partition(".")
     try:
         if namespace == "operator":

@@ -37,7 +37,7 @@ from stof_cc.masks import MaskDescription, causal, from_padding
 from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
-from stof_cc.templates.group import group_output, group_templates
+from stof_cc.templates.group import group_templates
 from stof_cc.tune.cost_model import sm_count
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
@@ -220,7 +220,7 @@ class CompiledModule:
     # -- running ----------------------------------------------------------------------------------
     def _run(self, graph: Graph, step: Step, env: dict[str, Any], device: torch.device) -> None:
         if step.kind == "kernel":
-            env[group_output(graph, step.group)] = step.launch(env)
+            env[step.kernel[1].output] = step.launch(env)  # the problem's output: found once, at compile
             return
         for name in step.group.nodes:
             node = graph.node(name)
