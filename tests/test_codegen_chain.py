@@ -135,3 +135,23 @@ def test_unsupported_nodes_are_refused_by_name():
     graph, group = _group(Outer(), x, torch.randn(SHAPE[0], 1, 1))
     with pytest.raises(NotFusable, match=r"%col of shape \(3, 1, 1\) broadcasts to .*only full, row and scalar"):
         ELEMENTWISE.match(graph, group)
+
+
+@pytest.mark.nvcc
+def test_gelu_erf_keeps_nan_and_infinity(tmp_path: Path):
+    environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)))
+    prelude = environment.from_string('{% import "group_common.j2" as c %}{{ c.prelude() }}').render()
+    source = tmp_path / "gelu.cu"
+    source.write_text(prelude + """
+#include <cstdio>
+int main() {
+    const float xs[] = {NAN, INFINITY, 0.f, 1.f, -1.f, 3.f, -3.f};
+    for (float x : xs) std::printf("%.9g\\n", (double)gelu_erf(x));
+}
+""")
+    subprocess.run(["nvcc", "-o", str(tmp_path / "gelu"), str(source)], check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "gelu")], check=True, capture_output=True, text=True).stdout.split()
+    got = torch.tensor([float(v) for v in out])
+    assert got[0].isnan() and got[1] == float("inf")
+    want = torch.nn.functional.gelu(torch.tensor([0.0, 1.0, -1.0, 3.0, -3.0], dtype=torch.float64))
+    assert float((got[2:].double() - want).abs().max()) < 1e-6

@@ -103,3 +103,30 @@ def test_row_major_outputs_store_through_a_tensor_map_and_staging_tiles():
     # N not a multiple of 8: rows are not 16-byte aligned
     graph, group = _gemm_group(torch.nn.Linear(64, 36).half(), torch.randn(3, 64, dtype=torch.float16))
     assert not GEMM_EPILOGUE.match(graph, group).details["tma_store"]
+
+
+def test_tma_store_only_where_the_output_keeps_n_as_its_last_dimension_and_stages_in_its_dtype():
+    class ViewSplitsN(torch.nn.Module):  # [.., 768] -> [.., 3, 4, 64]: the output map would misplace boxes
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 768)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).view(2, 5, 3, 4, 64)
+
+    graph, group = _gemm_group(ViewSplitsN().half(), torch.randn(2, 5, 64, dtype=torch.float16))
+    assert not GEMM_EPILOGUE.match(graph, group).details["tma_store"]
+
+    class CastToBf16(torch.nn.Module):  # fp16 products, bf16 output: staged as bf16 pairs
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 128)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x).to(torch.bfloat16)
+
+    graph, group = _gemm_group(CastToBf16().half(), torch.randn(2, 5, 64, dtype=torch.float16))
+    problem = GEMM_EPILOGUE.match(graph, group)
+    source = GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
+    assert problem.details["tma_store"] and "__floats2bfloat162_rn(a, b)" in source
+    assert "const __half2 v" not in source

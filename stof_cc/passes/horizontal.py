@@ -7,9 +7,12 @@ node keeps the first sibling's place; each original node becomes ``getitem(split
 under its own name, so its users do not change, and the split's outputs are views of the
 merged result (the attention kernels read such strided Q/K/V without copies).
 
-Only linears whose weight (and bias, all or none) are constants of one dtype and whose
-arguments are positional merge; the concatenated weight and bias are new constants and the
-old ones drop out when nothing else reads them. Run after `canonicalize`.
+Only linears whose weight (and bias, all or none) are constants of one dtype, read by nothing
+else (a tied weight would be copied), and whose arguments are positional merge; and only
+linears whose every user is a layout op (view, transpose...) and that are not graph outputs:
+a linear followed by elementwise work keeps that work fused into its own GEMM's epilogue (a
+split ends a GEMM epilogue), and a graph output stays a tensor of its own. The concatenated
+weight and bias are new constants; the old ones drop out. Run after `canonicalize`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 
 from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec
 from stof_cc.passes.canonicalize import remove_dead_nodes
+
+LAYOUT_USERS = ("view", "transpose", "contiguous", "unsqueeze", "squeeze")  # users that keep no work to fuse
 
 
 @dataclass
@@ -32,7 +37,7 @@ class HorizontalReport:
         if not self.merged:
             return "horizontal: no sibling linears"
         parts = [f"%{name} = {' + '.join('%' + s for s in siblings)}" for name, siblings in self.merged.items()]
-        return f"horizontal: {len(self.merged)} merges ({'; '.join(parts)})"
+        return f"horizontal: {len(self.merged)} merge{'s' if len(self.merged) > 1 else ''} ({'; '.join(parts)})"
 
 
 def merge_parallel_linears(graph: Graph, report: HorizontalReport | None = None) -> Graph:
@@ -71,7 +76,10 @@ def _merge_key(graph: Graph, node: Node) -> tuple | None:
     source, weight, *rest = node.args
     bias = rest[0] if rest else None
     params = [weight] + ([bias] if bias is not None else [])
-    if not isinstance(source, Ref) or not all(isinstance(p, Ref) and graph.node(p.name).op == CONSTANT for p in params):
+    if not isinstance(source, Ref) or not all(isinstance(p, Ref) and graph.node(p.name).op == CONSTANT
+                                              and len(graph.users(p.name)) == 1 for p in params):
+        return None
+    if graph.is_output(node.name) or not all(user.op in LAYOUT_USERS for user in graph.users(node.name)):
         return None
     w = graph.constants[weight.name]
     if w.dim() != 2 or (bias is not None and graph.constants[bias.name].dim() != 1):

@@ -70,8 +70,9 @@ class GemmEpilogueTemplate(GroupTemplate):
         elementwise, layout = split_epilogue(graph, tail)
         problem.details = gemm_details(graph, group, anchor, elementwise)
         store_index, paired = _store_index(graph, anchor, layout)
-        # TMA stores the output where it stays row-major [M, N] with 16-byte rows
-        row_major = all(node.op != "transpose" for node in layout)
+        # TMA stores the output where it stays row-major [..., N] with 16-byte rows (the launcher
+        # encodes the output's map over its last dimension: a view that splits N cannot use it)
+        row_major = all(node.op != "transpose" for node in layout) and problem.shape[-1] == problem.details["n"]
         tma_store = row_major and problem.dtype in MMA_DTYPES and problem.details["n"] % 8 == 0
         problem.details |= {"store_index": store_index, "paired_store": paired, "tma_store": tma_store}
         return problem
