@@ -87,3 +87,48 @@ def test_gelu_is_accurate_to_fp32_precision():
     got = run_group(ELEMENTWISE, problem, ELEMENTWISE.default_params(problem), {graph.inputs[0].name: x.cuda()})
     want = torch.nn.functional.gelu(x.double())
     assert float((got.double().cpu() - want).abs().max()) < 1e-6
+
+
+class _CastToBf16(torch.nn.Module):
+    """fp16 products, a bf16 output: TMA-stored, staged in the output's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(264, 528)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.fc(x)).to(torch.bfloat16)
+
+
+class _ViewSplitsN(torch.nn.Module):
+    """A view that splits N ([.., 768] -> [.., 3, 4, 64]): stored directly, not through the output map."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(264, 768)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x).view(3, 111, 3, 4, 64)
+
+
+@pytest.mark.parametrize("module_type", [_CastToBf16, _ViewSplitsN])
+def test_gemm_output_layouts_and_dtypes(module_type):
+    from stof_cc.ir.frontend import trace
+    from stof_cc.passes import canonicalize, partition
+    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+
+    if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
+        pytest.skip("gemm_epilogue needs sm_90")
+    module, x = module_type().half(), torch.randn(3, 111, 264, dtype=torch.float16)
+    graph = canonicalize(trace(module, (x,), {}))
+    (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
+    problem = GEMM_EPILOGUE.match(graph, group)
+    values = {graph.inputs[0].name: x.cuda()} | {name: t.cuda() for name, t in graph.constants.items()}
+    want = module.float()(x.float()).float().cuda()
+    points = GEMM_EPILOGUE.space(problem)
+    precompile(GEMM_EPILOGUE, problem, points)
+    for params in points:
+        got = run_group(GEMM_EPILOGUE, problem, params, values)
+        err = float((got.float() - want).norm() / want.norm())
+        assert got.dtype == problem.dtype  # bf16 for the cast, fp16 for the view
+        assert err < 1e-2, f"{module_type.__name__} {params}: relative error {err}"
