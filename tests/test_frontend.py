@@ -122,3 +122,33 @@ def test_interpret_on_gpu_matches_eager(name, example_path):
     for e, g in zip(_tensors(expected), _tensors(got), strict=True):
         assert g.device.type == "cuda"
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prepared_node_reads_env_and_keeps_constants_where_they_are():
+    """node_runner (the compiled model's torch steps): the same values as evaluate_node, a
+    constant taken from env when there (no copy per call), Refs inside lists (cat) resolved."""
+    from stof_cc.ir.graph import Ref
+    from stof_cc.ir.interpret import evaluate_node, node_runner
+
+    class CatAdd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x + self.w], dim=0).view(2, 12)
+
+    x = torch.randn(4, 3)
+    graph = trace(CatAdd(), (x,))
+    env = {graph.inputs[0].name: x} | dict(graph.constants)
+    cpu = torch.device("cpu")
+    for node in graph.nodes():
+        if node.op == "input":
+            continue
+        got = node_runner(graph, node, cpu)(env)
+        assert torch.equal(got, evaluate_node(graph, node, env, cpu))
+        if node.op == "constant":
+            assert got is graph.constants[node.name]  # read from env, not copied
+        env[node.name] = got
+    (out,) = (env[r.name] for r in graph.outputs if isinstance(r, Ref))
+    assert torch.equal(out, interpret(graph, x)) and any(n.op == "cat" for n in graph.nodes())

@@ -7,13 +7,23 @@ use, so a large model interprets in the memory eager mode would need.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, Ref, TensorSpec, map_refs
+from stof_cc.ir.graph import (
+    CONSTANT,
+    INPUT,
+    Graph,
+    GraphError,
+    Node,
+    Ref,
+    TensorSpec,
+    iter_refs,
+    map_refs,
+)
 from stof_cc.ir.ops import reference_of
 
 
@@ -58,21 +68,51 @@ def bind_inputs(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 def evaluate_node(graph: Graph, node: Node, env: dict[str, Any], device: torch.device) -> Any:
     """The value of one node from its inputs in ``env``, by its torch reference; constants and
     device literals baked in at trace time follow ``device``."""
-    if node.op == CONSTANT:
-        return graph.constants[node.name].to(device)
+    return node_runner(graph, node, device)(env)
 
-    def lookup(ref: Ref) -> Any:
-        return env[ref.name]
+
+def node_runner(graph: Graph, node: Node, device: torch.device) -> Callable[[dict[str, Any]], Any]:
+    """`evaluate_node` prepared once for repeated calls: the torch callable resolved, device
+    literals retargeted and the argument positions that read ``env`` found up front (a compiled
+    model's torch steps run every call; re-walking the arguments cost most of its host time).
+    A constant is read from ``env`` when there (a compiled model keeps them on the device)."""
+    if node.op == CONSTANT:
+        def constant(env: dict[str, Any]) -> Any:
+            return env[node.name] if node.name in env else graph.constants[node.name].to(device)
+        return constant
+    fn = reference_of(node)
 
     def retarget(value: Any) -> Any:
         return device if isinstance(value, torch.device) else value
 
-    call_args = [retarget(a) for a in map_refs(node.args, lookup)]
-    call_kwargs = {k: retarget(v) for k, v in map_refs(node.kwargs, lookup).items()}
-    try:
-        return reference_of(node)(*call_args, **call_kwargs)
-    except Exception as exc:
-        raise GraphError(f"node %{node.name} ({node.op}, {node.target}) failed: {exc}") from exc
+    args = [retarget(a) for a in node.args]
+    kwargs = {k: retarget(v) for k, v in node.kwargs.items()}
+    if all(isinstance(v, Ref) or next(iter_refs(v), None) is None for v in (*args, *kwargs.values())):
+        arg_slots = [(i, a.name) for i, a in enumerate(args) if isinstance(a, Ref)]
+        kwarg_slots = [(k, v.name) for k, v in kwargs.items() if isinstance(v, Ref)]
+
+        def bind(env: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for i, name in arg_slots:
+                call_args[i] = retarget(env[name])
+            for k, name in kwarg_slots:
+                call_kwargs[k] = retarget(env[name])
+            return call_args, call_kwargs
+    else:  # Refs inside lists (cat, stack): walk the arguments per call
+        def bind(env: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+            def lookup(ref: Ref) -> Any:
+                return env[ref.name]
+
+            return ([retarget(a) for a in map_refs(node.args, lookup)],
+                    {k: retarget(v) for k, v in map_refs(node.kwargs, lookup).items()})
+
+    def run(env: dict[str, Any]) -> Any:
+        call_args, call_kwargs = bind(env)
+        try:
+            return fn(*call_args, **call_kwargs)
+        except Exception as exc:
+            raise GraphError(f"node %{node.name} ({node.op}, {node.target}) failed: {exc}") from exc
+    return run
 
 
 def _evaluate(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device | str | None,

@@ -32,7 +32,7 @@ from stof_cc.codegen.build import attention_kernel, build_groups
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import Graph, Ref
-from stof_cc.ir.interpret import bind_inputs, evaluate_node
+from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.masks import MaskDescription, causal, from_padding
 from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
@@ -52,6 +52,7 @@ class Step:
     tuned: bool = False  # kernel steps: params are a measured winner (else stage 1's default point)
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps
+    runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
 
 
 @dataclass
@@ -223,11 +224,12 @@ class CompiledModule:
             env[step.kernel[1].output] = step.launch(env)  # the problem's output: found once, at compile
             return
         for name in step.group.nodes:
-            node = graph.node(name)
             if step.kind == "attention" and name == step.group.anchor:
-                env[name] = self._attention(node, env, step.mask)
-            else:
-                env[name] = evaluate_node(graph, node, env, device)
+                env[name] = self._attention(graph.node(name), env, step.mask)
+                continue
+            if (name, device) not in step.runners:  # prepared once per device, then reused every call
+                step.runners[name, device] = node_runner(graph, graph.node(name), device)
+            env[name] = step.runners[name, device](env)
 
     def _attention(self, node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
         from stof_cc.runtime.attention import attention
