@@ -53,8 +53,8 @@ def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | 
     for label, alternative in plan.alternatives:
         merged = next(g for g in alternative.groups if g not in plan.default.groups)
         replaced = [g for g in plan.default.groups if g not in alternative.groups]
-        times = [measured(g) for g in (merged, *replaced)] if measured is not None else [None]
-        if all(t is not None for t in times):
+        times = [measured(g) for g in (merged, *replaced)] if measured is not None else []
+        if times and None not in times:
             how, fused_us, apart_us = "measured", times[0], sum(times[1:])
         else:
             how = "estimated"
