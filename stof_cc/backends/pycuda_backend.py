@@ -64,6 +64,7 @@ class Kernel:
     arg_format: str = ""
     _max_dynamic_smem: int = 48 * 1024
     _on_streams: DriverKernel | None = None  # the same kernel for launches off the default stream
+    waits_for_producers: bool = False  # may be launched with PDL (see `stream_launch`)
 
     @property
     def by_value_structs(self) -> bool:
@@ -76,7 +77,8 @@ class Kernel:
         stream = _current_raw_stream()
         if stream != 0 or self.by_value_structs:
             if self._on_streams is None:
-                self._on_streams = DriverKernel(self.cubin, self.name, self.arg_format)
+                self._on_streams = DriverKernel(self.cubin, self.name, self.arg_format,
+                                                waits_for_producers=self.waits_for_producers)
             self._on_streams.launch(grid, threads, shared_bytes, stream, *args)
             return
         if shared_bytes > self._max_dynamic_smem:
@@ -87,9 +89,13 @@ class Kernel:
 
 
 def load_kernel(source: str, name: str, arg_format: str, source_path: Path | None = None,
-                arch_features: str = "") -> Kernel:
+                arch_features: str = "", waits_for_producers: bool = False) -> Kernel:
     """Compile (or fetch from the cache) and load kernel ``name`` from ``source``,
-    prepared for ``arg_format``; ``arch_features="a"`` targets e.g. sm_90a."""
+    prepared for ``arg_format``; ``arch_features="a"`` targets e.g. sm_90a.
+    ``waits_for_producers``: the source waits for the grids before it (``griddepcontrol.wait``,
+    the templates' ``wait_for_producer_grids()``) before touching global memory, so its driver-API
+    launches (off the default stream, or with tensor maps) may use programmatic dependent launch
+    (sm_90 and newer only; PyCUDA's launches on the default stream never do)."""
     if not torch.cuda.is_available():
         raise BackendError("no CUDA device visible to torch")
     torch.cuda.init()
@@ -97,6 +103,7 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
     kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
     kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
+    kernel.waits_for_producers = waits_for_producers and torch.cuda.get_device_capability() >= (9, 0)
     if not kernel.by_value_structs:
         kernel._function.prepare(arg_format)
     return kernel

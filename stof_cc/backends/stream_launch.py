@@ -8,16 +8,47 @@ torch's current stream is a capture stream, and kernels taking by-value blobs (T
 passing one pointer per parameter (``kernelParams``): the driver then places each parameter at
 the offset the cubin records, whatever padding the parameters' alignments need. Format codes as in the PyCUDA path (P, i, q, f), plus
 ``128s`` for a by-value 128-byte blob (a TMA tensor map).
+
+Programmatic dependent launch (PDL, sm_90+): a kernel whose source waits for the grids before
+it (``griddepcontrol.wait``) before it touches global memory may be launched with
+``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` through ``cuLaunchKernelEx``. The GPU
+then starts its CTAs (barrier set-up, tensor-map fetch) while the kernel before it drains,
+instead of after; under CUDA graph capture the edge becomes a programmatic one. Only kernels
+that declare the wait are launched so (a kernel that did not wait could read its producer's
+output early); ``STOF_CC_PDL=0`` or `dependent_launches(False)` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import os
 import re
+from collections.abc import Iterator
 
 FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 DEFAULT_DYNAMIC_SHARED = 48 * 1024
+LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+
+_dependent_launches = os.environ.get("STOF_CC_PDL", "1") != "0"
+
+
+def dependent_launches_enabled() -> bool:
+    """Whether kernels that wait for their producer grids are launched programmatically (PDL)."""
+    return _dependent_launches
+
+
+@contextlib.contextmanager
+def dependent_launches(enabled: bool) -> Iterator[None]:
+    """Launch (or capture) with programmatic dependent launch on or off inside the block: the
+    benchmarks time both; a CUDA graph keeps what was in force when it was captured."""
+    global _dependent_launches
+    before, _dependent_launches = _dependent_launches, enabled
+    try:
+        yield
+    finally:
+        _dependent_launches = before
 
 
 class DriverError(RuntimeError):
@@ -27,8 +58,8 @@ class DriverError(RuntimeError):
 @functools.cache
 def _libcuda():
     lib = ctypes.CDLL("libcuda.so.1")
-    for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel", "cuFuncSetAttribute",
-                 "cuGetErrorString", "cuTensorMapEncodeTiled"):
+    for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuLaunchKernel", "cuLaunchKernelEx",
+                 "cuFuncSetAttribute", "cuGetErrorString", "cuTensorMapEncodeTiled"):
         getattr(lib, name).restype = ctypes.c_int
     return lib
 
@@ -72,10 +103,32 @@ class ParameterBlock:
         return self.pointers
 
 
-class DriverKernel:
-    """One kernel of a cubin, launchable on any stream."""
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
 
-    def __init__(self, cubin: bytes, name: str, arg_format: str, lib=None) -> None:
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h): grid, block, dynamic shared memory, stream, attributes."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def _programmatic_attribute() -> LaunchAttribute:
+    attribute = LaunchAttribute(id=LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    ctypes.memmove(attribute.value, ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
+    return attribute
+
+
+class DriverKernel:
+    """One kernel of a cubin, launchable on any stream; ``waits_for_producers``: the source calls
+    ``griddepcontrol.wait`` before any global memory access, so it may be launched with PDL."""
+
+    def __init__(self, cubin: bytes, name: str, arg_format: str, lib=None, waits_for_producers: bool = False) -> None:
         self.lib = lib or _libcuda()
         self.name, self.arg_format = name, arg_format
         self._image = ctypes.create_string_buffer(cubin, len(cubin))  # alive as long as the module
@@ -85,11 +138,22 @@ class DriverKernel:
                f"cuModuleGetFunction({name})", self.lib)
         self._max_dynamic_shared = DEFAULT_DYNAMIC_SHARED
         self._parameters = ParameterBlock(arg_format)
+        self.waits_for_producers = waits_for_producers
+        self._attribute = _programmatic_attribute()
+        self._config = LaunchConfig(block_y=1, block_z=1, attrs=ctypes.pointer(self._attribute), num_attrs=1)
 
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, stream: int, *args: object) -> None:
         if shared_bytes > self._max_dynamic_shared:
             _check(self.lib.cuFuncSetAttribute(self.function, FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                shared_bytes), "cuFuncSetAttribute", self.lib)
             self._max_dynamic_shared = shared_bytes
+        parameters = self._parameters.fill(args)
+        if self.waits_for_producers and _dependent_launches:
+            config = self._config
+            config.grid_x, config.grid_y, config.grid_z = grid
+            config.block_x, config.shared_bytes, config.stream = threads, shared_bytes, stream
+            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.function, parameters, None),
+                   f"cuLaunchKernelEx({self.name}, programmatic)", self.lib)
+            return
         _check(self.lib.cuLaunchKernel(self.function, *grid, threads, 1, 1, shared_bytes, ctypes.c_void_p(stream),
-                                       self._parameters.fill(args), None), f"cuLaunchKernel({self.name})", self.lib)
+                                       parameters, None), f"cuLaunchKernel({self.name})", self.lib)

@@ -296,7 +296,8 @@ def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params:
     key = (template.name, problem.dtype, problem.head_dim, tuple(sorted(params.items())))
     if key not in _kernels:
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
-                                    template.arg_format, arch_features=template.arch_features)
+                                    template.arg_format, arch_features=template.arch_features,
+                                    waits_for_producers=template.waits_for_producers)
     return _kernels[key]
 
 

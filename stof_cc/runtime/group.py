@@ -29,7 +29,8 @@ class GroupLaunch:
         self.maps = template.tensor_maps(problem, params)
         arg_format = TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.details["operands"]) + 1)
         if (name, source) not in _kernels:
-            _kernels[(name, source)] = load_kernel(source, name, arg_format, arch_features=template.arch_features)
+            _kernels[(name, source)] = load_kernel(source, name, arg_format, arch_features=template.arch_features,
+                                                   waits_for_producers=template.waits_for_producers)
         self.kernel = _kernels[(name, source)]
         self.geometry = template.launch(problem, params)
         self.aligned = set(template.aligned_operands(problem, params))

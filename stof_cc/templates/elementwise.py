@@ -29,6 +29,7 @@ THREAD_COUNTS = (128, 256)
 class ElementwiseTemplate(GroupTemplate):
     name = "elementwise"
     source_file = "elementwise.cu.j2"
+    waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("elementwise",)
 
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:

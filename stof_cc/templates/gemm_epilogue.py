@@ -59,6 +59,7 @@ MMA_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 class GemmEpilogueTemplate(GroupTemplate):
     name = "gemm_epilogue"
     source_file = "gemm_epilogue.cu.j2"
+    waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("gemm",)
     arch_features = "a"
     capabilities = ((9, 0),)

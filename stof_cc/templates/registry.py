@@ -44,6 +44,11 @@ class KernelTemplate(ABC):
     arch_features: str = ""  # "a" for sources that need the arch-specific target (sm_90a)
     min_capability: tuple[int, int] = (0, 0)  # oldest compute capability it compiles for
     capabilities: tuple[tuple[int, int], ...] | None = None  # exactly these, when arch-specific
+    # The source calls wait_for_producer_grids() (dependent_launch.j2) in every thread before its first
+    # global memory access, so its kernels may be launched with programmatic dependent launch and start
+    # while the kernel before them drains. Leave False unless the source really does: a PDL launch of a
+    # kernel that does not wait reads its inputs before they are written.
+    waits_for_producers: bool = False
 
     def render_source(self, **context: Any) -> str:
         """``source_file`` rendered with ``context`` (the specs' `render` calls this)."""

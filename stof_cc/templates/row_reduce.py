@@ -41,6 +41,7 @@ MAX_ITEMS = 32  # row elements per thread kept in registers
 class RowReduceTemplate(GroupTemplate):
     name = "row_reduce"
     source_file = "row_reduce.cu.j2"
+    waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("reduction",)
 
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
