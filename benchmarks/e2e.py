@@ -75,7 +75,7 @@ def kernel_breakdown(fn, calls: int = 5, top: int = 18) -> list[tuple[str, float
     return rows
 
 
-def run_row(name: str, seq: int, profile: bool = False) -> dict:
+def run_row(name: str, seq: int, profile: bool = False, with_peers: bool = True) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
 
     torch._dynamo.config.cache_size_limit = 1000
@@ -91,8 +91,8 @@ def run_row(name: str, seq: int, profile: bool = False) -> dict:
     block_mask = create_block_mask(desc.mask_mod_for(seq, seq, batch, 12), None, None, seq, seq, device="cuda")
     flex = SparseBert(attention="flex", block_mask=block_mask).cuda().half().eval()
     flex.load_state_dict(model.state_dict())
-    peers = {"eager": lambda: model(x, dense)}
-    for mode in ("default", "reduce-overhead"):
+    peers = {"eager": lambda: model(x, dense)} if with_peers else {}
+    for mode in ("default", "reduce-overhead") if with_peers else ():
         for label, module in (("compiled", model), ("flex", flex)):
             compiled_module = torch.compile(module, mode=mode)
             peers[f"{label}_{mode}"] = lambda m=compiled_module: m(x, dense)
@@ -134,8 +134,9 @@ def run_row(name: str, seq: int, profile: bool = False) -> dict:
         if profile:  # where the time goes: stof's kernels beside FlexAttention's (same kernels as their graphed modes)
             print(f"  {name} S={seq} kernels, stof-cc:")
             kernel_breakdown(plain)
-            print(f"  {name} S={seq} kernels, flex (torch.compile default):")
-            kernel_breakdown(peers["flex_default"])
+            if with_peers:
+                print(f"  {name} S={seq} kernels, flex (torch.compile default):")
+                kernel_breakdown(peers["flex_default"])
     correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
     row["best_peer_ms"] = min(correct) if correct else math.inf
     row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < TOLERANCE else 0.0
@@ -149,16 +150,19 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--append", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel (stof-cc and flex)")
+    parser.add_argument("--no-peers", action="store_true", help="time stof-cc alone (no speedup; for profiling)")
     args = parser.parse_args()
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for name in args.masks.split(","):
-            rows.append(run_row(name, seq, args.profile))
+            rows.append(run_row(name, seq, args.profile, with_peers=not args.no_peers))
             print(f"{name} S={seq}: stof {rows[-1]['stof_ms']:.3f} ms, best peer {rows[-1]['best_peer_ms']:.3f} ms "
                   f"-> {rows[-1]['speedup']:.2f}x", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     names = list(rows[0]["peers"])
+    if not names:
+        return
     lines = [f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              "| mask | S | stof ms (plain / CUDA graphs / graphs without PDL) | " + " | ".join(f"{n} ms" for n in names)
              + " | speedup | compile s (cold / warm) |",
