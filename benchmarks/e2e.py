@@ -8,7 +8,9 @@ grid, S in {512, 2048}, 4096 tokens per call (S = 512: B = 8; S = 2048: B = 2). 
 this process on the same random inputs: eager PyTorch with SDPA and the boolean mask;
 `torch.compile` of it (default, and mode="reduce-overhead"); the same model with FlexAttention
 and the mask's block mask, compiled (both modes). stof-cc: `stof_cc.compile(model, inputs,
-mask=<description>)`, timed with CUDA graphs (the default) and with ``cuda_graphs=False``
+mask=<description>, tune=True)` (stage 2 measures each group's top 8 and the attention
+kernel on the model's own layouts; the database starts empty unless ``--db`` names one), timed with
+CUDA graphs (the default) and with ``cuda_graphs=False``
 (the faster counts, as the peers' best mode does), and with CUDA graphs captured without programmatic dependent
 launch (``no PDL``: every kernel waits for the one before it to finish before it starts; reported, not counted);
 its compile time is reported apart (cold: empty compile caches are not
@@ -24,6 +26,7 @@ import datetime
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,7 +78,7 @@ def kernel_breakdown(fn, calls: int = 5, top: int = 18) -> list[tuple[str, float
     return rows
 
 
-def run_row(name: str, seq: int, profile: bool = False, with_peers: bool = True) -> dict:
+def run_row(name: str, seq: int, database: Path, profile: bool = False, with_peers: bool = True) -> dict:
     from torch.nn.attention.flex_attention import create_block_mask
 
     torch._dynamo.config.cache_size_limit = 1000
@@ -107,22 +110,22 @@ def run_row(name: str, seq: int, profile: bool = False, with_peers: bool = True)
             print(f"  {name} S={seq} {label}: {row['peers'][label]['ms']:.3f} ms, error "
                   f"{row['peers'][label]['err']:.1e}", flush=True)
 
-        started = time.perf_counter()
-        compiled = stof_cc.compile(model, (x, dense), mask=desc, cuda_graphs=False)
+        started = time.perf_counter()  # cold: tunes every group the database has no record for
+        compiled = stof_cc.compile(model, (x, dense), mask=desc, cuda_graphs=False, tune=True, database=database)
         row["stof_compile_s"] = time.perf_counter() - started
         print(f"  {name} S={seq} stof_cc.compile: {row['stof_compile_s']:.1f} s", flush=True)
-        started = time.perf_counter()
-        stof_cc.compile(model, (x, dense), mask=desc, cuda_graphs=False)
+        started = time.perf_counter()  # warm: every group has its record, nothing is measured
+        stof_cc.compile(model, (x, dense), mask=desc, cuda_graphs=False, tune=True, database=database)
         row["stof_compile_warm_s"] = time.perf_counter() - started
         plain = lambda: compiled(x, dense)  # noqa: E731
         row["stof_err"] = relative_error(plain(), want)
         row["stof_plain_ms"] = bench(plain)
-        graphed_module = stof_cc.compile(model, (x, dense), mask=desc)  # CUDA graphs: the default
+        graphed_module = stof_cc.compile(model, (x, dense), mask=desc, tune=True, database=database)  # CUDA graphs: the default
         graphed = lambda: graphed_module(x, dense)  # noqa: E731
         row["stof_graph_err"] = relative_error(graphed(), want)
         row["stof_graph_ms"] = bench(graphed)
         with dependent_launches(False):  # the graph keeps what was in force at its capture (the first call)
-            unchained = stof_cc.compile(model, (x, dense), mask=desc)
+            unchained = stof_cc.compile(model, (x, dense), mask=desc, tune=True, database=database)
             row["stof_no_pdl_err"] = relative_error(unchained(x, dense), want)
         row["stof_graph_no_pdl_ms"] = bench(lambda: unchained(x, dense))
         print(f"  {name} S={seq} stof: {row['stof_plain_ms']:.3f} ms, with CUDA graphs {row['stof_graph_ms']:.3f} ms "
@@ -151,11 +154,14 @@ def main() -> None:
     parser.add_argument("--append", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also print GPU time per kernel (stof-cc and flex)")
     parser.add_argument("--no-peers", action="store_true", help="time stof-cc alone (no speedup; for profiling)")
+    parser.add_argument("--db", help="tuning database (default: a new one in a temporary folder, so the first "
+                                      "compile of each shape tunes: its time is the cold compile time)")
     args = parser.parse_args()
+    database = Path(args.db) if args.db else Path(tempfile.mkdtemp(prefix="stof-e2e-")) / "tuning.sqlite"
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for name in args.masks.split(","):
-            rows.append(run_row(name, seq, args.profile, with_peers=not args.no_peers))
+            rows.append(run_row(name, seq, database, args.profile, with_peers=not args.no_peers))
             print(f"{name} S={seq}: stof {rows[-1]['stof_ms']:.3f} ms, best peer {rows[-1]['best_peer_ms']:.3f} ms "
                   f"-> {rows[-1]['speedup']:.2f}x", flush=True)
             if args.json:
