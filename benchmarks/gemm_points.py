@@ -3,7 +3,8 @@
     python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
-separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096); M = 4096 tokens,
+separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096), 4 = (768, 2304) (BERT's merged
+Q/K/V projection); M = 4096 tokens,
 fp16. Unlike `benchmarks/fusion.py` only the driver launch runs between launches (no argument
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
 median of 5; a kernel shorter than one launch's host cost would still read as that cost. Each point
@@ -31,7 +32,7 @@ from stof_cc.runtime.group import GroupLaunch, precompile  # noqa: E402
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, point_tag  # noqa: E402
 from stof_cc.tune.cost_model import sm_count  # noqa: E402
 
-SHAPES = [(768, 3072), (3072, 768), (768, 768), (4096, 4096)]
+SHAPES = [(768, 3072), (3072, 768), (768, 768), (4096, 4096), (768, 2304)]
 
 
 def timed_ms(fn, launches: int = 50) -> float:
