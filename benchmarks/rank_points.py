@@ -16,7 +16,7 @@ def main() -> None:
     def flush() -> None:
         if shape:
             print(shape)
-            for us, line in sorted(rows)[:top]:
+            for _us, line in sorted(rows)[:top]:
                 print("   ", line.strip())
 
     for line in open(sys.argv[1]):
