@@ -14,7 +14,12 @@ the next tile's mainloop, instead of 4-byte stores from every thread.
 Tried and taken out: clusters of two CTAs multicasting each W chunk (TMA ``.multicast::cluster``,
 consumers releasing buffers in both CTAs). Correct on the H100, but its best point was 0.87-0.96x
 the speed of the best point without it at each BERT-base shape (RESULTS.md, 2026-11-23): L2
-bandwidth is not what holds these tiles back. TMA replaced an earlier cp.async producer (128 threads copying 16-byte
+bandwidth is not what holds these tiles back. Also tried and taken out (2026-11-24): cooperative
+tiles of 192 and 256 rows (three or four consumer warpgroups sharing each chunk, setmaxnreg
+budgets 152 and 112). Correct, no spills, but at K, N = 768, 3072 their best (m192 n128 s4,
+33.9 us; with bias + GELU 45.4 us) trailed m128 n192 s4 (31.8 us; 41.0 us): shared memory
+leaves them three stages where m128 n192 has four, and the fourth stage is worth 7-25% at
+every tile shape (RESULTS.md). TMA replaced an earlier cp.async producer (128 threads copying 16-byte
 chunks): measured on the H100 it reached 0.31-0.45 of cuBLAS, TMA 0.63-0.76 (RESULTS.md).
 
 Deviation from issue 5's wording (``mma.sync``): on the H100 mma.sync cannot approach
@@ -45,16 +50,13 @@ from stof_cc.templates.group import (
 from stof_cc.templates.registry import register_template
 from stof_cc.tune.cost_model import epilogue_cost, gemm_us, sm_count
 
-BLOCK_MS = (64, 128)   # ping-pong: rows per warpgroup (and gemm_layernorm's cooperative tiles)
-# cooperative: one to four consumer warpgroups of 64 rows share a tile; the taller tiles read fewer
-# operand bytes per product (A and W chunks are shared by more rows), at fewer registers per thread
-COOPERATIVE_BLOCK_MS = (64, 128, 192, 256)
+BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
 STAGE_COUNTS = (3, 4)
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
-REGISTER_FILE = 65536  # 32-bit registers per SM: one CTA (launch bound 1) shares them out with setmaxnreg
+CONSUMER_REGISTERS = 232  # (65536 - 128 x 40) / 256, rounded down to a multiple of 8
 LAYOUT_OPS = ("view", "contiguous", "clone")  # keep the row-major element order
 MMA_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -87,14 +89,14 @@ class GemmEpilogueTemplate(GroupTemplate):
     def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
         points = []
         for schedule in SCHEDULES:
-            for block_m in COOPERATIVE_BLOCK_MS if schedule == "cooperative" else BLOCK_MS:
+            for block_m in BLOCK_MS:
                 for block_n in BLOCK_NS:
                     for stages in STAGE_COUNTS:
                         params = {"schedule": schedule, "block_m": block_m, "block_n": block_n, "stages": stages}
                         # accumulators (a warpgroup's rows x block_n / 128 threads), addressing and the epilogue
                         registers = _rows_per_warpgroup(params) * block_n // 128 + 48
-                        if self.shared_bytes(problem, params) <= SMEM_LIMIT \
-                                and registers <= consumer_registers(_consumer_warpgroups(params)):
+                        limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
+                        if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
         return points
 
@@ -133,8 +135,7 @@ class GemmEpilogueTemplate(GroupTemplate):
         d = problem.details
         return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
                                   out_type=c_type(problem.dtype, f"%{problem.output}"),
-                                  producer_registers=PRODUCER_REGISTERS,
-                                  consumer_registers=consumer_registers(_consumer_warpgroups(params)),
+                                  producer_registers=PRODUCER_REGISTERS, consumer_registers=CONSUMER_REGISTERS,
                                   consumer_wgs=_consumer_warpgroups(params), **{k: d[k] for k in self.render_keys},
                                   **params, **extra)
 
@@ -158,15 +159,6 @@ def point_tag(params: dict[str, Any]) -> str:
     """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``."""
     schedule = "pp" if params["schedule"] == "pingpong" else "co"
     return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
-
-
-def consumer_registers(warpgroups: int) -> int:
-    """Registers per consumer thread once the producer warpgroup gave its own up to
-    ``PRODUCER_REGISTERS`` (setmaxnreg, a multiple of 8): 232 for two consumer warpgroups, 152
-    for three, 112 for four; a lone consumer warpgroup keeps the 255 it starts with."""
-    if warpgroups == 1:
-        return 255
-    return min(255, (REGISTER_FILE // 128 - PRODUCER_REGISTERS) // warpgroups // 8 * 8)
 
 
 def _consumer_warpgroups(params: dict[str, Any]) -> int:
