@@ -130,39 +130,3 @@ def test_tma_store_only_where_the_output_keeps_n_as_its_last_dimension_and_stage
     source = GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
     assert problem.details["tma_store"] and "__floats2bfloat162_rn(a, b)" in source
     assert "const __half2 v" not in source
-
-
-def test_the_deferred_epilogue_splits_off_a_trailing_gelu_whose_input_is_stored_like_eager():
-    from stof_cc.templates.gemm_epilogue import point_tag
-
-    class Chains(torch.nn.Module):
-        def __init__(self, tail: str) -> None:
-            super().__init__()
-            self.fc, self.tail = torch.nn.Linear(64, 256), tail
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = self.fc(x)
-            if self.tail == "gelu_scale":  # a cheap op after GELU goes with it
-                return torch.nn.functional.gelu(y * 2.0) * 0.5
-            if self.tail == "gelu_residual":  # GELU, then an add reading another tensor: not deferred
-                return torch.nn.functional.gelu(y) + x.repeat(1, 1, 4)
-            return torch.relu(y)  # nothing expensive to defer
-
-    x = torch.randn(2, 5, 64, dtype=torch.float16)
-    graph, group = _gemm_group(Chains("gelu_scale").half(), x)
-    problem = GEMM_EPILOGUE.match(graph, group)
-    details = problem.details
-    assert details["deferred_ops"] > 0 and "gelu_erf(x_staged)" in details["deferred_chain"]
-    assert "gelu" not in details["staged_chain"] and "2.0f" in details["staged_chain"]  # y * 2 is staged
-    deferred = [p for p in GEMM_EPILOGUE.space(problem) if p.get("defer")]
-    assert deferred and all(p["schedule"] == "cooperative" and p["block_n"] >= 128 for p in deferred)
-    assert all({k: v for k, v in p.items() if k != "defer"} in GEMM_EPILOGUE.space(problem) for p in deferred)
-    source = GEMM_EPILOGUE.render(problem, deferred[0])
-    assert "finish_slice(stage, ks * SLICE" in source and point_tag(deferred[0]).endswith("_defer")
-    plain = GEMM_EPILOGUE.render(problem, {k: v for k, v in deferred[0].items() if k != "defer"})
-    assert "finish_slice" not in plain
-    for tail in ("gelu_residual", "relu"):
-        graph, group = _gemm_group(Chains(tail).half(), x)
-        problem = GEMM_EPILOGUE.match(graph, group)
-        assert problem.details["deferred_ops"] == 0, tail
-        assert not any(p.get("defer") for p in GEMM_EPILOGUE.space(problem)), tail

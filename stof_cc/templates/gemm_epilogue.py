@@ -19,7 +19,12 @@ tiles of 192 and 256 rows (three or four consumer warpgroups sharing each chunk,
 budgets 152 and 112). Correct, no spills, but at K, N = 768, 3072 their best (m192 n128 s4,
 33.9 us; with bias + GELU 45.4 us) trailed m128 n192 s4 (31.8 us; 41.0 us): shared memory
 leaves them three stages where m128 n192 has four, and the fourth stage is worth 7-25% at
-every tile shape (RESULTS.md). TMA replaced an earlier cp.async producer (128 threads copying 16-byte
+every tile shape (RESULTS.md). And a deferred epilogue (2026-11-24): the tile staged after the
+bias, its GELU run on the staging tile in slices between the next tile's wgmma issues and waits,
+its TMA store issued under the last k-step. Correct (matching eager's fp16 rounding of the
+pre-activation, 7e-6), but the interleaved GELU held back the next tile's products: 46.1 us, and
+50.3 us with the slices batched for more independent work, against 41.2 us for the plain
+cooperative epilogue at K, N = 768, 3072. TMA replaced an earlier cp.async producer (128 threads copying 16-byte
 chunks): measured on the H100 it reached 0.31-0.45 of cuBLAS, TMA 0.63-0.76 (RESULTS.md).
 
 Deviation from issue 5's wording (``mma.sync``): on the H100 mma.sync cannot approach
@@ -48,7 +53,7 @@ from stof_cc.templates.group import (
     output_problem,
 )
 from stof_cc.templates.registry import register_template
-from stof_cc.tune.cost_model import EPILOGUE_OP_COST, epilogue_cost, gemm_us, sm_count
+from stof_cc.tune.cost_model import epilogue_cost, gemm_us, sm_count
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
@@ -68,8 +73,7 @@ class GemmEpilogueTemplate(GroupTemplate):
     kinds = ("gemm",)
     arch_features = "a"
     capabilities = ((9, 0),)
-    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store", "tma_store",
-                   "staged_chain", "staged_result", "deferred_chain", "deferred_result")
+    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store", "tma_store")
 
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
         problem = output_problem(graph, group)
@@ -82,8 +86,6 @@ class GemmEpilogueTemplate(GroupTemplate):
         row_major = all(node.op != "transpose" for node in layout) and problem.shape[-1] == problem.details["n"]
         tma_store = row_major and problem.dtype in MMA_DTYPES and problem.details["n"] % 8 == 0
         problem.details |= {"store_index": store_index, "paired_store": paired, "tma_store": tma_store}
-        if not tma_store:
-            problem.details["deferred_ops"] = 0.0  # the deferred chain works on the staging tiles
         return problem
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -101,8 +103,6 @@ class GemmEpilogueTemplate(GroupTemplate):
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
                         if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
-                            if schedule == "cooperative" and problem.details["deferred_ops"] and block_n >= 128:
-                                points.append(params | {"defer": True})
         return points
 
     def default_params(self, problem: GroupProblem) -> dict[str, Any]:
@@ -116,7 +116,7 @@ class GemmEpilogueTemplate(GroupTemplate):
         epilogue = moved_bytes(problem) - a_and_w  # the output and the epilogue's operands
         return gemm_us(d["m"], d["n"], d["k"], params["block_m"], params["block_n"], params["stages"], epilogue,
                        sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d["epilogue_ops"],
-                       tma_store=d["tma_store"], deferred_ops=d["deferred_ops"] if params.get("defer") else 0.0)
+                       tma_store=d["tma_store"])
 
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
         return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: TMA needs 16-byte addresses
@@ -142,7 +142,7 @@ class GemmEpilogueTemplate(GroupTemplate):
                                   out_type=c_type(problem.dtype, f"%{problem.output}"),
                                   producer_registers=PRODUCER_REGISTERS, consumer_registers=CONSUMER_REGISTERS,
                                   consumer_wgs=_consumer_warpgroups(params), **{k: d[k] for k in self.render_keys},
-                                  **{**params, "defer": params.get("defer", False)}, **extra)
+                                  **params, **extra)
 
     def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
         """Persistent: at most one CTA per SM (each walks tiles blockIdx.x + i gridDim.x)."""
@@ -163,8 +163,7 @@ class GemmEpilogueTemplate(GroupTemplate):
 def point_tag(params: dict[str, Any]) -> str:
     """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``."""
     schedule = "pp" if params["schedule"] == "pingpong" else "co"
-    deferred = "_defer" if params.get("defer") else ""
-    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}{deferred}"
+    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
 
 
 def _consumer_warpgroups(params: dict[str, Any]) -> int:
@@ -194,10 +193,7 @@ def gemm_anchor(graph: Graph, group: FusionGroup) -> tuple[Node, tuple[str, ...]
 
 def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: list[str]) -> dict[str, Any]:
     """Sizes, operands (A, W, bias, then the chain's) and the epilogue chain's C++ (``chain``
-    computing ``result`` from the accumulator ``acc_v``) of a GEMM group; and the same chain cut
-    in two for the deferred epilogue (`deferred_suffix`): ``staged_chain`` / ``staged_result`` up to
-    the value that is staged, ``deferred_chain`` / ``deferred_result`` from it (``x_staged``) to the output,
-    with ``deferred_ops`` its cost (0: nothing worth deferring)."""
+    computing ``result`` from the accumulator ``acc_v``) of a GEMM group."""
     x, w = anchor.args[0], anchor.args[1]
     bias = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("bias")
     x_spec, w_spec = graph.node(x.name).spec, graph.node(w.name).spec
@@ -208,41 +204,10 @@ def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: li
     operands += chain_operands(graph, group, chain)
     acc = "acc_v + LOAD_ROW(bias)" if isinstance(bias, Ref) else "acc_v"
     ops = [graph.node(name).op for name in elementwise] + (["add"] if isinstance(bias, Ref) else [])
-    split = deferred_suffix(graph, anchor, elementwise)
-    staged_nodes, deferred_nodes = elementwise[:split], elementwise[split:]
-    staged_part = Chain(graph, staged_nodes, {anchor.name: "acc_b"}, tuple(anchor.spec.shape), operand_prefix="ep")
-    staged = staged_nodes[-1] if staged_nodes else anchor.name
-    deferred = Chain(graph, deferred_nodes, {staged: "x_staged"}, tuple(anchor.spec.shape), operand_prefix="deferred")
     return {"m": math.prod(x_spec.shape[:-1]), "n": w_spec.shape[0], "k": x_spec.shape[-1], "operands": operands,
             "epilogue_ops": epilogue_cost(ops),
             "dtype": MMA_DTYPES[x_spec.dtype], "chain": " " * 12 + f"const float acc_b = {acc};\n" + chain.code(" " * 12),
-            "result": chain.result,
-            "staged_chain": " " * 12 + f"const float acc_b = {acc};\n" + staged_part.code(" " * 12),
-            "staged_result": staged_part.result, "deferred_chain": deferred.code(" " * 4), "deferred_result": deferred.result,
-            "deferred_ops": epilogue_cost([graph.node(name).op for name in deferred_nodes])}
-
-
-def deferred_suffix(graph: Graph, anchor: Node, elementwise: list[str]) -> int:
-    """Where the epilogue chain may be cut for the deferred epilogue: the longest run of trailing
-    one-input ops (each reading only the value before it) that contains an expensive one
-    (`EPILOGUE_OP_COST`, GELU), whose input is stored in the output's dtype (so staging it rounds
-    it as eager rounds it). The staged tile then takes the rest of the chain while the next
-    tile's products run. ``len(elementwise)``: nothing to defer."""
-    split = len(elementwise)
-    while split > 0:
-        node = graph.node(elementwise[split - 1])
-        before = elementwise[split - 2] if split > 1 else anchor.name
-        tensor_args = [a for a in node.args if isinstance(a, Ref)]
-        if [a.name for a in tensor_args] != [before] or any(isinstance(v, Ref) for v in node.kwargs.values()):
-            break
-        split -= 1
-    while split < len(elementwise) and graph.node(elementwise[split]).op not in EPILOGUE_OP_COST:
-        split += 1  # cheap ops at the head of the run stay in the first pass
-    if split == len(elementwise):
-        return split
-    staged = graph.node(elementwise[split - 1] if split else anchor.name).spec
-    output = graph.node(elementwise[-1]).spec
-    return split if staged.dtype == output.dtype else len(elementwise)
+            "result": chain.result}
 
 
 def split_epilogue(graph: Graph, nodes: tuple[str, ...]) -> tuple[list[str], list[Node]]:

@@ -154,7 +154,6 @@ EPILOGUE_ELEMENTS_PER_US = 1.43e5  # one warpgroup's bare epilogue (value, conve
 EPILOGUE_OP_COST = {"gelu": 6.0}   # per element, in bare-epilogue units (gelu_erf: ~20 instructions)
 OTHER_EPILOGUE_OP_COST = 0.25      # any other elementwise op (add, scale, relu...)
 GROUP_LAUNCH_US = 4.0
-DEFERRED_STAGE_US = 0.4  # a guess, not fitted: waiting for the TMA store to read 48 KB of staging
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
 
 
@@ -201,8 +200,7 @@ WIDE_CLUSTER_RATE = 0.7
 
 
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
-            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False,
-            deferred_ops: float = 0.0) -> float:
+            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False) -> float:
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
     a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
     intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
@@ -211,10 +209,7 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     warpgroups that own it: after the products when they share the tile (cooperative), under
     the other warpgroup's products under ping-pong, where a tile costs max(products, (products
     + epilogue) / 2). Then the output's traffic: all of it exposed when cooperative consumers
-    store directly, only the last wave's when the store is asynchronous (TMA) or ping-pong. A
-    deferred epilogue (``deferred_ops`` of the chain run on the staged tile during the next
-    tile's products) exposes that part only once, after the last tile; its staging round trip
-    costs `DEFERRED_STAGE_US` a tile (the next tile waits for the store to read the staging)."""
+    store directly, only the last wave's when the store is asynchronous (TMA) or ping-pong."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / sm_count)
     rows = block_m if pingpong else 64
@@ -223,14 +218,10 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     efficiency *= PINGPONG_RATE if pingpong else 1.0
     products_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
     owners = 1 if pingpong else block_m // 64  # warpgroups computing one tile's epilogue
-    epilogue_us = block_m * block_n * (1.0 + epilogue_ops - deferred_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
-    deferred_us = block_m * block_n * deferred_ops / (EPILOGUE_ELEMENTS_PER_US * owners)
+    epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
     tile_us = max(products_us, (products_us + epilogue_us) / 2) if pingpong else products_us + epilogue_us
-    if deferred_ops:
-        tile_us += DEFERRED_STAGE_US + max(0.0, deferred_us - products_us)
     exposed_store = 1 / waves if pingpong or tma_store else 1.0
-    return GROUP_LAUNCH_US + waves * tile_us + (deferred_us if deferred_ops else 0.0) \
-        + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
+    return GROUP_LAUNCH_US + waves * tile_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
 
 
 def epilogue_cost(ops: list[str]) -> float:
