@@ -114,7 +114,7 @@ def test_the_gpu_path_plumbing_with_fake_kernels(fake_gpu, example_path):
     import stof_cc.runtime.compiled
 
     module, args, kwargs = load_factory(example_path("tiny_bert"))
-    compiled = stof_cc.compile(module, args, kwargs, dtype=torch.float32)
+    compiled = stof_cc.compile(module, args, kwargs, dtype=torch.float32, tune=False)  # nothing to measure on
     with torch.no_grad():
         want = module(*args, **kwargs).last_hidden_state
     got = compiled(*args, **kwargs).last_hidden_state
@@ -158,7 +158,7 @@ def test_mask_override_reaches_stof_attention_on_the_gpu_path(fake_gpu, example_
     monkeypatch = fake_gpu
     module, (x, dense), _ = load_factory(example_path("sparse_bert"))
     compiled = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32,
-                               cuda_graphs=False)
+                               cuda_graphs=False, tune=False)
     torch.testing.assert_close(compiled(x, dense), module(x, dense).detach(), rtol=1e-4, atol=1e-4)
     import re
 
@@ -169,7 +169,8 @@ def test_mask_override_reaches_stof_attention_on_the_gpu_path(fake_gpu, example_
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(stof_cc.runtime.compiled.CompiledModule, "_replay", failing_capture)
-    graphed = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32)
+    graphed = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32,
+                              tune=False)
     with pytest.warns(UserWarning, match="capture failed, this input shape runs uncaptured: operation not permitted"):
         first = graphed(x, dense)
     torch.testing.assert_close(first, module(x, dense).detach(), rtol=1e-4, atol=1e-4)
@@ -186,7 +187,7 @@ def test_a_kernel_that_does_not_compile_falls_back_to_torch_and_says_so(fake_gpu
     fake_gpu.setattr(stof_cc.runtime.compiled, "compile_many", first_fails)
     module, args, _ = load_factory(example_path("gpt2_block"))
     with pytest.warns(UserWarning, match=r"group g0: .* did not compile, torch runs it: kernel.cu\(12\)"):
-        compiled = stof_cc.compile(module, args, dtype=torch.float32, cuda_graphs=False)
+        compiled = stof_cc.compile(module, args, dtype=torch.float32, cuda_graphs=False, tune=False)
     # (the fake attention is SDPA, eager's is GPT-2's matmul chain: fp32 rounding apart)
     torch.testing.assert_close(compiled(*args), module(*args).detach(), rtol=1e-3, atol=1e-3)
     (variant,) = compiled.variants.values()
@@ -252,11 +253,11 @@ def test_compile_takes_a_merge_the_tuning_database_measured_faster(fake_gpu, exa
             return
         raise AssertionError(f"no template for {group}")
 
-    assert "gemm_layernorm" not in stof_cc.compile(module, args, kwargs).explain()  # estimated: kept apart
+    assert "gemm_layernorm" not in stof_cc.compile(module, args, kwargs, tune=False).explain()  # estimated: kept apart
     for _, alternative in plan.alternatives:
         record(next(g for g in alternative.groups if g not in plan.default.groups), 1.0)
         for group in plan.default.groups:
             if group not in alternative.groups:
                 record(group, 10.0)
-    explained = stof_cc.compile(module, args, kwargs).explain()
+    explained = stof_cc.compile(module, args, kwargs, tune=False).explain()  # the records decide, nothing measured
     assert explained.count("gemm_layernorm") == 2 and explained.count("(tuned, 1.0 us)") == 2

@@ -10,7 +10,8 @@ Each fusion group becomes one step, in graph order:
 
 Values are dropped after their last reader, so intermediate memory follows their lifetimes
 (the torch caching allocator reuses it). Kernel steps run the tuning database's winners where it
-has them (``tune=True`` measures first), else the template's default point. With
+has them (``tune=True``, the default, measures those it lacks first), else the template's
+default point. With
 ``cuda_graphs=True`` (the default) a variant is captured once and replayed (launches off the
 default stream go through the driver-API launcher): on the H100 this took BERT-base from 5.8 to
 3.2 ms (RESULTS.md). A variant whose capture fails runs uncaptured, with a warning.
@@ -19,6 +20,7 @@ default stream go through the driver-API launcher): on the H100 this took BERT-b
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,7 +165,8 @@ class CompiledModule:
             )
 
             if self.tune:  # chooses the scheme by the measured times of both sides of each merge
-                tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask, progress=lambda _: None)
+                tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask,
+                           progress=_report_measured)
             else:  # measured where an earlier tune recorded both sides, else estimated
                 choose_scheme(graph, plan, measured=measured_times(graph, self.database, Device.current()))
         else:
@@ -258,14 +261,17 @@ class CompiledModule:
 
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
             example_kwargs: dict[str, Any] | None = None, *, mask: MaskDescription | None = None,
-            dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None, tune: bool = False,
+            dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None, tune: bool = True,
             database: TuningDatabase | str | Path | None = None, cuda_graphs: bool = True) -> CompiledModule:
     """Compile ``model`` for inputs shaped like ``example_inputs`` / ``example_kwargs`` (more
     shapes compile on first use). The model and floating inputs run in ``dtype``; ``mask``
     replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`.
     Group kernels run the tuning database's winners where it has them (``database``: a
-    `TuningDatabase` or its path; default the user's); ``tune=True`` first measures, on the GPU,
-    every group the database has no record for (`stof-cc tune` does the same from the shell).
+    `TuningDatabase` or its path; default the user's); ``tune`` (the default) first measures, on
+    the GPU, every group the database has no record for (`stof-cc tune` does the same from the
+    shell): the first compile of a BERT-base encoder takes ~40 s more on an H100, and end to end
+    it ran 2-6% faster than with stage 1's picks (RESULTS.md, 2026-11-24); a warm database
+    measures nothing (5-9 s). ``tune=False`` reads the database and otherwise takes stage 1's picks.
     ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (not for models with
     key padding, whose masks are read per call; a failed capture warns and runs uncaptured)."""
     module = copy.deepcopy(model).to(dtype).eval()
@@ -278,6 +284,13 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
     compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
     return compiled
+
+
+def _report_measured(line: str) -> None:
+    """compile's tuning progress on stderr: two lines per group it measured (what, how long, the
+    winner); groups the database answered stay quiet, so a warm compile prints nothing."""
+    if " measured, " in line:
+        print("stof_cc.compile: tuned " + "\n   ".join(line.splitlines()[:2]), file=sys.stderr, flush=True)
 
 
 def _gpu_kernels_available() -> bool:
