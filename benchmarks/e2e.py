@@ -1,7 +1,7 @@
 """End to end: the 12-layer sparse BERT-base encoder against the peers (issue 7).
 
     python benchmarks/e2e.py [--masks sliding,longformer,bigbird] [--seqs 512,2048] [--json e2e.json] [--append]
-                             [--profile]
+                             [--profile] [--no-peers] [--db tuning.sqlite]
 
 WORKLOADS.md's encoder table: fp16 inference, masks sliding / longformer / bigbird of the MHA
 grid, S in {512, 2048}, 4096 tokens per call (S = 512: B = 8; S = 2048: B = 2). Peers, all in
