@@ -261,3 +261,22 @@ def test_compile_takes_a_merge_the_tuning_database_measured_faster(fake_gpu, exa
                 record(group, 10.0)
     explained = stof_cc.compile(module, args, kwargs, tune=False).explain()  # the records decide, nothing measured
     assert explained.count("gemm_layernorm") == 2 and explained.count("(tuned, 1.0 us)") == 2
+
+
+def test_compile_reports_the_groups_it_tuned_and_stays_quiet_on_database_hits(capsys):
+    """compile(tune=True)'s progress: a measured group prints its counts and winner on stderr;
+    a group answered by the tuning database prints nothing (a warm compile is silent)."""
+    from stof_cc.runtime.compiled import _report_measured
+    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+    from stof_cc.tune.search import Candidate, SearchReport
+
+    winner = Candidate(GEMM_EPILOGUE, {"block_m": 128}, 10.0, "")
+    measured = SearchReport("gemm linear -> f16[4,8]", 27, 19, 8, 3.5, winner, 9.5, 2)
+    remembered = SearchReport("gemm linear -> f16[4,8]", 27, 27, 0, 0.01, winner, 9.5, 1, from_database=True)
+    _report_measured(remembered)
+    _report_measured("g3: not tuned (a note)")
+    assert capsys.readouterr().err == ""
+    _report_measured(measured)
+    err = capsys.readouterr().err
+    assert err.startswith("stof_cc.compile: tuned gemm linear -> f16[4,8]: 27 candidates")
+    assert "8 measured" in err and "winner gemm_epilogue {'block_m': 128}: 9.5 us, rank 2" in err

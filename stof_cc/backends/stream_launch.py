@@ -34,11 +34,6 @@ LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (c
 _dependent_launches = os.environ.get("STOF_CC_PDL", "1") != "0"
 
 
-def dependent_launches_enabled() -> bool:
-    """Whether kernels that wait for their producer grids are launched programmatically (PDL)."""
-    return _dependent_launches
-
-
 @contextlib.contextmanager
 def dependent_launches(enabled: bool) -> Iterator[None]:
     """Launch (or capture) with programmatic dependent launch on or off inside the block: the

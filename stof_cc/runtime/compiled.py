@@ -43,6 +43,7 @@ from stof_cc.templates.group import group_templates
 from stof_cc.tune.cost_model import sm_count
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
+from stof_cc.tune.search import SearchReport
 
 
 @dataclass
@@ -286,11 +287,12 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     return compiled
 
 
-def _report_measured(line: str) -> None:
+def _report_measured(item: Any) -> None:
     """compile's tuning progress on stderr: two lines per group it measured (what, how long, the
-    winner); groups the database answered stay quiet, so a warm compile prints nothing."""
-    if " measured, " in line:
-        print("stof_cc.compile: tuned " + "\n   ".join(line.splitlines()[:2]), file=sys.stderr, flush=True)
+    winner); groups the database answered, and tune_model's other notes, stay quiet, so a warm
+    compile prints nothing."""
+    if isinstance(item, SearchReport) and not item.from_database:
+        print("stof_cc.compile: tuned " + "\n   ".join(str(item).splitlines()[:2]), file=sys.stderr, flush=True)
 
 
 def _gpu_kernels_available() -> bool:

@@ -58,7 +58,7 @@ def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Ca
 def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
                example_kwargs: dict[str, Any] | None = None, *, database: TuningDatabase,
                mask: MaskDescription | None = None,
-               top_k: int = DEFAULT_TOP_K, progress: Callable[[str], None] = print) -> list[SearchReport]:
+               top_k: int = DEFAULT_TOP_K, progress: Callable[[str | SearchReport], None] = print) -> list[SearchReport]:
     """Search every group that has a template, in every scheme the plan offers (both sides of
     each alternative merge), then choose the scheme again by the measured times (``plan`` is
     updated); returns one report per tuned group."""
@@ -78,7 +78,7 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
         else:
             report = _tune_group(graph, group, values, database, device, top_k, progress)
         if report is not None:
-            progress(str(report))
+            progress(report)  # print shows str(report); compile's progress reads the counts
             reports.append(report)
     choose_scheme(graph, plan, measured=measured_times(graph, database, device))
     for line in plan.choices:
