@@ -102,14 +102,14 @@ def stage_two_summary(cases, top_k: int = 8) -> str:
         best = min(us for _, us in scored)
         gaps.append(min(us for _, us in scored[:top_k]) / best)
         shares.append(min(top_k, len(scored)) / len(scored))
-        correlations.append(_spearman([e for e, _ in scored], [us for _, us in scored]))
+        correlations.append(spearman([e for e, _ in scored], [us for _, us in scored]))
     within = sum(g <= 1.05 for g in gaps)
     return (f"stage 2 over the top {top_k}: within 5% of the exhaustive best in {within}/{len(gaps)} cases, "
             f"worst {max(gaps):.3f}x; measures {max(shares):.0%} of the candidates at most; "
             f"median Spearman correlation of estimates and times {sorted(correlations)[len(correlations) // 2]:.2f}")
 
 
-def _spearman(xs: list[float], ys: list[float]) -> float:
+def spearman(xs: list[float], ys: list[float]) -> float:
     def ranks(values):
         order = sorted(range(len(values)), key=values.__getitem__)
         out = [0.0] * len(values)

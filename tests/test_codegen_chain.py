@@ -97,7 +97,9 @@ def test_chain_numerics_match_torch_on_the_host(tmp_path: Path, approximate: str
     out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
     got = torch.tensor([float(v) for v in out.split()]).view(SHAPE)
     want = module(x, r).detach()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # exact GELU is a fit within 3e-5 (group_common.j2), scaled by the gain and at most doubled after
+    tolerance = 1.5e-4 if approximate == "none" else 1e-5
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance)
 
 
 @pytest.mark.nvcc
@@ -145,13 +147,13 @@ def test_gelu_erf_keeps_nan_and_infinity(tmp_path: Path):
     source.write_text(prelude + """
 #include <cstdio>
 int main() {
-    const float xs[] = {NAN, INFINITY, 0.f, 1.f, -1.f, 3.f, -3.f};
+    const float xs[] = {NAN, INFINITY, -INFINITY, 0.f, 1.f, -1.f, 3.f, -3.f, 0.7f, -0.7f, 12.f, -12.f};
     for (float x : xs) std::printf("%.9g\\n", (double)gelu_erf(x));
 }
 """)
     subprocess.run(["nvcc", "-o", str(tmp_path / "gelu"), str(source)], check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "gelu")], check=True, capture_output=True, text=True).stdout.split()
     got = torch.tensor([float(v) for v in out])
-    assert got[0].isnan() and got[1] == float("inf")
-    want = torch.nn.functional.gelu(torch.tensor([0.0, 1.0, -1.0, 3.0, -3.0], dtype=torch.float64))
-    assert float((got[2:].double() - want).abs().max()) < 1e-6
+    assert got[0].isnan() and got[1] == float("inf") and got[2] == 0
+    want = torch.nn.functional.gelu(torch.tensor([0.0, 1.0, -1.0, 3.0, -3.0, 0.7, -0.7, 12.0, -12.0], dtype=torch.float64))
+    assert float((got[3:].double() - want).abs().max()) < 3e-5  # the fit's bound (group_common.j2)

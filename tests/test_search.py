@@ -9,7 +9,7 @@ import pytest
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.row_reduce import ROW_REDUCE
 from stof_cc.tune.database import Device, TuningDatabase
-from stof_cc.tune.search import Candidate, search
+from stof_cc.tune.search import Candidate, search, select_survivors
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), "13.0")
 GOOD = 'extern "C" __global__ void k{i}(float* x) {{ x[threadIdx.x] += {i}; }}\n'
@@ -68,18 +68,21 @@ def test_a_warm_database_measures_nothing(tmp_path: Path):
     db = TuningDatabase(tmp_path / "t.sqlite")
     candidates = _candidates(ELEMENTWISE, 4) + [Candidate(ROW_REDUCE, {"i": 9}, 9.0, GOOD.format(i=9))]
     build, check, timer = _fake()
-    first = search(candidates, build, check, signature="g3", top_k=8, timer=timer, database=db, device=H100)
+    first = search(candidates, build, check, signature="g3", top_k=8, max_share=1.0, timer=timer, database=db,
+                   device=H100)
     assert not first.from_database and first.measured == 5
     assert {r.template for r in db.records()} == {"elementwise", "row_reduce"}
 
     def must_not_build(candidate):
         raise AssertionError("a warm database must not measure")
 
-    second = search(candidates, must_not_build, check, signature="g3", timer=timer, database=db, device=H100)
+    second = search(candidates, must_not_build, check, signature="g3", max_share=1.0, timer=timer, database=db,
+                    device=H100)
     assert second.from_database and second.measured == 0
     assert second.winner.params == first.winner.params and "nothing measured" in str(second)
     other_gpu = Device("NVIDIA A100-SXM4-80GB", (8, 0), "13.0")
-    third = search(candidates, build, check, signature="g3", timer=timer, database=db, device=other_gpu)
+    third = search(candidates, build, check, signature="g3", max_share=1.0, timer=timer, database=db,
+                   device=other_gpu)
     assert not third.from_database
 
 
@@ -91,6 +94,18 @@ def test_templates_outside_the_survivors_need_no_record(tmp_path: Path):
     search(candidates, build, check, signature="g4", top_k=2, timer=timer, database=db, device=H100)
     again = search(candidates, build, check, signature="g4", top_k=2, timer=timer, database=db, device=H100)
     assert again.from_database  # row_reduce was never a survivor, so it has (and needs) no record
+
+
+def test_survivors_are_a_quarter_at_most_and_every_tile_height_has_a_place():
+    # 40 candidates: the model's best 20 are 128-row tiles, the 64-row ones rank below them
+    ranked = [Candidate(ELEMENTWISE, {"block_m": 128 if i < 20 else 64, "i": i}, float(i), "") for i in range(40)]
+    chosen = select_survivors(ranked, top_k=8)
+    assert len(chosen) == 8 and [c.params["i"] for c in chosen] == [0, 1, 2, 3, 4, 5, 6, 20]
+    assert len(select_survivors(ranked[:24], top_k=8)) == 6  # a quarter of 24
+    assert len(select_survivors(ranked[:6], top_k=8)) == 4  # but at least 4 where there are
+    assert len(select_survivors(ranked[:24], top_k=8, max_share=1.0)) == 8
+    plain = [Candidate(ELEMENTWISE, {"i": i}, float(i), "") for i in range(12)]  # no block_m: estimate order
+    assert [c.params["i"] for c in select_survivors(plain, top_k=8)] == [0, 1, 2, 3]
 
 
 def test_cuda_timer_records_each_start_event_behind_a_gpu_sleep(monkeypatch):

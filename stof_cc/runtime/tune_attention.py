@@ -21,7 +21,7 @@ from stof_cc.runtime.attention import (
 )
 from stof_cc.templates.attention import ATTENTION_TEMPLATES, AttentionProblem, config_label
 from stof_cc.tune.database import Device, TuningDatabase
-from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
+from stof_cc.tune.search import DEFAULT_TOP_K, MAX_SHARE, Candidate, SearchReport, search
 
 
 def attention_candidates(problem: AttentionProblem, description: MaskDescription) -> list[Candidate]:
@@ -50,10 +50,12 @@ def attention_signature(problem: AttentionProblem, description: MaskDescription)
 
 def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale: float | None = None, *,
                    database: TuningDatabase | None = None, top_k: int = DEFAULT_TOP_K, runs: int = 20,
-                   input_sets: int = 4, progress: Callable[[str], None] | None = None) -> SearchReport:
-    """Measure the model's top ``top_k`` kernels for these inputs' sizes and mask (on fresh
-    random inputs of the same sizes, rotated over ``input_sets`` copies), check each against
-    the torch reference, and adopt the fastest for later `attention` calls with this mask."""
+                   input_sets: int = 4, max_share: float = MAX_SHARE,
+                   progress: Callable[[str], None] | None = None) -> SearchReport:
+    """Measure the model's best kernels (`search.select_survivors`: at most ``top_k`` and
+    ``max_share`` of them) for these inputs' sizes and mask (on fresh random inputs of the same
+    sizes, rotated over ``input_sets`` copies), check each against the torch reference, and adopt
+    the fastest for later `attention` calls with this mask."""
     description = as_description(mask)
     problem = check_inputs(q, k, v)
     # contiguous: the layout the kernels read without copies, and the one `out` must have
@@ -70,6 +72,7 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
 
     report = search(attention_candidates(problem, description), build, lambda out: relative_error(out, reference),
                     signature=attention_signature(problem, description), arch=device_arch(), top_k=top_k, runs=runs,
+                    max_share=max_share,
                     database=database, device=Device.current() if database is not None else None,
                     progress=progress)
     adopt_choice(problem, description, report.winner.template, report.winner.params, report.winner_us)
