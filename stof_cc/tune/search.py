@@ -1,7 +1,8 @@
 """Stage 2 of the search: measure the model's best few candidates and keep the fastest correct one.
 
 Stage 1 (`cost_model`) scores every candidate without running it; `search` keeps the survivors
-(`survivors`: at most ``top_k``, default 8, and at most a quarter of the candidates), compiles them in parallel (one nvcc process per candidate, started from
+(`select_survivors`: at most ``top_k``, default 8, and a quarter of the candidates, at least 4, the
+best of each tile height included), compiles them in parallel (one nvcc process per candidate, started from
 a thread pool: no fork of a process that holds a CUDA context; the cubins land in the on-disk
 cache the launcher reads), runs each once against the torch reference
 (relative error under 1e-2, no NaN, else it is out with the reason), times the survivors
