@@ -66,6 +66,15 @@ class GemmBiasGelu(torch.nn.Module):
         return torch.nn.functional.gelu(self.fc(x))
 
 
+class GemmBiasResidual(torch.nn.Module):
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(k, n)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + r
+
+
 class GemmBiasResidualLayerNorm(torch.nn.Module):
     def __init__(self, k: int, n: int) -> None:
         super().__init__()

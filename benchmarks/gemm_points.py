@@ -1,11 +1,12 @@
 """Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
 
-    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu]
+    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096), 4 = (768, 2304) (BERT's merged
 Q/K/V projection); M = 4096 tokens,
-fp16. Unlike `benchmarks/fusion.py` only the driver launch runs between launches (no argument
+fp16. The epilogue is none, bias + GELU (``--gelu``, FFN1's) or bias + residual (``--residual``, the
+out-projection's and FFN2's, whose residual tile the kernel stages through shared memory). Unlike `benchmarks/fusion.py` only the driver launch runs between launches (no argument
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
 median of 5; a kernel shorter than one launch's host cost would still read as that cost. Each point
 is first checked against ``F.linear``. Needs an NVIDIA Hopper GPU, PyCUDA and nvcc.
@@ -22,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fusion import TOKENS, Gemm, GemmBiasGelu  # noqa: E402
+from fusion import TOKENS, Gemm, GemmBiasGelu, GemmBiasResidual  # noqa: E402
 
 from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
@@ -51,20 +52,21 @@ def timed_ms(fn, launches: int = 50) -> float:
 
 
 def main() -> None:
-    positional = [a for a in sys.argv[1:] if a != "--gelu"]
-    module_type = GemmBiasGelu if "--gelu" in sys.argv else Gemm
+    epilogues = {"--gelu": GemmBiasGelu, "--residual": GemmBiasResidual}
+    positional = [a for a in sys.argv[1:] if a not in epilogues]
+    module_type = next((epilogues[a] for a in sys.argv[1:] if a in epilogues), Gemm)
     only = re.compile(positional[0]) if positional else None
     shapes = [SHAPES[int(i)] for i in positional[1].split(",")] if len(positional) > 1 else SHAPES
     for k, n in shapes:
         module = module_type(k, n).half()
-        x = torch.randn(TOKENS, k, dtype=torch.float16)
-        graph = canonicalize(trace(module, (x, x[:, :1]), {}))
+        x, r = torch.randn(TOKENS, k, dtype=torch.float16), torch.randn(TOKENS, n, dtype=torch.float16)
+        graph = canonicalize(trace(module, (x, r), {}))
         problem = GEMM_EPILOGUE.match(graph, partition(graph).default.groups[0])
-        x_gpu, w_gpu = x.cuda(), module.fc.weight.detach().cuda()
-        first_input = next(node.name for node in graph.nodes() if node.op == INPUT)
-        values = {first_input: x_gpu} | {name: t.cuda() for name, t in graph.constants.items()}
+        x_gpu, r_gpu, w_gpu = x.cuda(), r.cuda(), module.fc.weight.detach().cuda()
+        inputs = [node.name for node in graph.nodes() if node.op == INPUT]
+        values = dict(zip(inputs, (x_gpu, r_gpu), strict=False)) | {name: t.cuda() for name, t in graph.constants.items()}
         cublas = timed_ms(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
-        want = module.cuda()(x_gpu, x_gpu).float()
+        want = module.cuda()(x_gpu, r_gpu).float()
         flops = 2 * TOKENS * n * k
         print(f"M={TOKENS} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
         default = GEMM_EPILOGUE.default_params(problem)

@@ -130,3 +130,58 @@ def test_tma_store_only_where_the_output_keeps_n_as_its_last_dimension_and_stage
     source = GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
     assert problem.details["tma_store"] and "__floats2bfloat162_rn(a, b)" in source
     assert "const __half2 v" not in source
+
+
+def test_a_residual_of_the_output_dtype_is_staged_through_a_tensor_map():
+    from group_cases import LinearGelu, LinearResidual
+
+    from stof_cc.templates.group import OUTPUT_MAP
+
+    _, _, graph, group = build(LinearResidual, "gemm", (2, 5, 128), torch.float16)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    staged = problem.details["staged"]
+    assert problem.details["operands"][staged]["access"] == "staged"
+    assert "staged_v" in problem.details["chain"] and "LOAD_FULL" not in problem.details["chain"]
+    for params in GEMM_EPILOGUE.space(problem):
+        rows = params["block_m"] if params["schedule"] == "pingpong" else 64
+        assert GEMM_EPILOGUE.tensor_maps(problem, params)[-2:] == [(OUTPUT_MAP, rows, 64), (staged, rows, 64)]
+        assert problem.details["operands"][staged]["ref"] in GEMM_EPILOGUE.aligned_operands(problem, params)
+    assert "map_staged" in GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
+    # nothing output-shaped to stage: no map, the chain as before
+    _, _, graph, group = build(LinearGelu, "gemm", (2, 5, 128), torch.float16)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    assert problem.details["staged"] is None
+    assert "map_staged" not in GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
+
+
+def test_a_residual_of_another_dtype_or_under_a_permuted_store_is_read_from_global_memory():
+    class Fp32Residual(torch.nn.Module):  # the staging tile holds the output's dtype only
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 128)
+
+        def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            return (self.fc(x).float() + r).half()
+
+    module = Fp32Residual().half()
+    x, r = torch.randn(2, 5, 64, dtype=torch.float16), torch.randn(2, 5, 128)
+    graph = canonicalize(trace(module, (x, r), {}))
+    (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
+    problem = GEMM_EPILOGUE.match(graph, group)
+    assert problem.details["tma_store"] and problem.details["staged"] is None
+    assert "LOAD_FULL" in problem.details["chain"]
+
+    class ResidualThenHeadSplit(torch.nn.Module):  # no TMA store (rows permuted), so no staging tile
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(64, 128)
+
+        def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            return (self.fc(x) + r).view(2, 5, 2, 64).transpose(1, 2)
+
+    module = ResidualThenHeadSplit().half()
+    x, r = torch.randn(2, 5, 64, dtype=torch.float16), torch.randn(2, 5, 128, dtype=torch.float16)
+    graph = canonicalize(trace(module, (x, r), {}))
+    (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
+    problem = GEMM_EPILOGUE.match(graph, group)
+    assert not problem.details["tma_store"] and problem.details["staged"] is None

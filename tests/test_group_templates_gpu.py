@@ -45,19 +45,22 @@ def test_group_kernel_matches_torch(module_type, template, kind, shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ctas", [1, 3])
-def test_persistent_gemm_walks_many_tiles_per_cta(ctas, dtype):
+@pytest.mark.parametrize("module_name", ["LinearGelu", "LinearResidual"])
+def test_persistent_gemm_walks_many_tiles_per_cta(module_name, ctas, dtype):
     """At most one CTA per SM walks the tiles, so on the odd shapes every CTA has one tile at
     most; a grid of 1 or 3 CTAs makes each walk dozens: both ping-pong teams, the ring's laps
-    across tile boundaries and ragged last tiles."""
-    from group_cases import LinearGelu
+    across tile boundaries and ragged last tiles, and (the residual) the staged operand's tile
+    loaded into each warpgroup's staging tile again and again."""
+    import group_cases
 
     from stof_cc.runtime.group import GroupLaunch
     from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
 
     if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
         pytest.skip("gemm_epilogue needs sm_90")
-    module, (x, r), graph, group = build(LinearGelu, "gemm", (3, 111, 264), dtype)  # M = 333: ragged
+    module, (x, r), graph, group = build(getattr(group_cases, module_name), "gemm", (3, 111, 264), dtype)  # M = 333
     problem = GEMM_EPILOGUE.match(graph, group)
+    assert (problem.details["staged"] is not None) == (module_name == "LinearResidual")
     want = module.float()(x.float(), r.float()).cuda()
     values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
     values |= {name: t.cuda() for name, t in graph.constants.items()}

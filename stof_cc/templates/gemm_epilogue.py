@@ -9,7 +9,11 @@ warpgroups take alternate tiles so one's epilogue (GELU is ~30 instructions per 
 under the other's tensor-core work, under ``cooperative`` they share each tile. Row-major
 outputs (N a multiple of 8) leave through shared staging tiles and TMA bulk stores
 (``tma_store``): 16-byte-aligned full-sector writes issued by one thread, asynchronous to
-the next tile's mainloop, instead of 4-byte stores from every thread.
+the next tile's mainloop, instead of 4-byte stores from every thread. Such an output's
+residual (an output-shaped operand of its dtype) is *staged*: TMA loads its tile into the
+same staging tile under the last k-steps' products, and the epilogue reads it from there
+(BERT-base's out-projection and FFN2: 33.5-34.0 -> 31.2-32.3 us at K = 3072; the e2e
+forward 2-3% faster, RESULTS.md 2026-11-24 third).
 
 Tried and taken out: clusters of two CTAs multicasting each W chunk (TMA ``.multicast::cluster``,
 consumers releasing buffers in both CTAs). Correct on the H100, but its best point was 0.87-0.96x
@@ -73,18 +77,20 @@ class GemmEpilogueTemplate(GroupTemplate):
     kinds = ("gemm",)
     arch_features = "a"
     capabilities = ((9, 0),)
-    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store", "tma_store")
+    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store", "tma_store",
+                   "staged")
 
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
         problem = output_problem(graph, group)
         anchor, tail = gemm_anchor(graph, group)
         elementwise, layout = split_epilogue(graph, tail)
-        problem.details = gemm_details(graph, group, anchor, elementwise)
-        store_index, paired = _store_index(graph, anchor, layout)
+        n = graph.node(anchor.args[1].name).spec.shape[0]
         # TMA stores the output where it stays row-major [..., N] with 16-byte rows (the launcher
         # encodes the output's map over its last dimension: a view that splits N cannot use it)
-        row_major = all(node.op != "transpose" for node in layout) and problem.shape[-1] == problem.details["n"]
-        tma_store = row_major and problem.dtype in MMA_DTYPES and problem.details["n"] % 8 == 0
+        row_major = all(node.op != "transpose" for node in layout) and problem.shape[-1] == n
+        tma_store = row_major and problem.dtype in MMA_DTYPES and n % 8 == 0
+        problem.details = gemm_details(graph, group, anchor, elementwise, problem.dtype if tma_store else None)
+        store_index, paired = _store_index(graph, anchor, layout)
         problem.details |= {"store_index": store_index, "paired_store": paired, "tma_store": tma_store}
         return problem
 
@@ -113,20 +119,25 @@ class GemmEpilogueTemplate(GroupTemplate):
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
         d = problem.details
         a_and_w = (d["m"] + d["n"]) * d["k"] * problem.dtype.itemsize
-        epilogue = moved_bytes(problem) - a_and_w  # the output and the epilogue's operands
+        staged = d["m"] * d["n"] * problem.dtype.itemsize if d["staged"] is not None else 0  # under the products
+        epilogue = moved_bytes(problem) - a_and_w - staged  # the output and the epilogue's other operands
         return gemm_us(d["m"], d["n"], d["k"], params["block_m"], params["block_n"], params["stages"], epilogue,
                        sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d["epilogue_ops"],
                        tma_store=d["tma_store"])
 
     def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
-        return [op["ref"] for op in problem.details["operands"][:2]]  # A and W: TMA needs 16-byte addresses
+        d = problem.details
+        mapped = [0, 1] + ([d["staged"]] if d["staged"] is not None else [])  # TMA needs 16-byte addresses
+        return [d["operands"][index]["ref"] for index in mapped]
 
     def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
-        """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store): a
-        consumer warpgroup's rows."""
+        """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store) and the
+        staged operand: a consumer warpgroup's rows."""
         maps = [(0, params["block_m"], 64), (1, params["block_n"], 64)]
         if problem.details["tma_store"]:
             maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
+        if problem.details["staged"] is not None:
+            maps.append((problem.details["staged"], _rows_per_warpgroup(params), 64))
         return maps
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
@@ -191,21 +202,35 @@ def gemm_anchor(graph: Graph, group: FusionGroup) -> tuple[Node, tuple[str, ...]
     return anchor, group.nodes[position + 1:]
 
 
-def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: list[str]) -> dict[str, Any]:
+def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: list[str],
+                 staged_dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Sizes, operands (A, W, bias, then the chain's) and the epilogue chain's C++ (``chain``
-    computing ``result`` from the accumulator ``acc_v``) of a GEMM group."""
+    computing ``result`` from the accumulator ``acc_v``) of a GEMM group.
+
+    With ``staged_dtype`` (the output's, where the output is TMA-stored), the chain's first
+    output-shaped operand of that dtype (a residual) is *staged*: the kernel loads its tile with
+    TMA into the output's staging tile while the products run, and the chain reads it as
+    ``staged_v`` from there; ``staged`` is its index in the operands (else None)."""
     x, w = anchor.args[0], anchor.args[1]
     bias = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("bias")
     x_spec, w_spec = graph.node(x.name).spec, graph.node(w.name).spec
-    chain = Chain(graph, elementwise, {anchor.name: "acc_b"}, tuple(anchor.spec.shape), operand_prefix="ep")
+    known, shape = {anchor.name: "acc_b"}, tuple(anchor.spec.shape)
+    chain = Chain(graph, elementwise, known, shape, operand_prefix="ep")
+    residual = next((op.ref.name for op in chain.operands
+                     if op.access == "full" and graph.node(op.ref.name).spec.dtype == staged_dtype), None)
     operands = [kernel_operand(graph, x.name, "A", "full"), kernel_operand(graph, w.name, "W", "full")]
     if isinstance(bias, Ref):
         operands.append(kernel_operand(graph, bias.name, "bias", "row"))
+    staged = None
+    if residual is not None:
+        chain = Chain(graph, elementwise, known | {residual: "staged_v"}, shape, operand_prefix="ep")
+        staged = len(operands)
+        operands.append(kernel_operand(graph, residual, "staged", "staged"))
     operands += chain_operands(graph, group, chain)
     acc = "acc_v + LOAD_ROW(bias)" if isinstance(bias, Ref) else "acc_v"
     ops = [graph.node(name).op for name in elementwise] + (["add"] if isinstance(bias, Ref) else [])
     return {"m": math.prod(x_spec.shape[:-1]), "n": w_spec.shape[0], "k": x_spec.shape[-1], "operands": operands,
-            "epilogue_ops": epilogue_cost(ops),
+            "epilogue_ops": epilogue_cost(ops), "staged": staged,
             "dtype": MMA_DTYPES[x_spec.dtype], "chain": " " * 12 + f"const float acc_b = {acc};\n" + chain.code(" " * 12),
             "result": chain.result}
 
