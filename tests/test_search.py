@@ -76,7 +76,11 @@ def test_a_warm_database_measures_nothing(tmp_path: Path):
     def must_not_build(candidate):
         raise AssertionError("a warm database must not measure")
 
-    second = search(candidates, must_not_build, check, signature="g3", max_share=1.0, timer=timer, database=db,
+    def must_not_render():
+        raise AssertionError("a warm database must not render")
+
+    lazy = [Candidate(c.template, c.params, c.estimate_us, must_not_render) for c in candidates]
+    second = search(lazy, must_not_build, check, signature="g3", max_share=1.0, timer=timer, database=db,
                     device=H100)
     assert second.from_database and second.measured == 0
     assert second.winner.params == first.winner.params and "nothing measured" in str(second)

@@ -21,7 +21,7 @@ def test_candidates_follow_the_model_and_render():
     assert len(candidates) > 8
     assert [c.estimate_us for c in candidates] == sorted(c.estimate_us for c in candidates)
     assert candidates[0].params == explain_attention(2, 4, 1024, 1024, 64, mask).params
-    assert all("extern \"C\"" in c.source for c in candidates[:3])
+    assert all("extern \"C\"" in c.cuda_source() for c in candidates[:3])
     signature = attention_signature(problem, mask)
     assert "float16 B2 H4 Sq1024 Sk1024 D64" in signature
     one, two = (masks.from_dense(torch.rand(1024, 1024) > 0.5) for _ in range(2))

@@ -3,6 +3,7 @@ one problem and mask on the GPU, remember the winner, and make later calls run i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ def attention_candidates(problem: AttentionProblem, description: MaskDescription
     out = []
     for est in choose(problem, description).estimates:
         template = by_strategy[est.params["strategy"]]
-        out.append(Candidate(template, est.params, est.micros, template.render(problem, est.params)))
+        out.append(Candidate(template, est.params, est.micros, functools.partial(template.render, problem, est.params)))
     return out
 
 

@@ -10,6 +10,7 @@ are reported and skipped.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -106,7 +107,7 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
             continue
         for params in template.space(problem):
             candidate = Candidate(template, params, template.estimate(problem, params, sm_count()),
-                                  template.render(problem, params))
+                                  functools.partial(template.render, problem, params))
             candidates.append(candidate)
             problems[id(candidate)] = problem
     if not candidates:

@@ -36,12 +36,17 @@ MAX_ERROR = 1e-2
 
 @dataclass(frozen=True)
 class Candidate:
-    """One (template, parameter point) with the model's estimate and its source."""
+    """One (template, parameter point) with the model's estimate and its source: the text, or a
+    function rendering it, called only if the candidate is compiled (a search the database
+    answers renders nothing)."""
 
     template: KernelTemplate
     params: dict[str, Any]
     estimate_us: float
-    source: str
+    source: str | Callable[[], str]
+
+    def cuda_source(self) -> str:
+        return self.source() if callable(self.source) else self.source
 
 
 @dataclass
@@ -139,7 +144,7 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
                                 micros, ranked.index(winner) + 1, from_database=True)
     say = progress or (lambda _: None)
     say(f"{signature}: compiling {len(survivors)} of {len(ranked)} candidates")
-    errors = compile_many([(c.source, arch + c.template.arch_features) for c in survivors], workers)
+    errors = compile_many([(c.cuda_source(), arch + c.template.arch_features) for c in survivors], workers)
     outcomes = []
     for index, (candidate, error) in enumerate(zip(survivors, errors, strict=True), start=1):
         outcome = Outcome(candidate, failure=f"compile: {error.splitlines()[0]}" if error else "")
