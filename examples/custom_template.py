@@ -64,7 +64,7 @@ class SwiGLUSplitTemplate(stof_cc.GroupTemplate):
         return [{"threads": 128}, {"threads": 256}]
 
     def kernel_name(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> str:
-        return f"stof_{problem.group.name}_swiglu_t{params['threads']}"
+        return f"stof_swiglu_t{params['threads']}"  # no group name: identical layers share one kernel
 
     def render(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> str:
         return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),

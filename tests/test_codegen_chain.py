@@ -114,7 +114,8 @@ def test_elementwise_template_renders_and_compiles(dtype: torch.dtype):
     assert {p["vec"] for p in space} == {1, 8}  # 16-bit tensors, rows of 16: whole vectors
     for params in space:
         source = ELEMENTWISE.render(problem, params)
-        assert "// IR nodes implemented:" in source and f"%{group.nodes[0]}" in source
+        # the kernel's header names the template and operators, not the group's nodes (build files add those)
+        assert source.startswith("// stof-cc elementwise kernel") and f"%{group.nodes[0]}" not in source
         name = ELEMENTWISE.kernel_name(problem, params)
         report = compile_cubin(source, arch="sm_90").resources[name]
         assert report.spill_stores == 0

@@ -23,7 +23,7 @@ def test_group_kernel_compiles(module_type, template, kind, shape, dtype):
 
     def build_point(params):
         source = template.render(problem, params)
-        assert f"// stof-cc fusion group {group.name}" in source
+        assert source.startswith(f"// stof-cc {template.name} kernel ({kind}: ")
         return compile_cubin(source, arch="sm_90" + template.arch_features).resources[
             template.kernel_name(problem, params)]
 
@@ -55,3 +55,39 @@ def test_precompile_fills_the_cache_for_every_point(monkeypatch):
     monkeypatch.setattr(stof_cc.backends.nvcc, "_require_nvcc", no_nvcc)
     for params in points:  # every one a cache hit now
         compile_cubin(template.render(problem, params), arch="sm_90" + template.arch_features)
+
+
+def test_identical_layers_share_one_kernel_source_and_the_build_files_name_their_groups(tmp_path):
+    """Kernel sources carry no group or node names (the chain's values are numbered, kernel names
+    and headers name the template and operators), so a 3-layer encoder's layers render one source
+    per kind of group: one nvcc run and one loaded module each. The build folder's files still
+    open with their own group's nodes."""
+    import sys
+    from pathlib import Path
+
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from sparse_bert import factory
+
+    from stof_cc.codegen.build import build_groups
+    from stof_cc.ir.frontend import trace
+    from stof_cc.passes import partition, run_passes
+    from stof_cc.templates.group import group_templates
+    from stof_cc.tune.scheme import choose_scheme
+
+    model, (x, mask) = factory(layers=3)
+    graph = run_passes(trace(model.half(), (x.half(), mask), {}))
+    plan = partition(graph)
+    choose_scheme(graph, plan)
+    sources = []
+    for group in plan.scheme.groups:
+        if group.kind in ("gemm", "reduction"):
+            template = group_templates(group.kind)[0]
+            problem = template.match(graph, group)
+            sources.append(template.render(problem, template.default_params(problem)))
+    assert len(sources) == 3 * 6 and len(set(sources)) == 5  # Q/K/V, out-projection, FFN1, FFN2, LayerNorm
+    builds = build_groups(graph, plan, tmp_path, compile_kernels=False)
+    for b in builds:
+        if b.path is not None:
+            text = b.path.read_text()
+            assert text.startswith(f"// stof-cc fusion group {b.group.name} ") and f"%{b.group.anchor}" in text

@@ -86,7 +86,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
         source_path = cache_dir() / f"{key}.cu"
     if not source_path.exists() or source_path.read_text() != source:
         source_path.parent.mkdir(parents=True, exist_ok=True)
-        source_path.write_text(source)
+        _atomic_write(source_path, source.encode())  # another process may be compiling the same source
     if cubin_path.exists() and report_path.exists():
         return Compiled(cubin_path.read_bytes(), arch, parse_ptxas(report_path.read_text()), source_path)
 
@@ -105,7 +105,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
 
 def compile_many(jobs: list[tuple[str, str]], workers: int | None = None) -> list[str]:
     """Compile (source, arch) jobs into the cache in parallel (each nvcc is its own process);
-    one entry per job: '' or its error message."""
+    one entry per job: '' or its error message. Repeated jobs (identical layers) compile once."""
     def one(job: tuple[str, str]) -> str:
         try:
             compile_cubin(job[0], arch=job[1])
@@ -115,8 +115,10 @@ def compile_many(jobs: list[tuple[str, str]], workers: int | None = None) -> lis
 
     if not jobs:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(jobs)))) as pool:
-        return list(pool.map(one, jobs))
+    distinct = list(dict.fromkeys(jobs))
+    with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(distinct)))) as pool:
+        errors = dict(zip(distinct, pool.map(one, distinct), strict=True))
+    return [errors[job] for job in jobs]
 
 
 def _require_nvcc() -> str:

@@ -109,7 +109,8 @@ def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, di
             reasons.append(f"{template.name}: {why}")
             continue
         params = template.default_params(problem)
-        return (template, template.render(problem, params), params, "fused",
+        header = group_header(graph, group, template.name, params)
+        return (template, f"{header}\n{template.render(problem, params)}", params, "fused",
                 template.estimate(problem, params, H100_SM_COUNT))
     raise NotFusable("; ".join(reasons))
 

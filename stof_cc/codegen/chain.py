@@ -141,7 +141,9 @@ class Chain:
         if tuple(spec.shape) != self.shape and not self._broadcasts_to_row(spec):
             raise NotFusable(f"%{node.name}: shape {tuple(spec.shape)} is neither the output's {self.shape} nor a row")
         args = [self._value(node, a) for a in node.args[:count]]
-        var = f"v_{node.name}"
+        # positional (prefixed: a kernel may hold two chains), not the node's name, so that identical groups
+        # render identical code
+        var = f"{self._prefix}_v{len(self.lines)}"
         self.lines.append(f"const float {var} = {emit(node, args)};")
         self._values[node.name] = var
 

@@ -67,7 +67,7 @@ class ElementwiseTemplate(GroupTemplate):
         return [op["ref"] for op in problem.details["operands"] if op["access"] != "scalar"]
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return f"stof_{problem.group.name}_elementwise_t{params['threads']}_v{params['vec']}"
+        return f"stof_elementwise_t{params['threads']}_v{params['vec']}"
 
     def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         chain = problem.details["chain"]

@@ -141,7 +141,7 @@ class GemmEpilogueTemplate(GroupTemplate):
         return maps
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return f"stof_{problem.group.name}_gemm_{point_tag(params)}"
+        return f"stof_gemm_{point_tag(params)}"
 
     def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
         return self.render_source_with(problem, params)
@@ -266,7 +266,7 @@ def _store_index(graph: Graph, anchor: Node, layout: list[Node]) -> tuple[str, b
         old_strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
         new_strides = [math.prod(new_shape[i + 1:]) for i in range(len(new_shape))]
         terms = [f"(out_index / {old_strides[d]}LL % {shape[d]}LL) * {new_strides[i]}LL" for i, d in enumerate(order)]
-        lines.append(f"out_index = {' + '.join(terms)};  // %{node.name}: permute {order}")
+        lines.append(f"out_index = {' + '.join(terms)};  // permute {order}")
         shape = new_shape
         if tuple(shape) != tuple(node.spec.shape):
             raise NotFusable(f"%{node.name}: permuted shape {shape} disagrees with {node.spec}")

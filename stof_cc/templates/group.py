@@ -118,7 +118,12 @@ class GroupTemplate(KernelTemplate):
                                         f"example" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return group_header(problem.graph, problem.group, self.name, params)
+        """The comment opening the kernel source: template, parameters and the operators, but no
+        node or group names, so that identical layers render one source (one nvcc run, one
+        module; the file in the build folder adds the group's nodes, `group_header`)."""
+        ops = ", ".join(problem.graph.node(n).op for n in problem.group.nodes)
+        return (f"// stof-cc {self.name} kernel ({problem.group.kind}: {ops})\n"
+                f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}")
 
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
         """Stage 1's microseconds for this point without running it. The default, for templates
@@ -169,7 +174,8 @@ def moved_bytes(problem: GroupProblem) -> int:
 
 
 def group_header(graph: Graph, group: FusionGroup, template: str, params: dict[str, Any]) -> str:
-    """The comment that opens every generated file: which IR nodes, which parameters."""
+    """The comment that opens every generated file in the build folder: which group, which IR
+    nodes, which parameters (the kernel source after it is shared by identical groups)."""
     lines = [f"// stof-cc fusion group {group.name} ({group.kind}) -> {template}",
              f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}",
              "// IR nodes implemented:"]

@@ -121,7 +121,7 @@ class RowReduceTemplate(GroupTemplate):
         return [op["ref"] for op in problem.details["operands"] if op["access"] != "scalar"]
 
     def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return (f"stof_{problem.group.name}_row_reduce_{problem.details['reduction']}"
+        return (f"stof_row_reduce_{problem.details['reduction']}"
                 f"_t{params['row_threads']}x{params['rows']}_v{params['vec']}")
 
     def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
