@@ -65,7 +65,6 @@ def test_identical_layers_share_one_kernel_source_and_the_build_files_name_their
     import sys
     from pathlib import Path
 
-
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from sparse_bert import factory
 

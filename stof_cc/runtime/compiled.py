@@ -270,9 +270,9 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     Group kernels run the tuning database's winners where it has them (``database``: a
     `TuningDatabase` or its path; default the user's); ``tune`` (the default) first measures, on
     the GPU, every group the database has no record for (`stof-cc tune` does the same from the
-    shell): the first compile of a BERT-base encoder takes ~40 s more on an H100, and end to end
-    it ran 2-6% faster than with stage 1's picks (RESULTS.md, 2026-11-24); a warm database
-    measures nothing (BERT-base: 1.6-2.2 s on the H100). ``tune=False`` reads the database and otherwise takes stage 1's picks.
+    shell): a cold compile of a BERT-base encoder takes ~20 s on an H100 (nvcc and stage 2
+    included), and end to end it ran 2-6% faster than with stage 1's picks (RESULTS.md,
+    2026-11-24); a warm database measures nothing (BERT-base: 1.1-2.2 s on the H100). ``tune=False`` reads the database and otherwise takes stage 1's picks.
     ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (not for models with
     key padding, whose masks are read per call; a failed capture warns and runs uncaptured)."""
     module = copy.deepcopy(model).to(dtype).eval()

@@ -122,8 +122,7 @@ class GroupTemplate(KernelTemplate):
         node or group names, so that identical layers render one source (one nvcc run, one
         module; the file in the build folder adds the group's nodes, `group_header`)."""
         ops = ", ".join(problem.graph.node(n).op for n in problem.group.nodes)
-        return (f"// stof-cc {self.name} kernel ({problem.group.kind}: {ops})\n"
-                f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}")
+        return f"// stof-cc {self.name} kernel ({problem.group.kind}: {ops})\n{_parameters_line(params)}"
 
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
         """Stage 1's microseconds for this point without running it. The default, for templates
@@ -176,11 +175,14 @@ def moved_bytes(problem: GroupProblem) -> int:
 def group_header(graph: Graph, group: FusionGroup, template: str, params: dict[str, Any]) -> str:
     """The comment that opens every generated file in the build folder: which group, which IR
     nodes, which parameters (the kernel source after it is shared by identical groups)."""
-    lines = [f"// stof-cc fusion group {group.name} ({group.kind}) -> {template}",
-             f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}",
+    lines = [f"// stof-cc fusion group {group.name} ({group.kind}) -> {template}", _parameters_line(params),
              "// IR nodes implemented:"]
     lines += [f"//   {graph.node(n)}" for n in group.nodes]
     return "\n".join(lines)
+
+
+def _parameters_line(params: dict[str, Any]) -> str:
+    return f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}"
 
 
 def group_templates(kind: str) -> list[GroupTemplate]:
