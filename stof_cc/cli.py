@@ -106,6 +106,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             BackendError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
+        print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def describe_os_error(exc: OSError) -> str:
+    """What went wrong writing a path, naming the file in the way when a folder was expected."""
+    if exc.filename is None:
+        return str(exc)
+    path = Path(exc.filename)
+    in_the_way = next((p for p in (path, *path.parents) if p.is_file()), None)
+    if in_the_way is not None and isinstance(exc, (FileExistsError, NotADirectoryError)):
+        return f"cannot write {path}: {in_the_way} is a file, not a folder"
+    return f"cannot write {path}: {exc.strerror or exc}"
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

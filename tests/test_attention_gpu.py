@@ -106,3 +106,13 @@ def test_bad_inputs_are_named():
         attention(q.cpu(), q.cpu(), q.cpu())
     with pytest.raises(masks.MaskError):
         attention(q, q, q, torch.ones(32, 32, dtype=torch.bool, device="cuda"))
+
+
+def test_mask_mod_capturing_cuda_tensors():
+    """Per-head windows in a CUDA tensor, as FlexAttention users write them: the mask_mod runs
+    on the device of what it captures, in attention and in the reference's dense mask alike."""
+    windows = torch.tensor([3, 17, 64], device="cuda")
+    mask = masks.from_mask_mod(lambda b, h, q, k: (q - k).abs() <= windows[h])
+    q, k, v = _inputs(300, 64, torch.float16)
+    dense = mask.to_dense(300, batch=BATCH, heads=HEADS).cuda()
+    _check(attention(q, k, v, mask), masked_attention(q, k, v, dense), "per-head CUDA windows")

@@ -27,3 +27,13 @@ def test_problems_past_the_grid_limits_are_named():
         explain_attention(70000, 1, 16, 16, 64)  # batch is the grid's y
     with pytest.raises(AttentionInputError, match="no attention kernel runs"):
         explain_attention(1, 1, 65536 * 192 + 1, 16, 64)
+
+
+@pytest.mark.parametrize("bad", ["128", 128.0, True, None])
+def test_explain_attention_names_a_size_that_is_not_an_int(bad):
+    from stof_cc import explain_attention
+
+    with pytest.raises(AttentionInputError, match=r"seq_q must be an int, got"):
+        explain_attention(1, 1, bad, 128, 64)
+    with pytest.raises(AttentionInputError, match="dtype 'fp16' is not supported"):
+        explain_attention(1, 1, 128, 128, 64, dtype="fp16")

@@ -94,3 +94,17 @@ def test_compile_writes_and_compiles_group_kernels(example_path, tmp_path, capsy
     assert index.count('<a href="g') == 6 and "fusion.svg" in index and "not tuned" in index
     svg = (build / "fusion.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") == 22  # one box per computed node of the layer
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect", "{tiny_bert}", "--quiet-graph", "--build-dir", "{file}/build"],
+    ["compile", "{gpt2_block}", "--no-nvcc", "--build-dir", "{file}/build"],
+    ["attention", "--mask", "causal", "--seq", "256", "--build-dir", "{file}/build"],
+    ["masks", "show", "causal", "--seq", "64", "--out", "{file}/mask.png"],
+])
+def test_an_output_path_under_a_file_is_a_clear_error(command, example_path, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    names = {"file": blocker, "tiny_bert": example_path("tiny_bert"), "gpt2_block": example_path("gpt2_block")}
+    assert main([part.format(**names) for part in command]) == 2
+    assert f"{blocker} is a file, not a folder" in capsys.readouterr().err

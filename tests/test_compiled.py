@@ -280,3 +280,46 @@ def test_compile_reports_the_groups_it_tuned_and_stays_quiet_on_database_hits(ca
     err = capsys.readouterr().err
     assert err.startswith("stof_cc.compile: tuned gemm linear -> f16[4,8]: 27 candidates")
     assert "8 measured" in err and "winner gemm_epilogue {'block_m': 128}: 9.5 us, rank 2" in err
+
+
+class _SDPA(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def test_mask_override_holds_where_attention_runs_in_torch():
+    """compile(mask=...) on the torch path (the CPU): the mask the kernels would apply, not
+    the model's own (no mask here); a row with no allowed key gives 0 as on the kernel path."""
+    from stof_cc import masks
+
+    q, k, v = (torch.randn(2, 4, 96, 32) for _ in range(3))
+    causal = stof_cc.compile(_SDPA(), (q, k, v), mask=masks.causal(), dtype=torch.float32)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(causal(q, k, v), want, rtol=1e-5, atol=1e-5)
+    padded = stof_cc.compile(_SDPA(), (q, k, v), mask=masks.key_padding([96, 0]), dtype=torch.float32)
+    out = padded(q, k, v)
+    torch.testing.assert_close(out[0], torch.nn.functional.scaled_dot_product_attention(q, k, v)[0],
+                               rtol=1e-5, atol=1e-5)
+    assert not out[1].any()  # batch 1 attends no key
+
+
+def test_mask_override_that_changes_nothing_warns():
+    from stof_cc import masks
+
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match="has no attention node: the mask changes nothing"):
+        stof_cc.compile(torch.nn.Linear(8, 8), (x,), mask=masks.causal(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model": lambda x: x}, "model must be a torch.nn.Module, got function"),
+    ({"example_inputs": None}, "example_inputs must be a tensor or a tuple"),
+    ({"example_kwargs": [1]}, "example_kwargs must be a dict or None, got list"),
+    ({"mask": "not a mask"}, "mask must be a stof_cc.masks description, a bool tensor or None, got str"),
+    ({"dtype": "float16"}, "dtype must be torch.float16, torch.bfloat16 or torch.float32"),
+])
+def test_compile_names_a_bad_argument(change, message):
+    q = torch.randn(1, 1, 16, 32)
+    arguments = {"model": _SDPA(), "example_inputs": (q, q, q)} | change
+    with pytest.raises(TypeError, match=message):
+        stof_cc.compile(arguments.pop("model"), arguments.pop("example_inputs"), **arguments)

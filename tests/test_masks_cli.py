@@ -174,3 +174,43 @@ def test_module_entry_point(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _dense_render_left(dense: torch.Tensor, max_px: int) -> np.ndarray:
+    """The mask panel drawn the obvious way, from a dense [S_q, S_k] tensor: the reference."""
+    seq_q, seq_k = dense.shape
+    f = max(1, -(-max(seq_q, seq_k) // max_px))
+    rows, cols = -(-seq_q // f), -(-seq_k // f)
+    padded = torch.zeros(rows * f, cols * f)
+    padded[:seq_q, :seq_k] = dense.float()
+    inside = torch.zeros_like(padded)
+    inside[:seq_q, :seq_k] = 1
+    density = padded.view(rows, f, cols, f).sum((1, 3)) / inside.view(rows, f, cols, f).sum((1, 3))
+    paper, ink = torch.tensor(PAPER, dtype=torch.float), torch.tensor(INK, dtype=torch.float)
+    return (paper + (ink - paper) * density[..., None]).round().to(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize(("desc", "seq_q", "seq_k", "block", "max_px"), [
+    (masks.longformer(128, 32), 2048, 2048, (64, 64), 1024),
+    (masks.bigbird(64, 32, 2), 2000, 2000, (128, 64), 300),
+    (masks.causal(), 1000, 700, (16, 16), 1024),
+    (masks.sliding_window(37), 777, 777, (64, 128), 100),
+    (masks.dilated(64, 2) | masks.key_padding([1000, 3]), 1500, 1100, (64, 64), 256),
+])
+def test_render_from_the_block_lists_equals_the_dense_drawing(desc, seq_q, seq_k, block, max_px, monkeypatch):
+    bm = desc.block_mask(seq_q, seq_k, *block, batch=2 if "key_padding" in repr(desc) else None)
+    want = _dense_render_left(bm.dense_slice(bm.batch - 1, 0), max_px)
+    monkeypatch.setattr(masks.BlockMask, "dense_slice", None)  # the picture never densifies
+    monkeypatch.setattr(masks.BlockMask, "block_classes", None)
+    image = render(bm, b=bm.batch - 1, max_px=max_px)
+    assert np.array_equal(image[:, : want.shape[1]], want)
+
+
+def test_show_draws_a_long_sequence_from_its_block_map(tmp_path, monkeypatch):
+    """S = 200000 would be 40 GB as a dense mask; the picture reads the block lists only."""
+    monkeypatch.setattr(masks.BlockMask, "dense_slice", None)
+    monkeypatch.setattr(masks.BlockMask, "block_classes", None)
+    assert main(["show", "sliding:w=8", "--seq", "200000", "--max-px", "1000", "--out", str(tmp_path / "m.png")]) == 0
+    width, height, pixels = _read_png((tmp_path / "m.png").read_bytes())
+    assert (width, height) == (2 * 1000 + GAP, 1000)  # 200 elements per pixel
+    assert tuple(pixels[500, 500]) != PAPER and tuple(pixels[500, 10]) == PAPER  # the band, nothing off it

@@ -4,17 +4,26 @@ Used two ways: offline (CI, no GPU: does every template instantiation compile fo
 and with how many registers and how much shared memory?) and at run time, where the
 PyCUDA backend loads the cubin this produces. Cubins are cached on disk by a hash of
 (source, arch, flags, nvcc version), so a second compile of the same kernel is a file read.
+A damaged entry (a cubin that is not a whole ELF file, a report naming no kernel) is rebuilt;
+a cache folder that cannot be written still serves its entries and compiles the rest uncached,
+with one `KernelCacheWarning`. Entries are written atomically, with the umask's permissions,
+so threads, processes and users can share one cache.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
+import threading
+import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -24,6 +33,14 @@ DEFAULT_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo")
 
 class CompileError(RuntimeError):
     """nvcc rejected a generated kernel; the message names the .cu file and line."""
+
+
+class KernelCacheError(CompileError):
+    """The cubin cache folder is a file or cannot be created; the message names it and the fix."""
+
+
+class KernelCacheWarning(UserWarning):
+    """The cubin cache folder cannot be written: kernels still compile, but are not cached."""
 
 
 @dataclass(frozen=True)
@@ -64,11 +81,22 @@ def nvcc_version() -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("STOF_CC_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "stof-cc"
-    )
-    path = Path(root) / "cubin"
-    path.mkdir(parents=True, exist_ok=True)
+    """The cubin cache folder, created if missing: ``$STOF_CC_CACHE/cubin``, else under
+    ``$XDG_CACHE_HOME`` or ``~/.cache``. Raises KernelCacheError when a file is in the way or
+    the folder cannot be created (a traceback from mkdir would not say which setting to fix)."""
+    env = os.environ.get("STOF_CC_CACHE")
+    root = Path(env or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "stof-cc"))
+    path = root / "cubin"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        name = f"STOF_CC_CACHE={env}" if env else str(root)
+        blocker = next((p for p in (path, *path.parents) if os.path.isfile(p)), None)
+        problem = (f"{name} is a file, not a folder" if blocker == root
+                   else f"{name}: {blocker} is a file, not a folder" if blocker
+                   else f"{name}: cannot create {path} ({exc.strerror or exc})")
+        fix = "point STOF_CC_CACHE at a folder you can write" + (", or unset it" if env else "")
+        raise KernelCacheError(f"kernel cache unusable: {problem}; {fix}") from exc
     return path
 
 
@@ -77,18 +105,23 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
     """Compile ``source`` for ``arch`` (e.g. ``sm_90``); cached by content.
 
     ``source_path`` is where the user can read the source (the build folder); errors
-    name it. Without one, the source is written next to the cache entry.
+    name it. Without one, the source is written next to the cache entry, or, when the cache
+    folder cannot be written, to a temporary folder kept for this process. A cache entry
+    that fails its checks (`_read_entry`) is silently rebuilt; one that cannot be stored is
+    returned uncached, with a KernelCacheWarning (once per folder).
     """
     key = hashlib.sha256("\0".join([source, arch, *flags, nvcc_version()]).encode()).hexdigest()[:24]
-    cubin_path = cache_dir() / f"{key}.cubin"
-    report_path = cache_dir() / f"{key}.ptxas.txt"
-    if source_path is None:
-        source_path = cache_dir() / f"{key}.cu"
-    if not source_path.exists() or source_path.read_text() != source:
-        source_path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(source_path, source.encode())  # another process may be compiling the same source
-    if cubin_path.exists() and report_path.exists():
-        return Compiled(cubin_path.read_bytes(), arch, parse_ptxas(report_path.read_text()), source_path)
+    folder = cache_dir()
+    cubin_path, report_path = folder / f"{key}.cubin", folder / f"{key}.ptxas.txt"
+    if source_path is not None:
+        _write_source(source_path, source)
+    else:
+        try:
+            source_path = _write_source(folder / f"{key}.cu", source)
+        except OSError:
+            source_path = _write_source(_scratch_dir() / f"{key}.cu", source)
+    if (entry := _read_entry(cubin_path, report_path)) is not None:
+        return Compiled(entry[0], arch, entry[1], source_path)
 
     with tempfile.TemporaryDirectory(prefix="stof-nvcc-") as tmp:
         out = Path(tmp) / "kernel.cubin"
@@ -98,14 +131,18 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
         if proc.returncode != 0:
             raise CompileError(_format_errors(source_path, proc.stderr))
         cubin = out.read_bytes()
-    _atomic_write(cubin_path, cubin)
-    _atomic_write(report_path, proc.stderr.encode())
+    try:
+        _atomic_write(cubin_path, cubin)
+        _atomic_write(report_path, proc.stderr.encode())
+    except OSError as exc:
+        _warn_uncached(folder, exc)
     return Compiled(cubin, arch, parse_ptxas(proc.stderr), source_path)
 
 
 def compile_many(jobs: list[tuple[str, str]], workers: int | None = None) -> list[str]:
     """Compile (source, arch) jobs into the cache in parallel (each nvcc is its own process);
-    one entry per job: '' or its error message. Repeated jobs (identical layers) compile once."""
+    one entry per job: '' or its error message. Repeated jobs (identical layers) compile once.
+    An unusable cache folder raises KernelCacheError once, rather than failing every job."""
     def one(job: tuple[str, str]) -> str:
         try:
             compile_cubin(job[0], arch=job[1])
@@ -115,6 +152,7 @@ def compile_many(jobs: list[tuple[str, str]], workers: int | None = None) -> lis
 
     if not jobs:
         return []
+    cache_dir()
     distinct = list(dict.fromkeys(jobs))
     with ThreadPoolExecutor(max_workers=max(1, min(workers or os.cpu_count() or 1, len(distinct)))) as pool:
         errors = dict(zip(distinct, pool.map(one, distinct), strict=True))
@@ -128,11 +166,73 @@ def _require_nvcc() -> str:
     return exe
 
 
+_lock = threading.Lock()  # compile_many calls compile_cubin from several threads
+_scratch: Path | None = None
+_warned: set[Path] = set()
+
+
+def _read_entry(cubin_path: Path, report_path: Path) -> tuple[bytes, dict[str, Resources]] | None:
+    """A cache entry's cubin and parsed report, or None (a miss) when either is missing or
+    damaged: the cubin must be a whole ELF64 file (header, and program and section header
+    tables inside it; checked on the bytes already read, no subprocess), and the report must
+    name at least one kernel, since callers index ``resources`` by kernel name."""
+    try:
+        cubin, report = cubin_path.read_bytes(), report_path.read_bytes().decode(errors="replace")
+    except OSError:
+        return None
+    if len(cubin) < 64 or not cubin.startswith(b"\x7fELF\x02\x01"):  # ELF64 little-endian header
+        return None
+    phoff, shoff, _, _, phentsize, phnum, shentsize, shnum = struct.unpack_from("<QQIHHHHH", cubin, 32)
+    if shnum == 0 or shoff + shentsize * shnum > len(cubin) or phoff + phentsize * phnum > len(cubin):
+        return None
+    resources = parse_ptxas(report)
+    return (cubin, resources) if resources else None
+
+
+def _write_source(path: Path, source: str) -> Path:
+    """Write ``source`` to ``path`` (nvcc compiles that file; errors name it) unless it is there."""
+    data = source.encode()
+    with contextlib.suppress(OSError):
+        if path.read_bytes() == data:
+            return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, data)  # another process may be compiling the same source
+    return path
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    """Write to a unique temporary name, then rename: readers never see a partial file. Created
+    with mode 0o666 so the kernel applies the umask (a cache shared between users stays readable)."""
+    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _scratch_dir() -> Path:
+    """This process's folder for sources the cache folder cannot take; kept until exit (and
+    after), since ``Compiled.source_path`` and ``Kernel.source_path`` point into it."""
+    global _scratch
+    with _lock:
+        if _scratch is None:
+            _scratch = Path(tempfile.mkdtemp(prefix="stof-cc-uncached-"))
+        return _scratch
+
+
+def _warn_uncached(folder: Path, exc: OSError) -> None:
+    """One KernelCacheWarning per folder, not one per kernel (compile_many compiles hundreds)."""
+    with _lock:
+        if folder in _warned:
+            return
+        _warned.add(folder)
+    warnings.warn(KernelCacheWarning(
+        f"cannot write to the kernel cache folder {folder} ({exc.strerror or exc}): compiled kernels "
+        "are not being cached; point STOF_CC_CACHE at a folder you can write"), stacklevel=3)
 
 
 def _format_errors(source_path: Path, stderr: str) -> str:

@@ -48,8 +48,9 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
 
 def _collapse(classes: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Shrink the batch and head dims to 1 where every slice has the same classes and tiles.
-    Tiles are in row-major (b, h, i, j) order, so equal class grids mean equal-sized,
-    contiguous runs of tiles per slice."""
+    Tiles are in row-major (b, h, i, j) order, so each slice's tiles are one contiguous run;
+    slices with equal class grids have equal-sized runs (but different batch elements may
+    not: causal with per-sequence padding has more partial tiles in a shorter sequence)."""
     words = bits.shape[1]
     batch = classes.shape[0]
     if batch > 1 and bool((classes == classes[:1]).all()):
@@ -58,7 +59,8 @@ def _collapse(classes: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, 
             classes, bits = classes[:1], runs[0]
     batch, heads = classes.shape[:2]
     if heads > 1 and bool((classes == classes[:, :1]).all()):
-        runs = bits.view(batch, heads, bits.shape[0] // (batch * heads), words)
-        if bool((runs == runs[:, :1]).all()):
-            classes, bits = classes[:, :1], runs[:, 0].reshape(-1, words)
+        per_batch = bits.split((classes == PARTIAL).sum((1, 2, 3)).tolist())
+        runs = [run.view(heads, run.shape[0] // heads, words) for run in per_batch]
+        if all(bool((run == run[:1]).all()) for run in runs):
+            classes, bits = classes[:, :1], torch.cat([run[0] for run in runs])
     return classes.contiguous(), bits.contiguous()

@@ -6,6 +6,7 @@ counting each block's True elements, a mask_mod has every block evaluated (in ch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -59,11 +60,13 @@ class _Dense(MaskDescription):
 
 
 class _MaskMod(MaskDescription):
-    """A user mask_mod, evaluated on every block and checked on every call."""
+    """A user mask_mod, evaluated on every block and checked on every call. It runs on the
+    device of the tensors it captures (FlexAttention users index CUDA tables in their
+    mask_mods): index tensors go there and the result comes back to the caller's device."""
 
-    def __init__(self, fn: MaskMod, name: str) -> None:
+    def __init__(self, fn: MaskMod, name: str, device: torch.device | None) -> None:
         super().__init__()
-        self.fn, self.name = fn, name
+        self.fn, self.name, self.device = fn, name, device
 
     def __repr__(self) -> str:
         return f"from_mask_mod({self.name})"
@@ -79,7 +82,18 @@ class _MaskMod(MaskDescription):
         return shape[0], shape[1]
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        out = self.fn(b, h, q, k)
+        home = q.device
+        if self.device is not None and self.device != home:
+            b, h, q, k = (t.to(self.device) for t in (b, h, q, k))
+        try:
+            out = self.fn(b, h, q, k)
+        except RuntimeError as exc:
+            if "same device" not in str(exc):
+                raise
+            raise MaskError(
+                f"from_mask_mod: {self.name} mixes devices ({exc}); pass "
+                "from_mask_mod(fn, device=...) naming the device of the tensors it captures"
+            ) from None
         if not isinstance(out, Tensor):
             raise MaskTypeError(
                 f"from_mask_mod: {self.name} returned {type(out).__name__}, not a bool tensor"
@@ -99,7 +113,7 @@ class _MaskMod(MaskDescription):
                 f"from_mask_mod: {self.name} returned shape {tuple(out.shape)}, which does not "
                 f"broadcast to the index shape {tuple(index_shape)}"
             )
-        return out
+        return out.to(home)
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         return torch.full((1, 1, grid.n_rb, grid.n_cb), PARTIAL, dtype=torch.int8)
@@ -120,15 +134,47 @@ def from_dense(mask: Tensor) -> MaskDescription:
 
 
 def from_mask_mod(
-    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor], name: str | None = None
+    fn: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    name: str | None = None,
+    device: torch.device | str | None = None,
 ) -> MaskDescription:
     """A vectorised FlexAttention-style `fn(b, h, q, k) -> bool tensor` on broadcastable
     int64 index tensors. What it returns is checked (a bool tensor of the broadcast shape).
     Its batch/head dependence is read from how its result broadcasts over b and h; slices
-    that come out equal are collapsed when the mask is built."""
+    that come out equal are collapsed when the mask is built. ``fn`` runs on ``device``,
+    by default the device of the tensors it captures (closure cells, defaults, globals it
+    names), else wherever its index tensors are."""
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
-    return _MaskMod(fn, name or getattr(fn, "__name__", type(fn).__name__))
+    if device is None:
+        device = captured_device(fn)
+    return _MaskMod(fn, name or getattr(fn, "__name__", type(fn).__name__),
+                    None if device is None else torch.device(device))
+
+
+def captured_device(fn: Callable) -> torch.device | None:
+    """The device of the tensors ``fn`` captures, if they are on one device other than the
+    CPU: through its closure, default arguments, the globals it names, and (for a
+    functools.partial) its bound arguments."""
+    seen = []
+    while isinstance(fn, functools.partial):
+        seen += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        seen += [_cell_value(c) for c in fn.__closure__ or ()]
+        seen += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
+        seen += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
+    devices = {t.device for t in seen if isinstance(t, Tensor) and t.device.type != "cpu"}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _cell_value(cell: object) -> object:
+    try:
+        return cell.cell_contents  # type: ignore[attr-defined]
+    except ValueError:  # an empty cell: a name the function's scope assigns later
+        return None
+
 
 
 def from_padding(padding: Tensor, seq_q: int) -> MaskDescription:

@@ -11,7 +11,9 @@ support raises `AttentionInputError` naming the argument.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -183,8 +185,18 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Attention
 
 def _validated(problem: AttentionProblem) -> AttentionProblem:
     """The checks on sizes and dtype that `attention` and `explain_attention` share."""
-    if problem.dtype not in SUPPORTED_DTYPES:
-        raise AttentionInputError(f"dtype {problem.dtype} is not supported; supported: float16, bfloat16")
+    sizes = {}
+    for name in ("batch", "heads", "seq_q", "seq_k", "head_dim"):
+        value = getattr(problem, name)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            sizes[name] = operator.index(value)
+        except TypeError:
+            raise AttentionInputError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    problem = dataclasses.replace(problem, **sizes)
+    if not isinstance(problem.dtype, torch.dtype) or problem.dtype not in SUPPORTED_DTYPES:
+        raise AttentionInputError(f"dtype {problem.dtype!r} is not supported; supported: torch.float16, torch.bfloat16")
     if problem.head_dim not in SUPPORTED_HEAD_DIMS:
         raise AttentionInputError(f"head_dim {problem.head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
     if min(problem.batch, problem.heads, problem.seq_q, problem.seq_k) <= 0:

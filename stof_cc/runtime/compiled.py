@@ -35,7 +35,8 @@ from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
-from stof_cc.masks import MaskDescription, causal, from_padding
+from stof_cc.ir.reference import masked_attention
+from stof_cc.masks import MaskDescription, causal, from_dense, from_padding
 from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
@@ -89,6 +90,7 @@ class CompiledModule:
         self.database, self.tune = database, tune
         self.variants: dict[tuple, Variant] = {}
         self._padding_masks: dict[tuple, MaskDescription] = {}
+        self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating((args, kwargs), self.dtype)
@@ -156,6 +158,8 @@ class CompiledModule:
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
         graph = run_passes(trace(self.module, args, kwargs))
         graph.verify()
+        if self.mask is not None:
+            _check_mask_applies(graph)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
         gpu = self.use_gpu_kernels and _on_gpu((args, kwargs))
         plan = partition(graph)
@@ -231,6 +235,9 @@ class CompiledModule:
             if step.kind == "attention" and name == step.group.anchor:
                 env[name] = self._attention(graph.node(name), env, step.mask)
                 continue
+            if self.mask is not None and graph.node(name).op == "attention":  # mask= holds in torch too
+                env[name] = self._reference_attention(graph.node(name), env)
+                continue
             if (name, device) not in step.runners:  # prepared once per device, then reused every call
                 step.runners[name, device] = node_runner(graph, graph.node(name), device)
             env[name] = step.runners[name, device](env)
@@ -248,6 +255,17 @@ class CompiledModule:
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
         return attention(q, k, v, mask, given.get("scale"), out=out).to(dtype)
+
+    def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:
+        """An attention node run in torch under ``compile(mask=...)``: the mask replaces the
+        node's own, as on the kernel path, and a row with no allowed key gives 0 there too."""
+        given = attention_arguments(node)
+        q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
+        key = (tuple(q.shape), k.shape[-2], q.device)
+        if key not in self._dense_masks:
+            self._dense_masks[key] = self.mask.to_dense(q.shape[-2], k.shape[-2], q.shape[0],
+                                                        q.shape[1]).to(q.device)
+        return masked_attention(q, k, v, self._dense_masks[key], given.get("scale"))
 
     def _padding_mask(self, padding: torch.Tensor, seq_q: int, other: MaskDescription | None) -> MaskDescription:
         """The key-padding description of this call's ``attention_mask`` (combined with the node's
@@ -275,6 +293,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     2026-11-24); a warm database measures nothing (BERT-base: 1.1-2.2 s on the H100). ``tune=False`` reads the database and otherwise takes stage 1's picks.
     ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (not for models with
     key padding, whose masks are read per call; a failed capture warns and runs uncaptured)."""
+    mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype)
     module = copy.deepcopy(model).to(dtype).eval()
     gpu = _gpu_kernels_available()
     if gpu and not isinstance(database, TuningDatabase):
@@ -285,6 +304,45 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
     compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
     return compiled
+
+
+def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Any, mask: Any,
+                             dtype: Any) -> MaskDescription | None:
+    """`compile`'s arguments checked up front, each error naming the argument; a bool tensor
+    mask becomes its `from_dense` description."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"stof_cc.compile: model must be a torch.nn.Module, got {type(model).__name__} "
+                        "(wrap a function in a torch.nn.Module)")
+    if not isinstance(example_inputs, (torch.Tensor, tuple, list)):
+        raise TypeError(f"stof_cc.compile: example_inputs must be a tensor or a tuple of the model's "
+                        f"positional arguments, got {type(example_inputs).__name__}")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"stof_cc.compile: example_kwargs must be a dict or None, got "
+                        f"{type(example_kwargs).__name__}")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"stof_cc.compile: dtype must be torch.float16, torch.bfloat16 or torch.float32, "
+                        f"got {dtype!r}")
+    if isinstance(mask, torch.Tensor):
+        return from_dense(mask)
+    if mask is not None and not isinstance(mask, MaskDescription):
+        raise TypeError(f"stof_cc.compile: mask must be a stof_cc.masks description, a bool tensor or "
+                        f"None, got {type(mask).__name__}")
+    return mask
+
+
+def _check_mask_applies(graph: Graph) -> None:
+    """``compile(mask=...)`` replaces the masks of recognised attention nodes; warn when a
+    graph has none, or keeps SDPA calls the passes could not recognise (they run with their
+    own mask), so a mask that changes nothing never passes unnoticed."""
+    recognised = [n.name for n in graph.nodes() if n.op == "attention"]
+    left = [n.name for n in graph.nodes() if n.op == "scaled_dot_product_attention"]
+    if left:
+        warnings.warn(f"stof_cc.compile: mask= does not apply to {', '.join('%' + n for n in left)}: "
+                      "attention the passes did not recognise runs with the model's own mask "
+                      "(stof-cc inspect --passes says why)", stacklevel=4)
+    elif not recognised:
+        warnings.warn(f"stof_cc.compile: mask= was given, but graph {graph.name!r} has no attention node: "
+                      "the mask changes nothing", stacklevel=4)
 
 
 def _report_measured(item: Any) -> None:

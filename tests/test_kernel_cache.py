@@ -1,0 +1,210 @@
+"""The cubin cache of `backends/nvcc.py` under damage and hostile settings: damaged entries are
+rebuilt, a read-only folder compiles uncached with one warning, a file in the way is a clear
+error, files follow the umask, and concurrent compiles of one source leave one valid entry."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from stof_cc.backends import nvcc
+from stof_cc.backends.nvcc import (
+    CompileError,
+    KernelCacheError,
+    KernelCacheWarning,
+    cache_dir,
+    compile_cubin,
+    compile_many,
+)
+
+KERNEL = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n'
+OTHER = 'extern "C" __global__ void k2(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A fresh cache folder (``$STOF_CC_CACHE/cubin``) for one test."""
+    monkeypatch.setenv("STOF_CC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "cubin"
+
+
+@pytest.fixture
+def nvcc_runs(monkeypatch) -> list:
+    """The nvcc compiles (not ``nvcc --version``) run during the test."""
+    runs, real = [], subprocess.run
+
+    def counting(cmd, *args, **kwargs):
+        if "-cubin" in cmd:
+            runs.append(cmd)
+        return real(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counting)
+    return runs
+
+
+@pytest.fixture
+def read_only(cache, tmp_path, monkeypatch):
+    """Make the cache folder unwritable: chmod for ordinary users, and, since root writes through
+    chmod, refuse creating files in it at ``os.open`` (which the cache's writer uses). Sources
+    the cache cannot take go to ``tmp_path/scratch``, not a new folder in /tmp."""
+    cache.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(nvcc, "_scratch", tmp_path / "scratch")
+    real_open = os.open
+
+    def deny(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and Path(path).parent == cache:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    def make_read_only():
+        cache.chmod(0o555)
+        monkeypatch.setattr(os, "open", deny)
+
+    yield make_read_only
+    cache.chmod(0o755)
+
+
+def _only(cache: Path, suffix: str) -> Path:
+    (path,) = cache.glob(f"*{suffix}")
+    return path
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("damage", [
+    lambda b: b[: len(b) // 2],  # truncated: the section header table lies past the end
+    lambda b: b[:64],  # the ELF header alone
+    lambda b: b"",
+    lambda b: b"garbage " * 100,
+    lambda b: b"\x7fELF\x02\x01" + bytes(len(b) - 6),  # the magic, then zeros: no sections
+], ids=["truncated", "header-only", "empty", "garbage", "magic-then-zeros"])
+def test_damaged_cubin_is_rebuilt(cache, nvcc_runs, damage):
+    first = compile_cubin(KERNEL)
+    cubin_path = _only(cache, ".cubin")
+    cubin_path.write_bytes(damage(first.cubin))
+    again = compile_cubin(KERNEL)
+    assert len(nvcc_runs) == 2
+    assert again.cubin == first.cubin == cubin_path.read_bytes()
+    assert again.resources["k"].registers > 0
+    compile_cubin(KERNEL)
+    assert len(nvcc_runs) == 2, "a valid entry is a hit: no nvcc"
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("report", [
+    b"",
+    b"\xff\xfe not text at all",
+    b"ptxas info    : Compiling entry function 'k' for 'sm_90'\n",  # cut before its resource line
+], ids=["empty", "garbage", "truncated"])
+def test_unparsable_report_is_rebuilt(cache, nvcc_runs, report):
+    compile_cubin(KERNEL)
+    _only(cache, ".ptxas.txt").write_bytes(report)
+    # what `stof-cc attention --build-dir` does: a KeyError here before the fix
+    assert compile_cubin(KERNEL).resources["k"].registers > 0
+    assert len(nvcc_runs) == 2
+    assert "Used" in _only(cache, ".ptxas.txt").read_text()
+
+
+@pytest.mark.nvcc
+def test_damaged_cached_source_is_rewritten(cache):
+    compile_cubin(KERNEL)
+    source = _only(cache, ".cu")
+    source.write_bytes(b"\xff\xfe\x00 not utf-8")
+    assert compile_cubin(KERNEL).source_path == source
+    assert source.read_text() == KERNEL
+
+
+@pytest.mark.nvcc
+def test_read_only_cache_compiles_uncached_with_one_warning(cache, read_only, nvcc_runs):
+    read_only()
+    with pytest.warns(KernelCacheWarning, match="not being cached") as caught:
+        compiled = compile_cubin(KERNEL)
+    assert len(caught) == 1 and str(cache) in str(caught[0].message)
+    assert compiled.resources["k"].registers > 0 and compiled.cubin.startswith(b"\x7fELF")
+    assert compiled.source_path.parent == cache.parent.parent / "scratch"
+    assert compiled.source_path.read_text() == KERNEL
+    assert list(cache.iterdir()) == []
+
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter("always")
+        assert compile_many([(OTHER, "sm_90"), (KERNEL, "sm_90")]) == ["", ""]
+    assert not [w for w in later if issubclass(w.category, KernelCacheWarning)], "one warning per folder"
+    assert len(nvcc_runs) == 3 and list(cache.iterdir()) == []
+
+
+@pytest.mark.nvcc
+def test_read_only_cache_still_serves_its_entries(cache, read_only, nvcc_runs):
+    first = compile_cubin(KERNEL)
+    read_only()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = compile_cubin(KERNEL)
+    assert again.cubin == first.cubin and again.source_path == first.source_path
+    assert len(nvcc_runs) == 1
+
+
+def test_cache_variable_naming_a_file_is_a_clear_error(tmp_path, monkeypatch):
+    file = tmp_path / "cache.txt"
+    file.write_text("not a folder")
+    monkeypatch.setenv("STOF_CC_CACHE", str(file))
+    with pytest.raises(KernelCacheError, match=f"STOF_CC_CACHE={file} is a file, not a folder; point "):
+        cache_dir()
+    with pytest.raises(KernelCacheError):  # once, not as every job's compile error
+        compile_many([(KERNEL, "sm_90")])
+    assert issubclass(KernelCacheError, CompileError)  # the CLI reports it as `stof-cc: error: ...`
+
+
+@pytest.mark.parametrize("setting, blocker", [
+    ("file/sub", "file"),  # a file among its parents
+    ("folder", "folder/cubin"),  # a file where the cubin folder goes
+])
+def test_file_in_the_cache_path_is_a_clear_error(tmp_path, monkeypatch, setting, blocker):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    (tmp_path / "folder" / "cubin").write_text("")
+    monkeypatch.setenv("STOF_CC_CACHE", str(tmp_path / setting))
+    with pytest.raises(KernelCacheError, match=f"STOF_CC_CACHE={tmp_path / setting}: "
+                                               f"{tmp_path / blocker} is a file, not a folder"):
+        cache_dir()
+
+
+def test_default_cache_under_a_file_names_the_folder_and_the_variable(tmp_path, monkeypatch):
+    (tmp_path / "xdg").write_text("")
+    monkeypatch.delenv("STOF_CC_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with pytest.raises(KernelCacheError, match=f"{tmp_path / 'xdg'} is a file, not a folder; "
+                                               "point STOF_CC_CACHE at a folder you can write$"):
+        cache_dir()
+
+
+def test_cache_folder_that_cannot_be_created_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("STOF_CC_CACHE", "/proc/stof-cc-cache")  # /proc takes no new folders, even from root
+    with pytest.raises(KernelCacheError, match="STOF_CC_CACHE=/proc/stof-cc-cache: cannot create "
+                                               "/proc/stof-cc-cache/cubin"):
+        cache_dir()
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)], ids=["022", "002"])
+def test_cache_files_follow_the_umask(cache, umask, mode):
+    old = os.umask(umask)
+    try:
+        compile_cubin(KERNEL)
+    finally:
+        os.umask(old)
+    for suffix in (".cubin", ".ptxas.txt", ".cu"):
+        assert _only(cache, suffix).stat().st_mode & 0o777 == mode, suffix
+
+
+@pytest.mark.nvcc
+def test_concurrent_compiles_of_one_source_leave_one_valid_entry(cache):
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: compile_cubin(KERNEL), range(4)))
+    assert len({r.cubin for r in results}) == 1 and results[0].cubin.startswith(b"\x7fELF")
+    assert sorted(p.name.split(".", 1)[1] for p in cache.iterdir()) == ["cu", "cubin", "ptxas.txt"]
+    assert nvcc._read_entry(_only(cache, ".cubin"), _only(cache, ".ptxas.txt")) is not None
