@@ -41,7 +41,7 @@ from stof_cc.passes import (
 from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
 from stof_cc.runtime.compiled import cast_floating
 from stof_cc.templates.attention import AttentionProblem, config_label
-from stof_cc.tune.database import TuningDatabase
+from stof_cc.tune.database import TuningDatabase, TuningDatabaseError
 from stof_cc.tune.model import tune_model
 from stof_cc.tune.scheme import choose_scheme
 
@@ -103,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
-            BackendError) as exc:
+            BackendError, TuningDatabaseError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)

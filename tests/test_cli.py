@@ -108,3 +108,16 @@ def test_an_output_path_under_a_file_is_a_clear_error(command, example_path, tmp
     names = {"file": blocker, "tiny_bert": example_path("tiny_bert"), "gpt2_block": example_path("gpt2_block")}
     assert main([part.format(**names) for part in command]) == 2
     assert f"{blocker} is a file, not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["{file}/t.sqlite", "{folder}", ""])
+def test_a_database_path_that_cannot_hold_one_is_a_clear_error(where, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    folder = tmp_path / "cubin_cache"
+    folder.mkdir()
+    for action in ("list", "clear"):
+        assert main(["cache", action, "--db", where.format(file=blocker, folder=folder)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("stof-cc: error: ") and "Traceback" not in err and "STOF_CC_TUNING_DB" in err
+    assert folder.is_dir() and not list(tmp_path.glob("*.corrupt-*"))  # nothing moved aside

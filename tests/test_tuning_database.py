@@ -1,8 +1,10 @@
-"""The tuning database on the CPU: round trip, key invalidation, concurrent writers, corruption."""
+"""The tuning database on the CPU: round trip, key invalidation, concurrent writers, and what it
+does with paths it cannot use and files that are busy, read-only, malformed or foreign."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sqlite3
 import warnings
 from pathlib import Path
@@ -10,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from stof_cc.templates.elementwise import ELEMENTWISE, ElementwiseTemplate
-from stof_cc.tune.database import Device, TuningDatabase, TuningDatabaseWarning, template_digest
+from stof_cc.tune.database import (
+    Device,
+    TuningDatabase,
+    TuningDatabaseError,
+    TuningDatabaseWarning,
+    template_digest,
+)
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), "13.0")
 
@@ -97,3 +105,199 @@ def test_cache_command_lists_and_clears(tmp_path: Path, capsys):
     assert "1 record(s)" in out and "add+gelu f16[8,768]" in out and '"vec": 8' in out and "4.25 us" in out
     assert main(["cache", "clear", "--db", str(path)]) == 0
     assert "removed 1 record(s)" in capsys.readouterr().out
+
+
+def _corrupt_files(folder: Path) -> list[Path]:
+    return list(folder.glob("*.corrupt-*"))
+
+
+@pytest.mark.parametrize("make", ["directory", "empty", "under a file", "deeper under a file", "fifo"])
+def test_an_unusable_path_is_refused_and_left_alone(tmp_path: Path, make: str):
+    (tmp_path / "somefile").write_text("mine")
+    if make == "directory":  # --db ~/.cache/stof-cc once moved the cubin cache aside
+        path = tmp_path / "cache"
+        path.mkdir()
+        (path / "kernel.cubin").write_bytes(b"keep me")
+    elif make == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = {"empty": "", "under a file": tmp_path / "somefile" / "t.sqlite",
+                "deeper under a file": tmp_path / "somefile" / "sub" / "t.sqlite"}[make]
+    before = sorted(tmp_path.iterdir())
+    with pytest.raises(TuningDatabaseError, match="--db") as caught:
+        TuningDatabase(path)
+    assert (str(path) or "path is empty") in str(caught.value)
+    assert caught.value.__context__ is None or caught.value.__suppress_context__  # no raw error chained
+    assert sorted(tmp_path.iterdir()) == before
+    assert (tmp_path / "somefile").read_text() == "mine"
+    if make == "directory":
+        assert (path / "kernel.cubin").read_bytes() == b"keep me"
+
+
+def test_a_lock_held_past_the_timeout_is_busy_not_corrupt(tmp_path: Path):
+    path = tmp_path / "t.sqlite"
+    holder = sqlite3.connect(path, isolation_level=None)  # another tool, on a new file: no WAL yet
+    holder.execute("BEGIN EXCLUSIVE")
+    holder.execute("CREATE TABLE theirs (x)")
+    with pytest.warns(TuningDatabaseWarning, match=r"t.sqlite is locked by another process \(waited 0.1 s\)"):
+        db = TuningDatabase(path, timeout=0.1)
+    with pytest.warns(TuningDatabaseWarning, match="locked .*the stored parameters were not used"):
+        assert db.lookup(ELEMENTWISE, "sig", H100) is None
+    with pytest.warns(TuningDatabaseWarning, match="locked .*the record was not saved"):
+        db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    holder.execute("INSERT INTO theirs VALUES (42)")
+    holder.execute("COMMIT")
+    assert not _corrupt_files(tmp_path)
+    assert holder.execute("SELECT x FROM theirs").fetchall() == [(42,)]
+    db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)  # released: the write goes through
+    assert TuningDatabase(path).lookup(ELEMENTWISE, "sig", H100).micros == 2.0
+
+
+def _malform(path: Path) -> None:
+    """Overwrite every page but the first (the header and the schema) with garbage."""
+    data = path.read_bytes()
+    path.write_bytes(data[:4096] + b"\xff" * (len(data) - 4096))
+
+
+def _foreign(path: Path) -> None:
+    """Replace the table with another tool's ``records`` table."""
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("DROP TABLE records")
+    raw.execute("CREATE TABLE records (id INTEGER PRIMARY KEY, name TEXT)")
+    raw.execute("INSERT INTO records (name) VALUES ('theirs')")
+    raw.close()
+
+
+def _filled(path: Path) -> None:
+    """A closed database of 100 records: several pages."""
+    db = TuningDatabase(path)
+    for i in range(100):
+        db.store(ELEMENTWISE, f"sig{i}", H100, {"threads": 128, "vec": 1}, 1.0 + i)
+    db.close()
+
+
+@pytest.mark.parametrize(("operation", "damage"), [  # a malformed page is only met when read, not at open
+    *[(operation, _malform) for operation in ["lookup", "store", "records", "clear"]],
+    *[(operation, _foreign) for operation in ["open", "lookup", "store", "records", "clear"]]])
+def test_a_malformed_or_foreign_file_is_moved_aside_at_any_operation(tmp_path: Path, operation: str, damage):
+    path = tmp_path / "t.sqlite"
+    _filled(path)
+    if operation != "open":
+        db = TuningDatabase(path)
+    damage(path)
+    with pytest.warns(TuningDatabaseWarning, match=r"t.sqlite is unreadable .*moved to .*corrupt-.*starting empty"):
+        if operation == "open":
+            db = TuningDatabase(path)
+        elif operation == "lookup":
+            assert db.lookup(ELEMENTWISE, "sig1", H100) is None
+        elif operation == "store":
+            db.store(ELEMENTWISE, "new", H100, {"threads": 256, "vec": 2}, 3.0)
+        elif operation == "records":
+            assert db.records() == []
+        else:
+            assert db.clear() == 0
+    assert len(_corrupt_files(tmp_path)) == 1
+    if damage is _foreign:  # their data is kept, aside
+        aside = sqlite3.connect(_corrupt_files(tmp_path)[0])
+        assert aside.execute("SELECT name FROM records").fetchall() == [("theirs",)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fresh file works quietly
+        db.store(ELEMENTWISE, "new", H100, {"threads": 256, "vec": 2}, 3.0)
+        assert db.lookup(ELEMENTWISE, "new", H100).micros == 3.0
+        assert [r.signature for r in TuningDatabase(path).records()] == ["new"]
+        assert db.lookup(ELEMENTWISE, "sig1", H100) is None
+
+
+def test_cache_command_survives_a_malformed_file(tmp_path: Path, capsys):
+    from stof_cc.cli import main
+
+    path = tmp_path / "t.sqlite"
+    _filled(path)
+    _malform(path)
+    with pytest.warns(TuningDatabaseWarning, match="unreadable"):
+        assert main(["cache", "list", "--db", str(path)]) == 0
+    assert "0 record(s)" in capsys.readouterr().out
+    path.unlink()
+    _filled(path)
+    _malform(path)
+    with pytest.warns(TuningDatabaseWarning, match="unreadable"):
+        assert main(["cache", "clear", "--db", str(path)]) == 0
+    assert "removed 0 record(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("column", "value", "why"), [
+    ("micros", "fast", "not numbers"), ("created", "yesterday", "not numbers"), ("micros", -1.0, "not numbers"),
+    ("params", "[128, 1]", "not a dictionary"), ("params", "{not json", "Expecting"), ("schema", 0, "schema 0"),
+    ("template", b"elementwise", "not text"), ("params", b"{}", "not text")])
+def test_a_row_that_does_not_parse_is_skipped_and_removed(tmp_path: Path, column: str, value, why: str):
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    good = db.store(ELEMENTWISE, "good", H100, {"threads": 128, "vec": 1}, 2.0)
+    bad = db.store(ELEMENTWISE, "bad", H100, {"threads": 128, "vec": 1}, 2.0)
+    raw = sqlite3.connect(tmp_path / "t.sqlite", isolation_level=None)
+    raw.execute(f"UPDATE records SET {column} = ? WHERE key = ?", (value, bad.key))
+    again = TuningDatabase(tmp_path / "t.sqlite")
+    with pytest.warns(TuningDatabaseWarning, match=f"corrupt .*{why}"):
+        assert db.lookup(ELEMENTWISE, "bad", H100) is None
+    raw.execute(f"UPDATE records SET {column} = ? WHERE key = ?", (value, bad.key))  # no-op: it was removed
+    raw.execute("INSERT INTO records SELECT ?, template, signature, device, params, micros, created, schema "
+                "FROM records WHERE key = ?", ("other", good.key))
+    raw.execute(f"UPDATE records SET {column} = ? WHERE key = 'other'", (value,))
+    with pytest.warns(TuningDatabaseWarning, match=f"corrupt .*{why}"):
+        assert [r.key for r in again.records()] == [good.key]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r.key for r in again.records()] == [good.key]  # removed
+        assert again.lookup(ELEMENTWISE, "good", H100).micros == 2.0
+
+
+def _make_read_only(monkeypatch: pytest.MonkeyPatch, *paths: Path) -> None:
+    """chmod ``paths`` read-only; for root, whom chmod does not stop, os.access then still says
+    writable, so make it say read-only for these paths (SQLite's own read-only mode does the rest)."""
+    for path in paths:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    real = os.access
+    if any(real(path, os.W_OK) for path in paths):
+        monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs: not (
+            mode & os.W_OK and Path(path) in paths) and real(path, mode, *args, **kwargs))
+
+
+@pytest.mark.parametrize("what", ["file", "folder"])
+def test_a_read_only_database_is_read_and_never_written(tmp_path: Path, monkeypatch, what: str):
+    folder = tmp_path / "ro"
+    path = folder / "t.sqlite"
+    db = TuningDatabase(path)
+    db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    db.close()  # the last connection: -wal and -shm are gone
+    _make_read_only(monkeypatch, path if what == "file" else folder)
+    before = sorted(p.name for p in folder.iterdir())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        db = TuningDatabase(path)
+        assert db.read_only and db.lookup(ELEMENTWISE, "sig", H100).micros == 2.0
+        assert [r.signature for r in db.records()] == ["sig"]
+    with pytest.warns(TuningDatabaseWarning) as caught:
+        db.store(ELEMENTWISE, "other", H100, {"threads": 128, "vec": 1}, 3.0)
+    assert [str(w.message) for w in caught] == [
+        f"tuning database {path} is read-only; the record was not saved (it will be measured again next time)"]
+    with pytest.warns(TuningDatabaseWarning, match="is read-only; nothing was cleared"):
+        assert db.clear() == 0
+    assert db.lookup(ELEMENTWISE, "other", H100) is None and db.lookup(ELEMENTWISE, "sig", H100).micros == 2.0
+    if what == "folder":  # nothing created in it: no -shm, no -wal, nothing moved aside
+        assert sorted(p.name for p in folder.iterdir()) == before
+        with pytest.raises(TuningDatabaseError, match=f"{folder / 'new.sqlite'} cannot be created: the folder "
+                                                      f"{folder} is read-only"):
+            TuningDatabase(folder / "new.sqlite")
+
+
+def test_an_unreadable_read_only_file_is_left_in_place(tmp_path: Path, monkeypatch):
+    path = tmp_path / "t.sqlite"
+    path.write_bytes(b"this is not sqlite at all" * 100)
+    _make_read_only(monkeypatch, path)
+    with pytest.warns(TuningDatabaseWarning, match="is unreadable .*could not be moved aside"):
+        db = TuningDatabase(path)
+    with pytest.warns(TuningDatabaseWarning, match="is unreadable"):
+        assert db.lookup(ELEMENTWISE, "sig", H100) is None
+    with pytest.warns(TuningDatabaseWarning, match="is read-only|is unreadable"):
+        db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    assert path.read_bytes() == b"this is not sqlite at all" * 100 and not _corrupt_files(tmp_path)

@@ -55,7 +55,7 @@ class Step:
     kernel: tuple | None = None  # kernel steps: (template, problem, params)
     tuned: bool = False  # kernel steps: params are a measured winner (else stage 1's default point)
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
-    mask: MaskDescription | None = None  # attention steps
+    mask: MaskDescription | None = None  # attention steps; torch steps of attention groups: compile's mask=
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
 
 
@@ -179,6 +179,9 @@ class CompiledModule:
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
+        for step in steps:  # attention that runs in torch applies mask= too, as the kernels would
+            if step.kind == "torch" and step.group.kind == "attention":
+                step.mask = self.mask
         _load_kernels(steps)
         return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 
@@ -235,7 +238,7 @@ class CompiledModule:
             if step.kind == "attention" and name == step.group.anchor:
                 env[name] = self._attention(graph.node(name), env, step.mask)
                 continue
-            if self.mask is not None and graph.node(name).op == "attention":  # mask= holds in torch too
+            if step.kind == "torch" and step.mask is not None and name == step.group.anchor:  # mask= in torch
                 env[name] = self._reference_attention(graph.node(name), env)
                 continue
             if (name, device) not in step.runners:  # prepared once per device, then reused every call

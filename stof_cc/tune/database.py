@@ -9,35 +9,65 @@ changes which parameters are best or whether they are legal:
 * the group's signature (ops, shapes, dtypes, mask statistics bucket: the caller's string);
 * the GPU's name and compute capability, and the CUDA version.
 
-Writes are single SQLite transactions (atomic), and WAL journaling with a busy timeout lets
-two processes tune at once without losing a record. Nothing read back is trusted blindly: a
-record whose parameters do not parse is dropped with a warning (and re-tuned by the caller),
-and a file that is not a database is moved aside with a warning and replaced by a fresh one.
+The database is a cache: trouble with it costs a re-measurement, never a compile, and never
+a good record. Writes are single SQLite transactions (atomic), and WAL journaling lets
+processes read while one writes. What can go wrong, and what happens then:
+
+* a path that cannot hold a database (a directory, ``''``, a folder that cannot be created)
+  raises `TuningDatabaseError`; nothing there is touched;
+* busy: another process holding the write lock makes a write wait up to ``timeout``
+  (`BUSY_TIMEOUT`); past it the write is skipped with a `TuningDatabaseWarning` (the record is
+  measured again next time). A lock is never taken for damage: nothing busy is moved;
+* read-only (the file or its folder): it is opened for reading (immutable when the folder is
+  read-only, since SQLite could not create the WAL index), lookups work, and writes are
+  skipped with a warning;
+* a row that does not parse is never trusted: it is skipped with a warning and removed;
+* a file that is not a database, is malformed, or holds another tool's ``records`` table is
+  moved aside (the regular file we opened, with its -wal and -shm, to
+  ``<name>.corrupt-<time>-<pid>``) with a warning, and a fresh one started; read-only, it is
+  left in place and not used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import re
 import sqlite3
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 SCHEMA_VERSION = 1
+BUSY_TIMEOUT = 60.0  # seconds a write waits for another process's lock before it is skipped
 _IMPORT = re.compile(r"""\{%-?\s*(?:import|from|include|extends)\s+["']([^"']+)["']""")
+_COLUMNS = ("key", "template", "signature", "device", "params", "micros", "created", "schema")
+_CREATE = ("CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, template TEXT NOT NULL, "
+           "signature TEXT NOT NULL, device TEXT NOT NULL, params TEXT NOT NULL, micros REAL NOT NULL, "
+           "created REAL NOT NULL, schema INTEGER NOT NULL)")
+_SELECT = f"SELECT {', '.join(_COLUMNS)} FROM records"
+_INSERT = f"INSERT OR REPLACE INTO records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+_HOW = "give a file path (stof-cc --db, or the database argument), or set STOF_CC_TUNING_DB"
+_T = TypeVar("_T")
+
+
+class TuningDatabaseError(RuntimeError):
+    """The database path cannot be used at all (a directory, empty, not creatable, not openable)."""
 
 
 class TuningDatabaseWarning(UserWarning):
-    """A record or the database file could not be trusted and was discarded."""
+    """A record or the database could not be used (busy, read-only, corrupt): the record is
+    ignored or not saved, and measured again."""
 
 
 @dataclass(frozen=True)
@@ -106,28 +136,133 @@ def default_path() -> Path:
     return Path(cache) / "stof-cc" / "tuning.sqlite"
 
 
-class TuningDatabase:
-    """Best parameters per (template digest, group signature, device)."""
+def _read_only(path: Path) -> bool:
+    """Whether the database at ``path`` can only be read; `TuningDatabaseError` when it cannot be
+    used at all. Checked before SQLite opens it, so that nothing but a regular file is touched."""
+    if path.exists() and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise TuningDatabaseError(f"tuning database {path} is {kind}; {_HOW}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TuningDatabaseError(f"tuning database {path}: cannot create the folder {path.parent} "
+                                  f"({exc.strerror}); {_HOW}") from None
+    folder_writable = os.access(path.parent, os.W_OK)
+    if not path.exists():
+        if not folder_writable:
+            raise TuningDatabaseError(f"tuning database {path} cannot be created: the folder {path.parent} is "
+                                      f"read-only; {_HOW}")
+        return False
+    return not (folder_writable and os.access(path, os.W_OK))
 
-    def __init__(self, path: str | Path | None = None) -> None:
+
+def _trouble(exc: sqlite3.Error) -> str:
+    """What an SQLite error means here: "busy" (another connection holds the lock past the
+    timeout), "read-only", "empty" (no table yet), "corrupt" (SQLite reports a damaged file as a
+    bare DatabaseError; another tool's table shows as a missing column), or "other"."""
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return "busy"
+    if "readonly" in text:
+        return "read-only"
+    if "no such table" in text:
+        return "empty"
+    if type(exc) is sqlite3.DatabaseError or "no such column" in text:
+        return "corrupt"
+    return "other"
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _record(row: tuple) -> Record:
+    """A row as `TuningDatabase.store` writes it, or ValueError: whatever else is in the
+    file (another schema, a field of the wrong type, a time that is not a number) is not trusted."""
+    key, template, signature, device, params, micros, created, schema = row
+    if not all(isinstance(text, str) for text in (key, template, signature, device, params)):
+        raise ValueError("a text field is not text")
+    if schema != SCHEMA_VERSION:
+        raise ValueError(f"schema {schema!r}, not {SCHEMA_VERSION}")
+    if not (_finite(micros) and micros > 0 and _finite(created)):
+        raise ValueError(f"time {micros!r} us, created {created!r}: not numbers")
+    parsed = json.loads(params)
+    if not isinstance(parsed, dict):
+        raise ValueError("the parameters are not a dictionary")
+    return Record(key, template, signature, device, parsed, float(micros), float(created))
+
+
+class TuningDatabase:
+    """Best parameters per (template digest, group signature, device). ``timeout``: seconds a
+    write waits for another process's lock (`BUSY_TIMEOUT`). See the module docstring for
+    what happens when the file is busy, read-only or corrupt."""
+
+    def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT) -> None:
+        if path is not None and not str(path):
+            raise TuningDatabaseError(f"the tuning database path is empty; {_HOW}")
         self.path = Path(path) if path is not None else default_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._connect()
-        except sqlite3.DatabaseError as exc:
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
-            os.replace(self.path, aside)
-            warnings.warn(f"tuning database {self.path} is unreadable ({exc}); moved to {aside}, starting empty",
-                          TuningDatabaseWarning, stacklevel=2)
-            self._connect()
+        self.timeout = timeout
+        self.read_only = _read_only(self.path)
+        self._connect()
+        self._safely(self._prepare, None, "records may be neither found nor saved")
 
     def _connect(self) -> None:
-        self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, template TEXT NOT NULL, "
-            "signature TEXT NOT NULL, device TEXT NOT NULL, params TEXT NOT NULL, micros REAL NOT NULL, "
-            "created REAL NOT NULL, schema INTEGER NOT NULL)")
+        """Open the file: read-only with ``mode=ro``, and immutable when its folder is read-only
+        too (a WAL reader needs an index file, -shm, that SQLite could not create there)."""
+        uri = self.path.absolute().as_uri()
+        if self.read_only:
+            uri += "?mode=ro" if os.access(self.path.parent, os.W_OK) else "?mode=ro&immutable=1"
+        try:
+            self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise TuningDatabaseError(f"tuning database {self.path} cannot be opened ({exc}); {_HOW}") from None
+        self._opened = os.stat(self.path)  # `_move_aside` moves this file only, never one put in its place
+
+    def _prepare(self) -> None:
+        """WAL journaling and the table (when writable), and a check that a ``records`` table is
+        ours: another tool's table is a foreign file, never read or written into. Runs before
+        every write too, since opening a busy file may have left it unprepared."""
+        if not self.read_only:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(_CREATE)
+        columns = tuple(row[1] for row in self._db.execute("PRAGMA table_info(records)"))
+        if columns and columns != _COLUMNS:
+            raise sqlite3.DatabaseError(f"a records table of another layout: {', '.join(columns)}")
+
+    def _safely(self, action: Callable[[], _T], fallback: _T, consequence: str, retry: bool = True) -> _T:
+        """``action()``; on SQLite trouble (`_trouble`) ``fallback`` with a warning that ends with
+        ``consequence``, except that a corrupt, writable file is moved aside and the action
+        retried once on a fresh one, and a missing table simply gives ``fallback``."""
+        try:
+            return action()
+        except sqlite3.Error as exc:
+            trouble = _trouble(exc)
+            if trouble == "empty":
+                return fallback
+            if trouble == "corrupt" and retry and not self.read_only:
+                self._move_aside(exc)
+                return self._safely(action, fallback, consequence, retry=False)
+            state = {"busy": f"is locked by another process (waited {self.timeout:g} s)",
+                     "read-only": "is read-only",
+                     "corrupt": f"is unreadable ({exc}) and could not be moved aside"}.get(trouble, f"failed ({exc})")
+            warnings.warn(f"tuning database {self.path} {state}; {consequence}", TuningDatabaseWarning, stacklevel=3)
+            return fallback
+
+    def _move_aside(self, exc: sqlite3.Error) -> None:
+        """Rename the file this connection opened, with its -wal and -shm (the WAL belongs to it
+        and must not be applied to the fresh file), to ``<name>.corrupt-<time>-<pid>``, and open
+        a fresh one. Only that very file: if another process has already moved it, or it cannot
+        be renamed, this just reopens the path."""
+        self._db.close()
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}-{os.getpid()}")
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.stat(self.path), self._opened):
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+                warnings.warn(f"tuning database {self.path} is unreadable ({exc}); moved to {aside}, starting empty",
+                              TuningDatabaseWarning, stacklevel=4)
+        self._connect()
 
     def close(self) -> None:
         self._db.close()
@@ -139,48 +274,57 @@ class TuningDatabase:
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
     def lookup(self, template: KernelTemplate, signature: str, device: Device) -> Record | None:
-        """The stored winner, or None (never stored, or stored for an older template/device)."""
+        """The stored winner, or None (never stored, stored for an older template/device, or
+        the database could not be read)."""
         key = self.key(template, signature, device)
-        row = self._db.execute("SELECT key, template, signature, device, params, micros, created, schema "
-                               "FROM records WHERE key = ?", (key,)).fetchone()
-        if row is None:
-            return None
+        return self._safely(lambda: self._find(key), None, "the stored parameters were not used")
+
+    def _find(self, key: str) -> Record | None:
+        row = self._db.execute(f"{_SELECT} WHERE key = ?", (key,)).fetchone()
+        return None if row is None else self._trusted(row)
+
+    def _trusted(self, row: tuple) -> Record | None:
+        """The row as a Record, or None, with a warning, when it does not parse; then it is
+        removed (where the file can be written) so that it is measured again."""
         try:
-            params = json.loads(row[4])
-            if not isinstance(params, dict) or row[7] != SCHEMA_VERSION or not row[5] > 0:
-                raise ValueError("not a parameter dictionary of this schema with a positive time")
+            return _record(row)
         except ValueError as exc:
-            warnings.warn(f"tuning record for {template.name} / {signature} is corrupt ({exc}); ignored and "
-                          "removed, the group will be re-tuned", TuningDatabaseWarning, stacklevel=2)
-            self._db.execute("DELETE FROM records WHERE key = ?", (key,))
+            warnings.warn(f"tuning record {row[1]} / {row[2]} in {self.path} is corrupt ({exc}); ignored, it "
+                          "will be measured again", TuningDatabaseWarning, stacklevel=2)
+            with contextlib.suppress(sqlite3.Error):  # read-only or busy: it stays, and is ignored again
+                self._db.execute("DELETE FROM records WHERE key = ?", (row[0],))
             return None
-        return Record(row[0], row[1], row[2], row[3], params, float(row[5]), float(row[6]))
 
     def store(self, template: KernelTemplate, signature: str, device: Device, params: dict[str, Any],
               micros: float) -> Record:
-        """Remember ``params`` (measured at ``micros``) as the winner; replaces an older record."""
+        """Remember ``params`` (measured at ``micros``) as the winner; replaces an older record.
+        Busy past the timeout or read-only: not saved, with a warning."""
         record = Record(self.key(template, signature, device), template.name, signature,
                         f"{device.name} sm_{device.capability[0]}{device.capability[1]} CUDA {device.cuda}",
                         dict(params), float(micros), time.time())
-        self._db.execute("INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                         (record.key, record.template, record.signature, record.device,
-                          json.dumps(record.params, sort_keys=True), record.micros, record.created, SCHEMA_VERSION))
+        self._safely(lambda: self._write(record), None,
+                     "the record was not saved (it will be measured again next time)")
         return record
 
+    def _write(self, record: Record) -> None:
+        self._prepare()
+        self._db.execute(_INSERT, (record.key, record.template, record.signature, record.device,
+                                   json.dumps(record.params, sort_keys=True), record.micros, record.created,
+                                   SCHEMA_VERSION))
+
     def records(self) -> list[Record]:
-        rows = self._db.execute("SELECT key, template, signature, device, params, micros, created FROM records "
-                                "ORDER BY template, signature").fetchall()
-        out = []
-        for row in rows:
-            try:
-                params = json.loads(row[4])
-            except ValueError:
-                params = {"<corrupt>": row[4]}
-            out.append(Record(row[0], row[1], row[2], row[3], params, float(row[5]), float(row[6])))
-        return out
+        """Every record that parses, by template and signature (those that do not are skipped,
+        with a warning, and removed)."""
+        return self._safely(self._all, [], "no records were listed")
+
+    def _all(self) -> list[Record]:
+        rows = self._db.execute(f"{_SELECT} ORDER BY template, signature").fetchall()
+        return [record for record in map(self._trusted, rows) if record is not None]
 
     def clear(self) -> int:
         """Forget every record; returns how many there were."""
-        count = self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
-        self._db.execute("DELETE FROM records")
-        return int(count)
+        return self._safely(self._delete_all, 0, "nothing was cleared")
+
+    def _delete_all(self) -> int:
+        self._prepare()
+        return self._db.execute("DELETE FROM records").rowcount
