@@ -31,7 +31,7 @@ from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
 from stof_cc.runtime.group import GroupLaunch, precompile  # noqa: E402
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, point_tag  # noqa: E402
-from stof_cc.tune.cost_model import sm_count  # noqa: E402
+from stof_cc.templates.pricing import sm_count  # noqa: E402
 
 SHAPES = [(768, 3072), (3072, 768), (768, 768), (4096, 4096), (768, 2304)]
 

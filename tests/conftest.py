@@ -37,6 +37,6 @@ def example_path():
 @pytest.fixture
 def norm_merges_win(monkeypatch):
     """Price gemm_layernorm's norm epilogue at 0 us, so stage 1 merges GEMM + LayerNorm in the
-    small test models: with the fitted constant (8 us, `cost_model.ROW_EXCHANGE_US`) they are
+    small test models: with the fitted constant (8 us, `pricing.ROW_EXCHANGE_US`) they are
     kept apart there, and tests of the merged scheme would test nothing."""
     monkeypatch.setattr("stof_cc.templates.gemm_layernorm.ROW_EXCHANGE_US", 0.0)

@@ -17,9 +17,9 @@ Reads the pattern kinds of ``ir/ops.py`` and the graph's edges, never op names (
 
 Where several partitions are legal, `FusionPlan.alternatives` lists the others: today one
 kind, a ``reduction`` (LayerNorm, softmax) merged into the GEMM group that produces its
-input, when the reduced row fits one CTA (at most ``ROW_LIMIT`` elements, hidden 768 and
-1024 included) — GEMM + bias + residual + LayerNorm as one group, against GEMM + bias +
-residual then LayerNorm. Each alternative is one such merge applied to the default;
+input — GEMM + bias + residual + LayerNorm as one group, against GEMM + bias + residual then
+LayerNorm. Whether a template can generate the merged group (a row that fits its CTAs, say)
+is the template's question, not the partition's. Each alternative is one such merge applied to the default;
 `stof_cc.tune.scheme.choose_scheme` picks by the cost model (``plan.scheme``). Templates (`stof_cc.templates`) then generate the groups they match.
 """
 
@@ -34,7 +34,6 @@ from stof_cc.ir.ops import pattern_kind
 
 ANCHOR_KINDS = ("gemm", "attention", "reduction")
 FOLDABLE_KINDS = ("elementwise", "broadcast", "injective")
-ROW_LIMIT = 1024  # widest row a gemm_layernorm CTA holds in registers and shared memory
 
 
 class FusionError(GraphError):
@@ -228,7 +227,7 @@ def _reduction_merges(graph: Graph, scheme: FusionScheme, kind: dict[str, str],
         reduction = graph.node(group.anchor)
         row = _row_length(reduction)
         source = next((r for r in reduction.refs() if graph.node(r.name).op not in (INPUT, CONSTANT)), None)
-        if source is None or row is None or row > ROW_LIMIT:
+        if source is None or row is None:
             continue
         producer = scheme.group_of(source.name)
         if producer.kind != "gemm" or source.name != producer.nodes[-1] or len(graph.users(source.name)) != 1:

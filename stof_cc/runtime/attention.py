@@ -31,8 +31,9 @@ from stof_cc.templates.attention import (
     AttentionProblem,
     config_label,
 )
+from stof_cc.templates.pricing import sm_count
 from stof_cc.templates.registry import KernelTemplate
-from stof_cc.tune.cost_model import Estimate, estimate, sm_count, stof_rule
+from stof_cc.tune.cost_model import Estimate, estimate, stof_rule
 
 LOG2E = 1.4426950408889634
 

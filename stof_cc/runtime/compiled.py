@@ -41,7 +41,7 @@ from stof_cc.passes import partition, run_passes
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import group_templates
-from stof_cc.tune.cost_model import sm_count
+from stof_cc.templates.pricing import sm_count
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport

@@ -20,8 +20,8 @@ from stof_cc.templates.group import (
     moved_bytes,
     output_problem,
 )
+from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import register_template
-from stof_cc.tune.cost_model import memory_bound_us
 
 THREAD_COUNTS = (128, 256)
 

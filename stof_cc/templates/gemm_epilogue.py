@@ -56,8 +56,8 @@ from stof_cc.templates.group import (
     moved_bytes,
     output_problem,
 )
+from stof_cc.templates.pricing import epilogue_cost, gemm_us, sm_count
 from stof_cc.templates.registry import register_template
-from stof_cc.tune.cost_model import epilogue_cost, gemm_us, sm_count
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better

@@ -17,7 +17,7 @@ import torch
 
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph
-from stof_cc.passes.fusion import ROW_LIMIT, FusionGroup
+from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.gemm_epilogue import (
     BLOCK_MS,
     BLOCK_NS,
@@ -29,12 +29,13 @@ from stof_cc.templates.gemm_epilogue import (
     split_epilogue,
 )
 from stof_cc.templates.group import GroupProblem, chain_operands, kernel_operand, output_problem
+from stof_cc.templates.pricing import ROW_EXCHANGE_US, WIDE_CLUSTER_RATE
 from stof_cc.templates.registry import register_template
 from stof_cc.templates.row_reduce import reduction_inputs
-from stof_cc.tune.cost_model import ROW_EXCHANGE_US, WIDE_CLUSTER_RATE
 
 NORMS = ("layer_norm", "rms_norm")
 MAX_CLUSTER = 8  # portable cluster size
+ROW_LIMIT = 1024  # widest row a cluster holds in registers and shared memory
 
 
 class GemmLayerNormTemplate(GemmEpilogueTemplate):

@@ -18,12 +18,12 @@ import torch
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
+from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import (
     KernelTemplate,
     TemplateRegistrationError,
     registered_templates,
 )
-from stof_cc.tune.cost_model import memory_bound_us
 
 C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
 

@@ -24,14 +24,14 @@ from stof_cc.templates.group import (
     moved_bytes,
     output_problem,
 )
-from stof_cc.templates.registry import register_template
-from stof_cc.tune.cost_model import (
+from stof_cc.templates.pricing import (
     ROW_CTA_VECTOR_RATE,
     ROW_SCALAR_RATE,
     ROW_WARP_VECTOR_RATE,
     row_reduce_us,
     sm_count,
 )
+from stof_cc.templates.registry import register_template
 
 THREAD_COUNTS = (128, 256, 512)  # the CTA layout: one row per CTA of this many threads
 WARP_ROWS = (4, 8)               # the warp layout: one row per warp, this many rows (warps) per CTA
@@ -101,7 +101,7 @@ class RowReduceTemplate(GroupTemplate):
         return 16 // widths.pop() if len(widths) == 1 else 1
 
     def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
-        """Bandwidth at the layout's rate (`cost_model.ROW_*_RATE`), or waves of CTAs when rows
+        """Bandwidth at the layout's rate (`pricing.ROW_*_RATE`), or waves of CTAs when rows
         are few (occupancy by warps: 64 per SM, at most 32 CTAs)."""
         warps = params["row_threads"] * params["rows"] // 32
         rows_per_sm = min(32, 64 // warps) * params["rows"]

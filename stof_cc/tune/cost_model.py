@@ -42,7 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from stof_cc.templates.attention import config_label
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
 TENSOR_FLOPS_PER_US = 4.86e7   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
@@ -74,8 +74,6 @@ class Estimate:
     max_row_blocks: int
 
     def describe(self) -> str:
-        from stof_cc.templates.attention import config_label
-
         return (f"{config_label(self.params)}: {self.micros:.1f} us est, {self.blocks} blocks ({self.partial_blocks} partial), "
                 f"longest row {self.max_row_blocks}, {self.occupancy} CTA/SM")
 
@@ -133,106 +131,3 @@ def stof_rule(nonempty_16: int, blocks_16: int) -> tuple[float, float, str]:
     rho = nonempty_16 / max(blocks_16, 1)
     tau = 1.0 / max(math.log2(math.sqrt(max(blocks_16, 1))), 1.0) ** 2
     return rho, tau, "blockwise" if rho >= tau else "rowwise"
-
-
-# -- fusion-group templates (elementwise, row_reduce, gemm_epilogue) ---------------------------
-# First-principles rates for the H100 SXM: HBM3 bandwidth, launch cost. The GEMM constants below
-# are fitted (random search on log(time of the pick / best) plus the estimates' log error) to
-# H100 runs of every gemm_epilogue point with TMA stores (benchmarks/gemm_points.py, plain and
-# --gelu, 2026-11-23 fifth session): the pick is the measured best at K, N = 768, 3072 and
-# 3072, 768 (plain and GELU) and 1% behind at 768, 768. In-sample: the fit saw those runs.
-# A wgmma rate per SM reached by a warpgroup tile of FULL_RATE_INTENSITY (rows x cols /
-# (rows + cols)) or more, less below it; the epilogue's elements at a per-warpgroup rate.
-HBM_BYTES_PER_US = 3.0e6        # about 3 TB/s of the 3.35 TB/s peak
-GEMM_FLOPS_PER_US = 5.28e6      # per SM: about 700 TFLOP/s over 132 SMs at full intensity
-FULL_RATE_INTENSITY = 48.6      # 64 x 192 is 48, 128 x 128 is 64: shared-memory operand traffic per flop
-INTENSITY_EXPONENT = 1.57       # the rate falls as (intensity / FULL_RATE_INTENSITY) ** 1.57 below it
-ONE_ROW_BLOCK_RATE = 0.785      # 64-row tiles: one m64 wgmma stream per tile at a time hides less latency
-THREE_STAGE_RATE = 0.83         # a 3-buffer ring exposes more of each TMA load's latency
-PINGPONG_RATE = 0.86            # ping-pong's turn-taking on the tensor cores
-EPILOGUE_ELEMENTS_PER_US = 1.43e5  # one warpgroup's bare epilogue (value, convert, stage), elements per us
-# per element, in bare-epilogue units; fitted when gelu_erf took ~16 instructions (11 since 2026-11-24, which
-# made FFN1 + GELU 41.2 -> 39.7 us); the estimates still rank the measured best first (RESULTS.md)
-EPILOGUE_OP_COST = {"gelu": 6.0}
-OTHER_EPILOGUE_OP_COST = 0.25      # any other elementwise op (add, scale, relu...)
-GROUP_LAUNCH_US = 4.0
-ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
-
-
-def memory_bound_us(bytes_moved: float, efficiency: float = 1.0) -> float:
-    """A kernel that streams ``bytes_moved`` once through HBM at ``efficiency`` of the rate."""
-    return GROUP_LAUNCH_US + bytes_moved / (HBM_BYTES_PER_US * efficiency)
-
-
-# row_reduce's share of HBM_BYTES_PER_US by layout, inferred from ONE measurement each (H100 SXM,
-# LayerNorm(x + bias + residual) over 4096 x 768 fp16, about 19 MB moved), not fitted to sweeps:
-# - scalar 2-byte loads and stores, one CTA per row (the old template; its default point there was
-#   512 threads): 13.9 us, 1.36 TB/s, about 0.45 of the 3 TB/s rate; taken for every scalar point,
-#   the warp layout's included;
-# - one warp per row with 16-byte vectors (4 rows per CTA): measured in BERT-base end to end on
-#   the H100 (2026-11-23, fifth session): 4.1 us per LayerNorm with the residual add, where
-#   Triton's fused add + LayerNorm takes 6.2-6.5 us; its inputs come L2-resident from the GEMM
-#   before it, so it beats the HBM rate there; 1.0 keeps the estimate an HBM bound;
-# - a CTA per row with 16-byte vectors: not measured, put between the two (its barriers remain).
-ROW_WARP_VECTOR_RATE = 1.0
-ROW_CTA_VECTOR_RATE = 0.75
-ROW_SCALAR_RATE = 0.45
-
-
-def row_reduce_us(bytes_moved: float, rows: int, rows_per_sm: int, sm_count: int, efficiency: float = 1.0) -> float:
-    """Bandwidth at ``efficiency`` of the rate, or the waves of CTAs (``rows_per_sm`` resident
-    rows per SM, ROW_CTA_US a wave) when rows are few and short."""
-    waves = math.ceil(rows / (sm_count * max(rows_per_sm, 1)))
-    return GROUP_LAUNCH_US + max(bytes_moved / (HBM_BYTES_PER_US * efficiency), waves * ROW_CTA_US)
-
-
-# gemm_layernorm's norm epilogue beyond the GEMM tiles' estimate: two cluster barriers,
-# distributed-shared-memory row sums, two passes, one tile per CTA (no overlap with a next tile).
-# Fitted to two H100 measurements of co_m128_n256_s4 at M = 4096, N = 768 (2026-11-23, fifth
-# session): 29.6 us at K = 768 (estimate of the tiles 19.3 + 10.3), about 54 us at K = 3072
-# (49.5 + ~5); the 1 us guess before let stage 1 merge at K = 768 where the two kernels apart
-# measured faster.
-ROW_EXCHANGE_US = 8.0
-# gemm_layernorm clusters of more than 3 CTAs (one CTA per SM each): inferred, not fitted. On the
-# H100 the 128 x 256 tile (3 CTAs per row block) was the fastest of the 12 points in both sweeps
-# at K = 768 and 3072 (RESULTS.md), while the tile model alone ranks 128 x 192 (4 CTAs) first;
-# and BERT-base end to end was 0.29 ms slower with 4-CTA clusters than with the two-kernel form.
-# A GPC of 16-18 SMs holds fewer 4-CTA than 3-CTA clusters' worth of SMs at once.
-WIDE_CLUSTER_RATE = 0.7
-
-
-def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
-            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False) -> float:
-    """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
-    a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
-    intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
-    the ring depth and the consumer count. Each tile's epilogue computes its elements
-    (``epilogue_ops``: the chain's cost per element beyond the store, `EPILOGUE_OP_COST`) on the
-    warpgroups that own it: after the products when they share the tile (cooperative), under
-    the other warpgroup's products under ping-pong, where a tile costs max(products, (products
-    + epilogue) / 2). Then the output's traffic: all of it exposed when cooperative consumers
-    store directly, only the last wave's when the store is asynchronous (TMA) or ping-pong."""
-    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
-    waves = math.ceil(tiles / sm_count)
-    rows = block_m if pingpong else 64
-    efficiency = min(1.0, rows * block_n / (rows + block_n) / FULL_RATE_INTENSITY) ** INTENSITY_EXPONENT
-    efficiency *= (ONE_ROW_BLOCK_RATE if block_m == 64 else 1.0) * (THREE_STAGE_RATE if stages == 3 else 1.0)
-    efficiency *= PINGPONG_RATE if pingpong else 1.0
-    products_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
-    owners = 1 if pingpong else block_m // 64  # warpgroups computing one tile's epilogue
-    epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
-    tile_us = max(products_us, (products_us + epilogue_us) / 2) if pingpong else products_us + epilogue_us
-    exposed_store = 1 / waves if pingpong or tma_store else 1.0
-    return GROUP_LAUNCH_US + waves * tile_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
-
-
-def epilogue_cost(ops: list[str]) -> float:
-    """An elementwise chain's cost per element in a GEMM epilogue, in units of the bare store."""
-    return sum(EPILOGUE_OP_COST.get(op, OTHER_EPILOGUE_OP_COST) for op in ops)
-
-
-def sm_count() -> int:
-    """SMs of the current GPU; without one, the H100's 132 (estimates still rank on the CPU)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132

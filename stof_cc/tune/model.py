@@ -29,7 +29,7 @@ from stof_cc.runtime.compiled import node_mask
 from stof_cc.runtime.group import GroupLaunch
 from stof_cc.runtime.tune_attention import tune_attention
 from stof_cc.templates.group import group_output, group_templates
-from stof_cc.tune.cost_model import sm_count
+from stof_cc.templates.pricing import sm_count
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search

@@ -19,7 +19,7 @@ from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.passes.fusion import FusionGroup, FusionPlan, FusionScheme, in_dependency_order
 from stof_cc.templates.group import group_templates
-from stof_cc.tune.cost_model import sm_count
+from stof_cc.templates.pricing import sm_count
 
 H100 = (9, 0)  # the target when no GPU is visible (kernels are written and compiled for sm_90)
 
