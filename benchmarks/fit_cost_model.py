@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stof_cc.masks.workloads import GRID_HEAD_DIM, GRID_HEADS, grid_mask  # noqa: E402
-from stof_cc.runtime.attention import cached_block_mask, candidates  # noqa: E402
 from stof_cc.templates.attention import AttentionProblem, config_label  # noqa: E402
 from stof_cc.tune import cost_model  # noqa: E402
+from stof_cc.tune.attention import cached_block_mask, candidates  # noqa: E402
 
 CONSTANTS = ("TENSOR_FLOPS_PER_US", "WGMMA_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "EXP_PER_US", "BIT_TESTS_PER_US", "TILE_BYTES_PER_US",
              "ITER_US", "WS_ITER_US", "EXPOSED_LOAD_US", "CTA_FIXED_US", "LAUNCH_US")

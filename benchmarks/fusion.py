@@ -34,12 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stof_cc.backends.group_launch import GroupLaunch, precompile  # noqa: E402
 from stof_cc.codegen import NotFusable  # noqa: E402
 from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
-from stof_cc.runtime.group import GroupLaunch, precompile  # noqa: E402
 from stof_cc.templates.gemm_epilogue import point_tag  # noqa: E402
 from stof_cc.templates.group import group_templates  # noqa: E402
 from stof_cc.tune.scheme import choose_scheme  # noqa: E402

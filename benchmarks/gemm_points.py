@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fusion import TOKENS, Gemm, GemmBiasGelu, GemmBiasResidual  # noqa: E402
 
+from stof_cc.backends.group_launch import GroupLaunch, precompile  # noqa: E402
 from stof_cc.ir.frontend import trace  # noqa: E402
 from stof_cc.ir.graph import INPUT  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
-from stof_cc.runtime.group import GroupLaunch, precompile  # noqa: E402
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, point_tag  # noqa: E402
 from stof_cc.templates.pricing import sm_count  # noqa: E402
 

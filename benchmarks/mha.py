@@ -44,9 +44,10 @@ from stof_cc.masks.workloads import (  # noqa: E402
     grid_batch,
     grid_mask,
 )
-from stof_cc.runtime.attention import attention, check_inputs, choose  # noqa: E402
-from stof_cc.runtime.tune_attention import tune_attention  # noqa: E402
-from stof_cc.templates.attention import config_label  # noqa: E402
+from stof_cc.runtime.attention import attention  # noqa: E402
+from stof_cc.templates.attention import config_label, problem_of  # noqa: E402
+from stof_cc.tune.attention import choose  # noqa: E402
+from stof_cc.tune.tune_attention import tune_attention  # noqa: E402
 
 TOLERANCE = 1e-2  # relative error (Frobenius) for fp16
 
@@ -99,7 +100,7 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
     ref = masked_attention(q, k, v, dense)
     row = {"mask": name, "seq": seq, "batch": batch}
 
-    problem = check_inputs(q, k, v)
+    problem = problem_of(q, k, v)
     if tune:  # stage 2: measure stage 1's survivors and adopt the fastest (no database: every case measures)
         report = tune_attention(q, k, v, desc)
         row["tune"] = {"candidates": report.candidates, "measured": report.measured, "seconds": report.seconds,

@@ -7,14 +7,16 @@ templates, tune, backends, runtime) is a subpackage with one job. See DESIGN.md.
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
-from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
+from stof_cc.runtime.attention import attention
 from stof_cc.runtime.compiled import CompiledModule, compile  # noqa: A004 (stof_cc.compile, like torch.compile)
+from stof_cc.templates.attention import AttentionInputError
 from stof_cc.templates.group import GroupProblem, GroupTemplate  # noqa: E402
 from stof_cc.templates.registry import (  # noqa: E402
     TemplateRegistrationError,
     register_template,
     unregister_template,
 )
+from stof_cc.tune.attention import explain_attention
 
 __version__ = "0.1.0"
 

@@ -19,9 +19,7 @@ import torch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
 from stof_cc.backends.pycuda_backend import BackendError
 from stof_cc.codegen import NotFusable
-from stof_cc.codegen.build import attention_kernel, build_groups, format_builds
-from stof_cc.codegen.report import write_report
-from stof_cc.ir.frontend import TraceError, trace
+from stof_cc.ir.frontend import TraceError
 from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
 from stof_cc.ir.ops import OPAQUE, pattern_kind
@@ -30,17 +28,12 @@ from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskError
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
-from stof_cc.passes import (
-    AttentionReport,
-    CanonicalizeReport,
-    HorizontalReport,
-    KeyPaddingReport,
-    partition,
-    run_passes,
-)
-from stof_cc.runtime.attention import AttentionInputError, attention, explain_attention
-from stof_cc.runtime.compiled import cast_floating
-from stof_cc.templates.attention import AttentionProblem, config_label
+from stof_cc.passes import PassReports, cast_floating, dump_to, lower
+from stof_cc.runtime.attention import attention
+from stof_cc.runtime.build import build_groups, format_builds
+from stof_cc.runtime.report import write_report
+from stof_cc.templates.attention import AttentionInputError, AttentionProblem, config_label
+from stof_cc.tune.attention import attention_kernel, explain_attention
 from stof_cc.tune.database import TuningDatabase, TuningDatabaseError
 from stof_cc.tune.model import tune_model
 from stof_cc.tune.scheme import choose_scheme
@@ -59,9 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
     inspect.add_argument("--passes", action="store_true",
-                         help="show the graph after canonicalize, recognise_attention and describe_key_padding "
-                              "(--check checks that one) "
-                              "and its fusion partition")
+                         help="show the graph after every pass (--check checks that one) and its fusion partition")
+    inspect.add_argument("--dump-ir", metavar="DIR", help="write the graph after tracing and after each pass to DIR")
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -90,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
     tune.add_argument("--db", help="database file (default: $STOF_CC_TUNING_DB or the user cache directory)")
     tune.add_argument("--top-k", type=int, default=8, help="candidates per group measured in stage 2 (%(default)s)")
+    tune.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                      help="the model's dtype, as stof_cc.compile's dtype= (default: %(default)s)")
     tune.set_defaults(run=_cmd_tune)
 
     cache = sub.add_parser("cache", help="list or clear the tuning database")
@@ -124,15 +118,17 @@ def describe_os_error(exc: OSError) -> str:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     module, example_args, example_kwargs = load_factory(args.model)
-    graph = trace(module, example_args, example_kwargs, name=_model_name(args.model))
-    graph.verify()
+    stages: dict[str, Graph] = {}
+    instruments = [lambda stage, graph: stages.setdefault(stage, graph)]
+    if args.dump_ir:
+        instruments.append(dump_to(args.dump_ir))
+    reports = PassReports()
+    graph, plan = lower(module, example_args, example_kwargs, name=_model_name(args.model), reports=reports,
+                        instrument=lambda stage, g: [instrument(stage, g) for instrument in instruments])
     if args.passes:
-        canonical, attention_report, padding = CanonicalizeReport(), AttentionReport(), KeyPaddingReport()
-        horizontal = HorizontalReport()
-        graph = run_passes(graph, canonical, attention_report, padding, horizontal)
-        graph.verify()
-        print(f"{canonical}\n{horizontal}\n{attention_report}\n{padding}\n\nfusion partition (`stof-cc compile` generates it):\n"
-              f"{partition(graph)}\n")
+        print(f"{reports}\n\nfusion partition (`stof-cc compile` generates it):\n{plan}\n")
+    else:
+        graph = stages["trace"]
     if not args.quiet_graph:
         print(graph)
         print()
@@ -146,6 +142,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     dot_path.parent.mkdir(parents=True, exist_ok=True)
     dot_path.write_text(graph.to_dot())
     print(f"\nwrote {dot_path}")
+    if args.dump_ir:
+        print(f"wrote the graph after each stage to {args.dump_ir}/")
     if args.check:
         return _check_against_module(graph, module, example_args, example_kwargs)
     return 0
@@ -153,12 +151,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     module, example_args, example_kwargs = load_factory(args.model)
-    dtype = getattr(torch, args.dtype)
-    example_args, example_kwargs = cast_floating((tuple(example_args), example_kwargs), dtype)
-    graph = trace(module.to(dtype), example_args, example_kwargs, name=_model_name(args.model))
-    graph = run_passes(graph)
-    graph.verify()
-    plan = choose_scheme(graph, partition(graph))
+    graph, plan = lower(module, example_args, example_kwargs, dtype=getattr(torch, args.dtype),
+                        name=_model_name(args.model))
+    plan = choose_scheme(graph, plan)
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
     out_dir = Path(args.build_dir) / graph.name
     builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
@@ -178,10 +173,13 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         print("stof-cc: error: tuning measures kernels on the GPU, and no CUDA device is visible", file=sys.stderr)
         return 2
     module, example_args, example_kwargs = load_factory(args.model)
-    graph = run_passes(trace(module, example_args, example_kwargs, name=_model_name(args.model)))
+    dtype = getattr(torch, args.dtype)  # as `stof_cc.compile` and `stof-cc compile` cast: the same signatures
+    graph, plan = lower(module, example_args, example_kwargs, dtype=dtype, name=_model_name(args.model))
+    example_args, example_kwargs = cast_floating((tuple(example_args), dict(example_kwargs or {})), dtype)
     db = TuningDatabase(args.db)
     started = time.perf_counter()
-    reports = tune_model(graph, choose_scheme(graph, partition(graph)), example_args, example_kwargs, database=db, top_k=args.top_k)
+    _, reports = tune_model(graph, choose_scheme(graph, plan), example_args, example_kwargs, database=db,
+                            top_k=args.top_k)
     measured = sum(r.measured for r in reports)
     print(f"\ntuned {len(reports)} group(s) in {time.perf_counter() - started:.1f} s; {measured} candidate(s) "
           f"measured; database {db.path}")

@@ -9,8 +9,9 @@ from stof_cc.passes import canonicalize, partition
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
 from stof_cc.templates.gemm_layernorm import GEMM_LAYERNORM
+from stof_cc.templates.pricing import H100
 from stof_cc.templates.row_reduce import ROW_REDUCE
-from stof_cc.tune.scheme import H100, choose_scheme
+from stof_cc.tune.scheme import choose_scheme
 
 DTYPES = [torch.float16, torch.bfloat16]
 SHAPES = [(8, 512, 768), (3, 7, 1000), (5, 100)]  # BERT-base rows; rows and counts no tile divides

@@ -7,7 +7,9 @@ import torch
 
 from stof_cc import masks
 from stof_cc.ir.reference import masked_attention
-from stof_cc.runtime.attention import AttentionInputError, attention, candidates, check_inputs
+from stof_cc.runtime.attention import attention
+from stof_cc.templates.attention import AttentionInputError, problem_of
+from stof_cc.tune.attention import candidates
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +68,7 @@ def test_zoo_masks_match_reference(seq, dtype, head_dim):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_every_template_instance_matches_reference(dtype, head_dim):
     seq = 1000  # ragged against every block size
-    problem = check_inputs(*_inputs(seq, head_dim, dtype))
+    problem = problem_of(*_inputs(seq, head_dim, dtype))
     mask = masks.longformer(37, 3) | masks.from_mask_mod(lambda b, h, q, k: (q - k) % 7 == h)
     dense = mask.to_dense(seq, seq, batch=BATCH, heads=HEADS).cuda()
     for template, params in candidates(problem):

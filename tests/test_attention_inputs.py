@@ -18,8 +18,8 @@ def test_attention_rejects_non_tensors_and_autograd_before_anything_else():
 
 def test_problems_past_the_grid_limits_are_named():
     from stof_cc import explain_attention
-    from stof_cc.runtime.attention import candidates
     from stof_cc.templates.attention import AttentionProblem
+    from stof_cc.tune.attention import candidates
 
     long = AttentionProblem(1, 1, 65536 * 64, 65536 * 64, 64, torch.float16)  # too many rows for m64 and below
     assert candidates(long) and all(p["block_m"] > 64 for _, p in candidates(long))

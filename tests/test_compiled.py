@@ -91,9 +91,9 @@ def _fake_attention(q, k, v, mask=None, scale=None, *, out=None):
 def fake_gpu(monkeypatch, tmp_path):
     """The GPU path on the CPU: kernels compile with nvcc for sm_90 as on an H100, and fakes
     stand in for loading and launching them (CPU tensors play the GPU's)."""
+    import stof_cc.backends.group_launch
     import stof_cc.runtime.attention
     import stof_cc.runtime.compiled
-    import stof_cc.runtime.group
     from stof_cc.tune.database import Device
 
     monkeypatch.setenv("STOF_CC_TUNING_DB", str(tmp_path / "t.sqlite"))
@@ -101,8 +101,8 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(stof_cc.runtime.compiled, "_on_gpu", lambda tree: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(Device, "current", staticmethod(lambda: Device("fake H100", (9, 0), "13.0")))
-    monkeypatch.setattr(stof_cc.runtime.group, "GroupLaunch", FakeLaunch)
-    monkeypatch.setattr(stof_cc.runtime.attention, "attention", _fake_attention)
+    monkeypatch.setattr(stof_cc.runtime.compiled, "GroupLaunch", FakeLaunch)
+    monkeypatch.setattr(stof_cc.runtime.compiled, "attention", _fake_attention)
     FakeLaunch.launched = []
     return monkeypatch
 
@@ -213,7 +213,8 @@ def test_a_point_that_spills_registers_gives_way_to_one_that_does_not(norm_merge
     from stof_cc.passes import canonicalize, partition
     from stof_cc.runtime.compiled import _spill_bytes, spill_free_point
     from stof_cc.templates.gemm_layernorm import GEMM_LAYERNORM
-    from stof_cc.tune.scheme import H100, choose_scheme
+    from stof_cc.templates.pricing import H100
+    from stof_cc.tune.scheme import choose_scheme
 
     x = torch.randn(4000, 768, dtype=torch.float16)
     graph = canonicalize(trace(_RmsNormThenGelus().half(), (x,), {}))
@@ -234,14 +235,14 @@ def test_compile_takes_a_merge_the_tuning_database_measured_faster(fake_gpu, exa
     """Stage 2 over schemes, as compile sees it: where the database holds measured winners for a
     merged GEMM + LayerNorm group and for both groups it replaces, the merge follows them."""
     from stof_cc.codegen import NotFusable
-    from stof_cc.passes import partition, run_passes
+    from stof_cc.passes import lower
     from stof_cc.templates.group import group_templates
     from stof_cc.tune.database import Device, TuningDatabase
     from stof_cc.tune.model import group_signature
 
     module, args, kwargs = load_factory(example_path("encoder_layer"))
-    graph = run_passes(trace(copy.deepcopy(module).half().eval(), tuple(a.half() for a in args), kwargs))
-    plan, database, device = partition(graph), TuningDatabase(), Device.current()
+    graph, plan = lower(copy.deepcopy(module).eval(), args, kwargs, dtype=torch.float16)
+    database, device = TuningDatabase(), Device.current()
 
     def record(group, micros):
         for template in group_templates(group.kind):

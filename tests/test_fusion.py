@@ -76,7 +76,8 @@ def test_a_split_ends_an_epilogue_so_the_gemm_stays_generatable():
 
 
 def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generates_it(norm_merges_win):
-    from stof_cc.tune.scheme import H100, choose_scheme
+    from stof_cc.templates.pricing import H100
+    from stof_cc.tune.scheme import choose_scheme
 
     module, args, kwargs = load_factory("examples/encoder_layer.py:factory")
     half = recognise_attention(canonicalize(trace(module.half(), tuple(a.half() for a in args), kwargs)))
@@ -98,7 +99,8 @@ def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generate
 def test_measured_times_decide_a_merge_where_both_sides_were_measured():
     """Stage 2 over schemes: with the tuning database's times for the merged group and for the
     groups it replaces, the merge is decided by them; where a side has no record, by estimates."""
-    from stof_cc.tune.scheme import H100, choose_scheme
+    from stof_cc.templates.pricing import H100
+    from stof_cc.tune.scheme import choose_scheme
 
     module, args, kwargs = load_factory("examples/encoder_layer.py:factory")
     half = recognise_attention(canonicalize(trace(module.half(), tuple(a.half() for a in args), kwargs)))
@@ -134,7 +136,8 @@ class _LayerNormTimesCumsum(torch.nn.Module):
 
 def test_groups_run_in_dependency_order_after_a_merge(norm_merges_win):
     import stof_cc
-    from stof_cc.tune.scheme import H100, choose_scheme
+    from stof_cc.templates.pricing import H100
+    from stof_cc.tune.scheme import choose_scheme
 
     module = _LayerNormTimesCumsum().half()
     x, y = torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16)

@@ -38,11 +38,11 @@ def test_precompile_fills_the_cache_for_every_point(monkeypatch):
     16 parallel nvcc processes compiled 867 kernels in about 50 s; one by one took minutes)."""
     import torch
 
+    import stof_cc.backends.group_launch
     import stof_cc.backends.nvcc
-    import stof_cc.backends.pycuda_backend
-    from stof_cc.runtime.group import precompile
+    from stof_cc.backends.group_launch import precompile
 
-    monkeypatch.setattr(stof_cc.backends.pycuda_backend, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(stof_cc.backends.group_launch, "device_arch", lambda: "sm_90")
     template = CASES[0][1]
     _, _, graph, group = build(CASES[0][0], CASES[0][2], (3, 7, 1000), torch.float16)
     problem = template.match(graph, group)
@@ -66,18 +66,17 @@ def test_identical_layers_share_one_kernel_source_and_the_build_files_name_their
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import torch
     from sparse_bert import factory
 
-    from stof_cc.codegen.build import build_groups
-    from stof_cc.ir.frontend import trace
-    from stof_cc.passes import partition, run_passes
+    from stof_cc.passes import lower
+    from stof_cc.runtime.build import build_groups
     from stof_cc.templates.group import group_templates
     from stof_cc.tune.scheme import choose_scheme
 
     model, (x, mask) = factory(layers=3)
-    graph = run_passes(trace(model.half(), (x.half(), mask), {}))
-    plan = partition(graph)
-    choose_scheme(graph, plan)
+    graph, plan = lower(model, (x, mask), dtype=torch.float16)
+    plan = choose_scheme(graph, plan)
     sources = []
     for group in plan.scheme.groups:
         if group.kind in ("gemm", "reduction"):

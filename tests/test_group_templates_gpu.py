@@ -8,8 +8,8 @@ import pytest
 import torch
 from group_cases import CASES, DTYPES, GEMM_CASES, GEMM_SHAPES, SHAPES, build
 
+from stof_cc.backends.group_launch import precompile, run_group
 from stof_cc.ir.graph import INPUT
-from stof_cc.runtime.group import precompile, run_group
 
 pytestmark = pytest.mark.gpu
 BERT_BASE_ROWS = 4096
@@ -53,7 +53,7 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, ctas, dtype):
     loaded into each warpgroup's staging tile again and again."""
     import group_cases
 
-    from stof_cc.runtime.group import GroupLaunch
+    from stof_cc.backends.group_launch import GroupLaunch
     from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
 
     if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):

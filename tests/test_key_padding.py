@@ -8,14 +8,15 @@ from stof_cc import masks
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.interpret import interpret
 from stof_cc.loading import load_factory
-from stof_cc.passes import KeyPaddingReport, canonicalize, recognise_attention, run_passes
+from stof_cc.passes import PassReports, canonicalize, recognise_attention, run_passes
 
 
 def test_bert_attention_mask_becomes_key_padding(example_path):
     module, args, kwargs = load_factory(example_path("tiny_bert"))
     original = trace(module, args, kwargs)
-    report = KeyPaddingReport()
-    graph = run_passes(original, padding=report)
+    reports = PassReports()
+    graph = run_passes(original, reports)
+    report = reports.padding
     assert set(report.rewritten.values()) == {"attention_mask"} and len(report.rewritten) == 2
     attention = [n for n in graph.nodes() if n.op == "attention"]
     assert all(n.args[3] is None and n.kwargs["key_padding"].name == "attention_mask" for n in attention)
@@ -42,10 +43,10 @@ class MaskedAttention(torch.nn.Module):
 def _run(how: str):
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
     padding = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
-    report = KeyPaddingReport()
+    reports = PassReports()
     original = trace(MaskedAttention(how), (q, k, v, padding))
-    graph = run_passes(original, padding=report)
-    return report, original, graph, (q, k, v, padding)
+    graph = run_passes(original, reports)
+    return reports.padding, original, graph, (q, k, v, padding)
 
 
 def test_boolean_padding_mask_is_recognised_and_equal():

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import stof_cc
-from stof_cc.codegen.build import build_groups
-from stof_cc.passes import partition, run_passes
+from stof_cc.passes import lower
+from stof_cc.runtime.build import build_groups
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
 from stof_cc.templates.group import group_templates
@@ -43,8 +43,8 @@ def test_a_registered_template_takes_part_in_code_generation(tmp_path: Path):
     try:
         assert template in group_templates("elementwise")
         x = torch.randn(4, 256, dtype=torch.float16)
-        graph = run_passes(stof_cc.trace(SwiGLUGate(), (x,)))
-        (build,) = build_groups(graph, partition(graph), tmp_path / "build", compile_kernels=False)
+        graph, plan = lower(SwiGLUGate(), (x,))
+        (build,) = build_groups(graph, plan, tmp_path / "build", compile_kernels=False)
         assert build.template == "swiglu_split" and build.path.read_text().startswith("// stof-cc fusion group")
         assert build.estimate_us is not None  # the default estimate, as the spec gives none
         # the tuning database keys it like a built-in: its own file and stof-cc's macros it imports

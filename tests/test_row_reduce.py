@@ -19,8 +19,9 @@ from stof_cc.backends.nvcc import nvcc_path
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import INPUT
 from stof_cc.passes import canonicalize, partition
+from stof_cc.templates.pricing import H100
 from stof_cc.templates.row_reduce import MAX_ITEMS, ROW_REDUCE
-from stof_cc.tune.scheme import H100, choose_scheme
+from stof_cc.tune.scheme import choose_scheme
 
 
 def _problem(module_type, shape, dtype=torch.float16):

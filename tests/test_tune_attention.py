@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from stof_cc import masks
-from stof_cc.runtime.attention import attention, explain_attention
-from stof_cc.runtime.tune_attention import attention_candidates, attention_signature, tune_attention
+from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionProblem
+from stof_cc.tune.attention import explain_attention
 from stof_cc.tune.database import TuningDatabase
+from stof_cc.tune.tune_attention import attention_candidates, attention_signature, tune_attention
 
 
 def test_candidates_follow_the_model_and_render():

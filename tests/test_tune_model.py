@@ -37,9 +37,9 @@ def test_tune_model_then_a_warm_database_measures_nothing(tmp_path: Path):
     graph = canonicalize(trace(module, inputs, {}))
     plan = partition(graph)
     db = TuningDatabase(tmp_path / "t.sqlite")
-    first = tune_model(graph, plan, inputs, database=db, top_k=4, progress=lambda _: None)
+    _, first = tune_model(graph, plan, inputs, database=db, top_k=4, progress=lambda _: None)
     assert first and all(r.measured > 0 for r in first)
     started = time.perf_counter()
-    second = tune_model(graph, plan, inputs, database=db, top_k=4, progress=lambda _: None)
+    _, second = tune_model(graph, plan, inputs, database=db, top_k=4, progress=lambda _: None)
     assert all(r.from_database and r.measured == 0 for r in second)
     assert time.perf_counter() - started < 10

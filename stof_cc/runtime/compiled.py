@@ -29,20 +29,24 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
-from stof_cc.codegen.build import attention_kernel, build_groups
+from stof_cc.backends.pycuda_backend import device_arch
 from stof_cc.codegen.chain import NotFusable
-from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import masked_attention
-from stof_cc.masks import MaskDescription, causal, from_dense, from_padding
-from stof_cc.passes import partition, run_passes
+from stof_cc.masks import MaskDescription, from_dense, from_padding
+from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
-from stof_cc.templates.group import group_templates
-from stof_cc.templates.pricing import sm_count
+from stof_cc.runtime.attention import attention
+from stof_cc.runtime.build import build_groups
+from stof_cc.templates.group import applicable_templates
+from stof_cc.templates.pricing import sm_count, target_capability
+from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
+from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
 
@@ -156,26 +160,17 @@ class CompiledModule:
 
     # -- compiling one variant ------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
-        graph = run_passes(trace(self.module, args, kwargs))
-        graph.verify()
-        if self.mask is not None:
-            _check_mask_applies(graph)
+        graph, plan = lower(self.module, args, kwargs, dtype=self.dtype, mask=self.mask)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
         gpu = self.use_gpu_kernels and _on_gpu((args, kwargs))
-        plan = partition(graph)
         if gpu and self.database is not None:
-            from stof_cc.tune.model import (  # imports this module: not at the top
-                measured_times,
-                tune_model,
-            )
-
             if self.tune:  # chooses the scheme by the measured times of both sides of each merge
-                tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask,
-                           progress=_report_measured)
+                plan, _ = tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask,
+                                     progress=_report_measured)
             else:  # measured where an earlier tune recorded both sides, else estimated
-                choose_scheme(graph, plan, measured=measured_times(graph, self.database, Device.current()))
+                plan = choose_scheme(graph, plan, measured=measured_times(graph, self.database, Device.current()))
         else:
-            choose_scheme(graph, plan)
+            plan = choose_scheme(graph, plan)
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
@@ -199,31 +194,18 @@ class CompiledModule:
                 return Step(group, "torch", str(why))
             return Step(group, "attention", "stof_cc.attention for the anchor, views in torch",
                         mask=node_mask(given, self.mask))
-        reasons = []
-        for template in group_templates(group.kind):
-            try:
-                problem = template.match(graph, group)
-            except NotFusable as why:
-                reasons.append(f"{template.name}: {why}")
-                continue
-            if not template.runs_on(torch.cuda.get_device_capability()):
-                reasons.append(f"{template.name}: not for this GPU")
-                continue
-            if not template.space(problem):
-                reasons.append(f"{template.name}: no parameter point fits this group")
-                continue
-            params, how = self._params(template, problem, graph, group)
-            return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),
-                        tuned=how.startswith("tuned"))
-        return Step(group, "torch", "; ".join(reasons) or f"no template serves {group.kind} groups")
+        found, refused = applicable_templates(graph, group, target_capability())
+        if not found:
+            return Step(group, "torch", "; ".join(refused))
+        template, problem = found[0].template, found[0].problem
+        params, how = self._params(template, problem, graph, group)
+        return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),
+                    tuned=how.startswith("tuned"))
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
         """The tuning database's winner for this group when it has one (and it is still a legal
         point), else the template's default point."""
         if self.database is not None:
-            from stof_cc.tune.database import Device
-            from stof_cc.tune.model import group_signature
-
             record = self.database.lookup(template, group_signature(graph, group), Device.current())
             if record is not None and record.params in template.space(problem):
                 return record.params, f"tuned, {record.micros:.1f} us"
@@ -246,8 +228,6 @@ class CompiledModule:
             env[name] = step.runners[name, device](env)
 
     def _attention(self, node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
-        from stof_cc.runtime.attention import attention
-
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
         if given.get("key_padding") is not None and self.mask is None:
@@ -333,21 +313,6 @@ def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: An
     return mask
 
 
-def _check_mask_applies(graph: Graph) -> None:
-    """``compile(mask=...)`` replaces the masks of recognised attention nodes; warn when a
-    graph has none, or keeps SDPA calls the passes could not recognise (they run with their
-    own mask), so a mask that changes nothing never passes unnoticed."""
-    recognised = [n.name for n in graph.nodes() if n.op == "attention"]
-    left = [n.name for n in graph.nodes() if n.op == "scaled_dot_product_attention"]
-    if left:
-        warnings.warn(f"stof_cc.compile: mask= does not apply to {', '.join('%' + n for n in left)}: "
-                      "attention the passes did not recognise runs with the model's own mask "
-                      "(stof-cc inspect --passes says why)", stacklevel=4)
-    elif not recognised:
-        warnings.warn(f"stof_cc.compile: mask= was given, but graph {graph.name!r} has no attention node: "
-                      "the mask changes nothing", stacklevel=4)
-
-
 def _report_measured(item: Any) -> None:
     """compile's tuning progress on stderr: two lines per group it measured (what, how long, the
     winner); groups the database answered, and tune_model's other notes, stay quiet, so a warm
@@ -366,26 +331,10 @@ def _gpu_kernels_available() -> bool:
     return True
 
 
-def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched)."""
-    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
-
-
 def _signature(tree: Any) -> tuple:
     flat, spec = pytree.tree_flatten(tree)
     return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
                                 for t in flat)
-
-
-CAUSAL = causal()  # one object: attention's choices (and tuned winners) are cached per description
-
-
-def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
-    """The description an attention node runs with: ``compile``'s override, else causal or none
-    (key padding is added per call)."""
-    if override is not None:
-        return override
-    return CAUSAL if given.get("is_causal") else None
 
 
 def _on_gpu(tree: Any) -> bool:
@@ -399,9 +348,6 @@ def _load_kernels(steps: list[Step]) -> None:
     pending = [s for s in steps if s.kind == "kernel"]
     if not pending:
         return
-    from stof_cc.backends.pycuda_backend import device_arch  # needs PyCUDA: only on the GPU path
-    from stof_cc.runtime.group import GroupLaunch
-
     arch = device_arch()
     errors = compile_many([(t.render(p, params), arch + t.arch_features) for t, p, params in (s.kernel for s in pending)])
     for step, error in zip(pending, errors, strict=True):

@@ -16,6 +16,8 @@ The kernel reads the mask as a `BlockMask` whose block shape equals the kernel's
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -52,6 +54,55 @@ class AttentionProblem:
     @property
     def dtype_name(self) -> str:
         return SUPPORTED_DTYPES[self.dtype]
+
+
+class AttentionInputError(ValueError):
+    """q, k, v or the mask cannot be run by the attention kernels; names the argument."""
+
+
+def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionProblem:
+    """The problem q, k and v pose, checked (tensors, 4-D, CUDA, one dtype and device, shapes
+    and sizes the kernels support); AttentionInputError naming the argument otherwise."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise AttentionInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise AttentionInputError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices "
+                                      "(stof_cc.ir.reference.masked_attention is the CPU reference)")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise AttentionInputError("q, k and v must share one dtype and one device")
+    batch, heads, seq_q, head_dim = q.shape
+    if k.shape[:2] != (batch, heads) or v.shape != k.shape or k.shape[3] != head_dim:
+        raise AttentionInputError(f"k and v must be [{batch}, {heads}, S_k, {head_dim}] like q; "
+                                  f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    return validated_problem(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype))
+
+
+def validated_problem(problem: AttentionProblem) -> AttentionProblem:
+    """The checks on sizes and dtype that `attention` and `explain_attention` share."""
+    sizes = {}
+    for name in ("batch", "heads", "seq_q", "seq_k", "head_dim"):
+        value = getattr(problem, name)
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            sizes[name] = operator.index(value)
+        except TypeError:
+            raise AttentionInputError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+    problem = dataclasses.replace(problem, **sizes)
+    if not isinstance(problem.dtype, torch.dtype) or problem.dtype not in SUPPORTED_DTYPES:
+        raise AttentionInputError(f"dtype {problem.dtype!r} is not supported; supported: torch.float16, torch.bfloat16")
+    if problem.head_dim not in SUPPORTED_HEAD_DIMS:
+        raise AttentionInputError(f"head_dim {problem.head_dim} is not supported; supported: {SUPPORTED_HEAD_DIMS}")
+    if min(problem.batch, problem.heads, problem.seq_q, problem.seq_k) <= 0:
+        raise AttentionInputError(f"sizes must be positive, got batch={problem.batch} heads={problem.heads} "
+                                  f"seq_q={problem.seq_q} seq_k={problem.seq_k}")
+    if problem.batch > GRID_YZ_LIMIT:
+        raise AttentionInputError(f"batch {problem.batch} exceeds {GRID_YZ_LIMIT}, the grid's y limit; "
+                                  "split the batch")
+    return problem
 
 
 def config_label(params: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ import torch
 from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
+from stof_cc.passes.lower import lower
 from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import (
     KernelTemplate,
@@ -84,13 +85,10 @@ class GroupTemplate(KernelTemplate):
 
     def validate(self) -> None:
         """The spec matches a group of its example, has parameters there, and renders."""
-        from stof_cc.ir.frontend import trace
-        from stof_cc.passes import partition, run_passes
-
         module, inputs = self.example()
-        graph = run_passes(trace(module, inputs))
+        graph, plan = lower(module, inputs)
         reasons = []
-        for group in partition(graph).default.groups:
+        for group in plan.default.groups:
             if group.kind not in self.kinds:
                 continue
             try:
@@ -183,6 +181,41 @@ def group_header(graph: Graph, group: FusionGroup, template: str, params: dict[s
 
 def _parameters_line(params: dict[str, Any]) -> str:
     return f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}"
+
+
+@dataclass(frozen=True)
+class Applicable:
+    """A template that can generate a group on the target GPU, with its problem and points."""
+
+    template: GroupTemplate
+    problem: GroupProblem
+    space: tuple[dict[str, Any], ...]
+
+
+def applicable_templates(graph: Graph, group: FusionGroup,
+                         capability: tuple[int, int]) -> tuple[list[Applicable], list[str]]:
+    """The templates that generate ``group`` for a GPU of ``capability`` (registration order:
+    the first is the default choice), and why each other one does not. The one place a group
+    template is chosen: compile, stage 1 and 2 of the search and the build folder all ask here."""
+    templates = group_templates(group.kind)
+    if not templates:
+        return [], [f"no template serves {group.kind} groups"]
+    found, refused = [], []
+    for template in templates:
+        try:
+            problem = template.match(graph, group)
+        except NotFusable as why:
+            refused.append(f"{template.name}: {why}")
+            continue
+        if not template.runs_on(capability):
+            refused.append(f"{template.name}: not for compute capability {capability[0]}.{capability[1]}")
+            continue
+        space = template.space(problem)
+        if not space:
+            refused.append(f"{template.name}: no parameter point fits this group")
+            continue
+        found.append(Applicable(template, problem, tuple(space)))
+    return found, refused
 
 
 def group_templates(kind: str) -> list[GroupTemplate]:

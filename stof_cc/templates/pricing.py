@@ -107,8 +107,17 @@ def epilogue_cost(ops: list[str]) -> float:
     return sum(EPILOGUE_OP_COST.get(op, OTHER_EPILOGUE_OP_COST) for op in ops)
 
 
+H100 = (9, 0)  # the target when no GPU is visible (kernels are written and compiled for sm_90)
+H100_SM_COUNT = 132  # the GPU the constants describe
+
+
+def target_capability() -> tuple[int, int]:
+    """The compute capability kernels are chosen for: the current GPU's, else the H100's."""
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else H100
+
+
 def sm_count() -> int:
     """SMs of the current GPU; without one, the H100's 132 (estimates still rank on the CPU)."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+    return H100_SM_COUNT

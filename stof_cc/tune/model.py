@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.pycuda_backend import device_arch
-from stof_cc.codegen.build import attention_kernel
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
@@ -25,14 +25,13 @@ from stof_cc.ir.reference import relative_error
 from stof_cc.masks import MaskDescription, from_padding
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
-from stof_cc.runtime.compiled import node_mask
-from stof_cc.runtime.group import GroupLaunch
-from stof_cc.runtime.tune_attention import tune_attention
-from stof_cc.templates.group import group_output, group_templates
+from stof_cc.templates.group import applicable_templates, group_output, group_templates
 from stof_cc.templates.pricing import sm_count
+from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
+from stof_cc.tune.tune_attention import tune_attention
 
 INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2
 
@@ -59,10 +58,11 @@ def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Ca
 def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
                example_kwargs: dict[str, Any] | None = None, *, database: TuningDatabase,
                mask: MaskDescription | None = None,
-               top_k: int = DEFAULT_TOP_K, progress: Callable[[str | SearchReport], None] = print) -> list[SearchReport]:
+               top_k: int = DEFAULT_TOP_K,
+               progress: Callable[[str | SearchReport], None] = print) -> tuple[FusionPlan, list[SearchReport]]:
     """Search every group that has a template, in every scheme the plan offers (both sides of
-    each alternative merge), then choose the scheme again by the measured times (``plan`` is
-    updated); returns one report per tuned group."""
+    each alternative merge); returns the plan with its scheme chosen again by the measured times
+    (``plan`` itself is not changed) and one report per tuned group."""
     if not torch.cuda.is_available():
         raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
     groups = list(dict.fromkeys([*plan.default.groups, *(g for _, s in plan.alternatives for g in s.groups)]))
@@ -81,10 +81,10 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
         if report is not None:
             progress(report)  # print shows str(report); compile's progress reads the counts
             reports.append(report)
-    choose_scheme(graph, plan, measured=measured_times(graph, database, device))
+    plan = choose_scheme(graph, plan, measured=measured_times(graph, database, device))
     for line in plan.choices:
         progress(f"scheme: {line}")
-    return reports
+    return plan, reports
 
 
 def _has_single_output(graph: Graph, group: FusionGroup) -> bool:
@@ -97,15 +97,11 @@ def _has_single_output(graph: Graph, group: FusionGroup) -> bool:
 
 def _tune_group(graph, group, values, database, device, top_k, progress) -> SearchReport | None:
     candidates, problems = [], {}
-    for template in group_templates(group.kind):
-        try:
-            problem = template.match(graph, group)
-        except NotFusable as why:
-            progress(f"{group.name}: {template.name} does not apply ({why})")
-            continue
-        if not template.runs_on(torch.cuda.get_device_capability()):
-            continue
-        for params in template.space(problem):
+    found, refused = applicable_templates(graph, group, torch.cuda.get_device_capability())
+    for why in refused:
+        progress(f"{group.name}: {why}")
+    for template, problem, space in ((a.template, a.problem, a.space) for a in found):
+        for params in space:
             candidate = Candidate(template, params, template.estimate(problem, params, sm_count()),
                                   functools.partial(template.render, problem, params))
             candidates.append(candidate)

@@ -10,46 +10,33 @@ that alone feeds it), so they are judged one at a time and applied together.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
-import torch
-
-from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.passes.fusion import FusionGroup, FusionPlan, FusionScheme, in_dependency_order
-from stof_cc.templates.group import group_templates
-from stof_cc.templates.pricing import sm_count
-
-H100 = (9, 0)  # the target when no GPU is visible (kernels are written and compiled for sm_90)
+from stof_cc.templates.group import applicable_templates
+from stof_cc.templates.pricing import sm_count, target_capability
 
 
 def best_estimate(graph: Graph, group: FusionGroup, capability: tuple[int, int], sms: int) -> float:
     """The lowest stage-1 estimate (us) of any template point for ``group`` on this GPU;
     infinity when no template generates it (it would run in torch)."""
-    best = math.inf
-    for template in group_templates(group.kind):
-        if not template.runs_on(capability):
-            continue
-        try:
-            problem = template.match(graph, group)
-        except NotFusable:
-            continue
-        best = min([best] + [template.estimate(problem, params, sms) for params in template.space(problem)])
-    return best
+    found, _ = applicable_templates(graph, group, capability)
+    return min((a.template.estimate(a.problem, params, sms) for a in found for params in a.space), default=math.inf)
 
 
 def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | None = None,
                   measured: Callable[[FusionGroup], float | None] | None = None) -> FusionPlan:
-    """Set ``plan.chosen`` (and ``plan.choices``, one line per alternative saying what was
-    decided and why) and return the plan. ``capability``: the GPU's when one is visible, else
-    the H100's. ``measured``: a group's measured best time (us) or None, e.g.
-    `stof_cc.tune.model.measured_times` over a tuning database."""
-    if capability is None:
-        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else H100
+    """A copy of ``plan`` with ``chosen`` set (and ``choices``, one line per alternative saying
+    what was decided and why); ``plan`` itself is not changed. ``capability``: the target GPU's
+    (default: the current one's, else the H100's). ``measured``: a group's measured best time
+    (us) or None, e.g. `stof_cc.tune.model.measured_times` over a tuning database."""
+    capability = capability or target_capability()
     sms = sm_count()
     groups = list(plan.default.groups)
-    plan.choices = []
+    choices = []
     for label, alternative in plan.alternatives:
         merged = next(g for g in alternative.groups if g not in plan.default.groups)
         replaced = [g for g in plan.default.groups if g not in alternative.groups]
@@ -64,9 +51,9 @@ def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | 
             at = groups.index(replaced[0])
             groups = [g for g in groups if g not in replaced]
             groups.insert(at, merged)
-            plan.choices.append(f"{label}: merged ({fused_us:.1f} us {how} against {apart_us:.1f} us apart)")
+            choices.append(f"{label}: merged ({fused_us:.1f} us {how} against {apart_us:.1f} us apart)")
         else:
             why = "no template generates it" if math.isinf(fused_us) else f"{fused_us:.1f} us {how} against {apart_us:.1f}"
-            plan.choices.append(f"{label}: kept apart ({why})")
-    plan.chosen = FusionScheme(in_dependency_order(graph, groups))  # the merged group may read later ones
-    return plan
+            choices.append(f"{label}: kept apart ({why})")
+    # the merged group may read later ones: dependency order
+    return dataclasses.replace(plan, chosen=FusionScheme(in_dependency_order(graph, groups)), choices=choices)

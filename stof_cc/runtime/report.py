@@ -18,9 +18,9 @@ from pathlib import Path
 
 import networkx as nx
 
-from stof_cc.codegen.build import GroupBuild
 from stof_cc.ir.graph import Graph
 from stof_cc.passes.fusion import FusionPlan
+from stof_cc.runtime.build import GroupBuild
 
 PALETTE = ("#8dd3c7", "#ffffb3", "#bebada", "#fb8072", "#80b1d3", "#fdb462", "#b3de69", "#fccde5",
            "#bc80bd", "#ccebc5", "#ffed6f", "#a6cee3", "#b2df8a", "#fdbf6f", "#cab2d6", "#ffff99")

@@ -1,5 +1,6 @@
-"""Run one fusion group's generated kernel on torch tensors (the GPU path of the group
-templates; `stof_cc.compile`'s CompiledModule, issue 7, will sequence these)."""
+"""Run one fusion group's generated kernel on torch tensors: render, compile and load a
+template point once, then check the operands and launch it per call. `stof_cc.compile`'s
+kernel steps and stage 2 of the search (`tune/model.py`) both launch through here."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import torch
 
-from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.backends.nvcc import compile_many
+from stof_cc.backends.pycuda_backend import Kernel, device_arch, load_kernel
 from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_2d
 from stof_cc.templates.group import OUTPUT_MAP, GroupProblem, GroupTemplate
 
@@ -70,9 +72,6 @@ def precompile(template: GroupTemplate, problem: GroupProblem, points: list[dict
     """Compile ``points`` of ``template`` for this GPU in parallel (one nvcc process each) into
     the cache, so that launching them one by one finds them compiled. Failures are left for
     the launch to report (it raises the compiler's message)."""
-    from stof_cc.backends.nvcc import compile_many
-    from stof_cc.backends.pycuda_backend import device_arch
-
     arch = device_arch() + template.arch_features
     compile_many([(template.render(problem, params), arch) for params in points])
 

@@ -9,18 +9,17 @@ from collections.abc import Callable
 
 import torch
 
+from stof_cc.backends.attention_launch import launch_plan
 from stof_cc.backends.pycuda_backend import device_arch
 from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.masks import MaskDescription
-from stof_cc.runtime.attention import (
-    adopt_choice,
-    as_description,
-    attention,
-    cached_block_mask,
-    check_inputs,
-    choose,
+from stof_cc.templates.attention import (
+    ATTENTION_TEMPLATES,
+    AttentionProblem,
+    config_label,
+    problem_of,
 )
-from stof_cc.templates.attention import ATTENTION_TEMPLATES, AttentionProblem, config_label
+from stof_cc.tune.attention import adopt_choice, as_description, cached_block_mask, choose
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.search import DEFAULT_TOP_K, MAX_SHARE, Candidate, SearchReport, search
 
@@ -58,7 +57,7 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
     sizes, rotated over ``input_sets`` copies), check each against the torch reference, and adopt
     the fastest for later `attention` calls with this mask."""
     description = as_description(mask)
-    problem = check_inputs(q, k, v)
+    problem = problem_of(q, k, v)
     # contiguous: the layout the kernels read without copies, and the one `out` must have
     sets = [tuple(torch.randn(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)) for _ in range(input_sets)]
     outs = [torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(input_sets)]
@@ -66,9 +65,11 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
     reference = masked_attention(*sets[0], dense, scale=scale)
 
     def build(candidate: Candidate) -> Callable[[int], torch.Tensor]:
+        block_mask = cached_block_mask(description, problem, candidate.params, q.device)
+        plan = launch_plan(*sets[0], problem, candidate.template, candidate.params, block_mask, scale)
+
         def run(i: int) -> torch.Tensor:
-            qs, ks, vs = sets[i % input_sets]
-            return attention(qs, ks, vs, description, scale, params=candidate.params, out=outs[i % input_sets])
+            return plan.launch(*sets[i % input_sets], outs[i % input_sets])
         return run
 
     report = search(attention_candidates(problem, description), build, lambda out: relative_error(out, reference),

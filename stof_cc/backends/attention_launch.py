@@ -1,0 +1,105 @@
+"""Launch one masked-attention template point: its kernel compiled and loaded once per
+(template, dtype, head dim, parameters), and a `LaunchPlan` that fixes every argument but the
+tensor pointers for one input layout and mask. `stof_cc.attention` runs its chosen point
+through here; stage 2 of the search runs each candidate the same way."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.masks.block_mask import BlockMask
+from stof_cc.templates.attention import AttentionInputError, AttentionProblem
+from stof_cc.templates.registry import KernelTemplate
+
+LOG2E = 1.4426950408889634
+
+_kernels: dict[tuple, Kernel] = {}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a call that the inputs' layout and the mask fix: the kernel, its
+    geometry and every argument but the tensor pointers, so that a repeated call costs a
+    dictionary lookup, an output allocation and one driver launch."""
+
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    threads: int
+    shared_bytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    copy_inputs: bool  # the strides do not suit the kernel: callers pass contiguous copies
+    mask_args: tuple[int, ...]  # any_ptr, any_cols, any_tile, part_bits, row_order
+    size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S)
+    end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e)
+    mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
+
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
+                or out.stride(3) != 1 or any(st % 8 for st in out.stride()[:3]) or out.data_ptr() % 16:
+            raise AttentionInputError(f"out must be a 16-byte aligned {self.dtype} tensor of shape "
+                                      f"{self.shape} on {self.device} with unit stride in head_dim and row "
+                                      f"strides a multiple of 8; got {out.dtype} {tuple(out.shape)} on "
+                                      f"{out.device}, strides {out.stride()}, address {out.data_ptr():#x}")
+        self.kernel.launch(self.grid, self.threads, self.shared_bytes,
+                           q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
+                           *self.size_args, *out.stride()[:3], *self.end_args)
+        return out
+
+
+def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
+                template: KernelTemplate, params: dict[str, Any], block_mask: BlockMask,
+                scale: float | None) -> LaunchPlan:
+    """The plan for running ``template`` at ``params`` on inputs laid out like q, k, v (already
+    checked as ``problem``) with ``block_mask`` (on q's device, at the point's block shape)."""
+    scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
+    if not scale > 0:
+        raise AttentionInputError(f"scale must be positive, got {scale}")
+    grid, threads, shared = template.launch(problem, params)
+    mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, block_mask.part_bits,
+                    _row_order(block_mask))
+    rows_per_head = block_mask.n_rb if block_mask.heads > 1 else 0
+    rows_per_batch = block_mask.heads * block_mask.n_rb if block_mask.batch > 1 else 0
+    copy_inputs = not all(t.stride(3) == 1 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
+    return LaunchPlan(
+        kernel=compiled_kernel(template, problem, params),
+        grid=grid, threads=threads, shared_bytes=shared,
+        shape=tuple(q.shape), dtype=q.dtype, device=q.device, copy_inputs=copy_inputs,
+        mask_args=tuple(t.data_ptr() for t in mask_tensors),
+        size_args=(problem.seq_q, problem.seq_k, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]),
+        end_args=(rows_per_batch, rows_per_head, scale * LOG2E),
+        mask_tensors=mask_tensors,
+    )
+
+
+def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params: dict[str, Any]) -> Kernel:
+    """Render, compile (nvcc, cached on disk) and load the kernel; cached per process."""
+    key = (template.name, problem.dtype, problem.head_dim, tuple(sorted(params.items())))
+    if key not in _kernels:
+        _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
+                                    template.arg_format, arch_features=template.arch_features,
+                                    waits_for_producers=template.waits_for_producers)
+    return _kernels[key]
+
+
+_row_orders: weakref.WeakKeyDictionary[BlockMask, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _row_order(block_mask: BlockMask) -> torch.Tensor:
+    """Block rows by descending block count over all mask slices (longest first), int32 on the
+    mask's device: the CTA scheduler then never starts a long row last."""
+    if block_mask not in _row_orders:
+        counts = (block_mask.any_ptr[1:] - block_mask.any_ptr[:-1]).view(-1, block_mask.n_rb).sum(0)
+        order = torch.sort(counts.cpu(), descending=True, stable=True).indices.to(torch.int32)
+        _row_orders[block_mask] = order.to(block_mask.any_ptr.device)
+    return _row_orders[block_mask]

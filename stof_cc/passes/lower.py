@@ -1,0 +1,115 @@
+"""`lower`: the one road from a module to a fusion plan.
+
+    module + example inputs -> cast to dtype -> trace -> canonicalize -> merge_parallel_linears
+    -> recognise_attention -> describe_key_padding -> partition
+
+`stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
+all see the same graph for the same model (before, `stof-cc tune` skipped the cast that
+`compile` made and could tune other signatures than `compile` looked up). An ``instrument``,
+like Hidet's pass instruments, sees the graph after tracing and after each pass: `dump_to`
+writes each one to a file.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from stof_cc.ir.frontend import trace
+from stof_cc.ir.graph import Graph
+from stof_cc.passes.attention import AttentionReport, recognise_attention
+from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize
+from stof_cc.passes.fusion import FusionPlan, partition
+from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
+from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
+
+Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
+
+
+@dataclass
+class PassReports:
+    """What each pass did and refused, filled in by `run_passes`."""
+
+    canonical: CanonicalizeReport = field(default_factory=CanonicalizeReport)
+    horizontal: HorizontalReport = field(default_factory=HorizontalReport)
+    attention: AttentionReport = field(default_factory=AttentionReport)
+    padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
+
+    def __str__(self) -> str:
+        return f"{self.canonical}\n{self.horizontal}\n{self.attention}\n{self.padding}"
+
+
+def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
+    """canonicalize, merge_parallel_linears, recognise_attention, describe_key_padding, in that
+    order (each pure: ``graph`` is not modified)."""
+    reports = reports if reports is not None else PassReports()
+    steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
+             ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
+             ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
+             ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)))
+    for name, step in steps:
+        graph = step(graph)
+        if instrument is not None:
+            instrument(name, graph)
+    return graph
+
+
+def lower(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
+          dtype: torch.dtype | None = None, mask: object | None = None, name: str | None = None,
+          reports: PassReports | None = None, instrument: Instrument | None = None) -> tuple[Graph, FusionPlan]:
+    """The verified graph of ``module`` after every pass, and its fusion plan (the default
+    scheme and the alternatives; `stof_cc.tune.scheme.choose_scheme` picks among them).
+
+    ``dtype``: the module (cast in place: pass a copy to keep yours) and the floating inputs are
+    cast to it first; None keeps them as they are. ``mask``: the ``compile(mask=...)`` that will
+    replace the recognised attention nodes' masks; a warning says when it would change nothing.
+    ``reports`` collects what the passes did; ``instrument`` sees each stage's graph."""
+    if dtype is not None:
+        module = module.to(dtype)
+        args, kwargs = cast_floating((tuple(args), dict(kwargs or {})), dtype)
+    graph = trace(module, args, kwargs, name=name)
+    graph.verify()
+    if instrument is not None:
+        instrument("trace", graph)
+    graph = run_passes(graph, reports, instrument)
+    graph.verify()
+    if mask is not None:
+        _warn_if_mask_applies_nowhere(graph)
+    return graph, partition(graph)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched)."""
+    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def dump_to(folder: str | Path) -> Instrument:
+    """An instrument writing each stage's graph to ``folder/<n>_<stage>.txt`` (its printed form)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    count = iter(range(1_000_000))
+
+    def dump(stage: str, graph: Graph) -> None:
+        (folder / f"{next(count):02d}_{stage}.txt").write_text(f"{graph}\n")
+    return dump
+
+
+def _warn_if_mask_applies_nowhere(graph: Graph) -> None:
+    """``compile(mask=...)`` replaces the masks of recognised attention nodes; warn when a graph
+    has none, or keeps SDPA calls the passes could not recognise (they run with their own
+    mask), so a mask that changes nothing never passes unnoticed."""
+    recognised = [n.name for n in graph.nodes() if n.op == "attention"]
+    left = [n.name for n in graph.nodes() if n.op == "scaled_dot_product_attention"]
+    if left:
+        warnings.warn(f"stof_cc.compile: mask= does not apply to {', '.join('%' + n for n in left)}: "
+                      "attention the passes did not recognise runs with the model's own mask "
+                      "(stof-cc inspect --passes says why)", stacklevel=4)
+    elif not recognised:
+        warnings.warn(f"stof_cc.compile: mask= was given, but graph {graph.name!r} has no attention node: "
+                      "the mask changes nothing", stacklevel=4)

@@ -1,0 +1,197 @@
+"""Stage 1 of the search for masked attention: which template point runs a problem and mask.
+
+`choose` scores every candidate with the analytical model (`cost_model.estimate`) on the
+`BlockMask` at the candidate's own block shape and caches the pick per mask description;
+`adopt_choice` replaces it with a measured winner (stage 2, `tune_attention`); what the
+runtime built on the old pick is dropped through the listeners registered with
+`on_adopt`. `attention_kernel` makes the same choice for an attention node of the IR.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stof_cc.codegen import NotFusable
+from stof_cc.ir.graph import Graph, Node
+from stof_cc.masks import MaskDescription, causal, from_dense, full, key_padding
+from stof_cc.masks.block_mask import BlockMask
+from stof_cc.passes.attention import attention_arguments
+from stof_cc.templates.attention import (
+    ATTENTION_TEMPLATES,
+    GRID_YZ_LIMIT,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    AttentionInputError,
+    AttentionProblem,
+    config_label,
+    validated_problem,
+)
+from stof_cc.templates.pricing import sm_count, target_capability
+from stof_cc.templates.registry import KernelTemplate
+from stof_cc.tune.cost_model import Estimate, estimate, stof_rule
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The selected template and parameters, with every candidate's estimate (best first)."""
+
+    template: KernelTemplate
+    params: dict[str, Any]
+    estimates: tuple[Estimate, ...]
+    stof_rule: tuple[float, float, str]
+    measured_us: float | None = None  # set when stage 2 of the search picked it
+
+    def explain(self) -> str:
+        rho, tau, pick = self.stof_rule
+        how = (f"measured {self.measured_us:.1f} us (stage 2 of the search)" if self.measured_us is not None
+               else "the cost model's first choice")
+        lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}",
+                 f"STOF's rule: rho={rho:.4f} tau={tau:.4f} -> {pick}", "candidates (best first):"]
+        lines += [f"  {e.describe()}" for e in self.estimates]
+        return "\n".join(lines)
+
+
+# mask description -> {(seq_q, seq_k, bm, bn, batch, heads, device): BlockMask}
+_block_masks: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, BlockMask]] = weakref.WeakKeyDictionary()
+_choices: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, AttentionChoice]] = weakref.WeakKeyDictionary()
+_adopt_listeners: list[Callable[[MaskDescription], None]] = []
+
+
+def as_description(mask: MaskDescription | torch.Tensor | None) -> MaskDescription:
+    if mask is None:
+        return _FULL
+    if isinstance(mask, MaskDescription):
+        return mask
+    if isinstance(mask, torch.Tensor):
+        return from_dense(mask)
+    raise AttentionInputError(f"mask must be a stof_cc.masks description, a bool tensor or None; "
+                              f"got {type(mask).__name__}")
+
+
+_FULL = full()
+
+
+def candidates(problem: AttentionProblem,
+               capability: tuple[int, int] | None = None) -> list[tuple[KernelTemplate, dict[str, Any]]]:
+    """Every (template, params) that can run ``problem`` on a GPU of ``capability`` (default:
+    the current device's, or the H100's (9, 0) on a machine without one)."""
+    capability = capability or target_capability()
+    return [(t, p) for t in ATTENTION_TEMPLATES if t.runs_on(capability) for p in t.space(problem)]
+
+
+def choose(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
+    """The model's pick for this problem and mask (cached with the mask)."""
+    key = (problem, sm_count())
+    per_mask = _choices.setdefault(description, {})
+    if key not in per_mask:
+        scored = []
+        options = candidates(problem)
+        if not options:
+            raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
+                                      f"{target_capability()} (the templates need sm_80 or newer, a batch of at "
+                                      f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
+        for template, params in options:
+            bm = cached_block_mask(description, problem, params, torch.device("cpu"))
+            row_blocks = (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist()
+            heads_batches = problem.batch * problem.heads // (bm.batch * bm.heads)
+            scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks,
+                                    int(bm.part_cols.numel()), template.shared_bytes(problem, params),
+                                    key[1], template.registers(problem, params),
+                                    template.launch(problem, params)[1]), template))
+        scored.sort(key=lambda item: item[0].micros)
+        best, template = scored[0]
+        fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
+        rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), fine.n_rb * fine.n_cb)
+        per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
+    return per_mask[key]
+
+
+def adopt_choice(problem: AttentionProblem, description: MaskDescription, template: KernelTemplate,
+                 params: dict[str, Any], measured_us: float) -> AttentionChoice:
+    """Make a measured winner the choice for (problem, mask): later `attention` calls run it."""
+    modelled = choose(problem, description)
+    choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us)
+    _choices[description][(problem, sm_count())] = choice
+    for listener in _adopt_listeners:  # e.g. the runtime's launch plans built on the model's pick
+        listener(description)
+    return choice
+
+
+def on_adopt(listener: Callable[[MaskDescription], None]) -> None:
+    """Call ``listener(description)`` whenever a measured winner replaces the pick for a mask."""
+    _adopt_listeners.append(listener)
+
+
+def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                      mask: MaskDescription | torch.Tensor | None = None,
+                      dtype: torch.dtype = torch.float16) -> AttentionChoice:
+    """The kernel `attention` would run for these sizes and mask, with every candidate's
+    estimate; needs no GPU (the SM count defaults to the H100's 132 without one).
+    ``choice.explain()`` formats it."""
+    problem = validated_problem(AttentionProblem(batch, heads, seq_q, seq_k, head_dim, dtype))
+    return choose(problem, as_description(mask))
+
+
+def pinned_choice(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
+    by_strategy = {t.strategy: t for t in ATTENTION_TEMPLATES}
+    template = by_strategy.get(params.get("strategy"))
+    if template is None:
+        raise AttentionInputError(f"params {params}: strategy must be one of {sorted(by_strategy)}")
+    if not template.runs_on(target_capability()):
+        raise AttentionInputError(f"{template.name} does not run on compute capability {target_capability()}")
+    if params not in template.space(problem):
+        raise AttentionInputError(f"params {params} are not in {template.name}'s space for {problem}")
+    return AttentionChoice(template, params, (), (0.0, 0.0, ""))
+
+
+def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
+                      params: dict[str, Any], device: torch.device) -> BlockMask:
+    key = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
+           problem.batch, problem.heads, str(device))
+    per_mask = _block_masks.setdefault(description, {})
+    if key not in per_mask:
+        if device.type == "cpu":
+            per_mask[key] = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"],
+                                                   params["block_n"], batch=problem.batch, heads=problem.heads)
+        else:
+            per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu")).to(device)
+    return per_mask[key]
+
+
+CAUSAL = causal()  # one object: attention's choices (and tuned winners) are cached per description
+
+
+def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
+    """The description an attention node runs with: ``compile``'s override, else causal or none
+    (key padding is added per call)."""
+    if override is not None:
+        return override
+    return CAUSAL if given.get("is_causal") else None
+
+
+def attention_kernel(graph: Graph, node: Node,
+                     ignore_mask: bool = False) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
+    """The attention template, problem, parameters and estimate the cost model picks for an SDPA
+    or recognised attention node (its own mask: causal, none, or key padding, which is known
+    only per call and is chosen for here as if no key were padded); NotFusable with the reason.
+    An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
+    given = attention_arguments(node)
+    q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
+    if given.get("attn_mask") is not None and not ignore_mask:  # (ignored: `compile(mask=)` replaces it)
+        raise NotFusable(f"%{node.name}: a mask tensor that is not key padding is known only at run time "
+                         "(pass mask= to stof_cc.compile)")
+    if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
+    dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
+    b, h, s_q, d = q.shape
+    mask = causal() if given.get("is_causal") else None
+    if given.get("key_padding") is not None:  # known per call: chosen here for unpadded keys
+        mask = key_padding([k.shape[2]] * b) & mask if mask is not None else key_padding([k.shape[2]] * b)
+    choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
+    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params,
+            choice.estimates[0].micros)
