@@ -4,6 +4,7 @@ the GPU the generated kernels against eager."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -324,3 +325,36 @@ def test_compile_names_a_bad_argument(change, message):
     arguments = {"model": _SDPA(), "example_inputs": (q, q, q)} | change
     with pytest.raises(TypeError, match=message):
         stof_cc.compile(arguments.pop("model"), arguments.pop("example_inputs"), **arguments)
+
+
+@pytest.mark.nvcc
+def test_stof_cc_tune_records_what_compile_looks_up(fake_gpu, example_path):
+    """`stof-cc tune` and `stof_cc.compile` lower the same way (one `lower`, one dtype), so every
+    record compile looks up is one the tune command measures (they once drifted: tune skipped
+    the fp16 cast and tuned fp32 signatures that compile never looked up)."""
+    import stof_cc.cli
+    from stof_cc.tune.database import TuningDatabase
+    from stof_cc.tune.model import group_signature
+
+    monkeypatch = fake_gpu
+    tuned: set[str] = set()
+
+    def record_groups(graph, plan, *args, **kwargs):
+        groups = [*plan.default.groups, *(g for _, scheme in plan.alternatives for g in scheme.groups)]
+        tuned.update(group_signature(graph, g) for g in groups)
+        return plan, []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a fake H100 (fake_gpu: sm_90)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(stof_cc.cli, "tune_model", record_groups)
+    assert stof_cc.cli.main(["tune", example_path("encoder_layer")]) == 0
+
+    looked_up: list[str] = []
+    lookup = TuningDatabase.lookup
+    monkeypatch.setattr(TuningDatabase, "lookup",
+                        lambda self, template, signature, device: looked_up.append(signature) or lookup(
+                            self, template, signature, device))
+    module, args, kwargs = load_factory(example_path("encoder_layer"))
+    stof_cc.compile(module, args, kwargs, tune=False)  # the default dtype, fp16
+    assert looked_up and set(looked_up) <= tuned

@@ -1,4 +1,4 @@
-"""`stof_cc.compile`: a traced, partitioned model run group by group.
+"""`stof_cc.compile`: a lowered, partitioned model (`passes.lower`) run group by group.
 
 Each fusion group becomes one step, in graph order:
 
@@ -11,10 +11,10 @@ Each fusion group becomes one step, in graph order:
 Values are dropped after their last reader, so intermediate memory follows their lifetimes
 (the torch caching allocator reuses it). Kernel steps run the tuning database's winners where it
 has them (``tune=True``, the default, measures those it lacks first), else the template's
-default point. With
-``cuda_graphs=True`` (the default) a variant is captured once and replayed (launches off the
-default stream go through the driver-API launcher): on the H100 this took BERT-base from 5.8 to
-3.2 ms (RESULTS.md). A variant whose capture fails runs uncaptured, with a warning.
+default point. With ``cuda_graphs=True`` (the default) a variant is captured once and replayed
+(launches off the default stream go through the driver-API launcher), which removes the host's
+launch gaps (docs/decisions.md#cuda-graphs). A variant whose capture fails runs uncaptured, with
+a warning.
 """
 
 from __future__ import annotations
@@ -271,9 +271,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     Group kernels run the tuning database's winners where it has them (``database``: a
     `TuningDatabase` or its path; default the user's); ``tune`` (the default) first measures, on
     the GPU, every group the database has no record for (`stof-cc tune` does the same from the
-    shell): a cold compile of a BERT-base encoder takes ~20 s on an H100 (nvcc and stage 2
-    included), and end to end it ran 2-6% faster than with stage 1's picks (RESULTS.md,
-    2026-11-24); a warm database measures nothing (BERT-base: 1.1-2.2 s on the H100). ``tune=False`` reads the database and otherwise takes stage 1's picks.
+    shell; what a cold and a warm compile cost: docs/decisions.md#tuning-in-compile), and
+    ``tune=False`` reads the database and otherwise takes stage 1's picks.
     ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (not for models with
     key padding, whose masks are read per call; a failed capture warns and runs uncaptured)."""
     mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype)

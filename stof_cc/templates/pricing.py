@@ -12,13 +12,10 @@ import math
 
 import torch
 
-# First-principles rates for the H100 SXM: HBM3 bandwidth, launch cost. The GEMM constants below
-# are fitted (random search on log(time of the pick / best) plus the estimates' log error) to
-# H100 runs of every gemm_epilogue point with TMA stores (benchmarks/gemm_points.py, plain and
-# --gelu, 2026-11-23 fifth session): the pick is the measured best at K, N = 768, 3072 and
-# 3072, 768 (plain and GELU) and 1% behind at 768, 768. In-sample: the fit saw those runs.
-# A wgmma rate per SM reached by a warpgroup tile of FULL_RATE_INTENSITY (rows x cols /
-# (rows + cols)) or more, less below it; the epilogue's elements at a per-warpgroup rate.
+# H100 SXM rates: HBM bandwidth and launch cost from first principles; the GEMM rates fitted to
+# sweeps of every gemm_epilogue point (how, and on which runs: docs/decisions.md#group-pricing).
+# A warpgroup tile of FULL_RATE_INTENSITY (rows x cols / (rows + cols)) or more reaches the wgmma
+# rate, less below it; the epilogue's elements go at a per-warpgroup rate.
 HBM_BYTES_PER_US = 3.0e6        # about 3 TB/s of the 3.35 TB/s peak
 GEMM_FLOPS_PER_US = 5.28e6      # per SM: about 700 TFLOP/s over 132 SMs at full intensity
 FULL_RATE_INTENSITY = 48.6      # 64 x 192 is 48, 128 x 128 is 64: shared-memory operand traffic per flop
@@ -27,8 +24,7 @@ ONE_ROW_BLOCK_RATE = 0.785      # 64-row tiles: one m64 wgmma stream per tile at
 THREE_STAGE_RATE = 0.83         # a 3-buffer ring exposes more of each TMA load's latency
 PINGPONG_RATE = 0.86            # ping-pong's turn-taking on the tensor cores
 EPILOGUE_ELEMENTS_PER_US = 1.43e5  # one warpgroup's bare epilogue (value, convert, stage), elements per us
-# per element, in bare-epilogue units; fitted when gelu_erf took ~16 instructions (11 since 2026-11-24, which
-# made FFN1 + GELU 41.2 -> 39.7 us); the estimates still rank the measured best first (RESULTS.md)
+# an epilogue op's cost per element, in units of the bare epilogue (docs/decisions.md#group-pricing)
 EPILOGUE_OP_COST = {"gelu": 6.0}
 OTHER_EPILOGUE_OP_COST = 0.25      # any other elementwise op (add, scale, relu...)
 GROUP_LAUNCH_US = 4.0
@@ -40,16 +36,9 @@ def memory_bound_us(bytes_moved: float, efficiency: float = 1.0) -> float:
     return GROUP_LAUNCH_US + bytes_moved / (HBM_BYTES_PER_US * efficiency)
 
 
-# row_reduce's share of HBM_BYTES_PER_US by layout, inferred from ONE measurement each (H100 SXM,
-# LayerNorm(x + bias + residual) over 4096 x 768 fp16, about 19 MB moved), not fitted to sweeps:
-# - scalar 2-byte loads and stores, one CTA per row (the old template; its default point there was
-#   512 threads): 13.9 us, 1.36 TB/s, about 0.45 of the 3 TB/s rate; taken for every scalar point,
-#   the warp layout's included;
-# - one warp per row with 16-byte vectors (4 rows per CTA): measured in BERT-base end to end on
-#   the H100 (2026-11-23, fifth session): 4.1 us per LayerNorm with the residual add, where
-#   Triton's fused add + LayerNorm takes 6.2-6.5 us; its inputs come L2-resident from the GEMM
-#   before it, so it beats the HBM rate there; 1.0 keeps the estimate an HBM bound;
-# - a CTA per row with 16-byte vectors: not measured, put between the two (its barriers remain).
+# row_reduce's share of HBM_BYTES_PER_US by layout: a warp per row with 16-byte vectors, a CTA per
+# row with them, scalar accesses. Each inferred from one measurement, not fitted to sweeps
+# (docs/decisions.md#row-reduce-rates).
 ROW_WARP_VECTOR_RATE = 1.0
 ROW_CTA_VECTOR_RATE = 0.75
 ROW_SCALAR_RATE = 0.45
@@ -62,18 +51,11 @@ def row_reduce_us(bytes_moved: float, rows: int, rows_per_sm: int, sm_count: int
     return GROUP_LAUNCH_US + max(bytes_moved / (HBM_BYTES_PER_US * efficiency), waves * ROW_CTA_US)
 
 
-# gemm_layernorm's norm epilogue beyond the GEMM tiles' estimate: two cluster barriers,
-# distributed-shared-memory row sums, two passes, one tile per CTA (no overlap with a next tile).
-# Fitted to two H100 measurements of co_m128_n256_s4 at M = 4096, N = 768 (2026-11-23, fifth
-# session): 29.6 us at K = 768 (estimate of the tiles 19.3 + 10.3), about 54 us at K = 3072
-# (49.5 + ~5); the 1 us guess before let stage 1 merge at K = 768 where the two kernels apart
-# measured faster.
+# gemm_layernorm's norm epilogue beyond the GEMM tiles' estimate (two cluster barriers, row sums
+# over distributed shared memory, two passes); fitted to two measurements (docs/decisions.md#gemm-layernorm)
 ROW_EXCHANGE_US = 8.0
-# gemm_layernorm clusters of more than 3 CTAs (one CTA per SM each): inferred, not fitted. On the
-# H100 the 128 x 256 tile (3 CTAs per row block) was the fastest of the 12 points in both sweeps
-# at K = 768 and 3072 (RESULTS.md), while the tile model alone ranks 128 x 192 (4 CTAs) first;
-# and BERT-base end to end was 0.29 ms slower with 4-CTA clusters than with the two-kernel form.
-# A GPC of 16-18 SMs holds fewer 4-CTA than 3-CTA clusters' worth of SMs at once.
+# gemm_layernorm clusters of more than 3 CTAs run slower than the tile model says (fewer fit a
+# GPC at once); inferred, not fitted (docs/decisions.md#gemm-layernorm)
 WIDE_CLUSTER_RATE = 0.7
 
 
