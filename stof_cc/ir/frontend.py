@@ -9,9 +9,11 @@ an ATen op with no registry entry becomes an ``opaque`` node that runs through t
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import os
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,12 +59,30 @@ def trace(
     was_training = module.training
     module.eval()
     try:
-        exported = torch.export.export(module, tuple(args), kwargs=kwargs)
+        with _caches_off(module):
+            exported = torch.export.export(module, tuple(args), kwargs=kwargs)
     except Exception as exc:  # export raises many types; all mean "could not trace"
         raise TraceError(_explain_export_failure(module, exc)) from exc
     finally:
         module.train(was_training)
     return from_exported(exported, name or type(module).__name__)
+
+
+@contextlib.contextmanager
+def _caches_off(module: torch.nn.Module) -> Iterator[None]:
+    """A forward-only compile keeps no KV cache: HuggingFace models read ``config.use_cache``
+    when the call does not say, and would return a cache object torch.export cannot hold.
+    Set to False on every config of the module while tracing, then restored."""
+    configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None
+               and isinstance(getattr(c, "use_cache", None), bool)}
+    saved = {key: config.use_cache for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config.use_cache = False
+        yield
+    finally:
+        for key, config in configs.items():
+            config.use_cache = saved[key]
 
 
 def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -103,6 +123,7 @@ def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
 def from_exported(exported: ExportedProgram, name: str = "graph") -> Graph:
     """Convert an ExportedProgram (ATen graph) into a Graph."""
     graph = Graph(name)
+    _inline_regions(exported.graph_module)
     signature = exported.graph_signature
     placeholder_kind = {spec.arg.name: spec for spec in signature.input_specs}
 
@@ -119,6 +140,49 @@ def from_exported(exported: ExportedProgram, name: str = "graph") -> Graph:
     graph.in_spec = exported.call_spec.in_spec
     graph.out_spec = exported.call_spec.out_spec
     return graph
+
+
+# higher-order ops that only scope their region (grad mode, a disabled autocast, a plain wrap):
+# for inference in one dtype their body means the same inlined. target -> index of the submodule
+_SCOPES = {"wrap_with_set_grad_enabled": 1, "wrap_with_autocast": 4, "wrap": 0}
+
+
+def _inline_regions(module: torch.fx.GraphModule) -> None:
+    """Replace each scoping higher-order op (`_SCOPES`) by the nodes of its body, in place, so
+    the passes see plain ATen ops (HuggingFace's rotary embeddings run in an autocast-disabled
+    region). An autocast region that is enabled changes dtypes inside it: refused, named."""
+    for node in list(module.graph.nodes):
+        name = getattr(node.target, "__name__", None)
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator) \
+                or name not in _SCOPES:
+            continue
+        at = _SCOPES[name]
+        if name == "wrap_with_autocast" and node.args[2]:
+            raise TraceError(f"%{node.name}: an enabled autocast region ({node.args[0]}, {node.args[1]}) inside "
+                             "forward(); stof-cc compiles a model in one dtype (compile's dtype=): remove it")
+        body = getattr(module, node.args[at].target)
+        _inline_regions(body)
+        env = dict(zip((n for n in body.graph.nodes if n.op == "placeholder"), node.args[at + 1:], strict=True))
+        with module.graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op == "get_attr":  # a nested body, already inlined, or a constant: carry it over
+                    target = f"{node.args[at].target}_{inner.target}"
+                    setattr(module, target, getattr(body, inner.target))
+                    env[inner] = module.graph.get_attr(target)
+                elif inner.op == "output":
+                    results = torch.fx.map_arg(inner.args[0], env.__getitem__)
+                elif inner.op != "placeholder":
+                    env[inner] = module.graph.node_copy(inner, env.__getitem__)
+        for user in list(node.users):  # the region's results are read through getitem
+            if user.target is not operator.getitem:
+                raise TraceError(f"%{node.name}: {name} result read by {user.format_node()}")
+            user.replace_all_uses_with(results[user.args[1]])
+            module.graph.erase_node(user)
+        submodule = node.args[at]
+        module.graph.erase_node(node)
+        if not submodule.users:
+            module.graph.erase_node(submodule)
+    module.recompile()
 
 
 def _add_placeholder(graph: Graph, exported: ExportedProgram, fx_node: torch.fx.Node, spec: Any) -> None:

@@ -1,0 +1,69 @@
+"""HuggingFace families built from tiny configs (random weights) trace with their default
+config, no flags: the KV cache is switched off for the trace, the autocast-disabled region
+of the rotary embeddings is inlined, and the graph equals eager; every attention is recognised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stof_cc
+from stof_cc.ir.frontend import TraceError
+from stof_cc.passes import lower
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
+         "vocab_size": 100}
+DECODERS = {
+    "gpt2": lambda: transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                                                   n_positions=64, bos_token_id=0, eos_token_id=0)),
+    "llama": lambda: transformers.LlamaModel(transformers.LlamaConfig(num_key_value_heads=2, **SMALL)),
+    "mistral": lambda: transformers.MistralModel(transformers.MistralConfig(num_key_value_heads=2, sliding_window=16,
+                                                                            **SMALL)),
+    "qwen2": lambda: transformers.Qwen2Model(transformers.Qwen2Config(num_key_value_heads=2, **SMALL)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(DECODERS))
+def test_decoders_trace_with_their_default_config_and_match_eager(family):
+    torch.manual_seed(0)
+    model = DECODERS[family]().eval()
+    assert model.config.use_cache  # the default: a cache would be returned
+    ids = torch.randint(0, 100, (2, 24))
+    padding = torch.ones(2, 24, dtype=torch.long)
+    padding[1, 17:] = 0
+    kwargs = {"input_ids": ids, "attention_mask": padding}
+    graph, _ = lower(model, (), kwargs)
+    assert model.config.use_cache  # restored after the trace
+    assert sum(n.op == "attention" for n in graph.nodes()) == 2
+    assert not any(n.op == "scaled_dot_product_attention" for n in graph.nodes())
+    with torch.no_grad():
+        want = model(**kwargs, use_cache=False).last_hidden_state
+    got = stof_cc.interpret(graph, **kwargs).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class _Regions(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        with torch.autocast("cpu", enabled=False):
+            z = y.float().sin()
+            with torch.autocast("cpu", enabled=False):
+                z = z.cos()
+        return z + 1
+
+
+class _EnabledAutocast(torch.nn.Module):
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return x @ x
+
+
+def test_scoping_regions_are_inlined_and_enabled_autocast_is_named():
+    x = torch.randn(4, 4)
+    graph = stof_cc.trace(_Regions(), (x,))
+    assert all(n.op != "opaque" or "higher_order" not in str(n.target) for n in graph.nodes())
+    torch.testing.assert_close(stof_cc.interpret(graph, x), _Regions()(x))
+    with pytest.raises(TraceError, match="an enabled autocast region"):
+        stof_cc.trace(_EnabledAutocast(), (x,))
