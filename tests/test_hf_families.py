@@ -44,6 +44,20 @@ def test_decoders_trace_with_their_default_config_and_match_eager(family):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_t5_encoder_position_buckets_are_functionalised_so_attention_is_recognised():
+    """T5 computes its relative-position buckets with an in-place add_; once that is made
+    out-of-place the passes run on the whole graph and both attentions are found."""
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel(transformers.T5Config(num_layers=2, d_model=64, num_heads=4, d_kv=16,
+                                                              d_ff=128, vocab_size=100)).eval()
+    kwargs = {"input_ids": torch.randint(0, 100, (2, 24)), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
+    graph, _ = lower(model, (), kwargs)
+    assert sum(n.op == "attention" for n in graph.nodes()) == 2
+    with torch.no_grad():
+        want = model(**kwargs).last_hidden_state
+    torch.testing.assert_close(stof_cc.interpret(graph, **kwargs).last_hidden_state, want, rtol=1e-5, atol=1e-5)
+
+
 class _Regions(torch.nn.Module):
     def forward(self, x):
         y = x * 2
@@ -67,3 +81,19 @@ def test_scoping_regions_are_inlined_and_enabled_autocast_is_named():
     torch.testing.assert_close(stof_cc.interpret(graph, x), _Regions()(x))
     with pytest.raises(TraceError, match="an enabled autocast region"):
         stof_cc.trace(_EnabledAutocast(), (x,))
+
+
+def test_mask_override_never_drops_an_additive_bias():
+    """compile(mask=...) replaces boolean masks only: T5's float position bias is kept (the node
+    runs in torch with it), with a warning saying so."""
+    from stof_cc import masks
+
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel(transformers.T5Config(num_layers=2, d_model=64, num_heads=4, d_kv=16,
+                                                              d_ff=128, vocab_size=100)).eval()
+    kwargs = {"input_ids": torch.randint(0, 100, (2, 24)), "attention_mask": torch.ones(2, 24, dtype=torch.long)}
+    with pytest.warns(UserWarning, match="does not replace the additive bias"):
+        compiled = stof_cc.compile(model, (), kwargs, mask=masks.causal(), dtype=torch.float32)
+    with torch.no_grad():
+        want = model(**kwargs).last_hidden_state
+    torch.testing.assert_close(compiled(**kwargs).last_hidden_state, want, rtol=1e-5, atol=1e-5)

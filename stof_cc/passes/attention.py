@@ -102,6 +102,17 @@ def attention_arguments(node: Node) -> dict[str, Any]:
     return given | ({"attn_mask": given.pop("mask")} if "mask" in given else {})
 
 
+def mask_is_replaceable(graph: Graph, node: Node) -> bool:
+    """Whether ``compile(mask=...)`` may replace this attention node's own mask: it has none, or
+    a boolean one (what to attend). A floating mask is an additive bias (T5's relative
+    positions, ALiBi) that a replacement would drop, so it is kept."""
+    mask = attention_arguments(node).get("attn_mask")
+    if not isinstance(mask, Ref):
+        return True
+    spec = graph.node(mask.name).spec
+    return isinstance(spec, TensorSpec) and spec.dtype == torch.bool
+
+
 def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
     if node.op != "scaled_dot_product_attention":
         return None

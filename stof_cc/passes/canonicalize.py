@@ -11,9 +11,13 @@
   memory.
 * Nodes no output depends on are removed.
 
-A graph with in-place ops (``fill_``, ``add_``, ``copy_``: torch.export keeps them, e.g. for
-``m[:, :2] = 1``) is returned unchanged, with the reason in the report: removing or folding
-around a mutation would change what the mutated tensor's readers see.
+In-place ops (``add_``, ``fill_``: torch.export keeps some, e.g. T5's position buckets) are
+first made functional where that is exact: the mutated value is a fresh tensor (made by a
+computing op, not an input, a constant or a view) that no view reads, so the op becomes its
+out-of-place overload and every later reader reads its result. A graph with an in-place op
+that cannot be rewritten so (``m[:, :2] = 1`` writes through a view) is returned unchanged,
+with the reason in the report: removing or folding around a mutation would change what the
+mutated tensor's readers see.
 
 Pure: the input graph is never modified; pass a `CanonicalizeReport` to learn what was done.
 """
@@ -63,9 +67,9 @@ class CanonicalizeReport:
 def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: CanonicalizeReport | None = None) -> Graph:
     """A canonical copy of ``graph``; ``report``, if given, is filled with what changed."""
     report = report if report is not None else CanonicalizeReport()
-    mutating = mutating_nodes(graph)
-    if mutating:
-        report.skipped = f"in-place ops ({', '.join('%' + n for n in mutating[:3])}) mutate values other nodes read"
+    graph, refused = functionalize(graph)
+    if refused:
+        report.skipped = f"in-place ops ({', '.join('%' + n for n in refused[:3])}) mutate values other nodes read"
         return graph.copy()
     out = Graph(graph.name)
     out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
@@ -112,6 +116,69 @@ def mutating_nodes(graph: Graph) -> list[str]:
         if schema is not None and schema.is_mutable:
             names.append(node.name)
     return names
+
+
+def functionalize(graph: Graph) -> tuple[Graph, list[str]]:
+    """``graph`` with its in-place ops made out-of-place where that is exact (see the module
+    docstring), and the names of those that are not (then ``graph`` comes back as it is)."""
+    mutating = mutating_nodes(graph)
+    if not mutating:
+        return graph, []
+    refused = [name for name in mutating if not _functional_target(graph, graph.node(name))]
+    if refused:
+        return graph, refused
+    order = list(graph.nx_graph.nodes)  # program order (insertion): who reads before or after a write
+    out = Graph(graph.name)
+    out.in_spec, out.out_spec = graph.in_spec, graph.out_spec
+    current: dict[str, str] = {}  # mutated value -> the node holding its latest contents
+
+    def latest(ref: Ref) -> Ref:
+        return Ref(current.get(ref.name, ref.name))
+
+    for name in order:
+        node = graph.node(name)
+        if node.op == INPUT:
+            out.add_input(name, node.spec)
+        elif node.op == CONSTANT:
+            out.add_constant(name, graph.constants[name])
+        else:
+            args, kwargs = map_refs(node.args, latest), map_refs(node.kwargs, latest)
+            if name in mutating:
+                out.add_node(replace(node, target=_functional_target(graph, node), args=args, kwargs=kwargs))
+                current[node.args[0].name] = name
+            else:
+                out.add_node(replace(node, args=args, kwargs=kwargs))
+    out.outputs = [latest(r) if isinstance(r, Ref) else r for r in graph.outputs]
+    return out, []
+
+
+def _functional_target(graph: Graph, node: Node) -> str | None:
+    """The out-of-place overload of an in-place ``node`` (``aten.add_.Tensor`` -> ``aten.add.Tensor``)
+    when rewriting to it is exact: it writes its first argument, a fresh tensor no view reads."""
+    namespace, name, overload = node.target.split(".", 2)
+    if not name.endswith("_") or not node.args or not isinstance(node.args[0], Ref):
+        return None
+    target = f"{namespace}.{name[:-1]}.{overload}"
+    try:
+        functional = resolve_target(target)
+    except GraphError:
+        return None
+    written = graph.node(node.args[0].name)
+    if functional._schema.is_mutable or written.op in (INPUT, CONSTANT) or _aliases(written):
+        return None
+    readers = [u for u in graph.users(written.name) if u.name != node.name]
+    return None if any(_aliases(u) for u in readers) else target
+
+
+def _aliases(node: Node) -> bool:
+    """Whether ``node``'s result may share memory with an input (a view, or an unknown op)."""
+    if node.target is None or not node.target.startswith("aten."):
+        return node.op not in (INPUT, CONSTANT)
+    try:
+        schema = resolve_target(node.target)._schema
+    except GraphError:
+        return True
+    return any(r.alias_info is not None for r in schema.returns)
 
 
 def _draws_random(target: str) -> bool:

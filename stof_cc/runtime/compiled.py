@@ -38,7 +38,7 @@ from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, from_dense, from_padding
 from stof_cc.passes import cast_floating, lower
-from stof_cc.passes.attention import attention_arguments
+from stof_cc.passes.attention import attention_arguments, mask_is_replaceable
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups
@@ -175,7 +175,8 @@ class CompiledModule:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
         for step in steps:  # attention that runs in torch applies mask= too, as the kernels would
-            if step.kind == "torch" and step.group.kind == "attention":
+            if step.kind == "torch" and step.group.kind == "attention" \
+                    and mask_is_replaceable(graph, graph.node(step.group.anchor)):
                 step.mask = self.mask
         _load_kernels(steps)
         return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
@@ -184,16 +185,19 @@ class CompiledModule:
         if not gpu:
             return Step(group, "torch", "no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA)")
         if group.kind == "attention":
-            given = attention_arguments(graph.node(group.anchor))
-            if given.get("attn_mask") is not None and self.mask is None:
-                return Step(group, "torch", "attention with a mask tensor that is not key padding (pass mask= "
-                                            "to compile)")
+            anchor = graph.node(group.anchor)
+            given = attention_arguments(anchor)
+            override = self.mask if mask_is_replaceable(graph, anchor) else None
+            if given.get("attn_mask") is not None and override is None:
+                why = ("keeps its additive bias (a float mask), which mask= does not replace" if self.mask is not None
+                       else "a mask tensor that is not key padding (pass mask= to compile)")
+                return Step(group, "torch", f"attention with {why}")
             try:
-                attention_kernel(graph, graph.node(group.anchor), ignore_mask=self.mask is not None)
+                attention_kernel(graph, anchor, ignore_mask=override is not None)
             except NotFusable as why:
                 return Step(group, "torch", str(why))
             return Step(group, "attention", "stof_cc.attention for the anchor, views in torch",
-                        mask=node_mask(given, self.mask))
+                        mask=node_mask(given, override))
         found, refused = applicable_templates(graph, group, target_capability())
         if not found:
             return Step(group, "torch", "; ".join(refused))
