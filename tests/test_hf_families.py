@@ -36,8 +36,14 @@ def test_decoders_trace_with_their_default_config_and_match_eager(family):
     kwargs = {"input_ids": ids, "attention_mask": padding}
     graph, _ = lower(model, (), kwargs)
     assert model.config.use_cache  # restored after the trace
-    assert sum(n.op == "attention" for n in graph.nodes()) == 2
-    assert not any(n.op == "scaled_dot_product_attention" for n in graph.nodes())
+    attention = [n for n in graph.nodes() if n.op == "attention"]
+    assert len(attention) == 2 and not any(n.op == "scaled_dot_product_attention" for n in graph.nodes())
+    # the mask, built by HF from constants and attention_mask, is described: causal (Mistral: its
+    # window, 0 <= q - k < sliding_window) and key padding, no mask tensor left
+    window = {"mistral": 15}.get(family)
+    for node in attention:
+        assert node.args[3] is None and node.kwargs["is_causal"] and node.kwargs.get("window") == window
+        assert node.kwargs["key_padding"].name == "attention_mask"
     with torch.no_grad():
         want = model(**kwargs, use_cache=False).last_hidden_state
     got = stof_cc.interpret(graph, **kwargs).last_hidden_state
@@ -97,3 +103,41 @@ def test_mask_override_never_drops_an_additive_bias():
     with torch.no_grad():
         want = model(**kwargs).last_hidden_state
     torch.testing.assert_close(compiled(**kwargs).last_hidden_state, want, rtol=1e-5, atol=1e-5)
+
+
+ENCODERS = {
+    "bert": lambda: transformers.BertModel(transformers.BertConfig(**SMALL)),
+    "roberta": lambda: transformers.RobertaModel(transformers.RobertaConfig(**SMALL)),
+    "distilbert": lambda: transformers.DistilBertModel(transformers.DistilBertConfig(n_layers=2, dim=64, n_heads=4,
+                                                                                     hidden_dim=128, vocab_size=100)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ENCODERS))
+@pytest.mark.parametrize("padded", [False, True])
+def test_encoder_masks_become_key_padding_or_nothing(family, padded):
+    """With attention_mask: key padding; without it, HF's all-true constant mask is no mask."""
+    torch.manual_seed(0)
+    model = ENCODERS[family]().eval()
+    kwargs = {"input_ids": torch.randint(0, 100, (2, 24))}
+    if padded:
+        kwargs["attention_mask"] = torch.ones(2, 24, dtype=torch.long)
+        kwargs["attention_mask"][1, 15:] = 0
+    graph, _ = lower(model, (), kwargs)
+    attention = [n for n in graph.nodes() if n.op == "attention"]
+    assert len(attention) == 2
+    for node in attention:
+        assert node.args[3] is None and not node.kwargs.get("is_causal")
+        assert (node.kwargs.get("key_padding") is not None) == padded
+    with torch.no_grad():
+        want = model(**kwargs).last_hidden_state
+    torch.testing.assert_close(stof_cc.interpret(graph, **kwargs).last_hidden_state, want, rtol=1e-5, atol=1e-5)
+
+
+def test_vit_has_no_mask():
+    model = transformers.ViTModel(transformers.ViTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                                         intermediate_size=128, image_size=32, patch_size=8)).eval()
+    pixels = torch.randn(2, 3, 32, 32)
+    graph, _ = lower(model, (pixels,))
+    attention = [n for n in graph.nodes() if n.op == "attention"]
+    assert len(attention) == 2 and all(n.args[3] is None and not n.kwargs.get("key_padding") for n in attention)

@@ -184,18 +184,24 @@ _ops("attention", "masked multi-head attention", {
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                        *, scale: float, is_causal: bool = False,
+                        *, scale: float, is_causal: bool = False, window: int | None = None,
                         key_padding: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [causal]) v: what the
-    recognised `attention` node computes, with SDPA's conventions for ``mask``. With
-    ``key_padding`` [B, S_k] (nonzero = a real token) keys are attended only where it is
-    nonzero, and a query that can attend no key gives 0, as stof-cc's kernels do."""
-    if key_padding is None:
+    recognised `attention` node computes, with SDPA's conventions for ``mask``. ``window``
+    (with ``is_causal``) keeps keys with 0 <= q - k <= window. With ``key_padding`` [B, S_k]
+    (nonzero = a real token) keys are attended only where it is nonzero. Under either, a query
+    that can attend no key gives 0, as stof-cc's kernels do."""
+    if key_padding is None and window is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                                 scale=scale)
-    allowed = (key_padding != 0)[:, None, None, :]
+    distance = torch.arange(q.shape[-2], device=q.device)[:, None] - torch.arange(k.shape[-2], device=q.device)
+    allowed = torch.ones_like(distance, dtype=torch.bool)
     if is_causal:
-        allowed = allowed & torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        allowed = allowed & (distance >= 0)
+    if window is not None:
+        allowed = allowed & (distance <= window)
+    if key_padding is not None:
+        allowed = allowed & (key_padding != 0)[:, None, None, :]
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
     return out.masked_fill(~allowed.any(-1, keepdim=True), 0)
 

@@ -9,6 +9,7 @@ runtime built on the old pick is dropped through the listeners registered with
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph, Node
-from stof_cc.masks import MaskDescription, causal, from_dense, full, key_padding
+from stof_cc.masks import MaskDescription, causal, from_dense, full, key_padding, sliding_window
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.templates.attention import (
@@ -166,12 +167,18 @@ def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
 CAUSAL = causal()  # one object: attention's choices (and tuned winners) are cached per description
 
 
+_causal_window = functools.cache(lambda window: sliding_window(window, causal=True))
+
+
 def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
-    """The description an attention node runs with: ``compile``'s override, else causal or none
-    (key padding is added per call)."""
+    """The description an attention node runs with: ``compile``'s override, else its static
+    structure (causal, a causal window) or none; key padding is added per call. One object
+    per structure: choices and tuned winners are cached per description."""
     if override is not None:
         return override
-    return CAUSAL if given.get("is_causal") else None
+    if not given.get("is_causal"):
+        return None
+    return CAUSAL if given.get("window") is None else _causal_window(given["window"])
 
 
 def attention_kernel(graph: Graph, node: Node,
@@ -189,7 +196,7 @@ def attention_kernel(graph: Graph, node: Node,
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
-    mask = causal() if given.get("is_causal") else None
+    mask = node_mask(given, None)
     if given.get("key_padding") is not None:  # known per call: chosen here for unpadded keys
         mask = key_padding([k.shape[2]] * b) & mask if mask is not None else key_padding([k.shape[2]] * b)
     choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
