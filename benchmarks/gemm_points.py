@@ -77,7 +77,7 @@ def main() -> None:
                 continue
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
-            operands = [values[op["ref"]] for op in problem.details["operands"]]
+            operands = [values[op.ref] for op in problem.operands]
             args = launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
             ms = timed_ms(lambda launch=launch, args=args: launch.kernel.launch(*launch.geometry, *args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())

@@ -4,7 +4,8 @@ The pattern: the SwiGLU gate of a fused projection, ``a, b = x.chunk(2, -1); sil
 stof-cc's own `elementwise` template refuses it (``chunk`` is a layout op its chain generator
 does not read), so without this template torch runs the group. The template is two files:
 ``examples/templates/swiglu_split.cu.j2`` (the CUDA source, with stof-cc's shared macros) and
-the spec below (which groups it matches, by op names; its parameters; its launch; its estimate).
+the spec below (which groups it matches, by op names; its parameters; the values its source
+is rendered with; its launch).
 
     python examples/custom_template.py            # CPU: register, partition, write + nvcc-compile
                                                   # GPU: also run the kernel against torch and tune it
@@ -25,7 +26,8 @@ from stof_cc.ir.graph import Graph
 from stof_cc.passes import lower
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.runtime.build import build_groups, format_builds
-from stof_cc.templates.group import c_type, kernel_operand, output_problem
+from stof_cc.templates.group import kernel_operand, output_problem
+from stof_cc.templates.registry import Launch
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,7 +40,7 @@ class SwiGLUGate(torch.nn.Module):
         return torch.nn.functional.silu(a) * b
 
 
-class SwiGLUSplitTemplate(stof_cc.GroupTemplate):
+class SwiGLUSplitTemplate(stof_cc.GroupTemplate[None]):  # None: its problems carry no details
     name = "swiglu_split"
     source_file = "swiglu_split.cu.j2"
     template_dir = HERE / "templates"
@@ -56,9 +58,8 @@ class SwiGLUSplitTemplate(stof_cc.GroupTemplate):
         source = graph.node(split.args[0].name)
         if split.args[1:] not in ((2, -1), (2, len(source.spec.shape) - 1)) or source.spec.shape[-1] % 2:
             raise NotFusable(f"%{split.name}: not two halves of the last dimension")
-        problem = output_problem(graph, group)
-        problem.details = {"operands": [kernel_operand(graph, source.name, "in0", "full")]}
-        return problem
+        # the one tensor the kernel reads: C parameter in0, the source value, read at the output's index
+        return output_problem(graph, group).with_operands([kernel_operand(graph, source.name, "in0", "full")])
 
     def space(self, problem: stof_cc.GroupProblem) -> list[dict[str, Any]]:
         return [{"threads": 128}, {"threads": 256}]
@@ -66,13 +67,12 @@ class SwiGLUSplitTemplate(stof_cc.GroupTemplate):
     def kernel_name(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> str:
         return f"stof_swiglu_t{params['threads']}"  # no group name: identical layers share one kernel
 
-    def render(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> str:
-        return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
-                                  rows=math.prod(problem.shape[:-1]), half=problem.shape[-1],
-                                  operands=problem.details["operands"],
-                                  out_type=c_type(problem.dtype, f"%{problem.output}"), threads=params["threads"])
+    def context(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> dict[str, Any]:
+        # beside these, the source receives name, header, operands, out_type and the point (threads)
+        return {"rows": math.prod(problem.shape[:-1]), "half": problem.shape[-1]}
 
-    def launch(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+    def launch(self, problem: stof_cc.GroupProblem, params: dict[str, Any]) -> Launch:
+        # grid, threads per CTA, dynamic shared-memory bytes
         return (-(-math.prod(problem.shape) // params["threads"]), 1, 1), params["threads"], 0
 
     # no estimate(): stage 1 uses the default (bytes read and written once at HBM speed)

@@ -10,7 +10,7 @@ from stof_cc.ir.interpret import interpret
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.compiled import CompiledModule, compile  # noqa: A004 (stof_cc.compile, like torch.compile)
 from stof_cc.templates.attention import AttentionInputError
-from stof_cc.templates.group import GroupProblem, GroupTemplate  # noqa: E402
+from stof_cc.templates.group import GroupProblem, GroupTemplate, KernelOperand  # noqa: E402
 from stof_cc.templates.registry import (  # noqa: E402
     TemplateRegistrationError,
     register_template,
@@ -25,6 +25,7 @@ __all__ = [
     "CompiledModule",
     "GroupProblem",
     "GroupTemplate",
+    "KernelOperand",
     "TemplateRegistrationError",
     "Graph",
     "GraphError",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
 
 from stof_cc import interpret, trace
+from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec, assert_structural_equal
 from stof_cc.loading import load_factory
 from stof_cc.passes import AttentionReport, canonicalize, recognise_attention
 
@@ -87,3 +90,78 @@ def test_sdpa_default_scale_becomes_explicit():
     args = _inputs()[:3]
     (node,) = _attention_nodes(recognise_attention(trace(Sdpa(), args)))
     assert node.kwargs == {"scale": pytest.approx(8 ** -0.5), "is_causal": True}
+
+
+# -- before / expected ---------------------------------------------------------------------
+
+_QKV = TensorSpec((2, 3, 16, 8), torch.float32)
+
+
+def _qkv_graph(before: Graph, *masks: tuple[str, TensorSpec]) -> Graph:
+    """An expected graph with inputs q, k, v (and masks) as in ``before``, its pytree specs too."""
+    expected = Graph()
+    expected.in_spec, expected.out_spec = before.in_spec, before.out_spec
+    for name in ("q", "k", "v"):
+        expected.add_input(name, _QKV)
+    for name, spec in masks:
+        expected.add_input(name, spec)
+    return expected
+
+
+def test_before_expected_chain_with_a_runtime_hidden_mask():
+    before = canonicalize(trace(_Chain(), _inputs()))  # matmul(q, k^T) / 8, masked_fill(hidden, -inf), softmax, matmul
+    expected = _qkv_graph(before, ("hidden", TensorSpec((2, 1, 16, 16), torch.bool)))
+    expected.add_node(Node("allowed", "logical_not", "aten.logical_not.default", (Ref("hidden"),),
+                           spec=TensorSpec((2, 1, 16, 16), torch.bool)))
+    expected.add_node(Node("out", "attention", None, (Ref("q"), Ref("k"), Ref("v"), Ref("allowed")),
+                           {"scale": 0.125, "is_causal": False}, _QKV))
+    expected.outputs = [Ref("out")]
+    assert_structural_equal(recognise_attention(before), expected)
+
+
+class _CausalChain(torch.nn.Module):
+    """GPT-2's form: a constant triangle of hidden positions, scores multiplied by a number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("hidden", torch.ones(16, 16, dtype=torch.bool).triu(1))
+
+    def forward(self, q, k, v):
+        scores = torch.matmul(q, k.transpose(-2, -1)) * 0.25
+        return torch.matmul(torch.softmax(scores.masked_fill(self.hidden, float("-inf")), dim=-1), v)
+
+
+def test_before_expected_constant_triangle_becomes_is_causal():
+    before = canonicalize(trace(_CausalChain(), _inputs()[:3]))
+    expected = _qkv_graph(before)  # the triangle constant is gone: no mask operand
+    expected.add_node(Node("out", "attention", None, (Ref("q"), Ref("k"), Ref("v"), None),
+                           {"scale": 0.25, "is_causal": True}, _QKV))
+    expected.outputs = [Ref("out")]
+    assert_structural_equal(recognise_attention(before), expected)
+
+
+class _Sdpa(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_before_expected_sdpa_keeps_its_mask_and_gets_its_scale():
+    args = (*_inputs()[:3], torch.randn(2, 1, 16, 16))  # a floating mask: added to the scores
+    before = trace(_Sdpa(), args)
+    expected = _qkv_graph(before, ("mask", TensorSpec((2, 1, 16, 16), torch.float32)))
+    expected.add_node(Node("out", "attention", None, (Ref("q"), Ref("k"), Ref("v"), Ref("mask")),
+                           {"scale": 1.0 / math.sqrt(8), "is_causal": False}, _QKV))
+    expected.outputs = [Ref("out")]
+    assert_structural_equal(recognise_attention(before), expected)
+
+
+class _DropoutSdpa(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("module, arity", [(_Chain(leak=True), 4), (_DropoutSdpa(), 3)],
+                         ids=["probabilities_read_elsewhere", "sdpa_with_dropout"])
+def test_before_expected_attention_that_is_not_the_form_is_unchanged(module, arity):
+    before = canonicalize(trace(module, _inputs()[:arity]))
+    assert_structural_equal(recognise_attention(before), before, map_free_names=False)

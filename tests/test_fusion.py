@@ -10,7 +10,7 @@ from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import CONSTANT, INPUT
 from stof_cc.ir.ops import pattern_kind
 from stof_cc.loading import load_factory
-from stof_cc.passes import canonicalize, partition, recognise_attention
+from stof_cc.passes import canonicalize, partition, recognise_attention, run_passes
 from stof_cc.passes.fusion import ANCHOR_KINDS, FOLDABLE_KINDS, _quotient
 
 EXAMPLES = ("encoder_layer", "gpt2_block", "tiny_bert")
@@ -152,3 +152,105 @@ def test_groups_run_in_dependency_order_after_a_merge(norm_merges_win):
             seen |= set(group.nodes)
     compiled = stof_cc.compile(module, (x, y), cuda_graphs=False)
     assert torch.equal(compiled(x, y), module(x, y))
+
+
+# -- before / expected: the groups of small graphs, as literal data -----------------------------
+
+
+def _groups(graph, scheme) -> list[tuple]:
+    """Each group as (name, kind, anchor, prologue, epilogue); for groups without an anchor, the
+    nodes in place of the prologue. The epilogue is what the anchor's value flows to."""
+    rows = []
+    for group in scheme.groups:
+        if group.anchor is None:
+            rows.append((group.name, group.kind, None, group.nodes, ()))
+            continue
+        after = nx.descendants(graph.nx_graph, group.anchor)
+        prologue = tuple(n for n in group.nodes if n != group.anchor and n not in after)
+        rows.append((group.name, group.kind, group.anchor, prologue, tuple(n for n in group.nodes if n in after)))
+    return rows
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.norm = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(torch.relu(x)))  # %relu, %linear, %gelu
+        return self.norm(self.fc2(h) + y * 2)                   # %linear_1, %mul, %add, %layer_norm
+
+
+def test_partition_of_a_feed_forward_block():
+    graph = canonicalize(trace(_Mlp(), (torch.randn(2, 4, 8), torch.randn(2, 4, 8))))
+    plan = partition(graph)
+    assert _groups(graph, plan.default) == [
+        ("g0", "gemm", "linear", ("relu",), ("gelu",)),      # relu(x) only feeds the GEMM: its prologue
+        ("g1", "gemm", "linear_1", ("mul",), ("add",)),      # y * 2 only feeds the residual add
+        ("g2", "reduction", "layer_norm", (), ()),
+    ]
+    assert [g.nodes for g in plan.default.groups] == [("relu", "linear", "gelu"), ("linear_1", "mul", "add"),
+                                                      ("layer_norm",)]
+    assert [(label, _groups(graph, scheme)) for label, scheme in plan.alternatives] == [
+        ("linear_1 + layer_norm (row 8)", [("g0", "gemm", "linear", ("relu",), ("gelu",)),
+                                           ("g1", "gemm", "linear_1", ("mul",), ("add", "layer_norm"))]),
+    ]
+    assert plan.refused == []
+
+
+class _NoAnchor(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(torch.relu(x) * 2, -1) + y.transpose(0, 1)
+
+
+def test_partition_without_anchors_makes_elementwise_runs_and_opaque_singles():
+    graph = canonicalize(trace(_NoAnchor(), (torch.randn(4, 4), torch.randn(4, 4))))
+    plan = partition(graph)
+    assert _groups(graph, plan.default) == [
+        ("g0", "elementwise", None, ("relu", "mul"), ()),
+        ("g1", "opaque", None, ("cumsum",), ()),              # unregistered: torch runs it alone
+        ("g2", "elementwise", None, ("transpose", "add"), ()),
+    ]
+    assert plan.alternatives == [] and plan.refused == []
+
+
+class _Returned(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor):
+        h = self.fc(x)
+        return h, torch.relu(h)
+
+
+def test_partition_stops_an_epilogue_at_a_graph_output():
+    graph = canonicalize(trace(_Returned(), (torch.randn(2, 8),)))
+    plan = partition(graph)
+    assert _groups(graph, plan.default) == [("g0", "gemm", "linear", (), ()), ("g1", "elementwise", None, ("relu",), ())]
+    assert plan.refused == ["%relu not in linear's epilogue: %linear is a graph output"]
+
+
+class _SelfAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (lin(x).view(2, 4, 2, 4).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o(out.transpose(1, 2).reshape(2, 4, 8))
+
+
+def test_partition_folds_the_layout_around_attention_into_its_group():
+    graph = run_passes(trace(_SelfAttention(), (torch.randn(2, 4, 8),)))  # Q/K/V merged into one linear + split
+    plan = partition(graph)
+    heads = ("linear_merged_split", "linear", "view", "transpose", "linear_1", "view_1", "transpose_1",
+             "linear_2", "view_2", "transpose_2")
+    assert _groups(graph, plan.default) == [
+        ("g0", "gemm", "linear_merged", (), ()),  # the split has three outputs: it ends the epilogue
+        ("g1", "attention", "scaled_dot_product_attention", heads, ("transpose_3", "reshape")),
+        ("g2", "gemm", "linear_3", (), ()),
+    ]
+    assert plan.refused == ["%linear_merged_split not in linear_merged's epilogue: it has 3 outputs"]
+    assert plan.alternatives == []

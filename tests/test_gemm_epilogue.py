@@ -20,7 +20,7 @@ def test_head_split_store_index_matches_torch_permute(tmp_path: Path):
     shape = (2, 5, 128)
     _, _, graph, group = build(HeadSplit, "gemm", shape, torch.float16)
     problem = GEMM_EPILOGUE.match(graph, group)
-    m, n = problem.details["m"], problem.details["n"]
+    m, n = problem.details.m, problem.details.n
     source = tmp_path / "index.cu"
     source.write_text(f"""#include <cstdio>
 constexpr long long N = {n};
@@ -28,7 +28,7 @@ int main() {{
     static long long out[{m * n}];
     for (int row = 0; row < {m}; ++row)
         for (int col = 0; col < N; ++col) {{
-{problem.details["store_index"]}
+{problem.details.store_index}
             out[out_index] = (long long)row * N + col;
         }}
     for (long long i = 0; i < {m * n}; ++i) std::printf("%lld\\n", out[i]);
@@ -41,7 +41,7 @@ int main() {{
     assert got == want
     # the epilogue stores columns (c, c + 1), c even, as one pair: adjacent and pair-aligned in the output
     position = {source: i for i, source in enumerate(got)}
-    assert problem.details["paired_store"]
+    assert problem.details.paired_store
     assert all(position[i + 1] == position[i] + 1 and position[i] % 2 == 0 for i in range(0, m * n, 2))
 
 
@@ -56,7 +56,7 @@ def test_a_permute_of_the_innermost_axis_stores_single_elements():
 
     graph, group = _gemm_group(HeadSplitTransposed().half(), torch.randn(2, 5, 64, dtype=torch.float16))
     problem = GEMM_EPILOGUE.match(graph, group)
-    assert not problem.details["paired_store"]
+    assert not problem.details.paired_store
 
 
 def _gemm_group(module: torch.nn.Module, x: torch.Tensor):
@@ -86,7 +86,7 @@ def test_row_major_outputs_store_through_a_tensor_map_and_staging_tiles():
 
     graph, group = _gemm_group(torch.nn.Linear(64, 200).half(), torch.randn(2, 5, 64, dtype=torch.float16))
     problem = GEMM_EPILOGUE.match(graph, group)
-    assert problem.details["tma_store"]
+    assert problem.details.tma_store
     for params in GEMM_EPILOGUE.space(problem):
         rows = params["block_m"] if params["schedule"] == "pingpong" else 64  # a consumer warpgroup's rows
         assert GEMM_EPILOGUE.tensor_maps(problem, params)[-1] == (OUTPUT_MAP, rows, 64)
@@ -97,12 +97,12 @@ def test_row_major_outputs_store_through_a_tensor_map_and_staging_tiles():
     # the head split permutes rows of the output: stored element by element, no output map
     _, _, graph, group = build(HeadSplit, "gemm", (2, 5, 128), torch.float16)
     problem = GEMM_EPILOGUE.match(graph, group)
-    assert not problem.details["tma_store"]
+    assert not problem.details.tma_store
     params = GEMM_EPILOGUE.default_params(problem)
     assert len(GEMM_EPILOGUE.tensor_maps(problem, params)) == 2 and "map_out" not in GEMM_EPILOGUE.render(problem, params)
     # N not a multiple of 8: rows are not 16-byte aligned
     graph, group = _gemm_group(torch.nn.Linear(64, 36).half(), torch.randn(3, 64, dtype=torch.float16))
-    assert not GEMM_EPILOGUE.match(graph, group).details["tma_store"]
+    assert not GEMM_EPILOGUE.match(graph, group).details.tma_store
 
 
 def test_tma_store_only_where_the_output_keeps_n_as_its_last_dimension_and_stages_in_its_dtype():
@@ -115,7 +115,7 @@ def test_tma_store_only_where_the_output_keeps_n_as_its_last_dimension_and_stage
             return self.fc(x).view(2, 5, 3, 4, 64)
 
     graph, group = _gemm_group(ViewSplitsN().half(), torch.randn(2, 5, 64, dtype=torch.float16))
-    assert not GEMM_EPILOGUE.match(graph, group).details["tma_store"]
+    assert not GEMM_EPILOGUE.match(graph, group).details.tma_store
 
     class CastToBf16(torch.nn.Module):  # fp16 products, bf16 output: staged as bf16 pairs
         def __init__(self) -> None:
@@ -128,7 +128,7 @@ def test_tma_store_only_where_the_output_keeps_n_as_its_last_dimension_and_stage
     graph, group = _gemm_group(CastToBf16().half(), torch.randn(2, 5, 64, dtype=torch.float16))
     problem = GEMM_EPILOGUE.match(graph, group)
     source = GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
-    assert problem.details["tma_store"] and "__floats2bfloat162_rn(a, b)" in source
+    assert problem.details.tma_store and "__floats2bfloat162_rn(a, b)" in source
     assert "const __half2 v" not in source
 
 
@@ -139,18 +139,18 @@ def test_a_residual_of_the_output_dtype_is_staged_through_a_tensor_map():
 
     _, _, graph, group = build(LinearResidual, "gemm", (2, 5, 128), torch.float16)
     problem = GEMM_EPILOGUE.match(graph, group)
-    staged = problem.details["staged"]
-    assert problem.details["operands"][staged]["access"] == "staged"
-    assert "staged_v" in problem.details["chain"] and "LOAD_FULL" not in problem.details["chain"]
+    staged = problem.details.staged
+    assert problem.operands[staged].access == "staged"
+    assert "staged_v" in problem.details.chain and "LOAD_FULL" not in problem.details.chain
     for params in GEMM_EPILOGUE.space(problem):
         rows = params["block_m"] if params["schedule"] == "pingpong" else 64
         assert GEMM_EPILOGUE.tensor_maps(problem, params)[-2:] == [(OUTPUT_MAP, rows, 64), (staged, rows, 64)]
-        assert problem.details["operands"][staged]["ref"] in GEMM_EPILOGUE.aligned_operands(problem, params)
+        assert problem.operands[staged].ref in GEMM_EPILOGUE.aligned_operands(problem, params)
     assert "map_staged" in GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
     # nothing output-shaped to stage: no map, the chain as before
     _, _, graph, group = build(LinearGelu, "gemm", (2, 5, 128), torch.float16)
     problem = GEMM_EPILOGUE.match(graph, group)
-    assert problem.details["staged"] is None
+    assert problem.details.staged is None
     assert "map_staged" not in GEMM_EPILOGUE.render(problem, GEMM_EPILOGUE.default_params(problem))
 
 
@@ -168,8 +168,8 @@ def test_a_residual_of_another_dtype_or_under_a_permuted_store_is_read_from_glob
     graph = canonicalize(trace(module, (x, r), {}))
     (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
     problem = GEMM_EPILOGUE.match(graph, group)
-    assert problem.details["tma_store"] and problem.details["staged"] is None
-    assert "LOAD_FULL" in problem.details["chain"]
+    assert problem.details.tma_store and problem.details.staged is None
+    assert "LOAD_FULL" in problem.details.chain
 
     class ResidualThenHeadSplit(torch.nn.Module):  # no TMA store (rows permuted), so no staging tile
         def __init__(self) -> None:
@@ -184,4 +184,4 @@ def test_a_residual_of_another_dtype_or_under_a_permuted_store_is_read_from_glob
     graph = canonicalize(trace(module, (x, r), {}))
     (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
     problem = GEMM_EPILOGUE.match(graph, group)
-    assert not problem.details["tma_store"] and problem.details["staged"] is None
+    assert not problem.details.tma_store and problem.details.staged is None

@@ -1,11 +1,20 @@
-"""Structural tests of the IR: building, verifying, printing, copying, determinism."""
+"""Structural tests of the IR: building, verifying, printing, copying, determinism, structural equality."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stof_cc.ir.graph import Graph, GraphError, Node, Ref, TensorSpec
+from stof_cc.ir.frontend import trace
+from stof_cc.ir.graph import (
+    Graph,
+    GraphError,
+    Node,
+    Ref,
+    TensorSpec,
+    assert_structural_equal,
+    structural_equal,
+)
 
 
 def _linear_graph() -> Graph:
@@ -93,3 +102,139 @@ def test_fresh_name():
 def test_unknown_node_lookup_names_it():
     with pytest.raises(GraphError, match=r"%missing"):
         _linear_graph().node("missing")
+
+
+# -- structural equality ---------------------------------------------------------------------
+
+
+def _renamed_linear_graph() -> Graph:
+    """`_linear_graph` with every node under another name and the same weight values."""
+    g = Graph("other")
+    g.add_input("inp", TensorSpec((2, 3), torch.float32))
+    g.add_constant("weight", _linear_graph().constants["w"].clone())
+    g.add_node(Node("mm", "linear", "aten.linear.default", (Ref("inp"), Ref("weight")), spec=TensorSpec((2, 4), torch.float32)))
+    g.add_node(Node("act", "relu", "aten.relu.default", (Ref("mm"),), spec=TensorSpec((2, 4), torch.float32)))
+    g.outputs = [Ref("act")]
+    return g
+
+
+def test_equal_copies_are_structurally_equal():
+    g = _linear_graph()
+    assert structural_equal(g, g) and structural_equal(g, g.copy())
+    assert_structural_equal(g.copy(), g)
+    traced_module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU())
+    x = torch.randn(2, 3)
+    assert_structural_equal(trace(traced_module, (x,)), trace(traced_module, (x,)))  # in_spec/out_spec too
+
+
+def test_renamed_nodes_are_equal_unless_names_must_match():
+    torch.manual_seed(0)  # _linear_graph draws its weight: both calls must draw the same one
+    g = _linear_graph()
+    torch.manual_seed(0)
+    renamed = _renamed_linear_graph()
+    assert structural_equal(g, renamed)
+    assert not structural_equal(g, renamed, map_free_names=False)
+    with pytest.raises(AssertionError, match=r"%x and %inp differ: names differ"):
+        assert_structural_equal(g, renamed, map_free_names=False)
+
+
+def _changed(edit) -> Graph:
+    torch.manual_seed(0)
+    g = _linear_graph()
+    edit(g)
+    return g
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda g: setattr(g.node("z"), "op", "gelu"), r"%z and %z differ: op 'relu' against 'gelu'"),
+    (lambda g: setattr(g.node("z"), "target", "aten.gelu.default"), r"%z and %z differ: target"),
+    (lambda g: setattr(g.node("y"), "spec", TensorSpec((2, 4), torch.float16)), r"%y and %y differ: spec f32\[2,4\] against f16\[2,4\]"),
+    (lambda g: setattr(g.node("y"), "args", (Ref("w"), Ref("x"))), r"%y and %y differ: arg 0: %x against %w"),
+    (lambda g: setattr(g.node("z"), "kwargs", {"inplace": False}), r"%z and %z differ: kwargs \[\] against \['inplace'\]"),
+    (lambda g: g.constants.__setitem__("w", g.constants["w"] + 1), r"%w and %w differ: tensor values differ first at \[0, 0\]"),
+    (lambda g: g.constants.__setitem__("w", g.constants["w"].double()), r"%w and %w differ: tensor f32\[4,3\] against f64\[4,3\]"),
+    (lambda g: setattr(g, "outputs", [Ref("y")]), r"output 0: %z against %y"),
+    (lambda g: setattr(g, "outputs", [Ref("z"), Ref("y")]), r"1 outputs against 2"),
+    (lambda g: g.add_node(Node("t", "tanh", "aten.tanh.default", (Ref("z"),), spec=TensorSpec((2, 4), torch.float32))),
+     r"rhs has 1 more node\(s\), from %t"),
+    (lambda g: setattr(g, "out_spec", "a tuple"), r"out_spec differs"),
+])
+def test_a_change_makes_graphs_unequal_and_the_message_names_it(edit, message):
+    same, changed = _changed(lambda g: None), _changed(edit)
+    assert structural_equal(same, _changed(lambda g: None))
+    assert not structural_equal(same, changed)
+    with pytest.raises(AssertionError, match=message):
+        assert_structural_equal(same, changed)
+
+
+def test_output_order_matters():
+    a, b = _linear_graph(), _linear_graph()
+    b.constants["w"] = a.constants["w"]
+    a.outputs, b.outputs = [Ref("y"), Ref("z")], [Ref("z"), Ref("y")]
+    assert structural_equal(a, a.copy()) and not structural_equal(a, b)
+
+
+def test_literals_compare_by_type_and_value():
+    def graph(size, dim=-1, nan=float("nan")) -> Graph:
+        g = Graph()
+        g.add_input("x", TensorSpec((2, 6), torch.float32))
+        g.add_node(Node("v", "view", "aten.view.default", (Ref("x"), size), spec=TensorSpec((2, 2, 3), torch.float32)))
+        g.add_node(Node("s", "softmax", "aten._softmax.default", (Ref("v"), dim, False), spec=TensorSpec((2, 2, 3), torch.float32)))
+        g.add_node(Node("f", "add", "aten.add.Scalar", (Ref("s"), nan), spec=TensorSpec((2, 2, 3), torch.float32)))
+        g.outputs = [Ref("f")]
+        return g
+
+    assert structural_equal(graph([2, 2, 3]), graph([2, 2, 3]))  # NaN literals are the same literal
+    assert not structural_equal(graph([2, 2, 3]), graph((2, 2, 3)))  # a list is not a tuple
+    assert not structural_equal(graph([2, 2, 3]), graph([2, 2, 3], dim=-1.0))  # int is not float
+    assert not structural_equal(graph([2, 2, 3]), graph([2, 2, 3], dim=True))  # nor bool
+    assert not structural_equal(graph([2, 2, 3]), graph([2, 2, 3], nan=0.0))
+    with pytest.raises(AssertionError, match=r"%v and %v differ: arg 1: \[2\]: 3 against 4"):
+        assert_structural_equal(graph([2, 2, 3]), graph([2, 2, 4]))
+
+
+def test_kwargs_order_and_constant_identity_do_not_matter():
+    def graph(kwargs, weight) -> Graph:
+        g = Graph()
+        g.add_input("x", TensorSpec((2, 3), torch.float32))
+        g.add_constant("w", weight)
+        g.add_node(Node("y", "linear", "aten.linear.default", (Ref("x"),), dict(kwargs, weight=Ref("w")),
+                        TensorSpec((2, 4), torch.float32)))
+        g.outputs = [Ref("y")]
+        return g
+
+    weight = torch.randn(4, 3)
+    assert structural_equal(graph({"bias": None}, weight), graph({"bias": None}, weight.clone()))
+    a = graph({"bias": None}, weight)
+    b = Graph()
+    b.add_input("x", TensorSpec((2, 3), torch.float32))
+    b.add_constant("w", weight.clone())
+    b.add_node(Node("y", "linear", "aten.linear.default", (Ref("x"),), {"weight": Ref("w"), "bias": None},
+                    TensorSpec((2, 4), torch.float32)))
+    b.outputs = [Ref("y")]
+    assert structural_equal(a, b)
+
+
+def test_independent_nodes_must_come_in_the_same_order():
+    """Node order is part of the structure: it is what prints, hashes and names kernels."""
+    def graph(first: str) -> Graph:
+        g = Graph()
+        g.add_input("x", TensorSpec((4,), torch.float32))
+        ops = {"relu": "aten.relu.default", "tanh": "aten.tanh.default"}
+        second = "tanh" if first == "relu" else "relu"
+        for op in (first, second):
+            g.add_node(Node(op, op, ops[op], (Ref("x"),), spec=TensorSpec((4,), torch.float32)))
+        g.add_node(Node("sum", "add", "aten.add.Tensor", (Ref("relu"), Ref("tanh")), spec=TensorSpec((4,), torch.float32)))
+        g.outputs = [Ref("sum")]
+        return g
+
+    assert not structural_equal(graph("relu"), graph("tanh"))
+
+
+def test_the_message_prints_both_graphs_and_marks_the_node():
+    a, b = _changed(lambda g: None), _changed(lambda g: setattr(g.node("z"), "op", "gelu"))
+    with pytest.raises(AssertionError) as caught:
+        assert_structural_equal(a, b)
+    text = str(caught.value)
+    assert "lhs: %z: f32[2,4] = relu(%y)" in text and "rhs: %z: f32[2,4] = gelu(%y)" in text
+    assert "  -> %z: f32[2,4] = relu(%y)" in text and "  -> %z: f32[2,4] = gelu(%y)" in text

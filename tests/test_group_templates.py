@@ -34,8 +34,8 @@ def test_group_kernel_compiles(module_type, template, kind, shape, dtype):
 
 @pytest.mark.nvcc
 def test_precompile_fills_the_cache_for_every_point(monkeypatch):
-    """What the GPU tests and benchmarks call before launching points one by one (on the H100
-    16 parallel nvcc processes compiled 867 kernels in about 50 s; one by one took minutes)."""
+    """What the GPU tests and benchmarks call before launching points one by one: one nvcc
+    process per point, in parallel (docs/decisions.md#parallel-precompile)."""
     import torch
 
     import stof_cc.backends.group_launch

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from stof_cc import masks
 from stof_cc.ir.frontend import trace
+from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec, assert_structural_equal
 from stof_cc.ir.interpret import interpret
 from stof_cc.loading import load_factory
-from stof_cc.passes import PassReports, canonicalize, recognise_attention, run_passes
+from stof_cc.passes import (
+    PassReports,
+    canonicalize,
+    describe_key_padding,
+    recognise_attention,
+    run_passes,
+)
 
 
 def test_bert_attention_mask_becomes_key_padding(example_path):
@@ -68,3 +78,46 @@ def test_from_padding_uses_lengths_for_right_padding():
     holes = masks.from_padding(torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]), seq_q=4)
     dense = holes.to_dense(4, 4, batch=2, heads=1)
     assert dense[0, 0, :, 1].logical_not().all() and dense[0, 0, :, 2].all() and dense[1].all()
+
+
+# -- before / expected ---------------------------------------------------------------------
+
+_QKV = TensorSpec((2, 2, 8, 16), torch.float32)
+
+
+def _recognised(module: torch.nn.Module) -> Graph:
+    """``module``'s graph as describe_key_padding receives it (after recognise_attention)."""
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    padding = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    return recognise_attention(canonicalize(trace(module, (q, k, v, padding))))
+
+
+class _CausalPadded(torch.nn.Module):
+    """A decoder's mask: the causal triangle and-ed with the key padding."""
+
+    def forward(self, q, k, v, padding):
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=padding[:, None, None, :].bool() & causal)
+
+
+@pytest.mark.parametrize("module, structure", [(MaskedAttention("padding"), {"is_causal": False}),
+                                               (_CausalPadded(), {"is_causal": True})],
+                         ids=["padding", "causal_and_padding"])
+def test_before_expected_padding_mask_becomes_the_key_padding_operand(module, structure):
+    before = _recognised(module)  # attention(q, k, v, <mask computed from padding>)
+    expected = Graph()
+    expected.in_spec, expected.out_spec = before.in_spec, before.out_spec
+    for name in ("q", "k", "v"):
+        expected.add_input(name, _QKV)
+    expected.add_input("padding", TensorSpec((2, 8), torch.int64))  # the mask subgraph is gone
+    expected.add_node(Node("out", "attention", None, (Ref("q"), Ref("k"), Ref("v"), None),
+                           {"scale": 1.0 / math.sqrt(16), **structure, "key_padding": Ref("padding")}, _QKV))
+    expected.outputs = [Ref("out")]
+    assert_structural_equal(describe_key_padding(before), expected)
+
+
+@pytest.mark.parametrize("how", ["bias", "query"])
+def test_before_expected_other_masks_are_unchanged(how):
+    before = _recognised(MaskedAttention(how))
+    assert_structural_equal(describe_key_padding(before), before, map_free_names=False)

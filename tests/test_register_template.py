@@ -76,7 +76,45 @@ def test_registration_errors_name_the_problem(tmp_path: Path):
         stof_cc.register_template(_user_template(tmp_path, space=lambda self, problem: []))
     with pytest.raises(stof_cc.TemplateRegistrationError, match="needs a KernelTemplate"):
         stof_cc.register_template("swiglu_split.cu.j2")
+    with pytest.raises(stof_cc.TemplateRegistrationError, match=r"launch\(\) gives \(\(0, 1, 1\), 128, 0\)"):
+        stof_cc.register_template(_user_template(tmp_path, launch=lambda self, problem, params: ((0, 1, 1), 128, 0)))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match="launch.. gives .*2048"):
+        stof_cc.register_template(_user_template(tmp_path, launch=lambda self, problem, params: ((1, 1, 1), 2048, 0)))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match="context.. redefines out_type"):
+        stof_cc.register_template(_user_template(tmp_path, context=lambda self, problem, params: {"out_type": "float"}))
     assert "swiglu_split" not in {t.name for t in group_templates("elementwise")}  # nothing half-registered
+
+
+def test_every_template_defines_the_contract():
+    """`launch` is abstract: a spec without it cannot be instantiated, let alone registered."""
+    from stof_cc.templates.attention import ATTENTION_TEMPLATES
+    from stof_cc.templates.gemm_layernorm import GEMM_LAYERNORM
+    from stof_cc.templates.registry import KernelTemplate
+
+    assert {"space", "kernel_name", "launch"} <= KernelTemplate.__abstractmethods__
+    for template in (ELEMENTWISE, ROW_REDUCE, GEMM_EPILOGUE, GEMM_LAYERNORM, *ATTENTION_TEMPLATES):
+        assert not type(template).__abstractmethods__, template.name
+
+    class NoLaunch(stof_cc.GroupTemplate):  # everything else a spec must define
+        name, source_file, kinds = "no_launch", "swiglu_split.cu.j2", ("elementwise",)
+        match, example = SwiGLUSplitTemplate.match, SwiGLUSplitTemplate.example
+        space, kernel_name = SwiGLUSplitTemplate.space, SwiGLUSplitTemplate.kernel_name
+
+    with pytest.raises(TypeError, match="launch"):
+        NoLaunch()
+
+
+def test_problems_are_typed_and_frozen():
+    import dataclasses
+
+    from stof_cc.templates.group import KernelOperand
+
+    x = torch.randn(4, 256, dtype=torch.float16)
+    graph, plan = lower(SwiGLUGate(), (x,))
+    problem = SwiGLUSplitTemplate().match(graph, plan.default.groups[0])
+    assert problem.operands == (KernelOperand("in0", "x", "full", "__half"),) and problem.details is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        problem.operands = ()
 
 
 @pytest.mark.nvcc

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stof_cc import masks
+from stof_cc.ir.reference import relative_error
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionProblem
 from stof_cc.tune.attention import explain_attention
@@ -41,6 +42,6 @@ def test_tune_attention_measures_adopts_and_remembers(tmp_path: Path):
     assert choice.params == report.winner.params and choice.measured_us == report.winner_us
     out = attention(q, k, v, mask)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
-    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+    assert relative_error(out, ref) < 1e-2
     again = tune_attention(q, k, v, mask, database=db, top_k=4, runs=5)
     assert again.from_database and again.measured == 0 and again.winner.params == report.winner.params

@@ -29,7 +29,7 @@ class GroupLaunch:
         source = template.render(problem, params)
         name = template.kernel_name(problem, params)
         self.maps = template.tensor_maps(problem, params)
-        arg_format = TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.details["operands"]) + 1)
+        arg_format = TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.operands) + 1)
         if (name, source) not in _kernels:
             _kernels[(name, source)] = load_kernel(source, name, arg_format, arch_features=template.arch_features,
                                                    waits_for_producers=template.waits_for_producers)
@@ -40,10 +40,10 @@ class GroupLaunch:
 
     def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
         """Read ``values`` (IR value name -> tensor); return the group's output, a new tensor."""
-        operands = self.problem.details["operands"]
-        tensors = [_checked(self.problem, op["ref"], values) for op in operands]
-        misaligned = [op["ref"] for op, t in zip(operands, tensors, strict=True)
-                      if op["ref"] in self.aligned and t.data_ptr() % 16]
+        operands = self.problem.operands
+        tensors = [_checked(self.problem, op.ref, values) for op in operands]
+        misaligned = [op.ref for op, t in zip(operands, tensors, strict=True)
+                      if op.ref in self.aligned and t.data_ptr() % 16]
         if misaligned:
             raise GroupInputError(f"group {self.problem.group.name}: %{misaligned[0]} is not 16-byte aligned, which "
                                   f"this kernel's 16-byte accesses need ({self.params})")

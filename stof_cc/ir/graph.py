@@ -365,3 +365,164 @@ _KIND_COLOURS = {
     "attention": "#d6604d",
     "opaque": "#bababa",
 }
+
+
+# -- structural equality ------------------------------------------------------------------
+# TVM's tvm.ir.structural_equal for this IR: what pass tests compare a pass's output with.
+
+
+def structural_equal(a: Graph, b: Graph, map_free_names: bool = True) -> bool:
+    """Whether graphs ``a`` and ``b`` compute the same thing in the same way.
+
+    The nodes of both, in topological order (`Graph.nodes`: insertion order breaks ties, so
+    independent nodes must come in the same order, as they print and hash), are paired one
+    to one; two graphs are equal when every pair has the same
+
+    * ``op`` and ``target`` (for a constant, the parameter's qualified name);
+    * ``spec`` (shapes and dtypes; tuples for multi-output nodes);
+    * ``args`` and ``kwargs`` (kwargs by key, in any order): a `Ref` matches the `Ref` to the
+      node paired with the one it names; literals match by type and value (``1``, ``1.0`` and
+      ``True`` differ, a list is not a tuple, NaN equals NaN, tensors compare like constants);
+    * for constants, the tensor in ``graph.constants``: same dtype and shape, equal values
+      (NaNs in the same places), compared on the CPU wherever either lives;
+
+    and when the graphs return the same ``outputs`` (the paired nodes, or equal literals, in
+    order) and have equal pytree ``in_spec`` and ``out_spec``. Inputs are nodes, so their
+    specs and order are compared by the pairing. With ``map_free_names`` (the default) node
+    names may differ; without it, paired nodes must have the same name too. Not compared: the
+    graph's ``name``, and tensors in ``graph.constants`` that no constant node holds.
+    """
+    return _first_difference(a, b, map_free_names) is None
+
+
+def assert_structural_equal(a: Graph, b: Graph, map_free_names: bool = True) -> None:
+    """Raise AssertionError unless `structural_equal(a, b)`; the message names the first pair
+    of nodes that differ, says how, and prints both graphs with that node marked."""
+    difference = _first_difference(a, b, map_free_names)
+    if difference is None:
+        return
+    index, why = difference
+    lines = [f"graphs {a.name!r} and {b.name!r} are not structurally equal: {why}"]
+    if index is not None:
+        left, right = a.nodes(), b.nodes()
+        lines.append(f"  lhs: {left[index] if index < len(left) else '(no node)'}")
+        lines.append(f"  rhs: {right[index] if index < len(right) else '(no node)'}")
+    for side, graph in (("lhs", a), ("rhs", b)):
+        lines.append(f"{side}:")
+        lines += _marked_lines(graph, index)
+    raise AssertionError("\n".join(lines))
+
+
+_CONTEXT = 12  # printed lines either side of the differing node in assert_structural_equal
+
+
+def _marked_lines(graph: Graph, index: int | None) -> list[str]:
+    """``graph`` printed with ``->`` before node ``index`` (around it only, for large graphs)."""
+    body = [f"     {n}" for n in graph.nodes()] + ["     return " + ", ".join(format_arg(r) for r in graph.outputs)]
+    at = len(body) - 1 if index is None or index >= len(body) - 1 else index
+    body[at] = "  -> " + body[at][5:]
+    if index is None or len(body) <= 2 * _CONTEXT + 1:
+        return body
+    low, high = max(0, at - _CONTEXT), min(len(body), at + _CONTEXT + 1)
+    return ([f"     ... {low} lines"] if low else []) + body[low:high] + \
+        ([f"     ... {len(body) - high} lines"] if high < len(body) else [])
+
+
+def _first_difference(a: Graph, b: Graph, map_free_names: bool) -> tuple[int | None, str] | None:
+    """(index of the first differing node pair or None, what differs), or None when equal."""
+    left, right = a.nodes(), b.nodes()
+    paired: dict[str, str] = {}  # a's node name -> b's
+    for index, (x, y) in enumerate(zip(left, right, strict=False)):
+        why = _node_difference(a, b, x, y, paired, map_free_names)
+        if why is not None:
+            return index, f"%{x.name} and %{y.name} differ: {why}"
+        paired[x.name] = y.name
+    if len(left) != len(right):
+        index = min(len(left), len(right))
+        extra = left[index] if len(left) > len(right) else right[index]
+        side = "lhs" if len(left) > len(right) else "rhs"
+        return index, f"{side} has {abs(len(left) - len(right))} more node(s), from %{extra.name}"
+    if len(a.outputs) != len(b.outputs):
+        return len(left), f"{len(a.outputs)} outputs against {len(b.outputs)}"
+    for i, (x, y) in enumerate(zip(a.outputs, b.outputs, strict=True)):
+        why = _value_difference(x, y, paired)
+        if why is not None:
+            return len(left), f"output {i}: {why}"
+    if a.in_spec != b.in_spec:
+        return None, f"in_spec differs: {a.in_spec} against {b.in_spec}"
+    if a.out_spec != b.out_spec:
+        return None, f"out_spec differs: {a.out_spec} against {b.out_spec}"
+    return None
+
+
+def _node_difference(a: Graph, b: Graph, x: Node, y: Node, paired: dict[str, str],
+                     map_free_names: bool) -> str | None:
+    if not map_free_names and x.name != y.name:
+        return "names differ (map_free_names=False)"
+    for field_name in ("op", "target"):
+        if getattr(x, field_name) != getattr(y, field_name):
+            return f"{field_name} {getattr(x, field_name)!r} against {getattr(y, field_name)!r}"
+    if x.spec != y.spec:
+        return f"spec {format_spec(x.spec)} against {format_spec(y.spec)}"
+    if len(x.args) != len(y.args):
+        return f"{len(x.args)} args against {len(y.args)}"
+    for i, (u, v) in enumerate(zip(x.args, y.args, strict=True)):
+        why = _value_difference(u, v, paired)
+        if why is not None:
+            return f"arg {i}: {why}"
+    if set(x.kwargs) != set(y.kwargs):
+        return f"kwargs {sorted(x.kwargs)} against {sorted(y.kwargs)}"
+    for key in x.kwargs:
+        why = _value_difference(x.kwargs[key], y.kwargs[key], paired)
+        if why is not None:
+            return f"kwarg {key}: {why}"
+    if x.op == CONSTANT:
+        if (x.name in a.constants) != (y.name in b.constants):
+            return "only one constant has a tensor in graph.constants"
+        if x.name in a.constants:
+            return _tensor_difference(a.constants[x.name], b.constants[y.name])
+    return None
+
+
+def _value_difference(u: Any, v: Any, paired: dict[str, str]) -> str | None:
+    """How literal-or-Ref ``u`` (of the left graph) differs from ``v`` (of the right), or None."""
+    if type(u) is not type(v):
+        return f"{format_arg(u)} ({type(u).__name__}) against {format_arg(v)} ({type(v).__name__})"
+    if isinstance(u, Ref):
+        # A Ref to an earlier node must name its partner; any other (undefined) name must match as is.
+        if paired.get(u.name, u.name) != v.name:
+            return f"{u} against {v}"
+        return None
+    if isinstance(u, (list, tuple)):
+        if len(u) != len(v):
+            return f"{format_arg(u)} against {format_arg(v)} (lengths {len(u)} and {len(v)})"
+        for i, (p, q) in enumerate(zip(u, v, strict=True)):
+            why = _value_difference(p, q, paired)
+            if why is not None:
+                return f"[{i}]: {why}"
+        return None
+    if isinstance(u, dict):
+        if set(u) != set(v):
+            return f"keys {sorted(map(str, u))} against {sorted(map(str, v))}"
+        for key in u:
+            why = _value_difference(u[key], v[key], paired)
+            if why is not None:
+                return f"[{key!r}]: {why}"
+        return None
+    if isinstance(u, torch.Tensor):
+        return _tensor_difference(u, v)
+    if isinstance(u, float) and u != u and v != v:  # NaN: the same literal
+        return None
+    return None if bool(u == v) else f"{format_arg(u)} against {format_arg(v)}"
+
+
+def _tensor_difference(u: torch.Tensor, v: torch.Tensor) -> str | None:
+    if u.dtype != v.dtype or u.shape != v.shape:
+        return f"tensor {TensorSpec.of(u)} against {TensorSpec.of(v)}"
+    u, v = u.detach().cpu(), v.detach().cpu()
+    same = torch.equal(u, v) or (u.is_floating_point() and torch.allclose(u, v, rtol=0.0, atol=0.0, equal_nan=True))
+    if same:
+        return None
+    where = (u != v) & ~(u.isnan() & v.isnan()) if u.is_floating_point() else u != v
+    first = tuple(int(i) for i in where.nonzero()[0])
+    return f"tensor values differ first at {list(first)}: {u[first].item()!r} against {v[first].item()!r}"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.templates.registry import KernelTemplate, register_template
+from stof_cc.templates.registry import KernelTemplate, Launch, register_template
 
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -111,7 +111,7 @@ def config_label(params: dict[str, Any]) -> str:
             f"w{params['warps']} s{params['stages']}")
 
 
-class _AttentionTemplate(KernelTemplate):
+class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     source_file = "attention.cu.j2"
     # Q K V O, any_ptr any_cols any_tile part_bits row_order, seq_q seq_k, 12 strides,
     # 2 mask-row strides, scale * log2(e)
@@ -153,13 +153,12 @@ class _AttentionTemplate(KernelTemplate):
         return (f"stof_attn_{self.strategy}_{problem.dtype_name}_d{problem.head_dim}"
                 f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}")
 
-    def render(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
-        return self.render_source(name=self.kernel_name(problem, params), mma=self.mma,
-                           dtype=problem.dtype_name, head_dim=problem.head_dim, **params)
+    def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
+        return {"mma": self.mma, "dtype": problem.dtype_name, "head_dim": problem.head_dim}
 
-    def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
-        """(grid, threads per CTA, dynamic shared bytes): one CTA per (head, batch, block row),
-        heads fastest so the scheduler starts all long rows first."""
+    def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
+        """One CTA per (head, batch, block row), heads fastest so the scheduler starts all long
+        rows first."""
         n_block_rows = -(-problem.seq_q // params["block_m"])
         return (problem.heads, problem.batch, n_block_rows), params["warps"] * 32, self.shared_bytes(problem, params)
 
@@ -184,7 +183,8 @@ class WgmmaAttention(_AttentionTemplate):
     stage_counts = (2,)  # K and V double-buffered: the software pipeline retires both every block
     arch_features = "a"  # wgmma exists only in the arch-specific sm_90a target
     capabilities = ((9, 0),)
-    shapes = ((64, 1), (128, 1), (192, 1))  # 1 to 3 warpgroups of 64 rows share each K/V tile (4 never won)
+    shapes = ((64, 1), (128, 1), (192, 1))  # 1 to 3 warpgroups of 64 rows share each K/V tile
+    # (not 4: docs/decisions.md#attention-wgmma-warpgroups)
     block_ns = (64, 128)
     head_dims = (64, 128)  # whole 128-byte swizzle rows
 
@@ -227,13 +227,11 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         launch_cap = SM_REGISTER_FILE // (params["warps"] * 32 + PRODUCER_THREADS) // 8 * 8
         return min(super().registers(problem, params), launch_cap)
 
-    def render(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
-        return self.render_source(name=self.kernel_name(problem, params), mma=self.mma,
-                           dtype=problem.dtype_name, head_dim=problem.head_dim,
-                           producer_registers=PRODUCER_REGISTERS,
-                           consumer_registers=self.consumer_registers(params), **params)
+    def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
+        return super().context(problem, params) | {"producer_registers": PRODUCER_REGISTERS,
+                                                   "consumer_registers": self.consumer_registers(params)}
 
-    def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+    def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         grid, threads, shared = super().launch(problem, params)
         return grid, threads + PRODUCER_THREADS, shared
 

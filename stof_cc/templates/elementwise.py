@@ -5,6 +5,7 @@ broadcast ops with one output, 16-byte vector loads and stores where every tenso
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,24 +16,33 @@ from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
     GroupProblem,
     GroupTemplate,
-    c_type,
     chain_operands,
     moved_bytes,
     output_problem,
 )
 from stof_cc.templates.pricing import memory_bound_us
-from stof_cc.templates.registry import register_template
+from stof_cc.templates.registry import Launch, register_template
 
 THREAD_COUNTS = (128, 256)
 
 
-class ElementwiseTemplate(GroupTemplate):
+@dataclass(frozen=True)
+class ElementwiseDetails:
+    """What `ElementwiseTemplate.match` works out beside the operands."""
+
+    chain: Chain  # the group's nodes, one output element per evaluation (its C++ is indented per point)
+
+
+Problem = GroupProblem[ElementwiseDetails]
+
+
+class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
     name = "elementwise"
     source_file = "elementwise.cu.j2"
     waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("elementwise",)
 
-    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+    def match(self, graph: Graph, group: FusionGroup) -> Problem:
         problem = output_problem(graph, group)
         if not problem.shape:
             raise NotFusable(f"group {group.name}: a 0-d output is not worth a kernel")
@@ -40,43 +50,40 @@ class ElementwiseTemplate(GroupTemplate):
         operands = chain_operands(graph, group, chain)
         if not operands:
             raise NotFusable(f"group {group.name}: reads no tensor (canonicalize folds such chains)")
-        problem.details = {"chain": chain, "operands": operands}
-        return problem
+        return problem.with_operands(operands, ElementwiseDetails(chain))
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
         return _BiasGeluResidual(), (torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16))
 
-    def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
+    def space(self, problem: Problem) -> list[dict[str, Any]]:
         widths = {graph_spec.dtype.itemsize for graph_spec in self._tensor_specs(problem)}
         vec = 16 // widths.pop() if len(widths) == 1 else 1
         row = problem.shape[-1]
         vecs = (1, vec) if vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 else (1,)
         return [{"threads": t, "vec": v} for t in THREAD_COUNTS for v in vecs]
 
-    def _tensor_specs(self, problem: GroupProblem) -> list[TensorSpec]:
-        refs = [op["ref"] for op in problem.details["operands"]] + [problem.output]
+    def _tensor_specs(self, problem: Problem) -> list[TensorSpec]:
+        refs = [op.ref for op in problem.operands] + [problem.output]
         return [problem.graph.node(r).spec for r in refs]
 
-    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+    def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
         """Bandwidth-bound; scalar accesses reach about 60% of it."""
         return memory_bound_us(moved_bytes(problem), 1.0 if params["vec"] > 1 else 0.6)
 
-    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+    def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         if params["vec"] == 1:
             return []
-        return [op["ref"] for op in problem.details["operands"] if op["access"] != "scalar"]
+        return [op.ref for op in problem.operands if op.access != "scalar"]
 
-    def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+    def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
         return f"stof_elementwise_t{params['threads']}_v{params['vec']}"
 
-    def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        chain = problem.details["chain"]
-        return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
-                           n=math.prod(problem.shape), row=problem.shape[-1], operands=problem.details["operands"],
-                           out_type=c_type(problem.dtype, f"%{problem.output}"),
-                           chain=chain.code(" " * (12 if params["vec"] > 1 else 8)), result=chain.result, **params)
+    def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
+        chain = problem.details.chain
+        return {"n": math.prod(problem.shape), "row": problem.shape[-1],
+                "chain": chain.code(" " * (12 if params["vec"] > 1 else 8)), "result": chain.result}
 
-    def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+    def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
         per_cta = params["threads"] * params["vec"]
         return (min(-(-math.prod(problem.shape) // per_cta), 2**31 - 1), 1, 1), params["threads"], 0
 

@@ -1,44 +1,23 @@
 """Spec of the `gemm_epilogue` template (gemm_epilogue.cu.j2): a GEMM group anchored by
 ``linear`` (x W^T + b), its elementwise epilogue (activation, residual, scale, cast) applied
 to the fp32 accumulators, and trailing view/transpose/permute nodes folded into the store
-index (the head split of Q/K/V projections). Hopper (sm_90a) wgmma fed by TMA from a producer
-warpgroup; A and W are read as contiguous row-major matrices through tensor maps the launcher
-encodes (`tensor_maps`). The kernel is persistent: one CTA per SM walks the output tiles, its
-producer running ahead into the next tile; under the ``pingpong`` schedule two consumer
-warpgroups take alternate tiles so one's epilogue (GELU is ~30 instructions per element) hides
-under the other's tensor-core work, under ``cooperative`` they share each tile. Row-major
-outputs (N a multiple of 8) leave through shared staging tiles and TMA bulk stores
-(``tma_store``): 16-byte-aligned full-sector writes issued by one thread, asynchronous to
-the next tile's mainloop, instead of 4-byte stores from every thread. Such an output's
-residual (an output-shaped operand of its dtype) is *staged*: TMA loads its tile into the
-same staging tile under the last k-steps' products, and the epilogue reads it from there
-(BERT-base's out-projection and FFN2: 33.5-34.0 -> 31.2-32.3 us at K = 3072; the e2e
-forward 2-3% faster, RESULTS.md 2026-11-24 third).
+index (the head split of Q/K/V projections).
 
-Tried and taken out: clusters of two CTAs multicasting each W chunk (TMA ``.multicast::cluster``,
-consumers releasing buffers in both CTAs). Correct on the H100, but its best point was 0.87-0.96x
-the speed of the best point without it at each BERT-base shape (RESULTS.md, 2026-11-23): L2
-bandwidth is not what holds these tiles back. Also tried and taken out (2026-11-24): cooperative
-tiles of 192 and 256 rows (three or four consumer warpgroups sharing each chunk, setmaxnreg
-budgets 152 and 112). Correct, no spills, but at K, N = 768, 3072 their best (m192 n128 s4,
-33.9 us; with bias + GELU 45.4 us) trailed m128 n192 s4 (31.8 us; 41.0 us): shared memory
-leaves them three stages where m128 n192 has four, and the fourth stage is worth 7-25% at
-every tile shape (RESULTS.md). And a deferred epilogue (2026-11-24): the tile staged after the
-bias, its GELU run on the staging tile in slices between the next tile's wgmma issues and waits,
-its TMA store issued under the last k-step. Correct (matching eager's fp16 rounding of the
-pre-activation, 7e-6), but the interleaved GELU held back the next tile's products: 46.1 us, and
-50.3 us with the slices batched for more independent work, against 41.2 us for the plain
-cooperative epilogue at K, N = 768, 3072. TMA replaced an earlier cp.async producer (128 threads copying 16-byte
-chunks): measured on the H100 it reached 0.31-0.45 of cuBLAS, TMA 0.63-0.76 (RESULTS.md).
-
-Deviation from issue 5's wording (``mma.sync``): on the H100 mma.sync cannot approach
-cuBLAS (which uses wgmma), so the template targets wgmma; other GPUs run GEMM groups
-through torch.
+Hopper only (sm_90a): wgmma fed by TMA from a producer warpgroup, A and W read through tensor
+maps the launcher encodes (`tensor_maps`). Persistent: one CTA per SM walks the output tiles,
+its producer running ahead into the next tile; under ``pingpong`` two consumer warpgroups take
+alternate tiles so one's epilogue hides under the other's tensor-core work, under
+``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through
+shared staging tiles and asynchronous TMA stores (``tma_store``), and their residual, if any,
+is *staged*: TMA loads its tile into the staging tile while the products run. Why (with the
+figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma, #staged-residual; tried and
+taken out: #multicast-clusters, #taller-cooperative-tiles, #deferred-epilogue.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -50,14 +29,14 @@ from stof_cc.templates.group import (
     OUTPUT_MAP,
     GroupProblem,
     GroupTemplate,
-    c_type,
+    KernelOperand,
     chain_operands,
     kernel_operand,
     moved_bytes,
     output_problem,
 )
 from stof_cc.templates.pricing import epilogue_cost, gemm_us, sm_count
-from stof_cc.templates.registry import register_template
+from stof_cc.templates.registry import Launch, register_template
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
@@ -68,19 +47,39 @@ PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232  # (65536 - 128 x 40) / 256, rounded down to a multiple of 8
 LAYOUT_OPS = ("view", "contiguous", "clone")  # keep the row-major element order
 MMA_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+ROW_MAJOR_STORE = " " * 12 + "long long out_index = (long long)row * N + col;"
 
 
-class GemmEpilogueTemplate(GroupTemplate):
+@dataclass(frozen=True, kw_only=True)
+class GemmDetails:
+    """What `GemmEpilogueTemplate.match` works out beside the operands (A, W, the bias, then the
+    epilogue chain's); every field is a value of the source."""
+
+    m: int  # rows of A (every leading dimension)
+    n: int  # rows of W: output columns
+    k: int
+    dtype: str  # the products' input type: "float16" or "bfloat16"
+    chain: str  # C++ from the accumulator ``acc_v`` (plus the bias) to ``result``
+    result: str
+    epilogue_ops: float  # the chain's cost for stage 1 (`pricing.epilogue_cost`)
+    staged: int | None  # index in the operands of the residual loaded into the staging tile, or None
+    paired_store: bool  # columns (c, c + 1), c even, adjacent and pair-aligned in the output
+    store_index: str = ROW_MAJOR_STORE  # C++ computing ``out_index`` of element (row, col)
+    tma_store: bool = False  # the output leaves through staging tiles and TMA stores
+
+
+Problem = GroupProblem[GemmDetails]
+
+
+class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
     name = "gemm_epilogue"
     source_file = "gemm_epilogue.cu.j2"
     waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("gemm",)
     arch_features = "a"
     capabilities = ((9, 0),)
-    render_keys = ("m", "n", "k", "operands", "dtype", "chain", "result", "store_index", "paired_store", "tma_store",
-                   "staged")
 
-    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+    def match(self, graph: Graph, group: FusionGroup) -> Problem:
         problem = output_problem(graph, group)
         anchor, tail = gemm_anchor(graph, group)
         elementwise, layout = split_epilogue(graph, tail)
@@ -89,15 +88,15 @@ class GemmEpilogueTemplate(GroupTemplate):
         # encodes the output's map over its last dimension: a view that splits N cannot use it)
         row_major = all(node.op != "transpose" for node in layout) and problem.shape[-1] == n
         tma_store = row_major and problem.dtype in MMA_DTYPES and n % 8 == 0
-        problem.details = gemm_details(graph, group, anchor, elementwise, problem.dtype if tma_store else None)
+        operands, details = gemm_details(graph, group, anchor, elementwise, problem.dtype if tma_store else None)
         store_index, paired = _store_index(graph, anchor, layout)
-        problem.details |= {"store_index": store_index, "paired_store": paired, "tma_store": tma_store}
-        return problem
+        details = replace(details, store_index=store_index, paired_store=paired, tma_store=tma_store)
+        return problem.with_operands(operands, details)
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
         return torch.nn.Linear(64, 64).half(), (torch.randn(4, 64, dtype=torch.float16),)
 
-    def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
+    def space(self, problem: Problem) -> list[dict[str, Any]]:
         points = []
         for schedule in SCHEDULES:
             for block_m in BLOCK_MS:
@@ -111,64 +110,56 @@ class GemmEpilogueTemplate(GroupTemplate):
                             points.append(params)
         return points
 
-    def default_params(self, problem: GroupProblem) -> dict[str, Any]:
-        """Stage 1's pick (measured on the H100 at BERT-base shapes, the fastest points were its
-        picks: m128 n192 s4 for N = 768, m128 n256 s4 for N = 3072; RESULTS.md)."""
+    def default_params(self, problem: Problem) -> dict[str, Any]:
+        """Stage 1's pick (how it compares with the measured best: docs/decisions.md#gemm-default-point)."""
         return min(self.space(problem), key=lambda params: self.estimate(problem, params, sm_count()))
 
-    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+    def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
         d = problem.details
-        a_and_w = (d["m"] + d["n"]) * d["k"] * problem.dtype.itemsize
-        staged = d["m"] * d["n"] * problem.dtype.itemsize if d["staged"] is not None else 0  # under the products
+        a_and_w = (d.m + d.n) * d.k * problem.dtype.itemsize
+        staged = d.m * d.n * problem.dtype.itemsize if d.staged is not None else 0  # under the products
         epilogue = moved_bytes(problem) - a_and_w - staged  # the output and the epilogue's other operands
-        return gemm_us(d["m"], d["n"], d["k"], params["block_m"], params["block_n"], params["stages"], epilogue,
-                       sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d["epilogue_ops"],
-                       tma_store=d["tma_store"])
+        return gemm_us(d.m, d.n, d.k, params["block_m"], params["block_n"], params["stages"], epilogue,
+                       sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d.epilogue_ops,
+                       tma_store=d.tma_store)
 
-    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
-        d = problem.details
-        mapped = [0, 1] + ([d["staged"]] if d["staged"] is not None else [])  # TMA needs 16-byte addresses
-        return [d["operands"][index]["ref"] for index in mapped]
+    def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
+        staged = problem.details.staged
+        mapped = [0, 1] + ([staged] if staged is not None else [])  # TMA needs 16-byte addresses
+        return [problem.operands[index].ref for index in mapped]
 
-    def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
+    def tensor_maps(self, problem: Problem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
         """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store) and the
         staged operand: a consumer warpgroup's rows."""
         maps = [(0, params["block_m"], 64), (1, params["block_n"], 64)]
-        if problem.details["tma_store"]:
+        if problem.details.tma_store:
             maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
-        if problem.details["staged"] is not None:
-            maps.append((problem.details["staged"], _rows_per_warpgroup(params), 64))
+        if problem.details.staged is not None:
+            maps.append((problem.details.staged, _rows_per_warpgroup(params), 64))
         return maps
 
-    def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+    def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
         return f"stof_gemm_{point_tag(params)}"
 
-    def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return self.render_source_with(problem, params)
+    def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
+        """The details' fields, the register split and the consumer warpgroups per CTA."""
+        return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
+                "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params)}
 
-    def render_source_with(self, problem: GroupProblem, params: dict[str, Any], **extra: Any) -> str:
-        """The source with the problem's ``render_keys``, the point and ``extra`` (subclasses')."""
-        d = problem.details
-        return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
-                                  out_type=c_type(problem.dtype, f"%{problem.output}"),
-                                  producer_registers=PRODUCER_REGISTERS, consumer_registers=CONSUMER_REGISTERS,
-                                  consumer_wgs=_consumer_warpgroups(params), **{k: d[k] for k in self.render_keys},
-                                  **params, **extra)
-
-    def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+    def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
         """Persistent: at most one CTA per SM (each walks tiles blockIdx.x + i gridDim.x)."""
         d = problem.details
-        tiles = -(-d["n"] // params["block_n"]) * -(-d["m"] // params["block_m"])
+        tiles = -(-d.n // params["block_n"]) * -(-d.m // params["block_m"])
         return (min(tiles, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
 
     @staticmethod
-    def shared_bytes(problem: GroupProblem, params: dict[str, Any]) -> int:
+    def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
         """The ring of A and W chunks, the TMA store's staging tiles (one per consumer
         warpgroup: under ping-pong each holds a whole tile), plus 1024 to align them for the
         128-byte swizzle."""
         ring = params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2
         staging = _consumer_warpgroups(params) * _rows_per_warpgroup(params) * params["block_n"] * 2
-        return ring + (staging if problem.details["tma_store"] else 0) + 1024
+        return ring + (staging if problem.details.tma_store else 0) + 1024
 
 
 def point_tag(params: dict[str, Any]) -> str:
@@ -202,10 +193,15 @@ def gemm_anchor(graph: Graph, group: FusionGroup) -> tuple[Node, tuple[str, ...]
     return anchor, group.nodes[position + 1:]
 
 
+def fields_of(details: GemmDetails) -> dict[str, Any]:
+    """The details' fields by name (not `dataclasses.asdict`, which copies them)."""
+    return {field.name: getattr(details, field.name) for field in fields(details)}
+
+
 def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: list[str],
-                 staged_dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """Sizes, operands (A, W, bias, then the chain's) and the epilogue chain's C++ (``chain``
-    computing ``result`` from the accumulator ``acc_v``) of a GEMM group.
+                 staged_dtype: torch.dtype | None = None) -> tuple[list[KernelOperand], GemmDetails]:
+    """The operands (A, W, bias, then the chain's) and details (sizes, the epilogue chain's C++,
+    a row-major store) of a GEMM group.
 
     With ``staged_dtype`` (the output's, where the output is TMA-stored), the chain's first
     output-shaped operand of that dtype (a residual) is *staged*: the kernel loads its tile with
@@ -229,10 +225,11 @@ def gemm_details(graph: Graph, group: FusionGroup, anchor: Node, elementwise: li
     operands += chain_operands(graph, group, chain)
     acc = "acc_v + LOAD_ROW(bias)" if isinstance(bias, Ref) else "acc_v"
     ops = [graph.node(name).op for name in elementwise] + (["add"] if isinstance(bias, Ref) else [])
-    return {"m": math.prod(x_spec.shape[:-1]), "n": w_spec.shape[0], "k": x_spec.shape[-1], "operands": operands,
-            "epilogue_ops": epilogue_cost(ops), "staged": staged,
-            "dtype": MMA_DTYPES[x_spec.dtype], "chain": " " * 12 + f"const float acc_b = {acc};\n" + chain.code(" " * 12),
-            "result": chain.result}
+    n = w_spec.shape[0]
+    return operands, GemmDetails(
+        m=math.prod(x_spec.shape[:-1]), n=n, k=x_spec.shape[-1], dtype=MMA_DTYPES[x_spec.dtype],
+        chain=" " * 12 + f"const float acc_b = {acc};\n" + chain.code(" " * 12), result=chain.result,
+        epilogue_ops=epilogue_cost(ops), staged=staged, paired_store=n % 2 == 0)
 
 
 def split_epilogue(graph: Graph, nodes: tuple[str, ...]) -> tuple[list[str], list[Node]]:
@@ -253,7 +250,7 @@ def _store_index(graph: Graph, anchor: Node, layout: list[Node]) -> tuple[str, b
     """C++ computing `out_index` of element (row, col) through the trailing views and permutes,
     and whether columns (c, c + 1), c even, stay adjacent and pair-aligned in the output (every
     permute keeps an even innermost axis innermost)."""
-    lines = ["long long out_index = (long long)row * N + col;"]
+    lines = [ROW_MAJOR_STORE.lstrip()]
     shape = list(anchor.spec.shape)
     paired = shape[-1] % 2 == 0
     for node in layout:

@@ -2,16 +2,19 @@
 
 A group template says which group kinds it serves and, through `match`, whether it can
 generate one particular group; `match` returns the `GroupProblem` the template renders
-from, or raises `NotFusable` naming the node and the reason. Shapes are static: a group's
-kernel is generated for the shapes it was traced with.
+from (the group's output, the tensors its kernel reads as `KernelOperand`s, and the
+template's own typed ``details``), or raises `NotFusable` naming the node and the reason.
+Shapes are static: a group's kernel is generated for the shapes it was traced with.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from abc import abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
@@ -22,24 +25,51 @@ from stof_cc.passes.lower import lower
 from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import (
     KernelTemplate,
+    Launch,
     TemplateRegistrationError,
     registered_templates,
 )
 
 C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+MAX_THREADS = 1024  # per CTA
+D = TypeVar("D")  # a template's own details
+D2 = TypeVar("D2")
+
+# How a kernel indexes an operand: at the output element's flat index (``full``), at its
+# column (``row``: a vector over the last dimension), at 0 (``scalar``), or from the tile
+# TMA loaded into shared memory (``staged``, gemm_epilogue's residual).
+Access = Literal["full", "row", "scalar", "staged"]
 
 
-@dataclass
-class GroupProblem:
-    """One group as a template sees it: its single output value, shape and dtype, plus
-    whatever the template's `match` worked out (``details``)."""
+@dataclass(frozen=True)
+class KernelOperand:
+    """One tensor a group kernel reads: its C parameter name, the IR value the runtime passes
+    for it (``ref``), how the kernel indexes it and its C element type."""
+
+    name: str
+    ref: str
+    access: Access
+    ctype: str
+
+
+@dataclass(frozen=True)
+class GroupProblem(Generic[D]):
+    """One group as a template sees it: its single output value, shape and dtype; the tensors
+    its kernel reads, in parameter order (the runtime passes them, then the output); and what
+    the template's `match` worked out for its own source (``details``: the template's own
+    dataclass, None for a template that needs nothing more)."""
 
     graph: Graph
     group: FusionGroup
     output: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    details: dict[str, Any]
+    operands: tuple[KernelOperand, ...]
+    details: D
+
+    def with_operands(self, operands: Iterable[KernelOperand], details: D2 = None) -> GroupProblem[D2]:
+        """This problem reading ``operands``, with the template's ``details``."""
+        return GroupProblem(self.graph, self.group, self.output, self.shape, self.dtype, tuple(operands), details)
 
 
 def c_type(dtype: torch.dtype, what: str) -> str:
@@ -59,23 +89,27 @@ def group_output(graph: Graph, group: FusionGroup) -> str:
     return leaving[0]
 
 
-def output_problem(graph: Graph, group: FusionGroup) -> GroupProblem:
+def output_problem(graph: Graph, group: FusionGroup) -> GroupProblem[None]:
+    """The group's output as a problem that reads nothing yet (`GroupProblem.with_operands`
+    adds the kernel's operands and the template's details)."""
     output = group_output(graph, group)
     spec = graph.node(output).spec
     if not isinstance(spec, TensorSpec):
         shown = ", ".join(map(str, spec)) if isinstance(spec, tuple) else str(spec)
         raise NotFusable(f"%{output}: the group's output is not one tensor ({shown}); a kernel writes one")
     c_type(spec.dtype, f"%{output}")
-    return GroupProblem(graph, group, output, tuple(spec.shape), spec.dtype, {})
+    return GroupProblem(graph, group, output, tuple(spec.shape), spec.dtype, (), None)
 
 
-class GroupTemplate(KernelTemplate):
-    """A template for fusion groups of the kinds in ``kinds``."""
+class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
+    """A template for fusion groups of the kinds in ``kinds``; ``D`` is the type of its
+    problems' ``details``. Its source receives `common_context`'s values (``name``, ``header``,
+    ``operands``, ``out_type`` and the point's parameters) and those of its `context`."""
 
     kinds: tuple[str, ...]
 
     @abstractmethod
-    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem[D]:
         """The problem to render for ``group``, or NotFusable with the reason."""
 
     @abstractmethod
@@ -83,8 +117,16 @@ class GroupTemplate(KernelTemplate):
         """A small module and inputs with a group this template generates: registration checks
         the spec on it, and it documents what the template is for."""
 
+    def common_context(self, problem: GroupProblem[D], params: dict[str, Any]) -> dict[str, Any]:
+        """The kernel's ``name``, the ``header`` comment, the ``operands`` it reads (for
+        group_common.j2's ``parameters`` macro), the output's C type ``out_type`` and the point's
+        parameters under their own names."""
+        return {**super().common_context(problem, params), "header": self.header(problem, params),
+                "operands": problem.operands, "out_type": c_type(problem.dtype, f"%{problem.output}")}
+
     def validate(self) -> None:
-        """The spec matches a group of its example, has parameters there, and renders."""
+        """The spec matches a group of its example, has parameters there, renders, and gives a
+        launch geometry."""
         module, inputs = self.example()
         graph, plan = lower(module, inputs)
         reasons = []
@@ -111,49 +153,65 @@ class GroupTemplate(KernelTemplate):
             if f"{self.kernel_name(problem, space[0])}(" not in source:
                 raise TemplateRegistrationError(f"template {self.name!r}: the rendered source does not define "
                                                 f"{self.kernel_name(problem, space[0])}")
+            _check_launch(self, self.launch(problem, space[0]), space[0])
             return
         raise TemplateRegistrationError(f"template {self.name!r} matches no {'/'.join(self.kinds)} group of its "
                                         f"example" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
-    def header(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+    def header(self, problem: GroupProblem[D], params: dict[str, Any]) -> str:
         """The comment opening the kernel source: template, parameters and the operators, but no
         node or group names, so that identical layers render one source (one nvcc run, one
         module; the file in the build folder adds the group's nodes, `group_header`)."""
         ops = ", ".join(problem.graph.node(n).op for n in problem.group.nodes)
         return f"// stof-cc {self.name} kernel ({problem.group.kind}: {ops})\n{_parameters_line(params)}"
 
-    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+    def estimate(self, problem: GroupProblem[D], params: dict[str, Any], sm_count: int) -> float:
         """Stage 1's microseconds for this point without running it. The default, for templates
         whose author gives none: every tensor read and the output written once at HBM speed."""
         return memory_bound_us(moved_bytes(problem))
 
-    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+    def aligned_operands(self, problem: GroupProblem[D], params: dict[str, Any]) -> list[str]:
         """Values the kernel reads with 16-byte accesses: their tensors must be 16-byte aligned."""
         return []
 
-    def tensor_maps(self, problem: GroupProblem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
+    def tensor_maps(self, problem: GroupProblem[D], params: dict[str, Any]) -> list[tuple[int, int, int]]:
         """TMA tensor maps the kernel takes first, by value: (operand index, box rows, box
         columns) each, index `OUTPUT_MAP` for the output; the launcher encodes them from the
         tensors (`tensor_map`)."""
         return []
 
-    def default_params(self, problem: GroupProblem) -> dict[str, Any]:
-        """The point used until the search (issue 6) measures: the space's last (widest)."""
+    def default_params(self, problem: GroupProblem[D]) -> dict[str, Any]:
+        """The point used where nothing was measured (no tuning record, no search): the
+        space's last (widest)."""
         return self.space(problem)[-1]
+
+
+def _check_launch(template: GroupTemplate, launch: Launch, params: dict[str, Any]) -> None:
+    """A launch geometry the driver accepts: three positive grid sizes, 1 to MAX_THREADS threads,
+    non-negative shared bytes."""
+    try:
+        (x, y, z), threads, shared = launch
+        x, y, z, threads, shared = map(operator.index, (x, y, z, threads, shared))
+        well_formed = min(x, y, z) > 0 and 0 < threads <= MAX_THREADS and shared >= 0
+    except (TypeError, ValueError):
+        well_formed = False
+    if not well_formed:
+        raise TemplateRegistrationError(f"template {template.name!r}: launch() gives {launch!r} for {params}; "
+                                        f"expected ((x, y, z) CTAs, 1 to {MAX_THREADS} threads, shared bytes >= 0)")
 
 
 OUTPUT_MAP = -1  # `tensor_maps` index of the group's output tensor
 
 
-def kernel_operand(graph: Graph, ref: str, name: str, access: str) -> dict[str, Any]:
-    """One tensor a group kernel reads: its C parameter name, IR value, access pattern, C type."""
+def kernel_operand(graph: Graph, ref: str, name: str, access: Access) -> KernelOperand:
+    """The operand reading IR value ``ref`` as C parameter ``name``; its C type from the value's dtype."""
     spec = graph.node(ref).spec
     if not isinstance(spec, TensorSpec):
         raise NotFusable(f"%{ref}: not a tensor ({spec})")
-    return {"name": name, "ref": ref, "access": access, "ctype": c_type(spec.dtype, f"%{ref}")}
+    return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}"))
 
 
-def chain_operands(graph: Graph, group: FusionGroup, chain: Chain) -> list[dict[str, Any]]:
+def chain_operands(graph: Graph, group: FusionGroup, chain: Chain) -> list[KernelOperand]:
     """The kernel operands of a chain; a value the group computes itself cannot be one (the
     kernel never writes it to memory)."""
     inside = [op.ref.name for op in chain.operands if op.ref.name in group.nodes]
@@ -162,11 +220,11 @@ def chain_operands(graph: Graph, group: FusionGroup, chain: Chain) -> list[dict[
     return [kernel_operand(graph, op.ref.name, op.name, op.access) for op in chain.operands]
 
 
-def moved_bytes(problem: GroupProblem) -> int:
+def moved_bytes(problem: GroupProblem[Any]) -> int:
     """Bytes a group kernel reads (each operand once) and writes (its output)."""
     graph = problem.graph
-    read = sum(math.prod(graph.node(op["ref"]).spec.shape) * graph.node(op["ref"]).spec.dtype.itemsize
-               for op in problem.details["operands"])
+    read = sum(math.prod(graph.node(op.ref).spec.shape) * graph.node(op.ref).spec.dtype.itemsize
+               for op in problem.operands)
     return read + math.prod(problem.shape) * problem.dtype.itemsize
 
 
@@ -187,8 +245,8 @@ def _parameters_line(params: dict[str, Any]) -> str:
 class Applicable:
     """A template that can generate a group on the target GPU, with its problem and points."""
 
-    template: GroupTemplate
-    problem: GroupProblem
+    template: GroupTemplate[Any]
+    problem: GroupProblem[Any]
     space: tuple[dict[str, Any], ...]
 
 

@@ -1,8 +1,9 @@
-"""The template registry and the shared Jinja2 environment.
+"""The template registry, the shared Jinja2 environment and the contract of a template.
 
-A template is a CUDA source rendered by Jinja2 plus a Python spec that knows its
-parameter space, its launch geometry and its shared-memory need. Rendering is pure:
-(problem, params) -> source text, so sources and cache keys are deterministic.
+A template is a CUDA source rendered by Jinja2 plus a Python spec (`KernelTemplate`) that
+knows its parameter space, the values its source is rendered with and its launch geometry.
+Rendering is pure: (problem, params) -> source text, so sources and cache keys are
+deterministic.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jinja2
 
 TEMPLATE_DIR = Path(__file__).resolve().parent
+
+ProblemT = TypeVar("ProblemT")  # what a template renders from: AttentionProblem, GroupProblem
+Launch = tuple[tuple[int, int, int], int, int]  # grid (x, y, z), threads per CTA, dynamic shared bytes
 
 
 @functools.cache
@@ -35,8 +39,11 @@ def template_file_text(template_dir: Path, name: str) -> str:
     return source
 
 
-class KernelTemplate(ABC):
-    """One template: its name, source file, parameter space and launch rule."""
+class KernelTemplate(ABC, Generic[ProblemT]):
+    """One template: its name, source file, parameter space, render values and launch rule.
+
+    A spec defines `space`, `kernel_name` and `launch`, and gives its source's values in
+    `context`; `render` adds the values every source of its kind receives (`common_context`)."""
 
     name: str
     source_file: str
@@ -51,7 +58,7 @@ class KernelTemplate(ABC):
     waits_for_producers: bool = False
 
     def render_source(self, **context: Any) -> str:
-        """``source_file`` rendered with ``context`` (the specs' `render` calls this)."""
+        """``source_file`` rendered with ``context``."""
         return _environment(Path(self.template_dir)).get_template(self.source_file).render(**context)
 
     def runs_on(self, capability: tuple[int, int]) -> bool:
@@ -59,17 +66,37 @@ class KernelTemplate(ABC):
         return capability >= self.min_capability and (self.capabilities is None or capability in self.capabilities)
 
     @abstractmethod
-    def space(self, problem: Any) -> list[dict[str, Any]]:
+    def space(self, problem: ProblemT) -> list[dict[str, Any]]:
         """Every legal parameter point for ``problem`` (constraints already applied)."""
 
     @abstractmethod
-    def render(self, problem: Any, params: dict[str, Any]) -> str:
-        """CUDA source for ``problem`` with ``params``."""
-
-    @abstractmethod
-    def kernel_name(self, problem: Any, params: dict[str, Any]) -> str:
+    def kernel_name(self, problem: ProblemT, params: dict[str, Any]) -> str:
         """The extern "C" symbol the rendered source defines."""
 
+    @abstractmethod
+    def launch(self, problem: ProblemT, params: dict[str, Any]) -> Launch:
+        """How the runtime launches this point's kernel: ``(grid, threads, shared_bytes)``, the
+        grid as (x, y, z) CTAs, the threads of one CTA (the source's launch bound) and the
+        dynamic shared memory in bytes (0 when the source declares all it uses statically)."""
+
+    def render(self, problem: ProblemT, params: dict[str, Any]) -> str:
+        """CUDA source for ``problem`` with ``params``: ``source_file`` rendered with
+        `common_context` and the template's own `context` (which may not redefine a common name)."""
+        common, own = self.common_context(problem, params), self.context(problem, params)
+        clash = sorted(common.keys() & own.keys())
+        if clash:
+            raise ValueError(f"template {self.name!r}: context() redefines {', '.join(clash)}, "
+                             "which every source of its kind receives already")
+        return self.render_source(**common, **own)
+
+    def common_context(self, problem: ProblemT, params: dict[str, Any]) -> dict[str, Any]:
+        """The values every source receives: the kernel's ``name`` and the point's parameters
+        under their own names."""
+        return {"name": self.kernel_name(problem, params), **params}
+
+    def context(self, problem: ProblemT, params: dict[str, Any]) -> dict[str, Any]:
+        """The template's own values for its source, beside `common_context`'s: none by default."""
+        return {}
 
     def validate(self) -> None:  # noqa: B027 (optional hook: templates without an example check nothing)
         """Check the template against its own example; raise TemplateRegistrationError if it

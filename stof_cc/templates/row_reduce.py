@@ -8,6 +8,7 @@ writes has one item size and rows hold whole vectors."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
     GroupProblem,
     GroupTemplate,
-    c_type,
+    KernelOperand,
     chain_operands,
     kernel_operand,
     moved_bytes,
@@ -31,20 +32,40 @@ from stof_cc.templates.pricing import (
     row_reduce_us,
     sm_count,
 )
-from stof_cc.templates.registry import register_template
+from stof_cc.templates.registry import Launch, register_template
 
 THREAD_COUNTS = (128, 256, 512)  # the CTA layout: one row per CTA of this many threads
 WARP_ROWS = (4, 8)               # the warp layout: one row per warp, this many rows (warps) per CTA
 MAX_ITEMS = 32  # row elements per thread kept in registers
 
 
-class RowReduceTemplate(GroupTemplate):
+@dataclass(frozen=True)
+class RowReduceDetails:
+    """What `RowReduceTemplate.match` works out beside the operands (which are the prologue's
+    operands, then the epilogue's)."""
+
+    reduction: str  # "softmax", "layer_norm" or "rms_norm"
+    eps: float  # the norm's (0 for softmax)
+    prologue_operands: tuple[KernelOperand, ...]  # read before the reduction (or the input itself)
+    epilogue_operands: tuple[KernelOperand, ...]  # read after it: the norm's weight and bias, the epilogue's
+    weight: str  # the norm weight's C name ("weight"), "" without one
+    bias: str  # the norm bias's C name ("bias"), "" without one
+    prologue: str  # C++ of the prologue chain, "" without one
+    input: str  # the expression of the reduction's input element
+    epilogue: str  # C++ of the epilogue chain from the reduction's value ``y``
+    result: str  # the epilogue's result expression
+
+
+Problem = GroupProblem[RowReduceDetails]
+
+
+class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
     name = "row_reduce"
     source_file = "row_reduce.cu.j2"
     waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("reduction",)
 
-    def match(self, graph: Graph, group: FusionGroup) -> GroupProblem:
+    def match(self, graph: Graph, group: FusionGroup) -> Problem:
         problem = output_problem(graph, group)
         anchor = graph.node(group.anchor)
         reduction, source, weight, bias, eps = reduction_inputs(graph, anchor, problem.shape)
@@ -66,17 +87,17 @@ class RowReduceTemplate(GroupTemplate):
                              for ref, name in ((weight, "weight"), (bias, "bias")) if ref is not None]
         epilogue = Chain(graph, after, {anchor.name: "y"}, problem.shape, operand_prefix="ep")
         epilogue_operands += chain_operands(graph, group, epilogue)
-        problem.details = {"reduction": reduction, "eps": eps, "operands": prologue_operands + epilogue_operands,
-                           "prologue_operands": prologue_operands, "epilogue_operands": epilogue_operands,
-                           "weight": "weight" if weight is not None else "", "bias": "bias" if bias is not None else "",
-                           "prologue": prologue_code, "input": input_expr,
-                           "epilogue": epilogue.code(" " * 16), "result": epilogue.result}
-        return problem
+        details = RowReduceDetails(
+            reduction=reduction, eps=eps, prologue_operands=tuple(prologue_operands),
+            epilogue_operands=tuple(epilogue_operands), weight="weight" if weight is not None else "",
+            bias="bias" if bias is not None else "", prologue=prologue_code, input=input_expr,
+            epilogue=epilogue.code(" " * 16), result=epilogue.result)
+        return problem.with_operands(prologue_operands + epilogue_operands, details)
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
         return torch.nn.LayerNorm(64).half(), (torch.randn(4, 64, dtype=torch.float16),)
 
-    def space(self, problem: GroupProblem) -> list[dict[str, Any]]:
+    def space(self, problem: Problem) -> list[dict[str, Any]]:
         """Vector points first, then scalar ones; within each, the warp layout (rows of at most
         32 x MAX_ITEMS elements) before the CTA layout (a CTA wider than 128 threads only where
         every thread holds part of the row). Stage 1 breaks ties in this order."""
@@ -92,15 +113,15 @@ class RowReduceTemplate(GroupTemplate):
         return points
 
     @staticmethod
-    def vector_width(problem: GroupProblem) -> int:
+    def vector_width(problem: Problem) -> int:
         """Elements per 16-byte vector when every tensor the kernel reads or writes (scalars
         aside: they are read as p[0]) has the same item size, else 1."""
         graph = problem.graph
-        specs = [graph.node(op["ref"]).spec for op in problem.details["operands"] if op["access"] != "scalar"]
+        specs = [graph.node(op.ref).spec for op in problem.operands if op.access != "scalar"]
         widths = {spec.dtype.itemsize for spec in specs} | {problem.dtype.itemsize}
         return 16 // widths.pop() if len(widths) == 1 else 1
 
-    def estimate(self, problem: GroupProblem, params: dict[str, Any], sm_count: int) -> float:
+    def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
         """Bandwidth at the layout's rate (`pricing.ROW_*_RATE`), or waves of CTAs when rows
         are few (occupancy by warps: 64 per SM, at most 32 CTAs)."""
         warps = params["row_threads"] * params["rows"] // 32
@@ -111,32 +132,29 @@ class RowReduceTemplate(GroupTemplate):
             rate = ROW_WARP_VECTOR_RATE if params["row_threads"] == 32 else ROW_CTA_VECTOR_RATE
         return row_reduce_us(moved_bytes(problem), math.prod(problem.shape[:-1]), rows_per_sm, sm_count, rate)
 
-    def default_params(self, problem: GroupProblem) -> dict[str, Any]:
+    def default_params(self, problem: Problem) -> dict[str, Any]:
         """Stage 1's pick (the first point of the best estimate)."""
         return min(self.space(problem), key=lambda params: self.estimate(problem, params, sm_count()))
 
-    def aligned_operands(self, problem: GroupProblem, params: dict[str, Any]) -> list[str]:
+    def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         if params["vec"] == 1:
             return []
-        return [op["ref"] for op in problem.details["operands"] if op["access"] != "scalar"]
+        return [op.ref for op in problem.operands if op.access != "scalar"]
 
-    def kernel_name(self, problem: GroupProblem, params: dict[str, Any]) -> str:
-        return (f"stof_row_reduce_{problem.details['reduction']}"
+    def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
+        return (f"stof_row_reduce_{problem.details.reduction}"
                 f"_t{params['row_threads']}x{params['rows']}_v{params['vec']}")
 
-    def render(self, problem: GroupProblem, params: dict[str, Any]) -> str:
+    def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         d, row = problem.details, problem.shape[-1]
         vectors = row // params["vec"]
-        return self.render_source(name=self.kernel_name(problem, params), header=self.header(problem, params),
-                                  row=row, m=math.prod(problem.shape[:-1]), items=-(-vectors // params["row_threads"]),
-                                  threads=params["row_threads"] * params["rows"],
-                                  out_type=c_type(problem.dtype, f"%{problem.output}"), eps=f"{d['eps']!r}f",
-                                  **{k: d[k] for k in ("reduction", "operands", "prologue_operands",
-                                                       "epilogue_operands", "weight", "bias", "prologue", "input",
-                                                       "epilogue", "result")},
-                                  **params)
+        return {"row": row, "m": math.prod(problem.shape[:-1]), "items": -(-vectors // params["row_threads"]),
+                "threads": params["row_threads"] * params["rows"], "reduction": d.reduction, "eps": f"{d.eps!r}f",
+                "prologue_operands": d.prologue_operands, "epilogue_operands": d.epilogue_operands,
+                "weight": d.weight, "bias": d.bias, "prologue": d.prologue, "input": d.input,
+                "epilogue": d.epilogue, "result": d.result}
 
-    def launch(self, problem: GroupProblem, params: dict[str, Any]) -> tuple[tuple[int, int, int], int, int]:
+    def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
         rows = math.prod(problem.shape[:-1])
         return (-(-rows // params["rows"]), 1, 1), params["row_threads"] * params["rows"], 0
 

@@ -23,7 +23,7 @@ from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
 from stof_cc.ir.reference import relative_error
 from stof_cc.masks import MaskDescription, from_padding
-from stof_cc.passes.attention import attention_arguments
+from stof_cc.passes.attention import attention_arguments, mask_is_replaceable
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_output, group_templates
 from stof_cc.templates.pricing import sm_count
@@ -110,7 +110,7 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
         progress(f"{group.name} ({group.kind}): no template applies; torch runs it")
         return None
     reference = values[group_output(graph, group)]
-    operands = {op["ref"] for problem in problems.values() for op in problem.details["operands"]}
+    operands = {op.ref for problem in problems.values() for op in problem.operands}
     sets = [values] + [{**values, **{k: torch.randn_like(values[k]) for k in operands
                                      if values[k].is_floating_point()}} for _ in range(INPUT_SETS - 1)]
 
@@ -125,6 +125,8 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
 
 def _tune_attention_group(graph, group, values, database, top_k, progress, override=None) -> SearchReport | None:
     given = attention_arguments(graph.node(group.anchor))
+    if not mask_is_replaceable(graph, graph.node(group.anchor)):
+        override = None  # an additive bias is kept: the node runs in torch
     try:
         attention_kernel(graph, graph.node(group.anchor), ignore_mask=override is not None)
     except NotFusable as why:
