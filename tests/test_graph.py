@@ -238,3 +238,21 @@ def test_the_message_prints_both_graphs_and_marks_the_node():
     text = str(caught.value)
     assert "lhs: %z: f32[2,4] = relu(%y)" in text and "rhs: %z: f32[2,4] = gelu(%y)" in text
     assert "  -> %z: f32[2,4] = relu(%y)" in text and "  -> %z: f32[2,4] = gelu(%y)" in text
+
+
+def test_a_graph_traced_on_a_gpu_verifies_with_its_device_literals():
+    """torch.export records the example's device in checks and casts (device=cuda:0); the
+    shape rules run on fake CPU tensors, so they read every device literal as the CPU."""
+    from dataclasses import replace
+
+    import stof_cc
+
+    class ToHalf(torch.nn.Module):
+        def forward(self, x):
+            return x.to(device=x.device, dtype=torch.float16) * 2
+
+    graph = stof_cc.trace(ToHalf(), (torch.randn(3, 4),))
+    on_gpu = graph.rebuild(lambda node, _: replace(node, kwargs={
+        k: torch.device("cuda", 0) if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}))
+    assert any(v == torch.device("cuda", 0) for n in on_gpu.nodes() for v in n.kwargs.values())
+    on_gpu.verify()

@@ -152,8 +152,11 @@ def infer_spec(graph: Graph, node: Node) -> Spec:
                 return tuple(torch.empty(s.shape, dtype=s.dtype) if s else None for s in spec)
             return spec
 
-        args = map_refs(node.args, fake)
-        kwargs = map_refs(node.kwargs, fake)
+        def on_cpu(value: Any) -> Any:  # the fake tensors are CPU ones: so are a traced graph's device literals
+            return torch.device("cpu") if isinstance(value, torch.device) else value
+
+        args = [on_cpu(a) for a in map_refs(node.args, fake)]
+        kwargs = {k: on_cpu(v) for k, v in map_refs(node.kwargs, fake).items()}
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:  # report which node's rule failed, whatever torch raised
