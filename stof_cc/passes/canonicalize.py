@@ -208,8 +208,8 @@ def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> to
     if any(out.node(r.name).op != CONSTANT for r in iter_refs((args, kwargs))):
         return None
 
-    def value_of(ref: Ref) -> torch.Tensor:
-        return out.constants[ref.name]
+    def value_of(ref: Ref) -> torch.Tensor:  # on the CPU, with the device literals: a model traced on a
+        return out.constants[ref.name].cpu()  # GPU holds its parameters there (GPT-2's position table)
 
     cpu = torch.device("cpu")
     on_cpu = lambda v: cpu if isinstance(v, torch.device) else v  # noqa: E731
