@@ -96,8 +96,8 @@ def test_before_expected_identities_bypassed_constants_folded_dead_code_removed(
     before = trace(module, (x,))  # arange, unsqueeze, mul, linear, dropout, assert, cast, unsqueeze, add
     expected = Graph()
     expected.in_spec, expected.out_spec = before.in_spec, before.out_spec
-    expected.add_constant("weight", module.proj.weight.detach())
-    expected.add_constant("bias", module.proj.bias.detach())
+    expected.add_constant("weight", module.proj.weight.detach(), "proj.weight")
+    expected.add_constant("bias", module.proj.bias.detach(), "proj.bias")
     expected.add_input("x", _f32(2, 8, 16))
     expected.add_node(Node("linear", "linear", "aten.linear.default", (Ref("x"), Ref("weight"), Ref("bias")),
                            spec=_f32(2, 8, 16)))
@@ -128,9 +128,6 @@ def test_before_expected_a_canonical_graph_is_unchanged():
     assert_structural_equal(canonicalize(before), expected, map_free_names=False)
 
 
-@pytest.mark.xfail(strict=True, reason="Graph.rebuild, remove_dead_nodes and canonicalize re-add constants with "
-                   "add_constant, which drops the node's target (the parameter's qualified name, docs/ir.md); "
-                   "Graph.copy keeps it")
 def test_constants_keep_their_qualified_names():
     before = trace(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
     assert before.nodes()[0].target == "weight"

@@ -86,8 +86,8 @@ def test_before_expected_siblings_become_one_linear_and_a_split():
     before = canonicalize(trace(module, (torch.randn(2, 3, 4),)))
     expected = Graph()
     expected.in_spec, expected.out_spec = before.in_spec, before.out_spec
-    expected.add_constant("o_weight", module.o.weight.detach())  # q's and k's constants are gone
-    expected.add_constant("o_bias", module.o.bias.detach())
+    expected.add_constant("o_weight", module.o.weight.detach(), "o.weight")  # q's and k's constants are gone
+    expected.add_constant("o_bias", module.o.bias.detach(), "o.bias")
     expected.add_input("x", _f32(2, 3, 4))
     expected.add_constant("qk_weight", torch.cat([module.q.weight, module.k.weight]).detach())
     expected.add_constant("qk_bias", torch.cat([module.q.bias, module.k.bias]).detach())

@@ -190,11 +190,9 @@ def _add_placeholder(graph: Graph, exported: ExportedProgram, fx_node: torch.fx.
         tensor = exported.state_dict.get(spec.target)
         if tensor is None:  # non-persistent buffers live in constants
             tensor = exported.constants[spec.target]
-        node = graph.add_constant(fx_node.name, tensor.detach())
-        node.target = spec.target
+        graph.add_constant(fx_node.name, tensor.detach(), spec.target)
     elif spec.kind == InputKind.CONSTANT_TENSOR:
-        node = graph.add_constant(fx_node.name, exported.constants[spec.target].detach())
-        node.target = spec.target
+        graph.add_constant(fx_node.name, exported.constants[spec.target].detach(), spec.target)
     elif spec.kind == InputKind.USER_INPUT:
         graph.add_input(fx_node.name, TensorSpec.of(fx_node.meta["val"]))
     else:

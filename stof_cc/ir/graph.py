@@ -191,9 +191,10 @@ class Graph:
     def add_input(self, name: str, spec: TensorSpec) -> Node:
         return self.add_node(Node(name, INPUT, spec=spec))
 
-    def add_constant(self, name: str, value: torch.Tensor) -> Node:
+    def add_constant(self, name: str, value: torch.Tensor, target: str | None = None) -> Node:
+        """A constant node holding ``value``; ``target``: the parameter's or buffer's qualified name."""
         self.constants[name] = value
-        return self.add_node(Node(name, CONSTANT, spec=TensorSpec.of(value)))
+        return self.add_node(Node(name, CONSTANT, target=target, spec=TensorSpec.of(value)))
 
     def fresh_name(self, base: str) -> str:
         """A node name not yet used, derived from ``base``."""
@@ -263,7 +264,7 @@ class Graph:
             if node.op == INPUT:
                 out.add_input(node.name, node.spec)
             elif node.op == CONSTANT:
-                out.add_constant(node.name, self.constants[node.name])
+                out.add_constant(node.name, self.constants[node.name], node.target)
             else:
                 new = rewrite(node, out)
                 if new is not None:
@@ -403,29 +404,30 @@ def assert_structural_equal(a: Graph, b: Graph, map_free_names: bool = True) -> 
         return
     index, why = difference
     lines = [f"graphs {a.name!r} and {b.name!r} are not structurally equal: {why}"]
-    if index is not None:
-        left, right = a.nodes(), b.nodes()
-        lines.append(f"  lhs: {left[index] if index < len(left) else '(no node)'}")
-        lines.append(f"  rhs: {right[index] if index < len(right) else '(no node)'}")
-    for side, graph in (("lhs", a), ("rhs", b)):
-        lines.append(f"{side}:")
-        lines += _marked_lines(graph, index)
+    if index is not None:  # else the pytree specs differ, as the message says
+        for side, graph in (("lhs", a), ("rhs", b)):
+            lines.append(f"  {side}: {_marked_lines(graph, index)[1].removeprefix('  -> ')}")
+        for side, graph in (("lhs", a), ("rhs", b)):
+            lines.append(f"{side}:")
+            lines += _marked_lines(graph, index)[0]
     raise AssertionError("\n".join(lines))
 
 
 _CONTEXT = 12  # printed lines either side of the differing node in assert_structural_equal
 
 
-def _marked_lines(graph: Graph, index: int | None) -> list[str]:
-    """``graph`` printed with ``->`` before node ``index`` (around it only, for large graphs)."""
+def _marked_lines(graph: Graph, index: int) -> tuple[list[str], str]:
+    """``graph`` printed with ``->`` before node ``index`` (or before its return line when it has
+    no such node), around it only for large graphs; and the marked line."""
     body = [f"     {n}" for n in graph.nodes()] + ["     return " + ", ".join(format_arg(r) for r in graph.outputs)]
-    at = len(body) - 1 if index is None or index >= len(body) - 1 else index
+    at = min(index, len(body) - 1)
     body[at] = "  -> " + body[at][5:]
-    if index is None or len(body) <= 2 * _CONTEXT + 1:
-        return body
+    if len(body) <= 2 * _CONTEXT + 1:
+        return body, body[at]
     low, high = max(0, at - _CONTEXT), min(len(body), at + _CONTEXT + 1)
-    return ([f"     ... {low} lines"] if low else []) + body[low:high] + \
+    window = ([f"     ... {low} lines"] if low else []) + body[low:high] + \
         ([f"     ... {len(body) - high} lines"] if high < len(body) else [])
+    return window, body[at]
 
 
 def _first_difference(a: Graph, b: Graph, map_free_names: bool) -> tuple[int | None, str] | None:

@@ -83,7 +83,7 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
             out.add_input(node.name, node.spec)
             continue
         if node.op == CONSTANT:
-            out.add_constant(node.name, graph.constants[node.name])
+            out.add_constant(node.name, graph.constants[node.name], node.target)
             continue
         args, kwargs = map_refs(node.args, rename), map_refs(node.kwargs, rename)
         if _is_identity(graph, node):
@@ -140,7 +140,7 @@ def functionalize(graph: Graph) -> tuple[Graph, list[str]]:
         if node.op == INPUT:
             out.add_input(name, node.spec)
         elif node.op == CONSTANT:
-            out.add_constant(name, graph.constants[name])
+            out.add_constant(name, graph.constants[name], node.target)
         else:
             args, kwargs = map_refs(node.args, latest), map_refs(node.kwargs, latest)
             if name in mutating:
@@ -236,7 +236,7 @@ def remove_dead_nodes(graph: Graph, removed: list[str] | None = None) -> Graph:
     for node in graph.nodes():
         if node.op == INPUT or node.name in live:
             if node.op == CONSTANT:
-                out.add_constant(node.name, graph.constants[node.name])
+                out.add_constant(node.name, graph.constants[node.name], node.target)
             else:
                 out.add_node(node)
         elif removed is not None:
