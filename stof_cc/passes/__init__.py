@@ -1,4 +1,4 @@
-"""Graph -> Graph passes, run in this order: canonicalize, merge_parallel_linears,
+"""Graph -> Graph passes, run in this order: canonicalize, recognise_rms_norm, merge_parallel_linears,
 recognise_attention, describe_key_padding; then `partition` groups the result. `lower` runs
 the whole road from a module (`lower.py`)."""
 
@@ -8,7 +8,8 @@ from stof_cc.passes.fusion import FusionPlan, partition
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.lower import PassReports, cast_floating, dump_to, lower, run_passes
+from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
 
 __all__ = ["AttentionReport", "CanonicalizeReport", "FusionPlan", "HorizontalReport", "KeyPaddingReport",
-           "PassReports", "canonicalize", "cast_floating", "describe_key_padding", "dump_to", "lower",
-           "merge_parallel_linears", "partition", "recognise_attention", "run_passes"]
+           "PassReports", "RmsNormReport", "canonicalize", "cast_floating", "describe_key_padding", "dump_to", "lower",
+           "merge_parallel_linears", "partition", "recognise_attention", "recognise_rms_norm", "run_passes"]

@@ -181,6 +181,17 @@ def _aliases(node: Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
+def _pure_aten(target: str | None) -> bool:
+    """An ATen overload that writes none of its inputs and returns no alias of one."""
+    if target is None or not target.startswith("aten."):
+        return False
+    try:
+        schema = resolve_target(target)._schema
+    except GraphError:
+        return False
+    return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
 def _draws_random(target: str) -> bool:
     try:
         overload = resolve_target(target)
@@ -201,7 +212,9 @@ def _is_identity(graph: Graph, node: Node) -> bool:
 
 def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> torch.Tensor | None:
     """The node's value if it depends on constants only and is worth keeping as one."""
-    if node.op == OPAQUE or not isinstance(node.spec, TensorSpec) or node.spec.numel > fold_limit:
+    if not isinstance(node.spec, TensorSpec) or node.spec.numel > fold_limit:
+        return None
+    if node.op == OPAQUE and not _pure_aten(node.target):  # e.g. cos/sin of a rotary table fold; unknown ops do not
         return None
     if node.target is not None and (node.target.startswith(_UNINITIALISED_TARGETS) or _draws_random(node.target)):
         return None

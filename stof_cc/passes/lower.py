@@ -1,6 +1,7 @@
 """`lower`: the one road from a module to a fusion plan.
 
-    module + example inputs -> cast to dtype -> trace -> canonicalize -> merge_parallel_linears
+    module + example inputs -> cast to dtype -> trace -> canonicalize -> recognise_rms_norm
+    -> merge_parallel_linears
     -> recognise_attention -> describe_key_padding -> partition
 
 `stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
@@ -28,6 +29,7 @@ from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize
 from stof_cc.passes.fusion import FusionPlan, partition
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
+from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
 
 Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
 
@@ -40,16 +42,18 @@ class PassReports:
     horizontal: HorizontalReport = field(default_factory=HorizontalReport)
     attention: AttentionReport = field(default_factory=AttentionReport)
     padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
+    rms_norm: RmsNormReport = field(default_factory=RmsNormReport)
 
     def __str__(self) -> str:
-        return f"{self.canonical}\n{self.horizontal}\n{self.attention}\n{self.padding}"
+        return f"{self.canonical}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n{self.padding}"
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
-    """canonicalize, merge_parallel_linears, recognise_attention, describe_key_padding, in that
-    order (each pure: ``graph`` is not modified)."""
+    """canonicalize, recognise_rms_norm, merge_parallel_linears, recognise_attention,
+    describe_key_padding, in that order (each pure: ``graph`` is not modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
+             ("recognise_rms_norm", lambda g: recognise_rms_norm(g, report=reports.rms_norm)),
              ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
              ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
              ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)))

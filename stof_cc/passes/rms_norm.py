@@ -1,0 +1,91 @@
+"""Recognise RMSNorm as HuggingFace writes it, so that `row_reduce` generates it:
+
+    variance = x.pow(2).mean(-1, keepdim=True)          # pow(x, 2) or x * x
+    x = x * torch.rsqrt(variance + eps)                 # (or rsqrt(...) * x)
+
+becomes one ``rms_norm(x, [hidden], None, eps)`` node (aten.rms_norm, the same arithmetic),
+named like the final multiplication so its readers do not change. The weight and the casts
+around it (HF casts to the model's dtype, then multiplies by the weight) stay as they are:
+elementwise ops that fusion folds into the norm's epilogue. Every intermediate must have no
+other reader. Pure: the input graph is not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stof_cc.ir.graph import Graph, Node, Ref
+from stof_cc.passes.canonicalize import remove_dead_nodes
+
+
+@dataclass
+class RmsNormReport:
+    rewritten: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"recognise_rms_norm: {len(self.rewritten)} RMSNorm(s)" + (
+            f" ({', '.join('%' + n for n in self.rewritten)})" if self.rewritten else "")
+
+
+def recognise_rms_norm(graph: Graph, report: RmsNormReport | None = None) -> Graph:
+    """A copy of ``graph`` with every recognised RMSNorm as one ``rms_norm`` node."""
+    report = report if report is not None else RmsNormReport()
+    found = {}
+    for node in graph.nodes():
+        match = _match(graph, node)
+        if match is not None:
+            found[node.name] = match
+            report.rewritten.append(node.name)
+    if not found:
+        return graph.copy()
+
+    def rewrite(node: Node, _: Graph) -> Node:
+        if node.name not in found:
+            return node
+        x, eps = found[node.name]
+        hidden = graph.node(x.name).spec.shape[-1]
+        return Node(node.name, "rms_norm", "aten.rms_norm.default", (x, [hidden], None, eps), {}, node.spec)
+
+    return remove_dead_nodes(graph.rebuild(rewrite))
+
+
+def _match(graph: Graph, mul: Node) -> tuple[Ref, float] | None:
+    """(x, eps) when ``mul`` is x * rsqrt(mean(x^2, -1, keepdim) + eps), else None."""
+    if mul.op != "mul" or len(mul.args) != 2 or not all(isinstance(a, Ref) for a in mul.args):
+        return None
+    for x, other in (mul.args, mul.args[::-1]):
+        chain = _only_reader_chain(graph, other, ("rsqrt", "add", "mean"))
+        if chain is None:
+            continue
+        rsqrt, add, mean = chain
+        eps = add.args[1] if isinstance(add.args[0], Ref) else add.args[0]
+        dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+        keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+        if not isinstance(eps, (int, float)) or list(dims or []) not in ([-1], [len(mean.spec.shape) - 1]) \
+                or not keepdim or not isinstance(mean.args[0], Ref):
+            continue
+        square = graph.node(mean.args[0].name)
+        if len(graph.users(square.name)) == 1 and _squares(square, x):
+            return x, float(eps)
+    return None
+
+
+def _only_reader_chain(graph: Graph, ref: Ref, ops: tuple[str, ...]) -> list[Node] | None:
+    """The nodes ``ops`` walking up first arguments from ``ref``, each read only once."""
+    chain, current = [], ref
+    for op in ops:
+        node = graph.node(current.name)
+        if node.op != op or len(graph.users(node.name)) != 1 or graph.is_output(node.name):
+            return None
+        chain.append(node)
+        refs = [a for a in node.args if isinstance(a, Ref)]
+        if len(refs) != 1:
+            return None
+        current = refs[0]
+    return chain
+
+
+def _squares(node: Node, x: Ref) -> bool:
+    if node.op == "pow":
+        return node.args[0] == x and node.args[1] == 2
+    return node.op == "mul" and node.args == (x, x)

@@ -1,0 +1,74 @@
+"""recognise_rms_norm: HF's RMSNorm spelling becomes one rms_norm node (before/expected and
+against torch), other reductions stay; and canonicalize folds pure ATen ops on constants."""
+
+from __future__ import annotations
+
+import torch
+
+import stof_cc
+from stof_cc.ir.graph import Ref, assert_structural_equal
+from stof_cc.passes import canonicalize, recognise_rms_norm
+
+
+class _HfRmsNorm(torch.nn.Module):
+    def __init__(self, hidden: int = 16, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _MeanOverTokens(torch.nn.Module):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6)
+
+
+def test_before_expected_hf_rms_norm_becomes_one_node():
+    x = torch.randn(2, 5, 16)
+    before = canonicalize(stof_cc.trace(_HfRmsNorm(), (x,)))
+    after = recognise_rms_norm(before)
+    (norm,) = [n for n in after.nodes() if n.op == "rms_norm"]
+    assert norm.args[1:] == ([16], None, 1e-6) and not any(n.op in ("pow", "mean", "rsqrt") for n in after.nodes())
+    # expected: the same graph with the pow/mean/add/rsqrt/mul chain replaced by rms_norm
+    def keep_until(node, out):
+        if node.op in ("pow", "mean", "rsqrt") or (node.op == "add" and node.spec.shape[-1] == 1):
+            return None
+        if node.name == norm.name:
+            return type(node)(node.name, "rms_norm", "aten.rms_norm.default",
+                              (Ref(norm.args[0].name), [16], None, 1e-6), {}, node.spec)
+        return node
+    assert_structural_equal(after, before.rebuild(keep_until))
+    torch.testing.assert_close(stof_cc.interpret(after, x), stof_cc.interpret(before, x))
+
+
+def test_rms_norm_matches_torch_and_other_reductions_stay():
+    torch.manual_seed(0)
+    module, x = _HfRmsNorm(), torch.randn(3, 7, 16)
+    graph = recognise_rms_norm(canonicalize(stof_cc.trace(module, (x,))))
+    torch.testing.assert_close(stof_cc.interpret(graph, x), module(x))
+    other = canonicalize(stof_cc.trace(_MeanOverTokens(), (x,)))
+    assert_structural_equal(recognise_rms_norm(other), other)
+
+
+class _RotaryTable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4).float(), persistent=False)
+
+    def forward(self, x):
+        angles = torch.arange(x.shape[1]).float()[:, None] * self.inv_freq[None, :]
+        return x * angles.cos() + angles.sin()
+
+
+def test_pure_aten_ops_on_constants_fold():
+    """cos and sin of an input-independent table (a rotary embedding's) have no registry entry,
+    but their ATen overloads are pure: canonicalize folds them."""
+    x = torch.randn(2, 6, 4)
+    graph = canonicalize(stof_cc.trace(_RotaryTable(), (x,)))
+    assert not any(n.op == "opaque" for n in graph.nodes())
+    torch.testing.assert_close(stof_cc.interpret(graph, x), _RotaryTable()(x))
