@@ -1,7 +1,7 @@
 """`lower`: the one road from a module to a fusion plan.
 
-    module + example inputs -> cast to dtype -> trace -> canonicalize -> recognise_rms_norm
-    -> merge_parallel_linears
+    module + example inputs -> cast to dtype -> trace -> canonicalize -> canonical_gemms
+    -> recognise_rms_norm -> merge_parallel_linears
     -> recognise_attention -> describe_key_padding -> partition
 
 `stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
@@ -27,6 +27,7 @@ from stof_cc.ir.graph import Graph
 from stof_cc.passes.attention import AttentionReport, mask_is_replaceable, recognise_attention
 from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize
 from stof_cc.passes.fusion import FusionPlan, partition
+from stof_cc.passes.gemm_forms import GemmFormsReport, canonical_gemms
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
@@ -43,16 +44,20 @@ class PassReports:
     attention: AttentionReport = field(default_factory=AttentionReport)
     padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
     rms_norm: RmsNormReport = field(default_factory=RmsNormReport)
+    gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
 
     def __str__(self) -> str:
-        return f"{self.canonical}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n{self.padding}"
+        return (f"{self.canonical}\n{self.gemms}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n"
+                f"{self.padding}")
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
-    """canonicalize, recognise_rms_norm, merge_parallel_linears, recognise_attention,
-    describe_key_padding, in that order (each pure: ``graph`` is not modified)."""
+    """canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
+    recognise_attention, describe_key_padding, in that order (each pure: ``graph`` is not
+    modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
+             ("canonical_gemms", lambda g: canonical_gemms(g, report=reports.gemms)),
              ("recognise_rms_norm", lambda g: recognise_rms_norm(g, report=reports.rms_norm)),
              ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
              ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),

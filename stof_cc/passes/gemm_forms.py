@@ -1,0 +1,97 @@
+"""Canonical GEMMs: ``addmm`` as GPT-2's Conv1D writes it becomes the ``linear`` the GEMM
+templates generate.
+
+    flat = view(x, [-1, K])                 # x: [..., K]
+    out  = addmm(bias, flat, W)             # W: a constant [K, N]
+->
+    y    = linear(x, W^T, bias)             # W^T: a new constant [N, K]
+    out  = view(y, [M, N])                  # keeps addmm's name: its readers do not change
+
+Exact (the same products and bias); only ``beta = alpha = 1`` and a row-major flattening view
+qualify. The view now follows the GEMM, where fusion folds it into the store, instead of
+sitting between a LayerNorm and its GEMM. Pure: the input graph is not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec, map_refs
+from stof_cc.passes.canonicalize import remove_dead_nodes
+
+
+@dataclass
+class GemmFormsReport:
+    rewritten: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"canonical_gemms: {len(self.rewritten)} addmm -> linear"
+
+
+def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Graph:
+    """A copy of ``graph`` with each qualifying ``addmm`` as a ``linear`` and a view."""
+    report = report if report is not None else GemmFormsReport()
+    matches = {n.name: m for n in graph.nodes() if (m := _match(graph, n)) is not None}
+    if not matches:
+        return graph.copy()
+
+    def rewrite(node: Node, out: Graph) -> Node:
+        if node.name not in matches:
+            return node
+        x, weight, bias = matches[node.name]
+        transposed = out.add_constant(out.fresh_name(f"{weight.name}_t"),
+                                      graph.constants[weight.name].t().contiguous())
+        k_spec = graph.node(x.name).spec
+        n = node.spec.shape[-1]
+        linear = out.add_node(Node(out.fresh_name(f"{node.name}_linear"), "linear", "aten.linear.default",
+                                   (x, Ref(transposed.name), bias), {},
+                                   TensorSpec((*k_spec.shape[:-1], n), node.spec.dtype)))
+        report.rewritten.append(node.name)
+        return Node(node.name, "view", "aten.view.default", (Ref(linear.name), list(node.spec.shape)), {},
+                    node.spec)
+
+    return _collapse_views(remove_dead_nodes(graph.rebuild(rewrite)))
+
+
+def _collapse_views(graph: Graph) -> Graph:
+    """``view(view(y, s), shape of y)`` is y: the GEMM's flat output viewed back to [..., N]
+    (GPT-2 does) reads the GEMM directly, so its epilogue (GELU, a residual add) fuses."""
+    renamed: dict[str, Ref] = {}
+    for node in graph.nodes():
+        if node.op != "view" or not isinstance(node.args[0], Ref):
+            continue
+        inner = graph.node(node.args[0].name)
+        if inner.op == "view" and isinstance(inner.args[0], Ref) \
+                and graph.node(inner.args[0].name).spec == node.spec:
+            renamed[node.name] = inner.args[0]
+    if not renamed:
+        return graph
+
+    def rename(ref: Ref) -> Ref:
+        return renamed.get(ref.name, ref)
+
+    def rewrite(node: Node, _: Graph) -> Node | None:
+        if node.name in renamed:
+            return None
+        return replace(node, args=map_refs(node.args, rename), kwargs=map_refs(node.kwargs, rename))
+
+    out = graph.rebuild(rewrite)
+    out.outputs = [rename(r) if isinstance(r, Ref) else r for r in graph.outputs]
+    return remove_dead_nodes(out)
+
+
+def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref] | None:
+    """(x, W, bias) when ``node`` is addmm(bias, view(x, [-1, K]), W) with W a constant [K, N]."""
+    if node.op != "addmm" or len(node.args) != 3 or node.kwargs.get("beta", 1) != 1 \
+            or node.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Ref) for a in node.args):
+        return None
+    bias, flat, weight = node.args
+    if graph.node(weight.name).op != CONSTANT or graph.node(flat.name).op != "view":
+        return None
+    source = graph.node(flat.name).args[0]
+    if not isinstance(source, Ref) or not isinstance(graph.node(source.name).spec, TensorSpec):
+        return None
+    x_shape, k = graph.node(source.name).spec.shape, graph.node(weight.name).spec.shape[0]
+    if len(x_shape) < 2 or x_shape[-1] != k or tuple(graph.node(flat.name).spec.shape)[-1] != k:
+        return None
+    return source, weight, bias
