@@ -74,7 +74,6 @@ class Variant:
     gpu: bool = False  # generated kernels run (the inputs are on a GPU with PyCUDA)
     graph_capture: tuple | None = None  # (CUDAGraph, static inputs, static outputs) once captured
     capture_failed: bool = False  # the capture raised: this variant runs uncaptured
-    padding_inputs: list[str] = field(default_factory=list)  # key-padding inputs, read once per call
     _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -95,8 +94,7 @@ class CompiledModule:
         self.database, self.tune = database, tune
         self.variants: dict[tuple, Variant] = {}
         self._padding_masks: dict[tuple, MaskDescription] = {}
-        self._dense_masks: dict[tuple, torch.Tensor] = {}
-        self._padding_bits: dict[str, bytes] = {}  # this call's key-padding inputs, read to the host  # mask= as a bool tensor, per shape and device
+        self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating((args, kwargs), self.dtype)
@@ -124,9 +122,6 @@ class CompiledModule:
     def _execute(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         device = next((t.device for t in inputs.values()), torch.device("cpu"))
         env: dict[str, Any] = {**variant.constants_on(device), **inputs}
-        # key padding is read to the host once per call, before any launch, not once per layer
-        # (a read waits for the GPU; per layer it stalled every later layer's launches)
-        self._padding_bits = {name: _padding_bits(env[name]) for name in variant.padding_inputs}
         for step, dead in zip(variant.steps, variant.dies_after, strict=True):
             self._run(variant.graph, step, env, device)
             for name in dead:
@@ -184,8 +179,7 @@ class CompiledModule:
                     and mask_is_replaceable(graph, graph.node(step.group.anchor)):
                 step.mask = self.mask
         _load_kernels(steps)
-        return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu,
-                       padding_inputs=_padding_inputs(graph, steps, self.mask))
+        return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 
     def _step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
         if not gpu:
@@ -241,8 +235,7 @@ class CompiledModule:
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
         if given.get("key_padding") is not None and self.mask is None:
-            name = given["key_padding"].name
-            mask = self._padding_mask(env[name], self._padding_bits[name], q.shape[-2], mask)
+            mask = self._padding_mask(env[given["key_padding"].name], q.shape[-2], mask)
         dtype = q.dtype
         if dtype not in (torch.float16, torch.bfloat16):  # the kernels are fp16/bf16: an fp32 model gets fp16
             q, k, v = (t.half() for t in (q, k, v))
@@ -261,12 +254,11 @@ class CompiledModule:
                                                         q.shape[1]).to(q.device)
         return masked_attention(q, k, v, self._dense_masks[key], given.get("scale"))
 
-    def _padding_mask(self, padding: torch.Tensor, bits: bytes, seq_q: int,
-                      other: MaskDescription | None) -> MaskDescription:
-        """The key-padding description of this call's ``attention_mask`` (``bits``: its values,
-        read once per call; combined with the node's own mask), one object per distinct value:
-        attention caches its choices and BlockMasks per description object."""
-        key = (seq_q, tuple(padding.shape), bits, id(other))
+    def _padding_mask(self, padding: torch.Tensor, seq_q: int, other: MaskDescription | None) -> MaskDescription:
+        """The key-padding description of this call's ``attention_mask`` (combined with the node's
+        own mask), one object per distinct value: attention caches its choices and BlockMasks
+        per description object."""
+        key = (seq_q, tuple(padding.shape), padding.ne(0).to(torch.uint8).cpu().numpy().tobytes(), id(other))
         if key not in self._padding_masks:
             keys = from_padding(padding, seq_q)
             self._padding_masks[key] = keys & other if other is not None else keys
@@ -394,18 +386,6 @@ def _spill_bytes(template, problem, params: dict[str, Any], arch: str) -> int:
     compiled = compile_cubin(template.render(problem, params), arch=arch + template.arch_features)
     report = compiled.resources.get(template.kernel_name(problem, params))
     return report.spill_stores if report is not None else 0
-
-
-def _padding_inputs(graph: Graph, steps: list[Step], override: MaskDescription | None) -> list[str]:
-    """The inputs the attention steps read as key padding (none under ``mask=``)."""
-    if override is not None:
-        return []
-    names = (graph.node(s.group.anchor).kwargs.get("key_padding") for s in steps if s.kind == "attention")
-    return list(dict.fromkeys(ref.name for ref in names if ref is not None))
-
-
-def _padding_bits(padding: torch.Tensor) -> bytes:
-    return padding.ne(0).to(torch.uint8).cpu().numpy().tobytes()
 
 
 def _capturable(variant: Variant, mask_override: bool) -> bool:
