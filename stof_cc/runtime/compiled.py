@@ -50,6 +50,8 @@ from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
 
+NO_GPU = "no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA)"
+
 
 @dataclass
 class Step:
@@ -174,30 +176,14 @@ class CompiledModule:
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
-        for step in steps:  # attention that runs in torch applies mask= too, as the kernels would
-            if step.kind == "torch" and step.group.kind == "attention" \
-                    and mask_is_replaceable(graph, graph.node(step.group.anchor)):
-                step.mask = self.mask
         _load_kernels(steps)
         return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 
     def _step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
-        if not gpu:
-            return Step(group, "torch", "no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA)")
         if group.kind == "attention":
-            anchor = graph.node(group.anchor)
-            given = attention_arguments(anchor)
-            override = self.mask if mask_is_replaceable(graph, anchor) else None
-            if given.get("attn_mask") is not None and override is None:
-                why = ("keeps its additive bias (a float mask), which mask= does not replace" if self.mask is not None
-                       else "a mask tensor that is not key padding (pass mask= to compile)")
-                return Step(group, "torch", f"attention with {why}")
-            try:
-                attention_kernel(graph, anchor, ignore_mask=override is not None)
-            except NotFusable as why:
-                return Step(group, "torch", str(why))
-            return Step(group, "attention", "stof_cc.attention for the anchor, views in torch",
-                        mask=node_mask(given, override))
+            return self._attention_step(graph, group, gpu)
+        if not gpu:
+            return Step(group, "torch", NO_GPU)
         found, refused = applicable_templates(graph, group, target_capability())
         if not found:
             return Step(group, "torch", "; ".join(refused))
@@ -205,6 +191,25 @@ class CompiledModule:
         params, how = self._params(template, problem, graph, group)
         return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),
                     tuned=how.startswith("tuned"))
+
+    def _attention_step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
+        """stof_cc.attention for the anchor, or torch with the reason; ``mask=`` holds in both
+        (in torch through the reference, `_reference_attention`) unless the node has a bias."""
+        anchor = graph.node(group.anchor)
+        given = attention_arguments(anchor)
+        override = self.mask if mask_is_replaceable(graph, anchor) else None
+        if not gpu:
+            return Step(group, "torch", NO_GPU, mask=override)
+        if given.get("attn_mask") is not None and override is None:
+            why = ("keeps its additive bias (a float mask), which mask= does not replace" if self.mask is not None
+                   else "a mask tensor that is not key padding (pass mask= to compile)")
+            return Step(group, "torch", f"attention with {why}")
+        try:
+            attention_kernel(graph, anchor, ignore_mask=override is not None)
+        except NotFusable as why:
+            return Step(group, "torch", str(why), mask=override)
+        return Step(group, "attention", "stof_cc.attention for the anchor, views in torch",
+                    mask=node_mask(given, override))
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
         """The tuning database's winner for this group when it has one (and it is still a legal
