@@ -65,6 +65,19 @@ class LinearGelu(torch.nn.Module):
         return torch.nn.functional.gelu(self.fc(x))
 
 
+class LinearTanhGelu(torch.nn.Module):
+    """GPT-2's FFN GEMM: tanh-GELU written out, reading the GEMM's value three times (and
+    cubing negative values, which fast-math powf turned into NaN)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, 2 * width if width % 8 == 0 else 200)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
 class LinearResidual(torch.nn.Module):
     """The attention output projection: x W^T + b + residual."""
 
@@ -119,7 +132,8 @@ class HeadSplit(torch.nn.Module):
 # (module type, template, group kind)
 CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
          (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction")]
-GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearResidual, GEMM_EPILOGUE, "gemm"),
+GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearTanhGelu, GEMM_EPILOGUE, "gemm"),
+              (LinearResidual, GEMM_EPILOGUE, "gemm"),
               (HeadSplit, GEMM_EPILOGUE, "gemm"), (LinearResidualLayerNorm, GEMM_LAYERNORM, "gemm"),
               (LinearRmsNorm, GEMM_LAYERNORM, "gemm")]
 GEMM_SHAPES = [(8, 512, 768), (3, 333, 264)]  # BERT-base (M = 4096); M, N, K no tile divides (K % 8 == 0)

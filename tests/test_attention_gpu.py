@@ -118,3 +118,64 @@ def test_mask_mod_capturing_cuda_tensors():
     q, k, v = _inputs(300, 64, torch.float16)
     dense = mask.to_dense(300, batch=BATCH, heads=HEADS).cuda()
     _check(attention(q, k, v, mask), masked_attention(q, k, v, dense), "per-head CUDA windows")
+
+
+def _paddings(seq: int) -> dict[str, torch.Tensor]:
+    """[BATCH, seq] attention_mask-style paddings (1 = attend): right, left, holes, one empty row."""
+    right = torch.ones(BATCH, seq, dtype=torch.int64)
+    right[1, seq // 3:] = 0
+    left = torch.ones(BATCH, seq, dtype=torch.int64)
+    left[0, : seq - 70] = 0
+    holes = (torch.rand(BATCH, seq, generator=torch.Generator().manual_seed(seq)) < 0.6).long()
+    empty = right.clone()
+    empty[0] = 0  # batch 0 sees no key: its rows give 0
+    return {"right": right, "left": left, "holes": holes, "empty": empty}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_key_padding_on_the_device_matches_reference(dtype, head_dim):
+    """key_padding= read by the kernels on the device, combined with static masks, on every
+    template instance and any padding pattern (contiguous or with holes)."""
+    seq = 1000  # ragged against every block size
+    problem = problem_of(*_inputs(seq, head_dim, dtype))
+    statics = {"none": None, "causal": masks.causal(), "window": masks.sliding_window(90, causal=True),
+               "longformer": masks.longformer(37, 3)}
+    cases = [(p, s) for p in _paddings(seq).items() for s in statics.items()]
+    points = candidates(problem)
+    for i in range(max(len(points), len(cases))):  # every instance and every case, each at least once
+        (pad_name, padding), (static_name, static) = cases[i % len(cases)]
+        template, params = points[i % len(points)]
+        padding = padding.cuda()
+        dense = (padding != 0)[:, None, None, :]
+        if static is not None:
+            dense = dense & static.to_dense(seq, seq).cuda()
+        q, k, v = _inputs(seq, head_dim, dtype)
+        out = torch.full_like(q, float("nan"))
+        attention(q, k, v, static, key_padding=padding, params=params, out=out)
+        _check(out, masked_attention(q, k, v, dense), f"{pad_name} + {static_name}: {template.name} {params}")
+
+
+def test_key_padding_is_captured_in_a_cuda_graph():
+    """Padding is data on the device: a captured call replays with new padding copied in."""
+    seq = 512
+    q, k, v = _inputs(seq, 64, torch.float16)
+    padding = torch.ones(BATCH, seq, dtype=torch.int64, device="cuda")
+    out, causal = torch.empty_like(q), masks.causal()  # plans are cached per description object
+    attention(q, k, v, causal, key_padding=padding, out=out)  # plan built outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention(q, k, v, causal, key_padding=padding, out=out)
+    for pad in _paddings(seq).values():
+        padding.copy_(pad)
+        graph.replay()
+        dense = (padding != 0)[:, None, None, :] & masks.causal().to_dense(seq).cuda()
+        _check(out, masked_attention(q, k, v, dense), "replayed with new padding")
+
+
+def test_key_padding_of_the_wrong_size_is_named():
+    q, k, v = _inputs(128, 64, torch.float16)
+    with pytest.raises(AttentionInputError, match="key_padding is for 2 batch elements of 100 keys"):
+        attention(q, k, v, key_padding=torch.ones(BATCH, 100, device="cuda"))
+    with pytest.raises(AttentionInputError, match=r"key_padding must be \[batch, keys\]"):
+        attention(q, k, v, key_padding=torch.ones(128, device="cuda"))

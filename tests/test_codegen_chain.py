@@ -102,6 +102,35 @@ def test_chain_numerics_match_torch_on_the_host(tmp_path: Path, approximate: str
     torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance)
 
 
+class Powers(torch.nn.Module):
+    """Powers of negative values: small and large integer exponents, a root, a tensor exponent."""
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return x.pow(3.0) + 0.1 * x.pow(7) - 0.5 * x.pow(2) / (1.0 + x.pow(-2)) + (r * r + 0.25).pow(0.5) \
+            + (r * r + 0.5).pow(x)
+
+
+@pytest.mark.nvcc
+def test_powers_of_negative_values_hold_under_fast_math(tmp_path: Path):
+    """The kernels build with --use_fast_math, where powf(x, 3) is NaN for x < 0."""
+    torch.manual_seed(0)
+    x, r = torch.randn(SHAPE), torch.randn(SHAPE)
+    graph, group = _group(Powers(), x, r)
+    chain = Chain(graph, group.nodes, {}, SHAPE)
+    args = []
+    for op in chain.operands:
+        path = tmp_path / f"{op.name}.bin"
+        {"x": x, "r": r}[op.ref.name].numpy().astype(np.float32).tofile(path)
+        args.append(str(path))
+    source = tmp_path / "chain.cu"
+    source.write_text(_host_program(chain, x.numel(), SHAPE[-1]))
+    subprocess.run(["nvcc", "-O2", "--use_fast_math", "-o", str(tmp_path / "chain"), str(source)], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
+    got = torch.tensor([float(v) for v in out.split()]).view(SHAPE)
+    torch.testing.assert_close(got, Powers()(x, r), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_elementwise_template_renders_and_compiles(dtype: torch.dtype):

@@ -254,3 +254,29 @@ def test_partition_folds_the_layout_around_attention_into_its_group():
     ]
     assert plan.refused == ["%linear_merged_split not in linear_merged's epilogue: it has 3 outputs"]
     assert plan.alternatives == []
+
+
+class _WrittenOutGelu(torch.nn.Module):
+    """fc1 -> tanh-GELU as GPT-2 writes it (the GEMM's value read three times) -> fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+        return self.fc2(h)
+
+
+def test_an_epilogue_that_reads_the_gemm_value_several_times_joins_the_gemm():
+    """The region from fc1 to the GELU's last multiply leaves one value: it is fc1's epilogue
+    (not fc2's prologue), and fc2 stays a plain GEMM."""
+    graph = run_passes(trace(_WrittenOutGelu(), (torch.randn(4, 16),)))
+    plan = partition(graph)
+    gemms = [g for g in plan.default.groups if g.kind == "gemm"]
+    assert len(gemms) == 2 and len(plan.default.groups) == 2
+    fc1, fc2 = gemms
+    assert {graph.node(n).op for n in fc1.nodes} >= {"tanh", "pow", "mul", "add"}
+    assert fc2.nodes == (fc2.anchor,)
+    assert fc1.nodes[-1] in {r.name for r in graph.node(fc2.anchor).refs()}  # the region's one value, last

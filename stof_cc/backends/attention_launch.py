@@ -42,7 +42,7 @@ class LaunchPlan:
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, padding: KeyPadding | None = None) -> torch.Tensor:
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
@@ -51,10 +51,45 @@ class LaunchPlan:
                                       f"{self.shape} on {self.device} with unit stride in head_dim and row "
                                       f"strides a multiple of 8; got {out.dtype} {tuple(out.shape)} on "
                                       f"{out.device}, strides {out.stride()}, address {out.data_ptr():#x}")
+        if padding is None:
+            padding_args = (0, 0)
+        elif padding.ranges.shape[0] != self.shape[0] or padding.valid.shape[1] != self.size_args[1] \
+                or padding.ranges.device != self.device:
+            raise AttentionInputError(f"key_padding is for {padding.valid.shape[0]} batch elements of "
+                                      f"{padding.valid.shape[1]} keys on {padding.ranges.device}; these "
+                                      f"inputs have {self.shape[0]} of {self.size_args[1]} keys on {self.device}")
+        else:
+            padding_args = (padding.ranges.data_ptr(), padding.valid.data_ptr())
         self.kernel.launch(self.grid, self.threads, self.shared_bytes,
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
-                           *self.size_args, *out.stride()[:3], *self.end_args)
+                           *padding_args, *self.size_args, *out.stride()[:3], *self.end_args)
         return out
+
+
+@dataclass(frozen=True)
+class KeyPadding:
+    """Key padding as the kernels read it, on the device: ``ranges`` int32 [B, 3] holds per
+    batch element the first attended key, one past the last, and 1 when padding lies between
+    them (the kernel then tests ``valid`` [B, S_k] uint8 key by key). Built by torch ops with
+    no host read, so padded models replay CUDA graphs."""
+
+    ranges: torch.Tensor
+    valid: torch.Tensor
+
+
+def key_padding_on_device(padding: torch.Tensor) -> KeyPadding:
+    """``padding`` [B, S_k] (nonzero = attend, e.g. HF's ``attention_mask``) as a `KeyPadding`."""
+    if padding.dim() != 2:
+        raise AttentionInputError(f"key_padding must be [batch, keys] (nonzero = attend), got shape "
+                                  f"{tuple(padding.shape)}")
+    valid = padding != 0
+    seq_k = valid.shape[1]
+    index = torch.arange(seq_k, device=valid.device, dtype=torch.int32)
+    start = torch.where(valid, index, seq_k).amin(1)
+    end = torch.where(valid, index + 1, 0).amax(1)
+    holes = (end - start) > valid.sum(1, dtype=torch.int32)
+    ranges = torch.stack((start, end, holes.to(torch.int32)), 1).to(torch.int32).contiguous()
+    return KeyPadding(ranges, valid.to(torch.uint8).contiguous())
 
 
 def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,

@@ -54,6 +54,22 @@ def _gelu(node: Node, a: list[str]) -> str:
     return f"gelu_erf({a[0]})"  # group_common.j2's prelude
 
 
+def _pow(node: Node, a: list[str]) -> str:
+    """x ** y. --use_fast_math turns powf into exp2(y * log2(x)), NaN for every negative x (GPT-2's
+    tanh-GELU cubes negative values): small integer powers multiply, other integer powers take
+    |x| and the sign, and anything else runs pow in double precision, which fast math leaves
+    exact."""
+    exponent = node.args[1] if len(node.args) > 1 else None
+    if isinstance(exponent, (int, float)) and not isinstance(exponent, bool) and float(exponent).is_integer():
+        n = int(exponent)
+        if abs(n) <= 4:
+            product = " * ".join([a[0]] * abs(n)) or "1.f"
+            return f"({product})" if n >= 0 else f"(1.f / ({product}))"
+        magnitude = f"powf(fabsf({a[0]}), {_float(n)})"
+        return f"copysignf({magnitude}, {a[0]})" if n % 2 else magnitude
+    return f"(float)pow((double)({a[0]}), (double)({a[1]}))"
+
+
 def _add(node: Node, a: list[str]) -> str:
     alpha = node.kwargs.get("alpha", 1)
     return f"{a[0]} + {a[1]}" if alpha == 1 else f"{a[0]} + {_float(alpha)} * {a[1]}"
@@ -105,7 +121,7 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "sqrt": (1, lambda n, a: f"sqrtf({a[0]})"),
     "rsqrt": (1, lambda n, a: f"rsqrtf({a[0]})"),
     "neg": (1, lambda n, a: f"-{a[0]}"),
-    "pow": (2, lambda n, a: f"powf({a[0]}, {a[1]})"),
+    "pow": (2, _pow),
     "clamp": (1, _clamp),
     "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
     "cast": (1, _identity),     # fp32 inside; the store rounds to the output dtype

@@ -5,10 +5,12 @@ Reads the pattern kinds of ``ir/ops.py`` and the graph's edges, never op names (
 
 * Every ``gemm``, ``attention`` and ``reduction`` node anchors a group of its own; two
   anchors never share a group in the default scheme.
-* Epilogue: an anchor's group absorbs its single consumer while that consumer is
-  elementwise, broadcast or injective with one tensor out (a kernel writes one output: a
-  split ends the epilogue), the value it reads is not a graph output, and none of the
-  consumer's other inputs depends on the group (that would make a cycle).
+* Epilogue: an anchor's group absorbs the largest region of elementwise, broadcast or
+  injective nodes downstream of it from which one value leaves (a kernel writes one output:
+  a chain of single consumers, or a DAG that reads the anchor's value several times and
+  meets again, like tanh-GELU written out). Each member has one tensor out (a split ends
+  it), no member but the last is a graph output, and no member's other inputs depend on the
+  group (that would make a cycle).
 * Prologue: an elementwise/broadcast/injective node whose users all sit in one anchored
   group joins that group, if its own inputs do not depend on the group.
 * Left-over elementwise/broadcast/injective nodes form anchor-less ``elementwise``
@@ -34,6 +36,7 @@ from stof_cc.ir.ops import pattern_kind
 
 ANCHOR_KINDS = ("gemm", "attention", "reduction")
 FOLDABLE_KINDS = ("elementwise", "broadcast", "injective")
+MAX_EPILOGUE = 32  # nodes an epilogue region may grow through before it must have closed
 
 
 class FusionError(GraphError):
@@ -102,26 +105,10 @@ def partition(graph: Graph) -> FusionPlan:
     for node in computed:  # anchors and their epilogues, in graph order
         if kind[node.name] not in ANCHOR_KINDS:
             continue
-        owner[node.name], members[node.name], tail = node.name, [node.name], node
-        while True:
-            users = graph.users(tail.name)
-            if len(users) != 1 or kind.get(users[0].name) not in FOLDABLE_KINDS or users[0].name in owner:
-                break
-            user = users[0]
-            if not isinstance(user.spec, TensorSpec):
-                refused.append(f"%{user.name} not in {node.name}'s epilogue: it has {len(user.spec or ())} outputs")
-                break
-            if graph.is_output(tail.name):
-                refused.append(f"%{user.name} not in {node.name}'s epilogue: %{tail.name} is a graph output")
-                break
-            late = [p.name for p in graph.producers(user.name) if p.name != tail.name and p.name not in owner
-                    and p.op not in (INPUT, CONSTANT) and depends_on(node.name, p.name)]
-            if late:
-                refused.append(f"%{user.name} not in {node.name}'s epilogue: its input %{late[0]} depends on the group")
-                break
-            owner[user.name] = node.name
-            members[node.name].append(user.name)
-            tail = user
+        owner[node.name], members[node.name] = node.name, [node.name]
+        for name in _epilogue(graph, node.name, kind, owner, lambda n, a=node.name: depends_on(a, n), refused):
+            owner[name] = node.name
+            members[node.name].append(name)
 
     for node in reversed(computed):  # prologues: producers read only by one anchored group
         if node.name in owner or kind[node.name] not in FOLDABLE_KINDS:
@@ -164,6 +151,48 @@ def partition(graph: Graph) -> FusionPlan:
     plan = FusionPlan(default, refused=refused)
     plan.alternatives = _reduction_merges(graph, default, kind, order)
     return plan
+
+
+def _epilogue(graph: Graph, anchor: str, kind: dict[str, str], owner: dict[str, str],
+              depends_on_group, refused: list[str]) -> list[str]:
+    """The anchor's epilogue: the largest region of foldable nodes, grown from the anchor one
+    user at a time in graph order, from which exactly one value leaves (every other member is
+    read only inside the region). A chain is the simple case; a DAG that reads the anchor's
+    value several times and meets again (tanh-GELU written out: ``0.5 x (1 + tanh(c (x + a
+    x^3)))``) is the reason for the region."""
+    order = {n.name: i for i, n in enumerate(graph.nodes())}
+    region, inside, best, why = [anchor], {anchor}, [], {}
+
+    def addable(user: Node) -> bool:
+        if user.name in inside or user.name in owner or kind.get(user.name) not in FOLDABLE_KINDS:
+            return False
+        if not isinstance(user.spec, TensorSpec):
+            why[user.name] = f"it has {len(user.spec or ())} outputs"
+            return False
+        late = [p.name for p in graph.producers(user.name) if p.name not in inside and p.name not in owner
+                and p.op not in (INPUT, CONSTANT) and depends_on_group(p.name)]
+        if late:
+            why[user.name] = f"its input %{late[0]} depends on the group"
+            return False
+        return True
+
+    while len(region) <= MAX_EPILOGUE:
+        leaving = [m for m in region if graph.is_output(m) or any(u.name not in inside for u in graph.users(m))]
+        if len(leaving) == 1 and len(region) > 1:
+            best = region[1:]
+        outputs = [m for m in leaving if graph.is_output(m)]
+        if outputs:  # a graph output must be the region's one value: it cannot be read inside
+            why.update({u.name: f"%{outputs[0]} is a graph output" for u in graph.users(outputs[0])
+                        if u.name not in inside})
+            break
+        users = sorted({u.name: u for m in leaving for u in graph.users(m) if addable(u)}.values(),
+                       key=lambda u: order[u.name])
+        if not users:
+            break
+        region.append(users[0].name)
+        inside.add(users[0].name)
+    refused += [f"%{user} not in {anchor}'s epilogue: {reason}" for user, reason in why.items() if user not in best]
+    return best
 
 
 def _path_outside(dag: nx.DiGraph, source: list[str], target: list[str]) -> bool:

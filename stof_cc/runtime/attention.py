@@ -16,7 +16,12 @@ from typing import Any
 
 import torch
 
-from stof_cc.backends.attention_launch import LaunchPlan, launch_plan
+from stof_cc.backends.attention_launch import (
+    KeyPadding,
+    LaunchPlan,
+    key_padding_on_device,
+    launch_plan,
+)
 from stof_cc.masks import MaskDescription
 from stof_cc.templates.attention import AttentionInputError, problem_of
 from stof_cc.tune.attention import (
@@ -32,11 +37,16 @@ _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, LaunchPlan]] = we
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskDescription | torch.Tensor | None = None, scale: float | None = None,
-              *, params: dict[str, Any] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              *, key_padding: torch.Tensor | KeyPadding | None = None, params: dict[str, Any] | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
 
     ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
     boolean tensor [S_q, S_k] or [B|1, H|1, S_q, S_k] (True = attend), or None (no mask).
+    ``key_padding`` [B, S_k] (nonzero = attend, like HF's ``attention_mask``; any pattern, not
+    only right padding) hides keys per batch element on top of ``mask``; the kernels read it on
+    the device, so a call with it needs no host read and can be captured in a CUDA graph
+    (`key_padding_on_device` converts it once where several calls share it).
     A query row with no allowed key gives 0. ``params`` pins a template's parameters
     (``{"strategy": "blockwise", "block_m": 64, ...}``) instead of the model's choice.
     ``out``, if given, receives the result: shaped and typed like q, unit stride in head_dim,
@@ -59,11 +69,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     plan = per_mask.get(layout)
     if plan is None:
         plan = per_mask[layout] = _plan(q, k, v, description, scale, params)
+    if isinstance(key_padding, torch.Tensor):
+        key_padding = key_padding_on_device(key_padding)
     if not plan.copy_inputs and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return plan.launch(q, k, v, out)
+        return plan.launch(q, k, v, out, key_padding)
     # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
     q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-    return attention(q, k, v, description, scale, params=params, out=out)
+    return attention(q, k, v, description, scale, key_padding=key_padding, params=params, out=out)
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from stof_cc.backends.attention_launch import KeyPadding, key_padding_on_device
 from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
 from stof_cc.backends.pycuda_backend import device_arch
@@ -36,7 +37,7 @@ from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import masked_attention
-from stof_cc.masks import MaskDescription, from_dense, from_padding
+from stof_cc.masks import MaskDescription, from_dense
 from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import attention_arguments, mask_is_replaceable
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
@@ -95,7 +96,6 @@ class CompiledModule:
         self.use_gpu_kernels, self.build_dir = use_gpu_kernels, build_dir
         self.database, self.tune = database, tune
         self.variants: dict[tuple, Variant] = {}
-        self._padding_masks: dict[tuple, MaskDescription] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -107,8 +107,7 @@ class CompiledModule:
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
             outputs = None
-            if self.cuda_graphs and variant.gpu and not variant.capture_failed \
-                    and _capturable(variant, self.mask is not None):
+            if self.cuda_graphs and variant.gpu and not variant.capture_failed:
                 try:
                     outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
                 except RuntimeError as exc:  # e.g. a torch step that synchronises, which capture forbids
@@ -239,14 +238,12 @@ class CompiledModule:
     def _attention(self, node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
-        if given.get("key_padding") is not None and self.mask is None:
-            mask = self._padding_mask(env[given["key_padding"].name], q.shape[-2], mask)
         dtype = q.dtype
         if dtype not in (torch.float16, torch.bfloat16):  # the kernels are fp16/bf16: an fp32 model gets fp16
             q, k, v = (t.half() for t in (q, k, v))
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
-        return attention(q, k, v, mask, given.get("scale"), out=out).to(dtype)
+        return attention(q, k, v, mask, given.get("scale"), key_padding=_key_padding(given, env), out=out).to(dtype)
 
     def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:
         """An attention node run in torch under ``compile(mask=...)``: the mask replaces the
@@ -257,17 +254,10 @@ class CompiledModule:
         if key not in self._dense_masks:
             self._dense_masks[key] = self.mask.to_dense(q.shape[-2], k.shape[-2], q.shape[0],
                                                         q.shape[1]).to(q.device)
-        return masked_attention(q, k, v, self._dense_masks[key], given.get("scale"))
-
-    def _padding_mask(self, padding: torch.Tensor, seq_q: int, other: MaskDescription | None) -> MaskDescription:
-        """The key-padding description of this call's ``attention_mask`` (combined with the node's
-        own mask), one object per distinct value: attention caches its choices and BlockMasks
-        per description object."""
-        key = (seq_q, tuple(padding.shape), padding.ne(0).to(torch.uint8).cpu().numpy().tobytes(), id(other))
-        if key not in self._padding_masks:
-            keys = from_padding(padding, seq_q)
-            self._padding_masks[key] = keys & other if other is not None else keys
-        return self._padding_masks[key]
+        dense = self._dense_masks[key]
+        if given.get("key_padding") is not None:  # the model's padding holds under mask= as well
+            dense = dense & (env[given["key_padding"].name] != 0)[:, None, None, :]
+        return masked_attention(q, k, v, dense, given.get("scale"))
 
 
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
@@ -282,8 +272,9 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     the GPU, every group the database has no record for (`stof-cc tune` does the same from the
     shell; what a cold and a warm compile cost: docs/decisions.md#tuning-in-compile), and
     ``tune=False`` reads the database and otherwise takes stage 1's picks.
-    ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (not for models with
-    key padding, whose masks are read per call; a failed capture warns and runs uncaptured)."""
+    ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (key padding too:
+    the kernels read it on the device; a failed capture warns and runs uncaptured). ``mask``
+    replaces a node's own static mask (causal, window, a boolean tensor), never its key padding."""
     mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype)
     module = copy.deepcopy(model).to(dtype).eval()
     gpu = _gpu_kernels_available()
@@ -393,11 +384,16 @@ def _spill_bytes(template, problem, params: dict[str, Any], arch: str) -> int:
     return report.spill_stores if report is not None else 0
 
 
-def _capturable(variant: Variant, mask_override: bool) -> bool:
-    """A CUDA graph fixes every launch: key padding, read from the inputs per call, cannot be
-    (unless ``compile(mask=...)`` replaced it)."""
-    return mask_override or not any(variant.graph.node(s.group.anchor).kwargs.get("key_padding") is not None
-                                    for s in variant.steps if s.kind == "attention")
+def _key_padding(given: dict[str, Any], env: dict[str, Any]) -> KeyPadding | None:
+    """The attention node's key padding as the kernels read it, converted on the device once per
+    call (every layer of a model reads the same ``attention_mask``) and kept in ``env``."""
+    source = given.get("key_padding")
+    if source is None:
+        return None
+    slot = ("key padding on the device", source.name)
+    if slot not in env:
+        env[slot] = key_padding_on_device(env[source.name])
+    return env[slot]
 
 
 def _lifetimes(graph: Graph, steps: list[Step]) -> list[list[str]]:

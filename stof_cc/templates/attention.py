@@ -113,9 +113,9 @@ def config_label(params: dict[str, Any]) -> str:
 
 class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     source_file = "attention.cu.j2"
-    # Q K V O, any_ptr any_cols any_tile part_bits row_order, seq_q seq_k, 12 strides,
+    # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 12 strides,
     # 2 mask-row strides, scale * log2(e)
-    arg_format = "P" * 9 + "ii" + "q" * 12 + "iif"
+    arg_format = "P" * 11 + "ii" + "q" * 12 + "iif"
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16

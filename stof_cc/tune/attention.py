@@ -19,7 +19,7 @@ import torch
 
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph, Node
-from stof_cc.masks import MaskDescription, causal, from_dense, full, key_padding, sliding_window
+from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.templates.attention import (
@@ -172,8 +172,8 @@ _causal_window = functools.cache(lambda window: sliding_window(window, causal=Tr
 
 def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
     """The description an attention node runs with: ``compile``'s override, else its static
-    structure (causal, a causal window) or none; key padding is added per call. One object
-    per structure: choices and tuned winners are cached per description."""
+    structure (causal, a causal window) or none; key padding is data the kernel reads on the
+    device, not part of the description. One object per structure: choices and tuned winners are cached per description."""
     if override is not None:
         return override
     if not given.get("is_causal"):
@@ -184,8 +184,9 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
 def attention_kernel(graph: Graph, node: Node,
                      ignore_mask: bool = False) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
     """The attention template, problem, parameters and estimate the cost model picks for an SDPA
-    or recognised attention node (its own mask: causal, none, or key padding, which is known
-    only per call and is chosen for here as if no key were padded); NotFusable with the reason.
+    or recognised attention node (its own static mask: causal, a causal window or none; key
+    padding is read by the kernel per call and chosen for as if no key were padded); NotFusable
+    with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
@@ -197,8 +198,6 @@ def attention_kernel(graph: Graph, node: Node,
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
     mask = node_mask(given, None)
-    if given.get("key_padding") is not None:  # known per call: chosen here for unpadded keys
-        mask = key_padding([k.shape[2]] * b) & mask if mask is not None else key_padding([k.shape[2]] * b)
     choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
     return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params,
             choice.estimates[0].micros)

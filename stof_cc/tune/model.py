@@ -22,7 +22,7 @@ from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
 from stof_cc.ir.reference import relative_error
-from stof_cc.masks import MaskDescription, from_padding
+from stof_cc.masks import MaskDescription
 from stof_cc.passes.attention import attention_arguments, mask_is_replaceable
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_output, group_templates
@@ -138,8 +138,5 @@ def _tune_attention_group(graph, group, values, database, top_k, progress, overr
     q, k, v = (values[given[name].name] for name in ("query", "key", "value"))
     if q.dtype not in (torch.float16, torch.bfloat16):
         q, k, v = (t.half() for t in (q, k, v))  # stof-cc compiles models to fp16
-    mask = node_mask(given, override)  # the same object the compiled step runs with
-    if given.get("key_padding") is not None and override is None:  # tuned for the example's padding (per call at run time)
-        padding = from_padding(values[given["key_padding"].name], q.shape[-2])
-        mask = padding & mask if mask is not None else padding
+    mask = node_mask(given, override)  # the same object the compiled step runs with (key padding: data, not tuned)
     return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)
