@@ -17,6 +17,16 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("pycuda") is not None
 
 
+if _gpu_available():
+    # torch.export and torch.compile import torch._dynamo, and through it triton and its backends,
+    # on first use. On the lent GPU machine those imports, when they came after PyCUDA had run
+    # kernels in the same process, failed now and then with "source code string cannot contain
+    # null bytes" (triton/backends/amd/compiler.py, 2026-11-24); the files read clean in a fresh
+    # process. Importing them before any test runs a kernel sidesteps it.
+    import torch._dynamo  # noqa: F401
+    import triton.backends  # noqa: F401
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU with PyCUDA")
     skip_nvcc = pytest.mark.skip(reason="needs nvcc on PATH")

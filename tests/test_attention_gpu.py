@@ -179,3 +179,23 @@ def test_key_padding_of_the_wrong_size_is_named():
         attention(q, k, v, key_padding=torch.ones(BATCH, 100, device="cuda"))
     with pytest.raises(AttentionInputError, match=r"key_padding must be \[batch, keys\]"):
         attention(q, k, v, key_padding=torch.ones(128, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_grouped_query_attention_reads_kv_heads_directly(dtype, head_dim):
+    """K/V with fewer heads (3 query heads per K/V head, 12 / 4 as in the Llama benchmark), on
+    every template instance, with key padding and causal or no mask."""
+    seq, heads, kv_heads = 300, 12, 4
+    q = torch.randn(BATCH, heads, seq, head_dim, device="cuda", dtype=dtype)
+    problem = problem_of(q, *(torch.randn(BATCH, kv_heads, seq, head_dim, device="cuda", dtype=dtype)
+                              for _ in range(2)))
+    assert problem.kv_group == 3
+    padding = _paddings(seq)["right"].cuda()
+    for i, (template, params) in enumerate(candidates(problem)):
+        k, v = (torch.randn(BATCH, kv_heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(2))
+        static = masks.causal() if i % 2 else None
+        dense = (padding != 0)[:, None, None, :] & (static.to_dense(seq).cuda() if static else True)
+        out = torch.full_like(q, float("nan"))
+        attention(q, k, v, static, key_padding=padding, params=params, out=out)
+        _check(out, masked_attention(q, k, v, dense), f"GQA 12/4 {template.name} {params}")

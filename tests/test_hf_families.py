@@ -46,6 +46,10 @@ def test_decoders_trace_with_their_default_config_and_match_eager(family):
     for node in attention:
         assert node.args[3] is None and node.kwargs["is_causal"] and node.kwargs.get("window") == window
         assert node.kwargs["key_padding"].name == "attention_mask"
+        # grouped-query: K and V are read with their own 2 heads, repeat_kv's copies are gone
+        heads = [graph.node(node.args[i].name).spec.shape[1] for i in range(3)]
+        assert heads == ([4, 4, 4] if family == "gpt2" else [4, 2, 2])
+    assert not any(n.op == "expand" for n in graph.nodes())
     with torch.no_grad():
         want = model(**kwargs, use_cache=False).last_hidden_state
     got = stof_cc.interpret(graph, **kwargs).last_hidden_state

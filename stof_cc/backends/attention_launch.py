@@ -38,7 +38,7 @@ class LaunchPlan:
     copy_inputs: bool  # the strides do not suit the kernel: callers pass contiguous copies
     mask_args: tuple[int, ...]  # any_ptr, any_cols, any_tile, part_bits, row_order
     size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S)
-    end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e)
+    end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e), K/V head multiplier
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -112,9 +112,20 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         shape=tuple(q.shape), dtype=q.dtype, device=q.device, copy_inputs=copy_inputs,
         mask_args=tuple(t.data_ptr() for t in mask_tensors),
         size_args=(problem.seq_q, problem.seq_k, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]),
-        end_args=(rows_per_batch, rows_per_head, scale * LOG2E),
+        end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem)),
         mask_tensors=mask_tensors,
     )
+
+
+def kv_head_magic(problem: AttentionProblem) -> int:
+    """The kernels' multiplier for query head h -> K/V head h // group: ceil(2^32 / group), so
+    that umulhi(h, magic) == h // group for every h < 2^32 / group; 0 without grouping."""
+    group = problem.kv_group
+    if group == 1:
+        return 0
+    magic = -(-(1 << 32) // group)
+    assert all((h * magic) >> 32 == h // group for h in range(problem.heads))
+    return magic
 
 
 def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params: dict[str, Any]) -> Kernel:

@@ -67,7 +67,7 @@ def _check(result: int, call: str, lib=None) -> None:
         raise DriverError(f"{call} failed with CUDA error {result}: {(text.value or b'?').decode()}")
 
 
-_SCALARS = {"P": ctypes.c_uint64, "i": ctypes.c_int32, "q": ctypes.c_int64, "f": ctypes.c_float}
+_SCALARS = {"P": ctypes.c_uint64, "i": ctypes.c_int32, "I": ctypes.c_uint32, "q": ctypes.c_int64, "f": ctypes.c_float}
 
 
 class ParameterBlock:
@@ -78,7 +78,7 @@ class ParameterBlock:
 
     def __init__(self, arg_format: str) -> None:
         self.codes: list[tuple[str, int]] = []
-        for count, code in re.findall(r"(\d*)([Piqfs])", arg_format):
+        for count, code in re.findall(r"(\d*)([PiIqfs])", arg_format):
             self.codes += [(code, int(count))] if code == "s" else [(code, 0)] * int(count or 1)
         self.objects = [ctypes.create_string_buffer(size) if code == "s" else _SCALARS[code]()
                         for code, size in self.codes]

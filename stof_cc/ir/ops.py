@@ -193,10 +193,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     recognised `attention` node computes, with SDPA's conventions for ``mask``. ``window``
     (with ``is_causal``) keeps keys with 0 <= q - k <= window. With ``key_padding`` [B, S_k]
     (nonzero = a real token) keys are attended only where it is nonzero. Under either, a query
-    that can attend no key gives 0, as stof-cc's kernels do."""
+    that can attend no key gives 0, as stof-cc's kernels do. K and V may have fewer heads than
+    q (grouped-query attention: query head h reads key/value head h // (H / H_kv))."""
+    gqa = k.shape[-3] != q.shape[-3]
     if key_padding is None and window is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                                scale=scale)
+                                                                scale=scale, enable_gqa=gqa)
     distance = torch.arange(q.shape[-2], device=q.device)[:, None] - torch.arange(k.shape[-2], device=q.device)
     allowed = torch.ones_like(distance, dtype=torch.bool)
     if is_causal:
@@ -205,7 +207,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         allowed = allowed & (distance <= window)
     if key_padding is not None:
         allowed = allowed & (key_padding != 0)[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     return out.masked_fill(~allowed.any(-1, keepdim=True), 0)
 
 

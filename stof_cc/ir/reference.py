@@ -12,9 +12,12 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """softmax(q k^T * scale, masked) v in fp32, returned in q's dtype.
 
     ``mask`` is boolean (True = attend), broadcastable to [B, H, S_q, S_k]. A query row
-    with no allowed key returns 0 (FlexAttention's convention; SDPA would give NaN).
+    with no allowed key returns 0 (FlexAttention's convention; SDPA would give NaN). K and V
+    may have fewer heads than q (grouped-query: query head h reads K/V head h // (H / H_kv)).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[-3] != q.shape[-3]:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))

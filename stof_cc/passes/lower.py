@@ -2,7 +2,7 @@
 
     module + example inputs -> cast to dtype -> trace -> canonicalize -> canonical_gemms
     -> recognise_rms_norm -> merge_parallel_linears
-    -> recognise_attention -> describe_key_padding -> partition
+    -> recognise_attention -> describe_key_padding -> read_kv_heads_directly -> partition
 
 `stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
 all see the same graph for the same model (before, `stof-cc tune` skipped the cast that
@@ -28,6 +28,7 @@ from stof_cc.passes.attention import AttentionReport, mask_is_replaceable, recog
 from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize
 from stof_cc.passes.fusion import FusionPlan, partition
 from stof_cc.passes.gemm_forms import GemmFormsReport, canonical_gemms
+from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
@@ -45,15 +46,16 @@ class PassReports:
     padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
     rms_norm: RmsNormReport = field(default_factory=RmsNormReport)
     gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
+    gqa: GqaReport = field(default_factory=GqaReport)
 
     def __str__(self) -> str:
         return (f"{self.canonical}\n{self.gemms}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n"
-                f"{self.padding}")
+                f"{self.padding}\n{self.gqa}")
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
     """canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
-    recognise_attention, describe_key_padding, in that order (each pure: ``graph`` is not
+    recognise_attention, describe_key_padding, read_kv_heads_directly, in that order (each pure: ``graph`` is not
     modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
@@ -61,7 +63,8 @@ def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Ins
              ("recognise_rms_norm", lambda g: recognise_rms_norm(g, report=reports.rms_norm)),
              ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
              ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
-             ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)))
+             ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)),
+             ("read_kv_heads_directly", lambda g: read_kv_heads_directly(g, report=reports.gqa)))
     for name, step in steps:
         graph = step(graph)
         if instrument is not None:

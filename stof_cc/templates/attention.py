@@ -50,10 +50,16 @@ class AttentionProblem:
     seq_k: int
     head_dim: int
     dtype: torch.dtype
+    kv_heads: int | None = None  # grouped-query attention: fewer K/V heads (None: as many as q)
 
     @property
     def dtype_name(self) -> str:
         return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per key/value head (query head h reads K/V head h // kv_group)."""
+        return 1 if self.kv_heads is None else self.heads // self.kv_heads
 
 
 class AttentionInputError(ValueError):
@@ -74,10 +80,11 @@ def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionPr
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise AttentionInputError("q, k and v must share one dtype and one device")
     batch, heads, seq_q, head_dim = q.shape
-    if k.shape[:2] != (batch, heads) or v.shape != k.shape or k.shape[3] != head_dim:
-        raise AttentionInputError(f"k and v must be [{batch}, {heads}, S_k, {head_dim}] like q; "
-                                  f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    return validated_problem(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype))
+    if k.shape[0] != batch or k.shape[1] < 1 or heads % k.shape[1] or v.shape != k.shape or k.shape[3] != head_dim:
+        raise AttentionInputError(f"k and v must be [{batch}, H_kv, S_k, {head_dim}] like q, with H_kv dividing "
+                                  f"q's {heads} heads; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    kv_heads = None if k.shape[1] == heads else k.shape[1]
+    return validated_problem(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype, kv_heads))
 
 
 def validated_problem(problem: AttentionProblem) -> AttentionProblem:
@@ -92,6 +99,12 @@ def validated_problem(problem: AttentionProblem) -> AttentionProblem:
         except TypeError:
             raise AttentionInputError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
     problem = dataclasses.replace(problem, **sizes)
+    if problem.kv_heads is not None and (isinstance(problem.kv_heads, bool) or not isinstance(problem.kv_heads, int)
+                                         or problem.kv_heads < 1 or problem.heads % problem.kv_heads):
+        raise AttentionInputError(f"kv_heads must be a positive int dividing heads={problem.heads}, "
+                                  f"got {problem.kv_heads!r}")
+    if problem.kv_heads == problem.heads:
+        problem = dataclasses.replace(problem, kv_heads=None)
     if not isinstance(problem.dtype, torch.dtype) or problem.dtype not in SUPPORTED_DTYPES:
         raise AttentionInputError(f"dtype {problem.dtype!r} is not supported; supported: torch.float16, torch.bfloat16")
     if problem.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -114,8 +127,8 @@ def config_label(params: dict[str, Any]) -> str:
 class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     source_file = "attention.cu.j2"
     # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 12 strides,
-    # 2 mask-row strides, scale * log2(e)
-    arg_format = "P" * 11 + "ii" + "q" * 12 + "iif"
+    # 2 mask-row strides, scale * log2(e), the K/V head multiplier (attention_launch.kv_head_magic)
+    arg_format = "P" * 11 + "ii" + "q" * 12 + "iifI"
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16

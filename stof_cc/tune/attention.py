@@ -199,5 +199,6 @@ def attention_kernel(graph: Graph, node: Node,
     b, h, s_q, d = q.shape
     mask = node_mask(given, None)
     choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
-    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype), choice.params,
+    kv_heads = k.shape[1] if k.shape[1] != h else None  # grouped-query: the kernel reads K/V head h // group
+    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads), choice.params,
             choice.estimates[0].micros)

@@ -44,7 +44,8 @@ def attention_signature(problem: AttentionProblem, description: MaskDescription)
         digest.update(tensor.contiguous().numpy().tobytes())
     name = repr(description)
     name = name if len(name) <= 48 else name[:45] + "..."
-    return (f"attention {problem.dtype_name} B{problem.batch} H{problem.heads} Sq{problem.seq_q} "
+    heads = f"H{problem.heads}" + (f"/{problem.kv_heads}" if problem.kv_heads else "")
+    return (f"attention {problem.dtype_name} B{problem.batch} {heads} Sq{problem.seq_q} "
             f"Sk{problem.seq_k} D{problem.head_dim} {name} #{digest.hexdigest()[:16]}")
 
 
