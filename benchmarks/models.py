@@ -7,7 +7,9 @@ WORKLOADS.md's "Real models": hidden 768, 12 heads (decoders 12 query / 4 key-va
 ``--layers`` layers, batch and sequence as given; encoders get right padding (the last quarter
 of the second half of the batch), decoders an all-ones ``attention_mask``. ``--tiny`` builds
 the small test configs instead (a correctness run). Each model's fp16/bf16 output is checked
-against its fp32 eager output (relative error < 1e-2, on the real tokens) before timing; then
+against its fp32 eager output on the real tokens before timing (relative error below 1e-2, or
+below 1.25x eager's own error in that dtype where that is larger: at S = 16384 eager fp16 itself
+is 1.1e-2 from fp32 on these random-weight models); then
 `stof_cc.compile` (CUDA graphs where the model allows), eager, `torch.compile` (default) and
 `torch.compile(mode="reduce-overhead")` are timed in this process: medians of
 `triton.testing.do_bench` after warm-up. A peer that fails is reported with its error, never
@@ -108,6 +110,9 @@ def run_family(family: str, args, database: Path) -> dict:
         want = real_tokens(model(**kwargs).last_hidden_state, kwargs)
     half = model.to(dtype)
     row = {"family": family, "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "peers": {}}
+    with torch.no_grad():  # the dtype's own rounding: no implementation in it can be closer than eager's
+        row["eager_err"] = relative_error(real_tokens(half(**kwargs).last_hidden_state, kwargs), want)
+    tolerance = row["tolerance"] = max(TOLERANCE, 1.25 * row["eager_err"])
     makers = {"eager": lambda: half}
     for mode in ("default", "reduce-overhead"):
         makers[f"compile_{mode}"] = lambda mode=mode: torch.compile(half, mode=mode)
@@ -118,7 +123,7 @@ def run_family(family: str, args, database: Path) -> dict:
                 peer = make_peer()
                 fn = lambda peer=peer: peer(**kwargs).last_hidden_state  # noqa: E731
                 err = relative_error(real_tokens(fn(), kwargs), want)  # compiles the torch.compile peers
-                row["peers"][label] = {"err": err, "ok": err < TOLERANCE}
+                row["peers"][label] = {"err": err, "ok": err < tolerance}
                 ready[label] = fn
             except Exception as exc:  # a peer that fails is named, not dropped
                 row["peers"][label] = {"ms": math.inf, "err": math.inf, "ok": False, "error": str(exc)[:300],
@@ -143,7 +148,7 @@ def run_family(family: str, args, database: Path) -> dict:
                   + (f" ({peer['error'][:200]})" if "error" in peer else ""), flush=True)
     correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
     row["best_peer_ms"] = min(correct) if correct else math.inf
-    row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < TOLERANCE else 0.0
+    row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < tolerance else 0.0
     return row
 
 
