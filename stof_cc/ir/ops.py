@@ -214,6 +214,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 register_op(OpDef("attention", "attention", reference=attention_reference,
                   doc="one attention node made by passes/attention.py from SDPA or the hand-written chain"))
 
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary position embedding as HF applies it: ``x * cos + rotate_half(x) * sin`` with
+    ``rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2])``; cos and sin broadcast to x."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+register_op(OpDef("rotary", "injective", reference=rotary_reference,
+                  doc="the rotary embedding, one node made by passes/rotary.py from HF's mul/slice/neg/cat/add"))
+
 _ops("reduction", "row reductions: softmax and normalisations", {
     "softmax": ("aten.softmax", "aten._softmax"),
     "log_softmax": ("aten.log_softmax", "aten._log_softmax"),

@@ -1,5 +1,5 @@
 """Graph -> Graph passes, run in this order: canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
-recognise_attention, describe_key_padding, read_kv_heads_directly; then `partition` groups the result. `lower` runs
+recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary; then `partition` groups the result. `lower` runs
 the whole road from a module (`lower.py`)."""
 
 from stof_cc.passes.attention import AttentionReport, recognise_attention
@@ -11,7 +11,8 @@ from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.lower import PassReports, cast_floating, dump_to, lower, run_passes
 from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
+from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 
 __all__ = ["AttentionReport", "CanonicalizeReport", "FusionPlan", "GemmFormsReport", "GqaReport", "HorizontalReport", "KeyPaddingReport",
-           "PassReports", "RmsNormReport", "canonical_gemms", "canonicalize", "cast_floating", "describe_key_padding", "dump_to", "lower",
-           "merge_parallel_linears", "partition", "read_kv_heads_directly", "recognise_attention", "recognise_rms_norm", "run_passes"]
+           "PassReports", "RmsNormReport", "RotaryReport", "canonical_gemms", "canonicalize", "cast_floating", "describe_key_padding", "dump_to", "lower",
+           "merge_parallel_linears", "partition", "read_kv_heads_directly", "recognise_attention", "recognise_rms_norm", "recognise_rotary", "run_passes"]

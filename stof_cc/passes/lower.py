@@ -2,7 +2,8 @@
 
     module + example inputs -> cast to dtype -> trace -> canonicalize -> canonical_gemms
     -> recognise_rms_norm -> merge_parallel_linears
-    -> recognise_attention -> describe_key_padding -> read_kv_heads_directly -> partition
+    -> recognise_attention -> describe_key_padding -> read_kv_heads_directly -> recognise_rotary
+    -> partition
 
 `stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
 all see the same graph for the same model (before, `stof-cc tune` skipped the cast that
@@ -32,6 +33,7 @@ from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
+from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 
 Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
 
@@ -47,15 +49,16 @@ class PassReports:
     rms_norm: RmsNormReport = field(default_factory=RmsNormReport)
     gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
     gqa: GqaReport = field(default_factory=GqaReport)
+    rotary: RotaryReport = field(default_factory=RotaryReport)
 
     def __str__(self) -> str:
         return (f"{self.canonical}\n{self.gemms}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n"
-                f"{self.padding}\n{self.gqa}")
+                f"{self.padding}\n{self.gqa}\n{self.rotary}")
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
     """canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
-    recognise_attention, describe_key_padding, read_kv_heads_directly, in that order (each pure: ``graph`` is not
+    recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary, in that order (each pure: ``graph`` is not
     modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
@@ -64,7 +67,8 @@ def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Ins
              ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
              ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
              ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)),
-             ("read_kv_heads_directly", lambda g: read_kv_heads_directly(g, report=reports.gqa)))
+             ("read_kv_heads_directly", lambda g: read_kv_heads_directly(g, report=reports.gqa)),
+             ("recognise_rotary", lambda g: recognise_rotary(g, report=reports.rotary)))
     for name, step in steps:
         graph = step(graph)
         if instrument is not None:

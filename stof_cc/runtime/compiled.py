@@ -3,8 +3,10 @@
 Each fusion group becomes one step, in graph order:
 
 * ``kernel``: a generated group kernel (`GroupLaunch`) writes the group's one output;
-* ``attention``: the group's views run in torch, its anchor in `stof_cc.attention` (the
-  node's own mask, causal or none, or the ``mask`` given to `compile`);
+* ``attention``: the group's views run in torch, its ``rotary`` nodes in the rotary kernel
+  (`backends/rotary_launch.py`), its anchor in `stof_cc.attention` (the node's own mask,
+  causal, a window or none, plus key padding read on the device, or the ``mask`` given to
+  `compile`);
 * ``torch``: the group's nodes run through their torch references, as the interpreter does:
   groups no template covers, and every group when no GPU (or no PyCUDA) is available.
 
@@ -33,6 +35,7 @@ from stof_cc.backends.attention_launch import KeyPadding, key_padding_on_device
 from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
 from stof_cc.backends.pycuda_backend import device_arch
+from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
@@ -63,6 +66,7 @@ class Step:
     tuned: bool = False  # kernel steps: params are a measured winner (else stage 1's default point)
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps; torch steps of attention groups: compile's mask=
+    rotary: tuple[str, ...] = ()  # attention steps: the group's rotary nodes, run by the rotary kernel
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
 
 
@@ -207,8 +211,10 @@ class CompiledModule:
             attention_kernel(graph, anchor, ignore_mask=override is not None)
         except NotFusable as why:
             return Step(group, "torch", str(why), mask=override)
-        return Step(group, "attention", "stof_cc.attention for the anchor, views in torch",
-                    mask=node_mask(given, override))
+        rotary, why_not = _generated_rotary(graph, group)
+        note = "stof_cc.attention for the anchor" + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
+            + "".join(f", %{name} in torch ({why})" for name, why in why_not.items()) + ", views in torch"
+        return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary)
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
         """The tuning database's winner for this group when it has one (and it is still a legal
@@ -227,6 +233,9 @@ class CompiledModule:
         for name in step.group.nodes:
             if step.kind == "attention" and name == step.group.anchor:
                 env[name] = self._attention(graph.node(name), env, step.mask)
+                continue
+            if name in step.rotary:
+                env[name] = rotary(*(env[r.name] for r in graph.node(name).args))
                 continue
             if step.kind == "torch" and step.mask is not None and name == step.group.anchor:  # mask= in torch
                 env[name] = self._reference_attention(graph.node(name), env)
@@ -382,6 +391,21 @@ def _spill_bytes(template, problem, params: dict[str, Any], arch: str) -> int:
     compiled = compile_cubin(template.render(problem, params), arch=arch + template.arch_features)
     report = compiled.resources.get(template.kernel_name(problem, params))
     return report.spill_stores if report is not None else 0
+
+
+def _generated_rotary(graph: Graph, group: FusionGroup) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The group's rotary nodes the rotary kernel runs, and why the others stay in torch."""
+    generated, refused = [], {}
+    for name in group.nodes:
+        node = graph.node(name)
+        if node.op != "rotary":
+            continue
+        why = rotary_unsupported(graph.node(node.args[0].name).spec, graph.node(node.args[1].name).spec)
+        if why is None:
+            generated.append(name)
+        else:
+            refused[name] = why
+    return tuple(generated), refused
 
 
 def _key_padding(given: dict[str, Any], env: dict[str, Any]) -> KeyPadding | None:
