@@ -16,12 +16,13 @@ transformers = pytest.importorskip("transformers")
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128,
          "vocab_size": 100}
 DECODERS = {
-    "gpt2": lambda: transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
-                                                                   n_positions=64, bos_token_id=0, eos_token_id=0)),
-    "llama": lambda: transformers.LlamaModel(transformers.LlamaConfig(num_key_value_heads=2, **SMALL)),
-    "mistral": lambda: transformers.MistralModel(transformers.MistralConfig(num_key_value_heads=2, sliding_window=16,
-                                                                            **SMALL)),
-    "qwen2": lambda: transformers.Qwen2Model(transformers.Qwen2Config(num_key_value_heads=2, **SMALL)),
+    "gpt2": lambda size=SMALL: transformers.GPT2Model(transformers.GPT2Config(
+        n_layer=2, n_embd=size["hidden_size"], n_head=4, vocab_size=100, n_positions=64, bos_token_id=0,
+        eos_token_id=0)),
+    "llama": lambda size=SMALL: transformers.LlamaModel(transformers.LlamaConfig(num_key_value_heads=2, **size)),
+    "mistral": lambda size=SMALL: transformers.MistralModel(transformers.MistralConfig(
+        num_key_value_heads=2, sliding_window=16, **size)),
+    "qwen2": lambda size=SMALL: transformers.Qwen2Model(transformers.Qwen2Config(num_key_value_heads=2, **size)),
 }
 
 
@@ -112,11 +113,12 @@ def test_mask_override_never_drops_an_additive_bias():
 
 
 ENCODERS = {
-    "bert": lambda: transformers.BertModel(transformers.BertConfig(**SMALL)),
-    "roberta": lambda: transformers.RobertaModel(transformers.RobertaConfig(**SMALL)),
-    "distilbert": lambda: transformers.DistilBertModel(transformers.DistilBertConfig(n_layers=2, dim=64, n_heads=4,
-                                                                                     hidden_dim=128, vocab_size=100)),
+    "bert": lambda size=SMALL: transformers.BertModel(transformers.BertConfig(**size)),
+    "roberta": lambda size=SMALL: transformers.RobertaModel(transformers.RobertaConfig(**size)),
+    "distilbert": lambda size=SMALL: transformers.DistilBertModel(transformers.DistilBertConfig(
+        n_layers=2, dim=size["hidden_size"], n_heads=4, hidden_dim=128, vocab_size=100)),
 }
+GPU_SIZE = {**SMALL, "hidden_size": 128}  # head dim 32: the smallest the attention kernels run
 
 
 @pytest.mark.parametrize("family", sorted(ENCODERS))
@@ -147,3 +149,28 @@ def test_vit_has_no_mask():
     graph, _ = lower(model, (pixels,))
     attention = [n for n in graph.nodes() if n.op == "attention"]
     assert len(attention) == 2 and all(n.args[3] is None and not n.kwargs.get("key_padding") for n in attention)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(DECODERS) + sorted(ENCODERS))
+def test_families_compile_on_the_gpu_and_match_eager(family):
+    """Each family compiled for the GPU (fp16, CUDA graphs, key padding on the device) against
+    its fp32 eager output on the real tokens; every attention runs stof-cc's kernel, and the
+    decoders' rotary embeddings the rotary kernel."""
+    torch.manual_seed(0)
+    model = {**DECODERS, **ENCODERS}[family](GPU_SIZE).eval().cuda()
+    padding = torch.ones(2, 64, dtype=torch.long, device="cuda")
+    padding[1, 40:] = 0
+    kwargs = {"input_ids": torch.randint(0, 100, (2, 64), device="cuda"), "attention_mask": padding}
+    with torch.no_grad():
+        want = model(**kwargs).last_hidden_state[padding.bool()]
+    compiled = stof_cc.compile(model, (), kwargs, tune=False)
+    for _ in range(2):  # the second call replays the captured graph
+        got = compiled(**kwargs).last_hidden_state[padding.bool()]
+        assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < 1e-2
+    (variant,) = compiled.variants.values()
+    assert variant.graph_capture is not None
+    steps = [s for s in variant.steps if s.group.kind == "attention"]
+    assert len(steps) == 2 and all(s.kind == "attention" for s in steps)
+    if family in ("llama", "mistral", "qwen2"):
+        assert all(len(s.rotary) == 2 for s in steps)  # query and key

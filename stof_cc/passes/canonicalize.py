@@ -24,6 +24,7 @@ Pure: the input graph is never modified; pass a `CanonicalizeReport` to learn wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -256,3 +257,21 @@ def remove_dead_nodes(graph: Graph, removed: list[str] | None = None) -> Graph:
             removed.append(node.name)
     out.outputs = list(graph.outputs)
     return out
+
+
+def replace_matches(graph: Graph, match: Callable[[Graph, Node], Any],
+                    build: Callable[[Node, Any], Node], rewritten: list[str]) -> Graph:
+    """A copy of ``graph`` in which each node that ``match(graph, node)`` answers (not None)
+    becomes ``build(node, answer)`` (keeping its name, so readers do not change), and the
+    nodes only the old ones read go away. The names replaced are appended to ``rewritten``.
+    The recognition passes (RMSNorm, the rotary embedding) build on this."""
+    found = {}
+    for node in graph.nodes():
+        answer = match(graph, node)
+        if answer is not None:
+            found[node.name] = answer
+            rewritten.append(node.name)
+    if not found:
+        return graph.copy()
+    return remove_dead_nodes(graph.rebuild(lambda node, _: build(node, found[node.name]) if node.name in found
+                                           else node))

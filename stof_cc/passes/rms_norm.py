@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import remove_dead_nodes
+from stof_cc.passes.canonicalize import replace_matches
 
 
 @dataclass
@@ -30,23 +30,13 @@ class RmsNormReport:
 def recognise_rms_norm(graph: Graph, report: RmsNormReport | None = None) -> Graph:
     """A copy of ``graph`` with every recognised RMSNorm as one ``rms_norm`` node."""
     report = report if report is not None else RmsNormReport()
-    found = {}
-    for node in graph.nodes():
-        match = _match(graph, node)
-        if match is not None:
-            found[node.name] = match
-            report.rewritten.append(node.name)
-    if not found:
-        return graph.copy()
 
-    def rewrite(node: Node, _: Graph) -> Node:
-        if node.name not in found:
-            return node
-        x, eps = found[node.name]
+    def build(node: Node, found: tuple[Ref, float]) -> Node:
+        x, eps = found
         hidden = graph.node(x.name).spec.shape[-1]
         return Node(node.name, "rms_norm", "aten.rms_norm.default", (x, [hidden], None, eps), {}, node.spec)
 
-    return remove_dead_nodes(graph.rebuild(rewrite))
+    return replace_matches(graph, _match, build, report.rewritten)
 
 
 def _match(graph: Graph, mul: Node) -> tuple[Ref, float] | None:

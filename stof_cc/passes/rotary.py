@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import remove_dead_nodes
+from stof_cc.passes.canonicalize import replace_matches
 
 LAST_DIMS = (3, -1)
 
@@ -31,21 +31,8 @@ class RotaryReport:
 def recognise_rotary(graph: Graph, report: RotaryReport | None = None) -> Graph:
     """A copy of ``graph`` with every recognised rotary embedding as one ``rotary`` node."""
     report = report if report is not None else RotaryReport()
-    found = {}
-    for node in graph.nodes():
-        match = _match(graph, node)
-        if match is not None:
-            found[node.name] = match
-            report.rewritten.append(node.name)
-    if not found:
-        return graph.copy()
-
-    def rewrite(node: Node, _: Graph) -> Node:
-        if node.name not in found:
-            return node
-        return Node(node.name, "rotary", None, found[node.name], {}, node.spec)
-
-    return remove_dead_nodes(graph.rebuild(rewrite))
+    return replace_matches(graph, _match, lambda node, found: Node(node.name, "rotary", None, found, {}, node.spec),
+                           report.rewritten)
 
 
 def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref] | None:
