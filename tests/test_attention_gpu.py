@@ -199,3 +199,36 @@ def test_grouped_query_attention_reads_kv_heads_directly(dtype, head_dim):
         out = torch.full_like(q, float("nan"))
         attention(q, k, v, static, key_padding=padding, params=params, out=out)
         _check(out, masked_attention(q, k, v, dense), f"GQA 12/4 {template.name} {params}")
+
+
+def _biased_reference(q, k, v, bias, keep=None):
+    """softmax(q k^T / sqrt(d) + bias [masked]) v in fp32 (SDPA's float attn_mask)."""
+    scores = q.float() @ k.float().transpose(-1, -2) / q.shape[-1] ** 0.5 + bias.float()
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(scores, -1).nan_to_num(0.0) @ v.float()).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_an_additive_bias_is_added_by_every_template(dtype, head_dim):
+    """A bias per head ([1, H, S, S], T5's relative positions) or per batch element ([B, 1, S, S]),
+    in fp32 or the inputs' dtype, alone or with causal masking and key padding."""
+    seq = 300
+    q, k, v = _inputs(seq, head_dim, dtype)
+    points = candidates(problem_of(q, k, v))
+    padding = _paddings(seq)["right"].cuda()
+    causal = masks.causal()
+    for i, (template, params) in enumerate(points):
+        q, k, v = _inputs(seq, head_dim, dtype)
+        shape = (1, HEADS, seq, seq) if i % 2 else (BATCH, 1, seq, seq)
+        bias = torch.randn(shape, device="cuda", dtype=torch.float32 if i % 3 else dtype)
+        out = torch.full_like(q, float("nan"))
+        if i % 4 == 3:  # with causal masking and key padding too
+            attention(q, k, v, causal, bias=bias, key_padding=padding, params=params, out=out)
+            keep = causal.to_dense(seq).cuda() & (padding != 0)[:, None, None, :]
+            want = _biased_reference(q, k, v, bias, keep)
+        else:
+            attention(q, k, v, bias=bias, params=params, out=out)
+            want = _biased_reference(q, k, v, bias)
+        _check(out, want, f"bias {tuple(shape)} {template.name} {params}")

@@ -85,7 +85,7 @@ def test_compile_writes_and_compiles_group_kernels(example_path, tmp_path, capsy
     assert "gemm_epilogue" in out and "row_reduce" in out and "2 alternative(s)" in out
     # stage 1 weighs the one-kernel GEMM + LayerNorm against the two kernels; at this size apart wins
     assert re.search(r"linear_3 \+ layer_norm \(row 128\): kept apart \([\d.]+ us estimated against [\d.]+\)", out)
-    assert "a mask tensor that is not key padding" in out  # the attention group says why torch runs it
+    assert "a boolean mask tensor that is not key padding" in out  # the attention group says why torch runs it
     assert "6 of 7 groups generated, all compiled with nvcc for sm_90" in out  # Q, K, V: one GEMM
     build = tmp_path / "encoder_layer"
     sources = sorted(build.glob("*.cu"))

@@ -83,8 +83,9 @@ class FakeLaunch:
         return env[self.problem.output]
 
 
-def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, out=None):
+def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=None, out=None):
     _fake_attention.paddings.append(key_padding)
+    assert bias is None  # the models here have none (tests/test_attention_gpu.py adds biases on the GPU)
     dense = None if mask is None else mask.to_dense(q.shape[-2], k.shape[-2], batch=q.shape[0], heads=q.shape[1])
     if key_padding is not None:  # the kernels' reading of KeyPadding: keys in [start, end) that are valid
         keys = torch.arange(k.shape[-2])

@@ -40,9 +40,14 @@ class LaunchPlan:
     size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S)
     end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e), K/V head multiplier
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
+    bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
+    reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               out: torch.Tensor | None = None, padding: KeyPadding | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, padding: KeyPadding | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Launch on q, k, v (laid out as planned) into ``out`` (or a new tensor), with key
+        padding and an additive ``bias`` (`bias_view`'s result) when given."""
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
@@ -60,10 +65,30 @@ class LaunchPlan:
                                       f"inputs have {self.shape[0]} of {self.size_args[1]} keys on {self.device}")
         else:
             padding_args = (padding.ranges.data_ptr(), padding.valid.data_ptr())
+        if (bias is not None) != self.reads_bias:
+            raise AttentionInputError("this plan was built " + ("with" if self.reads_bias else "without")
+                                      + " a bias; pass the same kind of call")
+        bias_args = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
         self.kernel.launch(self.grid, self.threads, self.shared_bytes,
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
-                           *padding_args, *self.size_args, *out.stride()[:3], *self.end_args)
+                           *padding_args, *self.size_args, *out.stride()[:3], *self.end_args, *bias_args,
+                           self.bias_to_raw)
         return out
+
+
+def bias_view(bias: torch.Tensor, q: torch.Tensor, seq_k: int) -> torch.Tensor:
+    """An additive bias broadcastable to [B, H, S_q, S_k] as the kernels read it: 4-D in q's
+    dtype, expanded (size-1 dims get stride 0) and unit stride over keys."""
+    b, h, s_q = q.shape[:3]
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.device != q.device:
+        raise AttentionInputError(f"bias must be a floating tensor on {q.device}, got "
+                                  f"{type(bias).__name__ if not isinstance(bias, torch.Tensor) else bias.dtype}")
+    try:
+        bias = bias.to(q.dtype).expand(b, h, s_q, seq_k)
+    except RuntimeError:
+        raise AttentionInputError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
+                                  f"[{b}, {h}, {s_q}, {seq_k}]") from None
+    return bias if bias.stride(3) == 1 else bias.contiguous()
 
 
 @dataclass(frozen=True)
@@ -113,7 +138,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         mask_args=tuple(t.data_ptr() for t in mask_tensors),
         size_args=(problem.seq_q, problem.seq_k, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]),
         end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem)),
-        mask_tensors=mask_tensors,
+        mask_tensors=mask_tensors, bias_to_raw=1.0 / scale, reads_bias=problem.bias,
     )
 
 
@@ -130,7 +155,7 @@ def kv_head_magic(problem: AttentionProblem) -> int:
 
 def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params: dict[str, Any]) -> Kernel:
     """Render, compile (nvcc, cached on disk) and load the kernel; cached per process."""
-    key = (template.name, problem.dtype, problem.head_dim, tuple(sorted(params.items())))
+    key = (template.name, problem.dtype, problem.head_dim, problem.bias, tuple(sorted(params.items())))
     if key not in _kernels:
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
                                     template.arg_format, arch_features=template.arch_features,

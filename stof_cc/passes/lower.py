@@ -126,7 +126,7 @@ def _warn_if_mask_applies_nowhere(graph: Graph) -> None:
     if biased:
         warnings.warn(f"stof_cc.compile: mask= does not replace the additive bias of "
                       f"{', '.join('%' + n for n in biased)} (a float attention mask, e.g. a position bias): "
-                      "those nodes keep it and run in torch", stacklevel=4)
+                      "those nodes keep it (the attention kernels add it)", stacklevel=4)
     if left:
         warnings.warn(f"stof_cc.compile: mask= does not apply to {', '.join('%' + n for n in left)}: "
                       "attention the passes did not recognise runs with the model's own mask "

@@ -11,6 +11,7 @@ support raises `AttentionInputError` naming the argument.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from stof_cc.backends.attention_launch import (
     KeyPadding,
     LaunchPlan,
+    bias_view,
     key_padding_on_device,
     launch_plan,
 )
@@ -37,8 +39,8 @@ _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, LaunchPlan]] = we
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskDescription | torch.Tensor | None = None, scale: float | None = None,
-              *, key_padding: torch.Tensor | KeyPadding | None = None, params: dict[str, Any] | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              *, key_padding: torch.Tensor | KeyPadding | None = None, bias: torch.Tensor | None = None,
+              params: dict[str, Any] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
 
     ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
@@ -47,6 +49,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     only right padding) hides keys per batch element on top of ``mask``; the kernels read it on
     the device, so a call with it needs no host read and can be captured in a CUDA graph
     (`key_padding_on_device` converts it once where several calls share it).
+    ``bias``, broadcastable to [B, H, S_q, S_k] (T5's relative position bias, ALiBi), is added
+    to the scaled scores, as SDPA adds a float ``attn_mask``.
     A query row with no allowed key gives 0. ``params`` pins a template's parameters
     (``{"strategy": "blockwise", "block_m": 64, ...}``) instead of the model's choice.
     ``out``, if given, receives the result: shaped and typed like q, unit stride in head_dim,
@@ -64,24 +68,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise AttentionInputError("stof_cc.attention is inference-only (no backward): call it under "
                                   "torch.no_grad() or pass tensors that do not require grad")
     layout = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-              q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())))
+              q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())),
+              bias is not None)
     per_mask = _plans.setdefault(description, {})
     plan = per_mask.get(layout)
     if plan is None:
-        plan = per_mask[layout] = _plan(q, k, v, description, scale, params)
+        plan = per_mask[layout] = _plan(q, k, v, description, scale, params, bias is not None)
     if isinstance(key_padding, torch.Tensor):
         key_padding = key_padding_on_device(key_padding)
+    if bias is not None:
+        bias = bias_view(bias, q, k.shape[2])
     if not plan.copy_inputs and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return plan.launch(q, k, v, out, key_padding)
+        return plan.launch(q, k, v, out, key_padding, bias)
     # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
     q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-    return attention(q, k, v, description, scale, key_padding=key_padding, params=params, out=out)
+    return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out)
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription,
-          scale: float | None, params: dict[str, Any] | None) -> LaunchPlan:
+          scale: float | None, params: dict[str, Any] | None, bias: bool) -> LaunchPlan:
     """Validate the inputs, choose the kernel, fetch the mask and build the launch plan."""
-    problem = problem_of(q, k, v)
+    problem = dataclasses.replace(problem_of(q, k, v), bias=bias)
     choice = choose(problem, description) if params is None else pinned_choice(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
     return launch_plan(q, k, v, problem, choice.template, choice.params, block_mask, scale)

@@ -48,7 +48,7 @@ from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
-from stof_cc.tune.attention import attention_kernel, node_mask
+from stof_cc.tune.attention import attention_kernel, is_bias, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
@@ -203,16 +203,18 @@ class CompiledModule:
         override = self.mask if mask_is_replaceable(graph, anchor) else None
         if not gpu:
             return Step(group, "torch", NO_GPU, mask=override)
-        if given.get("attn_mask") is not None and override is None:
-            why = ("keeps its additive bias (a float mask), which mask= does not replace" if self.mask is not None
-                   else "a mask tensor that is not key padding (pass mask= to compile)")
-            return Step(group, "torch", f"attention with {why}")
+        bias = is_bias(graph, given.get("attn_mask"))
+        if given.get("attn_mask") is not None and override is None and not bias:
+            return Step(group, "torch", "attention with a boolean mask tensor that is not key padding "
+                                        "(pass mask= to compile)")
         try:
             attention_kernel(graph, anchor, ignore_mask=override is not None)
         except NotFusable as why:
             return Step(group, "torch", str(why), mask=override)
         rotary, why_not = _generated_rotary(graph, group)
-        note = "stof_cc.attention for the anchor" + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
+        note = "stof_cc.attention for the anchor" + (", adding its float mask as a bias" if bias else "") \
+            + (" (mask= does not replace a bias)" if bias and self.mask is not None else "") \
+            + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
             + "".join(f", %{name} in torch ({why})" for name, why in why_not.items()) + ", views in torch"
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary)
 
@@ -252,7 +254,10 @@ class CompiledModule:
             q, k, v = (t.half() for t in (q, k, v))
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
-        return attention(q, k, v, mask, given.get("scale"), key_padding=_key_padding(given, env), out=out).to(dtype)
+        bias = env[given["attn_mask"].name] if given.get("attn_mask") is not None else None
+        bias = bias if bias is not None and bias.is_floating_point() else None  # a boolean one: mask= replaced it
+        return attention(q, k, v, mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
+                         out=out).to(dtype)
 
     def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:
         """An attention node run in torch under ``compile(mask=...)``: the mask replaces the

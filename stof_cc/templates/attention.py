@@ -51,6 +51,7 @@ class AttentionProblem:
     head_dim: int
     dtype: torch.dtype
     kv_heads: int | None = None  # grouped-query attention: fewer K/V heads (None: as many as q)
+    bias: bool = False  # an additive bias is read and added to the scores (its own kernel variant)
 
     @property
     def dtype_name(self) -> str:
@@ -127,8 +128,9 @@ def config_label(params: dict[str, Any]) -> str:
 class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     source_file = "attention.cu.j2"
     # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 12 strides,
-    # 2 mask-row strides, scale * log2(e), the K/V head multiplier (attention_launch.kv_head_magic)
-    arg_format = "P" * 11 + "ii" + "q" * 12 + "iifI"
+    # 2 mask-row strides, scale * log2(e), the K/V head multiplier (attention_launch.kv_head_magic),
+    # bias, its strides over (B, H, S_q), 1 / scale
+    arg_format = "P" * 11 + "ii" + "q" * 12 + "iifI" + "P" + "qqq" + "f"
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
@@ -164,10 +166,11 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return (f"stof_attn_{self.strategy}_{problem.dtype_name}_d{problem.head_dim}"
-                f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}")
+                f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}"
+                + ("_bias" if problem.bias else ""))
 
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
-        return {"mma": self.mma, "dtype": problem.dtype_name, "head_dim": problem.head_dim}
+        return {"mma": self.mma, "dtype": problem.dtype_name, "head_dim": problem.head_dim, "bias": problem.bias}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         """One CTA per (head, batch, block row), heads fastest so the scheduler starts all long

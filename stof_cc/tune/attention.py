@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from stof_cc.codegen import NotFusable
-from stof_cc.ir.graph import Graph, Node
+from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.passes.attention import attention_arguments
@@ -181,6 +181,12 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
     return CAUSAL if given.get("window") is None else _causal_window(given["window"])
 
 
+def is_bias(graph: Graph, mask: Any) -> bool:
+    """Whether an attention node's ``attn_mask`` is an additive bias (a floating tensor, which
+    the kernels add to the scores) rather than a boolean mask."""
+    return isinstance(mask, Ref) and graph.node(mask.name).spec.dtype.is_floating_point
+
+
 def attention_kernel(graph: Graph, node: Node,
                      ignore_mask: bool = False) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
     """The attention template, problem, parameters and estimate the cost model picks for an SDPA
@@ -190,8 +196,9 @@ def attention_kernel(graph: Graph, node: Node,
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
-    if given.get("attn_mask") is not None and not ignore_mask:  # (ignored: `compile(mask=)` replaces it)
-        raise NotFusable(f"%{node.name}: a mask tensor that is not key padding is known only at run time "
+    attn_mask = given.get("attn_mask")
+    if attn_mask is not None and not ignore_mask and not is_bias(graph, attn_mask):  # (ignored: `compile(mask=)` replaces it)
+        raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
                          "(pass mask= to stof_cc.compile)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
@@ -200,5 +207,6 @@ def attention_kernel(graph: Graph, node: Node,
     mask = node_mask(given, None)
     choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
     kv_heads = k.shape[1] if k.shape[1] != h else None  # grouped-query: the kernel reads K/V head h // group
-    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads), choice.params,
+    bias = attn_mask is not None and not ignore_mask  # a float mask: the kernel variant that adds it
+    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads, bias), choice.params,
             choice.estimates[0].micros)

@@ -133,7 +133,8 @@ def _tune_attention_group(graph, group, values, database, top_k, progress, overr
         progress(f"{group.name}: not tuned ({why})")
         return None
     if given.get("attn_mask") is not None and override is None:
-        progress(f"{group.name}: attention with a mask tensor that is not key padding is not tuned")
+        progress(f"{group.name}: attention with a mask tensor (a bias, or a boolean mask that is not key padding) "
+                 "is not tuned: it runs the cost model's pick")
         return None
     q, k, v = (values[given[name].name] for name in ("query", "key", "value"))
     if q.dtype not in (torch.float16, torch.bfloat16):
