@@ -22,9 +22,16 @@ if _gpu_available():
     # on first use. On the lent GPU machine those imports, when they came after PyCUDA had run
     # kernels in the same process, failed now and then with "source code string cannot contain
     # null bytes" (triton/backends/amd/compiler.py, 2026-11-24); the files read clean in a fresh
-    # process. Importing them before any test runs a kernel sidesteps it.
+    # process; numpy.testing (which transformers reaches through scipy) failed the same way.
+    # Importing them before any test runs a kernel sidesteps it.
+    import numpy.testing  # noqa: F401
     import torch._dynamo  # noqa: F401
     import triton.backends  # noqa: F401
+
+    if importlib.util.find_spec("scipy") is not None:
+        import scipy.sparse  # noqa: F401  (transformers' models import it)
+    if importlib.util.find_spec("transformers") is not None:
+        import transformers  # noqa: F401
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
