@@ -72,3 +72,28 @@ def test_pure_aten_ops_on_constants_fold():
     graph = canonicalize(stof_cc.trace(_RotaryTable(), (x,)))
     assert not any(n.op == "opaque" for n in graph.nodes())
     torch.testing.assert_close(stof_cc.interpret(graph, x), _RotaryTable()(x))
+
+
+class _T5LayerNorm(torch.nn.Module):
+    """T5's spelling: the variance of x.float(), times x itself (fp32 by type promotion)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden))
+
+    def forward(self, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + 1e-6)
+        return self.weight * x.to(self.weight.dtype)
+
+
+def test_t5_rms_norm_on_a_widened_input_is_recognised_in_half_precision():
+    module = _T5LayerNorm().half()
+    x = torch.randn(2, 5, 16, dtype=torch.float16)
+    graph = recognise_rms_norm(canonicalize(stof_cc.trace(module, (x,))))
+    (norm,) = [n for n in graph.nodes() if n.op == "rms_norm"]
+    source = graph.node(norm.args[0].name)
+    assert source.op == "cast" and source.spec.dtype == torch.float32  # rms_norm of x.float(): T5's arithmetic
+    assert not any(n.op in ("pow", "mean", "rsqrt") for n in graph.nodes())
+    fresh = torch.randn(2, 5, 16, dtype=torch.float16)
+    torch.testing.assert_close(stof_cc.interpret(graph, fresh), module(fresh), rtol=1e-3, atol=1e-3)

@@ -4,7 +4,9 @@
     x = x * torch.rsqrt(variance + eps)                 # (or rsqrt(...) * x)
 
 becomes one ``rms_norm(x, [hidden], None, eps)`` node (aten.rms_norm, the same arithmetic),
-named like the final multiplication so its readers do not change. The weight and the casts
+named like the final multiplication so its readers do not change. T5's variant, the variance
+of ``x.float()`` times ``x`` itself, becomes ``rms_norm(x.float(), ...)`` (the same fp32
+arithmetic). The weight and the casts
 around it (HF casts to the model's dtype, then multiplies by the weight) stay as they are:
 elementwise ops that fusion folds into the norm's epilogue. Every intermediate must have no
 other reader. Pure: the input graph is not modified.
@@ -13,6 +15,8 @@ other reader. Pure: the input graph is not modified.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.passes.canonicalize import replace_matches
@@ -55,9 +59,26 @@ def _match(graph: Graph, mul: Node) -> tuple[Ref, float] | None:
                 or not keepdim or not isinstance(mean.args[0], Ref):
             continue
         square = graph.node(mean.args[0].name)
-        if len(graph.users(square.name)) == 1 and _squares(square, x):
+        if len(graph.users(square.name)) != 1:
+            continue
+        if _squares(square, x):
             return x, float(eps)
+        widened = _widened(graph, square, x)
+        if widened is not None:  # T5: the variance of x.float(), times x itself (fp32 by promotion)
+            return widened, float(eps)
     return None
+
+
+def _widened(graph: Graph, square: Node, x: Ref) -> Ref | None:
+    """``c`` when ``square`` squares c = x.to(float32) and c's type is what x * rsqrt(...) has
+    (T5's norm): rms_norm(c) then computes exactly what the original does."""
+    source = square.args[0] if square.args else None
+    if not isinstance(source, Ref) or not _squares(square, source):
+        return None
+    cast = graph.node(source.name)
+    if cast.op != "cast" or cast.args[:1] != (x,) or cast.spec.dtype != torch.float32:
+        return None
+    return source
 
 
 def _only_reader_chain(graph: Graph, ref: Ref, ops: tuple[str, ...]) -> list[Node] | None:
