@@ -3,7 +3,7 @@ covers, written to ``<build dir>/<model>/<group>.cu`` and (optionally) compiled 
 sm_90, with a table of every group.
 
 Each group's file holds the kernel a compile would start from: attention groups the cost
-model's pick for their anchor, other groups the first applicable template
+model's pick for their anchor (and the rotary kernel of their rotary nodes), other groups the first applicable template
 (`applicable_templates`) at its default point. Groups no template covers (and opaque ops)
 run through torch; the table says so, with the reason.
 """
@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from stof_cc.backends.nvcc import Resources, compile_cubin
+from stof_cc.backends.rotary_launch import rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_header
 from stof_cc.templates.pricing import H100, H100_SM_COUNT
 from stof_cc.templates.registry import KernelTemplate
+from stof_cc.templates.rotary import ROTARY, RotaryProblem
 from stof_cc.tune.attention import attention_kernel
 
 
@@ -62,13 +64,36 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
     return builds
 
 
+def _rotary_sources(graph: Graph, group: FusionGroup) -> tuple[list[str], list[str]]:
+    """The rotary kernels of an attention group's ``rotary`` nodes (one source per distinct
+    kernel: q and k usually share it), and a note per node."""
+    sources: dict[str, str] = {}
+    notes = []
+    for name in group.nodes:
+        node = graph.node(name)
+        if node.op != "rotary":
+            continue
+        x, table = (graph.node(r.name).spec for r in node.args[:2])
+        why = rotary_unsupported(x, table)
+        if why is not None:
+            notes.append(f", %{name} in torch ({why})")
+            continue
+        problem = RotaryProblem(*x.shape, x.dtype)
+        params = ROTARY.space(problem)[0]
+        sources.setdefault(ROTARY.kernel_name(problem, params), ROTARY.render(problem, params))
+        notes.append(f", %{name} by {ROTARY.kernel_name(problem, params)}")
+    return list(sources.values()), notes
+
+
 def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
     if group.kind == "attention":
         template, problem, params, estimate_us = attention_kernel(graph, graph.node(group.anchor))
         header = group_header(graph, group, template.name, params)
-        others = [n for n in group.nodes if n != group.anchor]
-        note = "anchor only; " + (f"{', '.join(others)} stay torch views" if others else "nothing else")
-        return template, f"{header}\n{template.render(problem, params)}", params, note, estimate_us
+        rotary, rotary_notes = _rotary_sources(graph, group)
+        others = [n for n in group.nodes if n != group.anchor and graph.node(n).op != "rotary"]
+        note = "anchor" + "".join(rotary_notes) + "; " \
+            + (f"{', '.join(others)} stay torch views" if others else "nothing else")
+        return template, "\n".join([header, template.render(problem, params), *rotary]), params, note, estimate_us
     found, refused = applicable_templates(graph, group, H100)
     if not found:
         raise NotFusable("; ".join(refused))
