@@ -5,7 +5,9 @@
 
 WORKLOADS.md's "Real models": hidden 768, 12 heads (decoders 12 query / 4 key-value heads),
 ``--layers`` layers, batch and sequence as given; encoders get right padding (the last quarter
-of the second half of the batch), decoders an all-ones ``attention_mask``. ``--tiny`` builds
+of the second half of the batch), decoders an all-ones ``attention_mask``. ``encoder_layer`` is
+torch.nn's ``TransformerEncoder`` of ``TransformerEncoderLayer`` (batch first, GELU) with a
+``src_key_padding_mask``. ``--tiny`` builds
 the small test configs instead (a correctness run). Each model's fp16/bf16 output is checked
 against its fp32 eager output on the real tokens before timing (relative error below 1e-2, or
 below 1.25x eager's own error in that dtype where that is larger: at S = 16384 eager fp16 itself
@@ -38,7 +40,7 @@ import stof_cc  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 
 TOLERANCE = 1e-2
-ENCODERS = ("bert", "roberta", "distilbert", "vit", "t5")
+ENCODERS = ("bert", "roberta", "distilbert", "vit", "t5", "encoder_layer")
 
 
 def build(family: str, layers: int, tiny: bool):
@@ -68,6 +70,9 @@ def build(family: str, layers: int, tiny: bool):
                                               patch_size=8 if tiny else 16)),
         "t5": lambda: T.T5EncoderModel(T.T5Config(num_layers=layers, d_model=hidden, num_heads=heads,
                                                   d_kv=hidden // heads, d_ff=ffn, vocab_size=1000)),
+        "encoder_layer": lambda: torch.nn.TransformerEncoder(  # torch.nn's own, as its users build it
+            torch.nn.TransformerEncoderLayer(hidden, heads, ffn, dropout=0.0, activation="gelu", batch_first=True),
+            layers, enable_nested_tensor=False),
     }
     torch.manual_seed(0)
     model = models[family]().eval()
@@ -76,6 +81,10 @@ def build(family: str, layers: int, tiny: bool):
         if family == "vit":
             size = model.config.image_size
             return {"pixel_values": torch.randn(batch, 3, size, size, device=device)}
+        if family == "encoder_layer":  # True = padding, right padding in half the batch
+            padded = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+            padded[batch // 2:, seq - seq // 4:] = True
+            return {"src": torch.randn(batch, seq, hidden, device=device), "src_key_padding_mask": padded}
         ids = torch.randint(0, 1000, (batch, seq), device=device)
         padding = torch.ones(batch, seq, dtype=torch.long, device=device)
         if family in ENCODERS:
@@ -90,10 +99,15 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
-def real_tokens(out: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """The outputs of real tokens only: padded positions are undefined in every implementation."""
-    mask = kwargs.get("attention_mask")
-    return out if mask is None else out[mask.bool()]
+def real_tokens(out, kwargs: dict) -> torch.Tensor:
+    """The hidden states of real tokens only (padded positions are undefined in every
+    implementation); ``out`` is a HF output (its ``last_hidden_state``) or a tensor."""
+    out = getattr(out, "last_hidden_state", out)
+    if kwargs.get("attention_mask") is not None:
+        return out[kwargs["attention_mask"].bool()]
+    if kwargs.get("src_key_padding_mask") is not None:
+        return out[~kwargs["src_key_padding_mask"]]
+    return out
 
 
 def run_family(family: str, args, database: Path) -> dict:
@@ -107,11 +121,11 @@ def run_family(family: str, args, database: Path) -> dict:
     model = model.cuda()
     kwargs = make(args.batch, args.seq, "cuda")
     with torch.no_grad():
-        want = real_tokens(model(**kwargs).last_hidden_state, kwargs)
+        want = real_tokens(model(**kwargs), kwargs)
     half = model.to(dtype)
     row = {"family": family, "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "peers": {}}
     with torch.no_grad():  # the dtype's own rounding: no implementation in it can be closer than eager's
-        row["eager_err"] = relative_error(real_tokens(half(**kwargs).last_hidden_state, kwargs), want)
+        row["eager_err"] = relative_error(real_tokens(half(**kwargs), kwargs), want)
     tolerance = row["tolerance"] = max(TOLERANCE, 1.25 * row["eager_err"])
     makers = {"eager": lambda: half}
     for mode in ("default", "reduce-overhead"):
@@ -121,7 +135,7 @@ def run_family(family: str, args, database: Path) -> dict:
         for label, make_peer in ({} if args.no_peers else makers).items():
             try:
                 peer = make_peer()
-                fn = lambda peer=peer: peer(**kwargs).last_hidden_state  # noqa: E731
+                fn = lambda peer=peer: peer(**kwargs)  # noqa: E731
                 err = relative_error(real_tokens(fn(), kwargs), want)  # compiles the torch.compile peers
                 row["peers"][label] = {"err": err, "ok": err < tolerance}
                 ready[label] = fn
@@ -133,7 +147,7 @@ def run_family(family: str, args, database: Path) -> dict:
         try:
             compiled = stof_cc.compile(half, (), kwargs, dtype=dtype, tune=not args.no_tune, database=database)
             row["compile_s"] = time.perf_counter() - started
-            run = lambda: compiled(**kwargs).last_hidden_state  # noqa: E731
+            run = lambda: compiled(**kwargs)  # noqa: E731
             row["stof_err"] = relative_error(real_tokens(run(), kwargs), want)
             row["stof_ms"] = bench(run)
             row["steps"] = compiled.explain()
@@ -178,7 +192,7 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,mistral,qwen2,vit,t5")
+    parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,mistral,qwen2,vit,t5,encoder_layer")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
