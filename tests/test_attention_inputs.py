@@ -37,3 +37,21 @@ def test_explain_attention_names_a_size_that_is_not_an_int(bad):
         explain_attention(1, 1, bad, 128, 64)
     with pytest.raises(AttentionInputError, match="dtype 'fp16' is not supported"):
         explain_attention(1, 1, 128, 128, 64, dtype="fp16")
+
+
+def test_key_padding_and_bias_are_checked_and_converted_on_the_cpu():
+    """What the kernels read: per batch element the attended range and whether padding lies
+    inside it; a bias expanded to the scores' shape (stride 0 where it broadcasts)."""
+    from stof_cc.backends.attention_launch import bias_view, key_padding_on_device
+
+    padding = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 1, 1, 0], [0, 0, 0, 0, 0]])
+    converted = key_padding_on_device(padding)
+    assert converted.ranges.tolist() == [[0, 3, 0], [1, 5, 0], [0, 4, 1], [5, 0, 0]]
+    assert converted.valid.dtype == torch.uint8 and converted.valid.tolist() == padding.tolist()
+    with pytest.raises(AttentionInputError, match=r"key_padding must be \[batch, keys\]"):
+        key_padding_on_device(torch.ones(5))
+    q = torch.randn(2, 12, 128, 64, dtype=torch.float16)
+    bias = bias_view(torch.randn(1, 12, 128, 128), q, 128)
+    assert bias.shape == (2, 12, 128, 128) and bias.stride(0) == 0 and bias.dtype == torch.float16
+    with pytest.raises(AttentionInputError, match=r"bias of shape \(3, 64, 64\) does not broadcast to \[2, 12, 128, 128\]"):
+        bias_view(torch.randn(3, 64, 64), q, 128)
