@@ -102,6 +102,15 @@ def attention_arguments(node: Node) -> dict[str, Any]:
     return given | ({"attn_mask": given.pop("mask")} if "mask" in given else {})
 
 
+def is_bias(graph: Graph, mask: Any) -> bool:
+    """Whether an attention node's ``attn_mask`` is an additive bias: a floating tensor, which
+    the kernels add to the scores (a boolean mask says what to attend)."""
+    if not isinstance(mask, Ref):
+        return False
+    spec = graph.node(mask.name).spec
+    return isinstance(spec, TensorSpec) and spec.dtype.is_floating_point
+
+
 def mask_is_replaceable(graph: Graph, node: Node) -> bool:
     """Whether ``compile(mask=...)`` may replace this attention node's own mask: it has none, or
     a boolean one (what to attend). A floating mask is an additive bias (T5's relative

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import networkx as nx
 import torch
@@ -257,6 +257,19 @@ def remove_dead_nodes(graph: Graph, removed: list[str] | None = None) -> Graph:
             removed.append(node.name)
     out.outputs = list(graph.outputs)
     return out
+
+
+@dataclass
+class RewriteReport:
+    """The nodes a recognition pass replaced; subclasses name the pass and what it found."""
+
+    rewritten: list[str] = field(default_factory=list)
+    title: ClassVar[str] = "rewrite"
+    found: ClassVar[str] = "node(s)"
+
+    def __str__(self) -> str:
+        return f"{self.title}: {len(self.rewritten)} {self.found}" + (
+            f" ({', '.join('%' + n for n in self.rewritten)})" if self.rewritten else "")
 
 
 def replace_matches(graph: Graph, match: Callable[[Graph, Node], Any],

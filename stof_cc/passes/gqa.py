@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.passes.attention import attention_arguments
-from stof_cc.passes.canonicalize import remove_dead_nodes
+from stof_cc.passes.canonicalize import replace_matches
 
 
 @dataclass
@@ -32,27 +32,24 @@ class GqaReport:
 def read_kv_heads_directly(graph: Graph, report: GqaReport | None = None) -> Graph:
     """A copy of ``graph`` whose attention nodes read un-repeated K/V where repeat_kv fed them."""
     report = report if report is not None else GqaReport()
-    narrowed: dict[str, tuple[Ref, Ref]] = {}
-    for node in graph.nodes():
+    rewritten: list[str] = []
+
+    def narrowed(graph: Graph, node: Node) -> tuple[Ref, Ref, int] | None:
         if node.op != "attention":
-            continue
+            return None
         given = attention_arguments(node)
         found = [_repeated(graph, given[name]) for name in ("key", "value")]
         if None in found or found[0][1] != found[1][1]:
-            continue
-        narrowed[node.name] = (found[0][0], found[1][0])
-        report.rewritten[node.name] = found[0][1]
-    if not narrowed:
-        return graph.copy()
+            return None
+        return found[0][0], found[1][0], found[0][1]
 
-    def rewrite(node: Node, _: Graph) -> Node:
-        if node.name not in narrowed:
-            return node
-        key, value = narrowed[node.name]
+    def build(node: Node, found: tuple[Ref, Ref, int]) -> Node:
+        key, value, group = found
+        report.rewritten[node.name] = group
         return Node(node.name, node.op, node.target, (node.args[0], key, value, *node.args[3:]), node.kwargs,
                     node.spec)
 
-    return remove_dead_nodes(graph.rebuild(rewrite))
+    return replace_matches(graph, narrowed, build, rewritten)
 
 
 def _repeated(graph: Graph, ref: object) -> tuple[Ref, int] | None:

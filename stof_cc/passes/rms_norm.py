@@ -14,21 +14,15 @@ other reader. Pure: the input graph is not modified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import replace_matches
+from stof_cc.passes.canonicalize import RewriteReport, replace_matches
 
 
-@dataclass
-class RmsNormReport:
-    rewritten: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        return f"recognise_rms_norm: {len(self.rewritten)} RMSNorm(s)" + (
-            f" ({', '.join('%' + n for n in self.rewritten)})" if self.rewritten else "")
+class RmsNormReport(RewriteReport):
+    title = "recognise_rms_norm"
+    found = "RMSNorm(s)"
 
 
 def recognise_rms_norm(graph: Graph, report: RmsNormReport | None = None) -> Graph:

@@ -11,21 +11,15 @@ ops (`backends/rotary_launch.py`). Pure: the input graph is not modified.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import replace_matches
+from stof_cc.passes.canonicalize import RewriteReport, replace_matches
 
 LAST_DIMS = (3, -1)
 
 
-@dataclass
-class RotaryReport:
-    rewritten: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        return f"recognise_rotary: {len(self.rewritten)} rotary embedding(s)" + (
-            f" ({', '.join('%' + n for n in self.rewritten)})" if self.rewritten else "")
+class RotaryReport(RewriteReport):
+    title = "recognise_rotary"
+    found = "rotary embedding(s)"
 
 
 def recognise_rotary(graph: Graph, report: RotaryReport | None = None) -> Graph:

@@ -42,13 +42,13 @@ from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, from_dense
 from stof_cc.passes import cast_floating, lower
-from stof_cc.passes.attention import attention_arguments, mask_is_replaceable
+from stof_cc.passes.attention import attention_arguments, is_bias, mask_is_replaceable
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
-from stof_cc.tune.attention import attention_kernel, is_bias, node_mask
+from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
@@ -67,6 +67,7 @@ class Step:
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps; torch steps of attention groups: compile's mask=
     rotary: tuple[str, ...] = ()  # attention steps: the group's rotary nodes, run by the rotary kernel
+    bias: str | None = None  # attention steps: the value the kernel adds to the scores (a float mask)
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
 
 
@@ -216,7 +217,8 @@ class CompiledModule:
             + (" (mask= does not replace a bias)" if bias and self.mask is not None else "") \
             + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
             + "".join(f", %{name} in torch ({why})" for name, why in why_not.items()) + ", views in torch"
-        return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary)
+        return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
+                    bias=given["attn_mask"].name if bias else None)
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
         """The tuning database's winner for this group when it has one (and it is still a legal
@@ -234,7 +236,7 @@ class CompiledModule:
             return
         for name in step.group.nodes:
             if step.kind == "attention" and name == step.group.anchor:
-                env[name] = self._attention(graph.node(name), env, step.mask)
+                env[name] = self._attention(graph.node(name), env, step)
                 continue
             if name in step.rotary:
                 env[name] = rotary(*(env[r.name] for r in graph.node(name).args))
@@ -246,7 +248,7 @@ class CompiledModule:
                 step.runners[name, device] = node_runner(graph, graph.node(name), device)
             env[name] = step.runners[name, device](env)
 
-    def _attention(self, node, env: dict[str, Any], mask: MaskDescription | None) -> torch.Tensor:
+    def _attention(self, node, env: dict[str, Any], step: Step) -> torch.Tensor:
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
         dtype = q.dtype
@@ -254,9 +256,8 @@ class CompiledModule:
             q, k, v = (t.half() for t in (q, k, v))
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
-        bias = env[given["attn_mask"].name] if given.get("attn_mask") is not None else None
-        bias = bias if bias is not None and bias.is_floating_point() else None  # a boolean one: mask= replaced it
-        return attention(q, k, v, mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
+        bias = env[step.bias] if step.bias is not None else None
+        return attention(q, k, v, step.mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
                          out=out).to(dtype)
 
     def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from stof_cc.codegen import NotFusable
-from stof_cc.ir.graph import Graph, Node, Ref
+from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask
-from stof_cc.passes.attention import attention_arguments
+from stof_cc.passes.attention import attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
     GRID_YZ_LIMIT,
@@ -179,12 +179,6 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
     if not given.get("is_causal"):
         return None
     return CAUSAL if given.get("window") is None else _causal_window(given["window"])
-
-
-def is_bias(graph: Graph, mask: Any) -> bool:
-    """Whether an attention node's ``attn_mask`` is an additive bias (a floating tensor, which
-    the kernels add to the scores) rather than a boolean mask."""
-    return isinstance(mask, Ref) and graph.node(mask.name).spec.dtype.is_floating_point
 
 
 def attention_kernel(graph: Graph, node: Node,
