@@ -123,6 +123,7 @@ def run_family(family: str, args, database: Path) -> dict:
     with torch.no_grad():
         want = real_tokens(model(**kwargs), kwargs)
     half = model.to(dtype)
+    kwargs = stof_cc.passes.cast_floating(kwargs, dtype)  # nn.TransformerEncoder's src; token ids stay
     row = {"family": family, "dtype": args.dtype, "batch": args.batch, "seq": args.seq, "peers": {}}
     with torch.no_grad():  # the dtype's own rounding: no implementation in it can be closer than eager's
         row["eager_err"] = relative_error(real_tokens(half(**kwargs), kwargs), want)

@@ -65,11 +65,30 @@ def test_boolean_padding_mask_is_recognised_and_equal():
     torch.testing.assert_close(interpret(graph, *args), interpret(original, *args), rtol=1e-5, atol=1e-5)
 
 
-def test_biases_and_query_dependent_masks_stay_tensors():
-    report, *_ = _run("bias")
-    assert not report.rewritten and "biases the scores" in next(iter(report.refused.values()))
+def test_a_bias_with_padding_becomes_key_padding_and_the_bias_alone():
+    """ALiBi-like: a position bias plus -1e9 at padded keys. The node keeps the bias (one
+    constant, batch dim cut to 1) and reads the padding as key padding; same values."""
+    report, original, graph, args = _run("bias")
+    (node,) = [n for n in graph.nodes() if n.op == "attention"]
+    assert report.rewritten == {node.name: "padding"} and "a bias [1, 1, 8, 8]" in report.structure[node.name]
+    assert graph.constants[node.args[3].name].shape == (1, 1, 8, 8)
+    torch.testing.assert_close(interpret(graph, *args), interpret(original, *args), rtol=1e-5, atol=1e-5)
+
+
+class PaddingDependentBias(torch.nn.Module):
+    def forward(self, q, k, v, padding):
+        mask = (1.0 - padding[:, None, None, :].float()) * -1e9 + padding.sum(-1)[:, None, None, None].float()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_query_dependent_masks_and_padding_dependent_biases_stay_tensors():
     report, *_ = _run("query")
     assert not report.rewritten and "not key padding and one static mask" in next(iter(report.refused.values()))
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    reports = PassReports()
+    run_passes(trace(PaddingDependentBias(), (q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0] * 3]))), reports)
+    assert not reports.padding.rewritten
+    assert "the bias changes with the padding input" in next(iter(reports.padding.refused.values()))
 
 
 def test_from_padding_uses_lengths_for_right_padding():
@@ -117,7 +136,6 @@ def test_before_expected_padding_mask_becomes_the_key_padding_operand(module, st
     assert_structural_equal(describe_key_padding(before), expected)
 
 
-@pytest.mark.parametrize("how", ["bias", "query"])
-def test_before_expected_other_masks_are_unchanged(how):
-    before = _recognised(MaskedAttention(how))
+def test_before_expected_query_dependent_masks_are_unchanged():
+    before = _recognised(MaskedAttention("query"))
     assert_structural_equal(describe_key_padding(before), before, map_free_names=False)

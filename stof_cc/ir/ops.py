@@ -192,7 +192,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [causal]) v: what the
     recognised `attention` node computes, with SDPA's conventions for ``mask``. ``window``
     (with ``is_causal``) keeps keys with 0 <= q - k <= window. With ``key_padding`` [B, S_k]
-    (nonzero = a real token) keys are attended only where it is nonzero. Under either, a query
+    (nonzero = a real token) keys are attended only where it is nonzero; a float ``mask`` is
+    then a bias added where attended (T5's relative positions). Under either, a query
     that can attend no key gives 0, as stof-cc's kernels do. K and V may have fewer heads than
     q (grouped-query attention: query head h reads key/value head h // (H / H_kv))."""
     gqa = k.shape[-3] != q.shape[-3]
@@ -207,7 +208,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         allowed = allowed & (distance <= window)
     if key_padding is not None:
         allowed = allowed & (key_padding != 0)[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    given = allowed if mask is None or mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=scale, enable_gqa=gqa)
     return out.masked_fill(~allowed.any(-1, keepdim=True), 0)
 
 
@@ -223,6 +227,16 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 register_op(OpDef("rotary", "injective", reference=rotary_reference,
                   doc="the rotary embedding, one node made by passes/rotary.py from HF's mul/slice/neg/cat/add"))
+
+def overflow_clamp_reference(x: torch.Tensor, cap_if_inf: float, cap: float) -> torch.Tensor:
+    """T5's fp16 overflow guard: ``clamp(x, -w, w)`` with ``w = cap_if_inf`` when any element
+    of x is infinite, else ``cap`` (transformers writes it ``where(isinf(x).any(), ...)``)."""
+    bound = torch.where(torch.isinf(x).any(), cap_if_inf, cap)
+    return torch.clamp(x, -bound, bound)
+
+
+register_op(OpDef("overflow_clamp", "reduction", reference=overflow_clamp_reference,
+                  doc="clamp by a bound chosen by a whole-tensor any(isinf); made by passes/overflow_clamp.py"))
 
 _ops("reduction", "row reductions: softmax and normalisations", {
     "softmax": ("aten.softmax", "aten._softmax"),

@@ -19,6 +19,14 @@ causal triangle, or a causal band ``0 <= q - k <= w`` (Mistral's window, in its 
 ``w`` is read off the mask), the node gets ``is_causal=True`` and ``window=w`` as needed and
 loses its mask operand. Other static masks stay tensors.
 
+A bias rides along: T5 writes ``where(padding_mask, position_bias, finfo.min)``, an additive
+mask that is a bias where attended. When the probes show the attended values are one tensor
+for every padding (the evaluation with all keys kept, a constant: T5's relative position bias
+folded at compile time) and the padded keys get values below HIDDEN_BELOW, the node keeps that
+tensor as its float mask, broadcast dims reduced to 1 ([1, H, S, S] for T5, not [B, H, S, S]
+rebuilt every layer), and gets ``key_padding`` as above. The kernels add the bias and read the
+padding on the device.
+
 One semantic difference, documented: a batch element whose keys are all padding now gives 0
 (stof-cc's kernels, and the op's reference), where the additive original gave the mean of V.
 """
@@ -30,7 +38,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from stof_cc.ir.graph import INPUT, Graph, Node, Ref
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref
 from stof_cc.ir.interpret import evaluate_node
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.canonicalize import remove_dead_nodes
@@ -58,27 +66,40 @@ def describe_key_padding(graph: Graph, report: KeyPaddingReport | None = None) -
     """A copy of ``graph`` with the masks of `attention` nodes described: key padding as a
     ``key_padding`` operand, a causal or windowed structure as ``is_causal`` / ``window``."""
     report = report if report is not None else KeyPaddingReport()
-    described: dict[str, tuple[str | None, dict[str, object]]] = {}
+    described: dict[str, tuple[str | None, dict[str, object], torch.Tensor | None]] = {}
     for node in graph.nodes():
         mask = attention_arguments(node).get("attn_mask") if node.op == "attention" else None
         if not isinstance(mask, Ref):
             continue
-        source, structure, why = _describe(graph, node, mask)
+        source, structure, bias, why = _describe(graph, node, mask)
         if structure is None:
             report.refused[node.name] = why
+        elif bias is not None and source is None and graph.node(mask.name).op == CONSTANT:
+            continue  # a constant bias and nothing else: already what the kernels read
         else:
-            described[node.name] = (source, structure)
+            described[node.name] = (source, structure, bias)
             report.rewritten[node.name] = source or ""
-            report.structure[node.name] = _label(structure)
+            report.structure[node.name] = _label(structure) + ("" if bias is None else
+                                                               f", a bias {list(bias.shape)}")
     if not described:
         return graph.copy()
 
-    def rewrite(node: Node, _: Graph) -> Node:
+    biases: list[Ref] = []  # one constant per distinct bias (T5's layers share theirs)
+
+    def rewrite(node: Node, out: Graph) -> Node:
         if node.name not in described:
             return node
-        source, structure = described[node.name]
+        source, structure, bias = described[node.name]
         kwargs = {**node.kwargs, **structure} | ({"key_padding": Ref(source)} if source else {})
-        return Node(node.name, node.op, node.target, (*node.args[:3], None), kwargs, node.spec)
+        mask = None
+        if bias is not None:
+            bias = bias.to(_constant_device(graph, attention_arguments(node)["attn_mask"]))
+            mask = next((r for r in biases if torch.equal(out.constants[r.name], bias)), None)
+            if mask is None:
+                mask = Ref(out.fresh_name(f"{node.name}_bias"))
+                out.add_constant(mask.name, bias)
+                biases.append(mask)
+        return Node(node.name, node.op, node.target, (*node.args[:3], mask), kwargs, node.spec)
 
     return remove_dead_nodes(graph.rebuild(rewrite))
 
@@ -89,23 +110,26 @@ def _label(structure: dict[str, object]) -> str:
     return "causal" if structure.get("is_causal") else "no static mask"
 
 
-def _describe(graph: Graph, node: Node, mask: Ref) -> tuple[str | None, dict[str, object] | None, str]:
-    """(the padding input or None, the static structure's kwargs, "") when the mask is key
-    padding and/or a recognised static structure, else (None, None, why not)."""
+def _describe(graph: Graph, node: Node, mask: Ref) \
+        -> tuple[str | None, dict[str, object] | None, torch.Tensor | None, str]:
+    """(the padding input or None, the static structure's kwargs, the bias or None, "") when the
+    mask is key padding and/or a recognised static structure, plus a bias, else (None, None,
+    None, why not)."""
     dag = graph.nx_graph
     upstream = nx.ancestors(dag, mask.name) | {mask.name}
     inputs = [n for n in upstream if graph.node(n).op == INPUT]
     if len(inputs) > 1:
-        return None, None, f"the mask depends on {len(inputs)} inputs ({', '.join(sorted(inputs))}), not one"
+        return None, None, None, f"the mask depends on {len(inputs)} inputs ({', '.join(sorted(inputs))}), not one"
     source = inputs[0] if inputs else None
     q_spec, k_spec = (graph.node(attention_arguments(node)[n].name).spec for n in ("query", "key"))
     batch, seq_q, seq_k = k_spec.shape[0], q_spec.shape[-2], k_spec.shape[-2]
     shape = (batch, q_spec.shape[1], seq_q, seq_k)
     if source is not None and tuple(graph.node(source).spec.shape) != (batch, seq_k):
-        return None, None, f"its input %{source} is {graph.node(source).spec}, not [batch, keys] = [{batch}, {seq_k}]"
+        return None, None, None, (f"its input %{source} is {graph.node(source).spec}, not [batch, keys] = "
+                                  f"[{batch}, {seq_k}]")
     order = [n.name for n in graph.nodes() if n.name in upstream and n.name != source]
     generator = torch.Generator().manual_seed(0)
-    static = None
+    static = bias = None
     for probe in range(PROBES if source is not None else 1):
         keep = torch.ones(batch, seq_k, dtype=torch.bool) if probe == 0 else \
             torch.rand(batch, seq_k, generator=generator) < 0.6
@@ -115,26 +139,34 @@ def _describe(graph: Graph, node: Node, mask: Ref) -> tuple[str | None, dict[str
             for name in order:
                 env[name] = evaluate_node(graph, graph.node(name), env, torch.device("cpu"))
         except Exception as exc:  # the subgraph cannot run on the CPU probe: leave the mask as it is
-            return None, None, f"probing the mask failed ({exc})"
-        allowed = _allowed(env[mask.name])
-        if allowed is None:
-            return None, None, "the additive mask is not 0 / hidden (it biases the scores)"
+            return None, None, None, f"probing the mask failed ({exc})"
         try:
-            allowed = allowed.expand(shape)
+            value = env[mask.name].expand(shape)
         except RuntimeError:
-            return None, None, f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
+            return None, None, None, f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
         if static is None:  # all keys kept: what is left is the static part, the same for every (b, h)
+            allowed, bias = _split(value)
+            if allowed is None:
+                return None, None, None, "the additive mask is neither 0 / hidden nor a bias / the lowest values"
             static = allowed[0, 0]
             if not bool((allowed == static).all()):
-                return None, None, "the attended positions vary over batch or heads beyond key padding"
-        if not bool((allowed == (keep[:, None, None, :] & static)).all()):
-            return None, None, "the attended positions are not key padding and one static mask"
+                return None, None, None, "the attended positions vary over batch or heads beyond key padding"
+            continue
+        expected = keep[:, None, None, :] & static
+        if bias is None:
+            allowed, _ = _split(value)
+            if allowed is None or not bool((allowed == expected).all()):
+                return None, None, None, "the attended positions are not key padding and one static mask"
+        elif not bool((value[~keep[:, None, None, :].expand(shape) & static] < HIDDEN_BELOW).all()):
+            return None, None, None, "the bias does not hide the padded keys"
+        elif not torch.equal(value.masked_fill(~expected, 0), bias.masked_fill(~expected, 0)):
+            return None, None, None, "the bias changes with the padding input"
     structure = _structure(static)
     if structure is None:
-        return None, None, "its static part is not full, causal or a causal window"
-    if source is None and not structure:
-        return None, {}, ""  # attends everything: no mask at all
-    return source, structure, ""
+        return None, None, None, "its static part is not full, causal or a causal window"
+    if source is None and not structure and bias is None:
+        return None, {}, None, ""  # attends everything: no mask at all
+    return source, structure, None if bias is None else _narrowed(bias.masked_fill(~static, 0)), ""
 
 
 def _structure(static: torch.Tensor) -> dict[str, object] | None:
@@ -154,8 +186,32 @@ def _structure(static: torch.Tensor) -> dict[str, object] | None:
     return None
 
 
-def _allowed(value: torch.Tensor) -> torch.Tensor | None:
+def _split(value: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(attended positions, the bias or None) of the mask with every key kept: a boolean mask;
+    an additive one that is 0 where attended and below HIDDEN_BELOW elsewhere (no bias); or
+    else a bias, hidden only where it is the dtype's lowest values (finfo.min, -inf; a bias
+    far below HIDDEN_BELOW, ALiBi's at long distances, stays a bias)."""
     if value.dtype == torch.bool:
-        return value
+        return value, None
     hidden = value < HIDDEN_BELOW
-    return None if bool((value[~hidden] != 0).any()) else ~hidden
+    if not bool((value[~hidden] != 0).any()):
+        return ~hidden, None
+    if not value.is_floating_point():
+        return None, None
+    return ~(value < torch.finfo(value.dtype).min / 2), value
+
+
+def _narrowed(bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` [B, H, S_q, S_k] with the batch and head dims that do not vary cut to size 1."""
+    for dim in (0, 1):
+        first = bias.narrow(dim, 0, 1)
+        if bool((bias == first).all()):
+            bias = first
+    return bias.contiguous()
+
+
+def _constant_device(graph: Graph, mask: Ref) -> torch.device:
+    """Where the mask's constants live (the model's device), so the bias constant joins them."""
+    upstream = nx.ancestors(graph.nx_graph, mask.name) | {mask.name}
+    devices = [graph.constants[n].device for n in upstream if n in graph.constants]
+    return devices[0] if devices else torch.device("cpu")

@@ -32,6 +32,7 @@ from stof_cc.passes.gemm_forms import GemmFormsReport, canonical_gemms
 from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
+from stof_cc.passes.overflow_clamp import OverflowClampReport, recognise_overflow_clamp
 from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
 from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 
@@ -50,16 +51,17 @@ class PassReports:
     gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
     gqa: GqaReport = field(default_factory=GqaReport)
     rotary: RotaryReport = field(default_factory=RotaryReport)
+    overflow_clamp: OverflowClampReport = field(default_factory=OverflowClampReport)
 
     def __str__(self) -> str:
         return (f"{self.canonical}\n{self.gemms}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n"
-                f"{self.padding}\n{self.gqa}\n{self.rotary}")
+                f"{self.padding}\n{self.gqa}\n{self.rotary}\n{self.overflow_clamp}")
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
     """canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
-    recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary, in that order (each pure: ``graph`` is not
-    modified)."""
+    recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary,
+    recognise_overflow_clamp, in that order (each pure: ``graph`` is not modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
              ("canonical_gemms", lambda g: canonical_gemms(g, report=reports.gemms)),
@@ -68,7 +70,8 @@ def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Ins
              ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
              ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)),
              ("read_kv_heads_directly", lambda g: read_kv_heads_directly(g, report=reports.gqa)),
-             ("recognise_rotary", lambda g: recognise_rotary(g, report=reports.rotary)))
+             ("recognise_rotary", lambda g: recognise_rotary(g, report=reports.rotary)),
+             ("recognise_overflow_clamp", lambda g: recognise_overflow_clamp(g, report=reports.overflow_clamp)))
     for name, step in steps:
         graph = step(graph)
         if instrument is not None:

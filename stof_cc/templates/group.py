@@ -279,6 +279,12 @@ def applicable_templates(graph: Graph, group: FusionGroup,
 def group_templates(kind: str) -> list[GroupTemplate]:
     """Registered group templates serving ``kind``, in registration order."""
     # the built-ins register when their modules load; they import this one, hence the late import
-    from stof_cc.templates import elementwise, gemm_epilogue, gemm_layernorm, row_reduce  # noqa: F401
+    from stof_cc.templates import (  # noqa: F401
+        elementwise,
+        gemm_epilogue,
+        gemm_layernorm,
+        overflow_clamp,
+        row_reduce,
+    )
 
     return [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]
