@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref
+from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec
 from stof_cc.ir.interpret import evaluate_node
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.canonicalize import remove_dead_nodes
@@ -66,31 +66,41 @@ def describe_key_padding(graph: Graph, report: KeyPaddingReport | None = None) -
     """A copy of ``graph`` with the masks of `attention` nodes described: key padding as a
     ``key_padding`` operand, a causal or windowed structure as ``is_causal`` / ``window``."""
     report = report if report is not None else KeyPaddingReport()
-    described: dict[str, tuple[str | None, dict[str, object], torch.Tensor | None]] = {}
+    described: dict[str, Described] = {}
     for node in graph.nodes():
         mask = attention_arguments(node).get("attn_mask") if node.op == "attention" else None
         if not isinstance(mask, Ref):
             continue
-        source, structure, bias, why = _describe(graph, node, mask)
-        if structure is None:
-            report.refused[node.name] = why
-        elif bias is not None and source is None and graph.node(mask.name).op == CONSTANT:
+        found = _describe(graph, node, mask)
+        if isinstance(found, str):
+            report.refused[node.name] = found
+        elif found.bias is not None and found.source is None and graph.node(mask.name).op == CONSTANT:
             continue  # a constant bias and nothing else: already what the kernels read
         else:
-            described[node.name] = (source, structure, bias)
-            report.rewritten[node.name] = source or ""
-            report.structure[node.name] = _label(structure) + ("" if bias is None else
-                                                               f", a bias {list(bias.shape)}")
+            described[node.name] = found
+            report.rewritten[node.name] = (f"{found.source} (True = padding)" if found.marks_padding
+                                           else found.source) or ""
+            report.structure[node.name] = _label(found.structure) + (
+                "" if found.bias is None else f", a bias {list(found.bias.shape)}")
     if not described:
         return graph.copy()
 
     biases: list[Ref] = []  # one constant per distinct bias (T5's layers share theirs)
+    tokens: dict[str, Ref] = {}  # a padding marker input -> its negation (what key_padding reads)
 
     def rewrite(node: Node, out: Graph) -> Node:
         if node.name not in described:
             return node
-        source, structure, bias = described[node.name]
-        kwargs = {**node.kwargs, **structure} | ({"key_padding": Ref(source)} if source else {})
+        source, bias = described[node.name].source, described[node.name].bias
+        padding = Ref(source) if source else None
+        if source and described[node.name].marks_padding:
+            if source not in tokens:
+                tokens[source] = Ref(out.fresh_name(f"{source}_tokens"))
+                spec = graph.node(source).spec
+                out.add_node(Node(tokens[source].name, "logical_not", "aten.logical_not.default", (Ref(source),), {},
+                                  TensorSpec(spec.shape, torch.bool)))
+            padding = tokens[source]
+        kwargs = {**node.kwargs, **described[node.name].structure} | ({"key_padding": padding} if padding else {})
         mask = None
         if bias is not None:
             bias = bias.to(_constant_device(graph, attention_arguments(node)["attn_mask"]))
@@ -110,63 +120,93 @@ def _label(structure: dict[str, object]) -> str:
     return "causal" if structure.get("is_causal") else "no static mask"
 
 
-def _describe(graph: Graph, node: Node, mask: Ref) \
-        -> tuple[str | None, dict[str, object] | None, torch.Tensor | None, str]:
-    """(the padding input or None, the static structure's kwargs, the bias or None, "") when the
-    mask is key padding and/or a recognised static structure, plus a bias, else (None, None,
-    None, why not)."""
+@dataclass(frozen=True)
+class Described:
+    """An attention mask as the kernels read it: the padding input (None: none), whether it
+    marks padding (True = hidden, torch.nn's ``key_padding_mask``) rather than tokens, the
+    static structure's kwargs, and the bias (None: none)."""
+
+    source: str | None
+    marks_padding: bool
+    structure: dict[str, object]
+    bias: torch.Tensor | None
+
+
+def _describe(graph: Graph, node: Node, mask: Ref) -> Described | str:
+    """The mask described when it is key padding (either convention) and/or a recognised
+    static structure, plus a bias; else why not."""
     dag = graph.nx_graph
     upstream = nx.ancestors(dag, mask.name) | {mask.name}
     inputs = [n for n in upstream if graph.node(n).op == INPUT]
     if len(inputs) > 1:
-        return None, None, None, f"the mask depends on {len(inputs)} inputs ({', '.join(sorted(inputs))}), not one"
+        return f"the mask depends on {len(inputs)} inputs ({', '.join(sorted(inputs))}), not one"
     source = inputs[0] if inputs else None
     q_spec, k_spec = (graph.node(attention_arguments(node)[n].name).spec for n in ("query", "key"))
-    batch, seq_q, seq_k = k_spec.shape[0], q_spec.shape[-2], k_spec.shape[-2]
-    shape = (batch, q_spec.shape[1], seq_q, seq_k)
+    batch, seq_k = k_spec.shape[0], k_spec.shape[-2]
     if source is not None and tuple(graph.node(source).spec.shape) != (batch, seq_k):
-        return None, None, None, (f"its input %{source} is {graph.node(source).spec}, not [batch, keys] = "
-                                  f"[{batch}, {seq_k}]")
+        return f"its input %{source} is {graph.node(source).spec}, not [batch, keys] = [{batch}, {seq_k}]"
     order = [n.name for n in graph.nodes() if n.name in upstream and n.name != source]
-    generator = torch.Generator().manual_seed(0)
-    static = bias = None
-    for probe in range(PROBES if source is not None else 1):
-        keep = torch.ones(batch, seq_k, dtype=torch.bool) if probe == 0 else \
-            torch.rand(batch, seq_k, generator=generator) < 0.6
-        keep[:, 0] = True  # no row without a key: there the original and key padding differ by design
-        env = {} if source is None else {source: keep.to(graph.node(source).spec.dtype)}
+    shape = (batch, q_spec.shape[1], q_spec.shape[-2], seq_k)
+
+    def evaluate(given: torch.Tensor | None) -> torch.Tensor | str:
+        env = {} if source is None else {source: given.to(graph.node(source).spec.dtype)}
         try:
             for name in order:
                 env[name] = evaluate_node(graph, graph.node(name), env, torch.device("cpu"))
         except Exception as exc:  # the subgraph cannot run on the CPU probe: leave the mask as it is
-            return None, None, None, f"probing the mask failed ({exc})"
+            return f"probing the mask failed ({exc})"
         try:
-            value = env[mask.name].expand(shape)
+            return env[mask.name].expand(shape)
         except RuntimeError:
-            return None, None, None, f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
+            return f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
+
+    found = _probe(evaluate, batch, seq_k, source is not None, marks_padding=False)
+    if isinstance(found, str) and source is not None:
+        inverted = _probe(evaluate, batch, seq_k, True, marks_padding=True)
+        found = inverted if not isinstance(inverted, str) else found
+    if isinstance(found, str):
+        return found
+    structure, bias, marks_padding = found
+    if source is None and not structure and bias is None:
+        return Described(None, False, {}, None)  # attends everything: no mask at all
+    return Described(source, marks_padding, structure, bias)
+
+
+def _probe(evaluate, batch: int, seq_k: int, has_input: bool, marks_padding: bool) \
+        -> tuple[dict[str, object], torch.Tensor | None, bool] | str:
+    """(structure, bias, marks_padding) when the mask, evaluated with every key kept and then
+    with random padding (in the ``marks_padding`` convention), attends exactly the kept keys
+    of one static structure and adds one bias; else why not."""
+    generator = torch.Generator().manual_seed(0)
+    static = bias = None
+    for probe in range(PROBES if has_input else 1):
+        keep = torch.ones(batch, seq_k, dtype=torch.bool) if probe == 0 else \
+            torch.rand(batch, seq_k, generator=generator) < 0.6
+        keep[:, 0] = True  # no row without a key: there the original and key padding differ by design
+        value = evaluate(~keep if marks_padding else keep)
+        if isinstance(value, str):
+            return value
         if static is None:  # all keys kept: what is left is the static part, the same for every (b, h)
             allowed, bias = _split(value)
             if allowed is None:
-                return None, None, None, "the additive mask is neither 0 / hidden nor a bias / the lowest values"
+                return "the additive mask is neither 0 / hidden nor a bias / the lowest values"
             static = allowed[0, 0]
             if not bool((allowed == static).all()):
-                return None, None, None, "the attended positions vary over batch or heads beyond key padding"
+                return "the attended positions vary over batch or heads beyond key padding"
             continue
         expected = keep[:, None, None, :] & static
         if bias is None:
             allowed, _ = _split(value)
             if allowed is None or not bool((allowed == expected).all()):
-                return None, None, None, "the attended positions are not key padding and one static mask"
-        elif not bool((value[~keep[:, None, None, :].expand(shape) & static] < HIDDEN_BELOW).all()):
-            return None, None, None, "the bias does not hide the padded keys"
+                return "the attended positions are not key padding and one static mask"
+        elif not bool((value[~keep[:, None, None, :].expand(value.shape) & static] < HIDDEN_BELOW).all()):
+            return "the bias does not hide the padded keys"
         elif not torch.equal(value.masked_fill(~expected, 0), bias.masked_fill(~expected, 0)):
-            return None, None, None, "the bias changes with the padding input"
+            return "the bias changes with the padding input"
     structure = _structure(static)
     if structure is None:
-        return None, None, None, "its static part is not full, causal or a causal window"
-    if source is None and not structure and bias is None:
-        return None, {}, None, ""  # attends everything: no mask at all
-    return source, structure, None if bias is None else _narrowed(bias.masked_fill(~static, 0)), ""
+        return "its static part is not full, causal or a causal window"
+    return structure, None if bias is None else _narrowed(bias.masked_fill(~static, 0)), marks_padding
 
 
 def _structure(static: torch.Tensor) -> dict[str, object] | None:

@@ -32,6 +32,7 @@ from stof_cc.passes.gemm_forms import GemmFormsReport, canonical_gemms
 from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
+from stof_cc.passes.layout import LayoutReport, simplify_gemm_layouts
 from stof_cc.passes.overflow_clamp import OverflowClampReport, recognise_overflow_clamp
 from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
 from stof_cc.passes.rotary import RotaryReport, recognise_rotary
@@ -52,16 +53,18 @@ class PassReports:
     gqa: GqaReport = field(default_factory=GqaReport)
     rotary: RotaryReport = field(default_factory=RotaryReport)
     overflow_clamp: OverflowClampReport = field(default_factory=OverflowClampReport)
+    layouts: LayoutReport = field(default_factory=LayoutReport)
 
     def __str__(self) -> str:
         return (f"{self.canonical}\n{self.gemms}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n"
-                f"{self.padding}\n{self.gqa}\n{self.rotary}\n{self.overflow_clamp}")
+                f"{self.padding}\n{self.gqa}\n{self.rotary}\n{self.overflow_clamp}\n{self.layouts}")
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
     """canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
     recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary,
-    recognise_overflow_clamp, in that order (each pure: ``graph`` is not modified)."""
+    recognise_overflow_clamp, simplify_gemm_layouts, in that order (each pure: ``graph`` is not
+    modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
              ("canonical_gemms", lambda g: canonical_gemms(g, report=reports.gemms)),
@@ -71,7 +74,8 @@ def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Ins
              ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)),
              ("read_kv_heads_directly", lambda g: read_kv_heads_directly(g, report=reports.gqa)),
              ("recognise_rotary", lambda g: recognise_rotary(g, report=reports.rotary)),
-             ("recognise_overflow_clamp", lambda g: recognise_overflow_clamp(g, report=reports.overflow_clamp)))
+             ("recognise_overflow_clamp", lambda g: recognise_overflow_clamp(g, report=reports.overflow_clamp)),
+             ("simplify_gemm_layouts", lambda g: simplify_gemm_layouts(g, report=reports.layouts)))
     for name, step in steps:
         graph = step(graph)
         if instrument is not None:

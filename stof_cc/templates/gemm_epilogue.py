@@ -45,7 +45,7 @@ SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232  # (65536 - 128 x 40) / 256, rounded down to a multiple of 8
-LAYOUT_OPS = ("view", "contiguous", "clone")  # keep the row-major element order
+LAYOUT_OPS = ("view", "contiguous", "clone", "unsqueeze", "squeeze")  # keep the row-major element order
 MMA_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 ROW_MAJOR_STORE = " " * 12 + "long long out_index = (long long)row * N + col;"
 
