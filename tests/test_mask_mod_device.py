@@ -29,8 +29,8 @@ def test_the_device_of_captured_tensors_is_found():
     assert captured_device(with_default) == torch.device("meta")
     assert captured_device(functools.partial(lambda w, b, h, q, k: q >= k, windows)) == torch.device("meta")
     cpu = torch.zeros(4)
-    assert captured_device(lambda b, h, q, k: (q - k).abs() <= cpu[h]) is None
-    assert captured_device(lambda b, h, q, k: q >= k) is None
+    assert captured_device(lambda b, h, q, k: (q - k).abs() <= cpu[h]) == torch.device("cpu")  # stays there
+    assert captured_device(lambda b, h, q, k: q >= k) is None  # runs anywhere: on a GPU if there is one
 
 
 def test_index_tensors_go_to_the_mask_mods_device_and_back():
@@ -63,3 +63,27 @@ def test_an_empty_closure_cell_is_no_obstacle():
         return found
 
     assert outer() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1000, 4096])
+def test_a_user_mask_built_on_the_gpu_equals_the_cpu_build(seq):
+    """The packed evaluation on the GPU (a mask_mod with a CUDA table, one that captures
+    nothing, from_dense, and a union) gives the same block mask as on the CPU."""
+    table = torch.randint(0, 2, (-(-seq // 64), -(-seq // 64)), dtype=torch.bool)
+    w = max(64, seq // 16)
+
+    def user(t):
+        return lambda b, h, q, k: ((q - k).abs() <= w) | (q < 32) | t[q // 64, k // 64]
+
+    dense = torch.rand(seq, seq) < 0.1
+    pairs = [(masks.from_mask_mod(user(table.cuda())), masks.from_mask_mod(user(table))),
+             (masks.from_mask_mod(lambda b, h, q, k: (q - k) % 7 == 0),
+              masks.from_mask_mod(lambda b, h, q, k: (q - k) % 7 == 0, device="cpu")),
+             (masks.from_dense(dense) | masks.causal(), None)]
+    for on_gpu, on_cpu in pairs:
+        for block in ((64, 64), (128, 128)):
+            got = on_gpu.block_mask(seq, seq, *block).to_dense()
+            want = on_cpu.block_mask(seq, seq, *block).to_dense() if on_cpu is not None else \
+                (dense | torch.ones(seq, seq, dtype=torch.bool).tril())[None, None]
+            assert torch.equal(got, want), (on_gpu, block)

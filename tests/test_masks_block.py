@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_masks_zoo import FACTORIES, zoo_params
 
 from stof_cc import masks
-from stof_cc.masks import build
+from stof_cc.masks import build, user
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask
 
 BLOCKS = st.sampled_from([16, 32, 64, 128]) | st.integers(1, 40)  # kernels use the former
@@ -207,10 +207,12 @@ def test_to_device_keeps_layout():
     assert moved.part_bits.dtype == torch.uint32
 
 
-def test_only_partial_blocks_are_evaluated(monkeypatch):
-    """A union evaluates a part only on blocks PARTIAL for the union (never inside the FULL
-    blocks of longformer), and from_mask_mod runs in chunks bounded by CHUNK_ELEMENTS."""
+def test_beyond_the_packed_budget_only_partial_blocks_are_evaluated(monkeypatch):
+    """Where the row-packed bits would not fit (long contexts), a union evaluates the user part
+    only on blocks PARTIAL for the union (never inside the FULL blocks of longformer), in chunks
+    bounded by CHUNK_ELEMENTS."""
     monkeypatch.setattr(build, "CHUNK_ELEMENTS", 4 * 32 * 32)
+    monkeypatch.setattr(user, "PACKED_BUDGET", 0)
     seen: list[tuple[int, int]] = []
     sizes: list[int] = []
 
@@ -227,6 +229,31 @@ def test_only_partial_blocks_are_evaluated(monkeypatch):
     full = longformer.block_mask(256, block_m=32, block_n=32).block_classes()[0, 0] == masks.FULL
     assert sorted(seen) == sorted(map(tuple, (~full).nonzero().tolist()))
     assert max(sizes) <= 4 * 32 * 32
+
+
+def test_a_user_mask_is_evaluated_once_in_row_chunks_for_every_block_shape(monkeypatch):
+    """from_mask_mod and from_dense: one evaluation over all (q, k), rows in chunks bounded by
+    ROW_CHUNK_ELEMENTS; every block shape (16 for the cost model's fine grid, 32, 64, 128,
+    ragged ends) is read from it and equals the mask, alone and combined with |, & and ~."""
+    monkeypatch.setitem(user.ROW_CHUNK_ELEMENTS, "cpu", 3 * 300)
+    calls: list[tuple[int, ...]] = []
+
+    def spy(b, h, q, k):
+        calls.append(tuple(torch.broadcast_shapes(b.shape, h.shape, q.shape, k.shape)))
+        return ((q - k).abs() <= 37) | (k % 7 == 0)
+
+    seq_q, seq_k = 250, 300
+    mod = masks.from_mask_mod(spy)
+    dense = masks.from_dense(torch.rand(seq_q, seq_k) < 0.3)
+    descs = (mod, dense, mod | masks.causal(), mod & masks.sliding_window(50), ~dense)
+    wants = [desc.to_dense(seq_q, seq_k) for desc in descs]
+    calls.clear()
+    for desc, want in zip(descs, wants, strict=True):
+        for block_m, block_n in ((16, 16), (32, 32), (64, 64), (128, 64), (64, 128)):
+            got = desc.block_mask(seq_q, seq_k, block_m=block_m, block_n=block_n).to_dense()
+            assert torch.equal(got, want), (desc, block_m, block_n)
+    rows = [shape for shape in calls if shape[-1] == seq_k]  # the packed evaluation's chunks: once, for mod
+    assert len(rows) == -(-seq_q // 3) and all(shape[2] <= 3 for shape in rows)
 
 
 def test_long_sequences_never_build_dense():

@@ -17,14 +17,29 @@ def n_words(block_m: int, block_n: int) -> int:
 
 
 def pack(tiles: torch.Tensor) -> torch.Tensor:
-    """bool [N, m, n] -> int32 [N, ceil(m*n/32)] (the bit pattern of the uint32 words)."""
+    """bool [N, m, n] -> int32 [N, ceil(m*n/32)] (the bit pattern of the uint32 words), on
+    the tensor's device."""
     count, m, n = tiles.shape
-    flat = tiles.reshape(count, m * n)
-    pad = n_words(m, n) * 32 - m * n
+    return pack_last(tiles.reshape(count, m * n))
+
+
+_BYTE_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def pack_last(bits: torch.Tensor) -> torch.Tensor:
+    """bool [..., n] -> int32 [..., ceil(n/32)]: bit c in word c // 32 at bit c % 32 (least
+    significant first), padded with zeros. numpy's packbits on the CPU; shifts and a byte sum
+    elsewhere (a GPU packs what it evaluated without a round trip)."""
+    pad = -bits.shape[-1] % 32
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(count, pad)], dim=1)
-    packed = np.packbits(flat.numpy(), axis=1, bitorder="little")
-    return torch.from_numpy(packed.view("<i4").astype(np.int32, copy=False))
+        bits = torch.cat([bits, bits.new_zeros(*bits.shape[:-1], pad)], dim=-1)
+    if bits.device.type == "cpu":
+        packed = np.packbits(bits.contiguous().numpy(), axis=-1, bitorder="little")
+        return torch.from_numpy(np.ascontiguousarray(packed).view("<i4").astype(np.int32, copy=False))
+    if bits.device not in _BYTE_SHIFTS:
+        _BYTE_SHIFTS[bits.device] = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    octets = bits.reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8).to(torch.uint8) << _BYTE_SHIFTS[bits.device]
+    return octets.sum(-1, dtype=torch.uint8).view(torch.int32)  # four bytes per word, little-endian
 
 
 def unpack(words: torch.Tensor, m: int, n: int) -> torch.Tensor:

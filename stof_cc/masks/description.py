@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from stof_cc.masks.block_mask import BlockMask
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BUILT_KEPT = 8  # block masks a description keeps (the cost model asks for a few block shapes per problem)
 
 
 class MaskDescription:
@@ -41,6 +42,7 @@ class MaskDescription:
 
     def __init__(self) -> None:
         self._device_memo: dict[tuple[object, str], torch.Tensor] = {}
+        self._built: dict[tuple, BlockMask] = {}  # block_mask's results, the latest BUILT_KEPT
 
     # -- what a subclass implements ------------------------------------------------------
 
@@ -181,13 +183,19 @@ class MaskDescription:
         batch: int | None = None,
         heads: int | None = None,
     ) -> BlockMask:
-        """The mask in the unified storage format (see BlockMask) for these sizes."""
+        """The mask in the unified storage format (see BlockMask) for these sizes; built once
+        per (sizes, block shape) and kept (a description does not change)."""
         from stof_cc.masks.build import build_block_mask
 
         ext, dims = self._extent("block_mask", seq_q, seq_k, batch, heads)
         block_m = check_int("block_mask", "block_m", block_m)
         block_n = check_int("block_mask", "block_n", block_n)
-        return build_block_mask(self, BlockGrid(ext, block_m, block_n), dims)
+        key = (ext, dims, block_m, block_n)
+        if key not in self._built:
+            if len(self._built) >= BUILT_KEPT:
+                self._built.pop(next(iter(self._built)))
+            self._built[key] = build_block_mask(self, BlockGrid(ext, block_m, block_n), dims)
+        return self._built[key]
 
     def __or__(self, other: object) -> MaskDescription:
         return Union((self, other)) if isinstance(other, MaskDescription) else NotImplemented

@@ -95,18 +95,27 @@ class BlockGrid:
         return self._classes[key]
 
     def positions(self, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query [N, block_m, 1] and key [N, 1, block_n] positions of the tiles, clamped into
-        range; positions past the ragged tail are masked off by `valid_words` afterwards."""
-        q = tiles.i.view(-1, 1, 1) * self.block_m + torch.arange(self.block_m).view(1, -1, 1)
-        k = tiles.j.view(-1, 1, 1) * self.block_n + torch.arange(self.block_n).view(1, 1, -1)
+        """Query [N, block_m, 1] and key [N, 1, block_n] positions of the tiles (on their
+        device), clamped into range; positions past the ragged tail are masked off by
+        `valid_words` afterwards."""
+        device = tiles.i.device
+        q = tiles.i.view(-1, 1, 1) * self.block_m + torch.arange(self.block_m, device=device).view(1, -1, 1)
+        k = tiles.j.view(-1, 1, 1) * self.block_n + torch.arange(self.block_n, device=device).view(1, 1, -1)
         return q.clamp(max=self.ext.seq_q - 1), k.clamp(max=self.ext.seq_k - 1)
 
     def valid_words(self, tiles: Tiles) -> torch.Tensor:
-        """Packed in-range bits of each tile, int32 [N, words]: all ones except in the ragged
-        last block row and column."""
+        """Packed in-range bits of each tile, int32 [N, words] on the tiles' device: all ones
+        except in the ragged last block row and column."""
+        valid = self._valid.to(tiles.i.device)
         if self._aligned:
-            return self._valid[0].expand(len(tiles), -1)
+            return valid[0].expand(len(tiles), -1)
         pattern = 2 * (tiles.i == self.n_rb - 1).long() + (tiles.j == self.n_cb - 1).long()
+        return valid[pattern]
+
+    def valid_grid(self) -> torch.Tensor:
+        """`valid_words` of every block, int32 [n_rb, n_cb, words]."""
+        pattern = 2 * (torch.arange(self.n_rb) == self.n_rb - 1).long()[:, None] \
+            + (torch.arange(self.n_cb) == self.n_cb - 1).long()[None, :]
         return self._valid[pattern]
 
     def _valid_patterns(self) -> torch.Tensor:

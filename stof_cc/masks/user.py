@@ -1,7 +1,12 @@
 """Masks the user brings: a dense boolean tensor, or a FlexAttention-style mask_mod function.
 
-Neither has structure to classify blocks analytically: a dense mask is classified by
-counting each block's True elements, a mask_mod has every block evaluated (in chunks).
+Neither has structure to classify blocks analytically, so each is evaluated over every (q, k)
+once per extent: on a GPU when there is one (a mask_mod on the device of the tensors it
+captures; one that captures CPU tensors on the CPU), in row chunks (never an S x S tensor at
+once), into row-packed bits [Bm, Hm, S_q, ceil(S_k / 32)] int32. Every block shape's classes
+and tiles are views of those bits, so the kernel's block mask, the cost model's candidates and
+`explain_attention` share one evaluation. Above PACKED_BUDGET bytes (long contexts) the bits
+are not kept: every block is classified PARTIAL and its tile evaluated, in chunks, as before.
 """
 
 from __future__ import annotations
@@ -12,13 +17,98 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from stof_cc.masks.bits import pack_last
 from stof_cc.masks.description import MaskDescription, MaskMod
 from stof_cc.masks.errors import MaskError, MaskTypeError
-from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, classes_from
+from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_from
 from stof_cc.masks.zoo import key_padding
 
+PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept per extent (S = 32768 with Bm = Hm = 1: 128 MiB)
+ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
 
-class _Dense(MaskDescription):
+
+class _Evaluated(MaskDescription):
+    """A mask classified by evaluating it: row-packed bits per (extent, device), kept while
+    they fit PACKED_BUDGET; `_classify` and `tile_bits` read them for block_n a multiple of 32
+    or 16 (the cost model's fine grid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bits: dict[Extent, torch.Tensor | None] = {}
+        self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
+
+    def _evaluation_device(self) -> torch.device:
+        """Where to evaluate: a GPU when there is one, unless the mask needs the CPU."""
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    def packed_bits(self, ext: Extent) -> Tensor | None:
+        """bool mask over every (q, k) of ``ext``, row-packed: int32 [Bm, Hm, S_q, ceil(S_k / 32)]
+        on the evaluation device; None above PACKED_BUDGET."""
+        if ext not in self._bits:
+            batch, heads = self._dims(ext)
+            words = -(-ext.seq_k // 32)
+            if batch * heads * ext.seq_q * words * 4 > PACKED_BUDGET:
+                return None
+            device = self._evaluation_device()
+            bits = torch.empty(batch, heads, ext.seq_q, words, dtype=torch.int32, device=device)
+            rows = max(1, ROW_CHUNK_ELEMENTS.get(device.type, 1 << 23) // (batch * heads * ext.seq_k))
+            index = {"dtype": torch.int32, "device": device}  # FlexAttention's index dtype: half the bytes of int64
+            b = torch.arange(batch, **index).view(-1, 1, 1, 1)
+            h = torch.arange(heads, **index).view(1, -1, 1, 1)
+            k = torch.arange(ext.seq_k, **index).view(1, 1, 1, -1)
+            for start in range(0, ext.seq_q, rows):
+                q = torch.arange(start, min(start + rows, ext.seq_q), **index).view(1, 1, -1, 1)
+                mask = self._eval(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k)
+                bits[:, :, start:start + q.shape[2]] = pack_last(mask)
+            self._bits = {ext: bits}  # the latest extent only: it can be hundreds of MB
+        return self._bits[ext]
+
+    def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
+        """int32 [Bm, Hm, n_rb, n_cb, words]: every block's packed tile (bits past the ends 0),
+        on the evaluation device; None where the packed bits are not kept or block_n does not
+        split into whole or half words."""
+        key = (grid.ext, grid.block_m, grid.block_n)
+        if key in self._tiles:
+            return self._tiles[key]
+        bits = self.packed_bits(grid.ext)
+        bm, bn = grid.block_m, grid.block_n
+        if bits is None or (bn % 32 and bn != 16) or (bm * bn) % 32:
+            return None
+        batch, heads, seq_q, words = bits.shape
+        rows = torch.nn.functional.pad(bits, (0, 0, 0, grid.n_rb * bm - seq_q))
+        if bn == 16:  # two tile rows per word: the low and high halves of the row words
+            halves = torch.stack((rows & 0xFFFF, (rows >> 16) & 0xFFFF), -1).flatten(-2)  # a half-word per 16 keys
+            halves = torch.nn.functional.pad(halves, (0, grid.n_cb - halves.shape[-1]))
+            tiles = halves.view(batch, heads, grid.n_rb, bm // 2, 2, grid.n_cb).permute(0, 1, 2, 5, 3, 4)
+            tiles = tiles[..., 0] | (tiles[..., 1] << 16)
+        else:
+            per_row = bn // 32
+            rows = torch.nn.functional.pad(rows, (0, grid.n_cb * per_row - words))
+            tiles = rows.view(batch, heads, grid.n_rb, bm, grid.n_cb, per_row).permute(0, 1, 2, 4, 3, 5)
+        tiles = tiles.reshape(batch, heads, grid.n_rb, grid.n_cb, grid.words)
+        self._tiles = {key: tiles}  # the latest block shape only: the cost model walks the shapes in turn
+        return tiles
+
+    def _classify(self, grid: BlockGrid) -> Tensor:
+        tiles = self._grid_tiles(grid)
+        if tiles is None:
+            return torch.full((1, 1, grid.n_rb, grid.n_cb), PARTIAL, dtype=torch.int8)
+        valid = grid.valid_grid().to(tiles.device)
+        return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu()
+
+    def tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
+        packed = self._grid_tiles(grid)
+        if packed is None:  # evaluate the tiles themselves, on the evaluation device
+            device = self._evaluation_device()
+            on_device = Tiles(*(t.to(device) for t in (tiles.b, tiles.h, tiles.i, tiles.j)))
+            return self._tile_bits(grid, on_device).cpu()
+        b = tiles.b * int(packed.shape[0] > 1)
+        h = tiles.h * int(packed.shape[1] > 1)
+        index = [t.to(packed.device) for t in (b, h, tiles.i, tiles.j)]
+        return packed[index[0], index[1], index[2], index[3]].cpu() & grid.valid_words(tiles)
+
+
+class _Dense(_Evaluated):
     """A bool mask [B|1, H|1, S_q, S_k] held as is; the only description that is dense."""
 
     def __init__(self, mask: Tensor) -> None:
@@ -49,17 +139,8 @@ class _Dense(MaskDescription):
         batch, heads = mask.shape[:2]
         return mask[b.clamp(max=batch - 1), h.clamp(max=heads - 1), q, k]
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        batch, heads, seq_q, seq_k = self.mask.shape
-        bm, bn = grid.block_m, grid.block_n
-        padded = self.mask.new_zeros(batch, heads, grid.n_rb * bm, grid.n_cb * bn)
-        padded[:, :, :seq_q, :seq_k] = self.mask
-        counts = padded.view(batch, heads, grid.n_rb, bm, grid.n_cb, bn).sum((3, 5))
-        area = (grid.q_hi - grid.q_lo + 1) * (grid.k_hi - grid.k_lo + 1)
-        return classes_from(counts == area, counts == 0)
 
-
-class _MaskMod(MaskDescription):
+class _MaskMod(_Evaluated):
     """A user mask_mod, evaluated on every block and checked on every call. It runs on the
     device of the tensors it captures (FlexAttention users index CUDA tables in their
     mask_mods): index tensors go there and the result comes back to the caller's device."""
@@ -115,8 +196,9 @@ class _MaskMod(MaskDescription):
             )
         return out.to(home)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        return torch.full((1, 1, grid.n_rb, grid.n_cb), PARTIAL, dtype=torch.int8)
+    def _evaluation_device(self) -> torch.device:
+        """The device of the tensors the function captures; the CPU if it captures CPU tensors."""
+        return self.device if self.device is not None else super()._evaluation_device()
 
 
 def from_dense(mask: Tensor) -> MaskDescription:
@@ -153,9 +235,9 @@ def from_mask_mod(
 
 
 def captured_device(fn: Callable) -> torch.device | None:
-    """The device of the tensors ``fn`` captures, if they are on one device other than the
-    CPU: through its closure, default arguments, the globals it names, and (for a
-    functools.partial) its bound arguments."""
+    """The device of the tensors ``fn`` captures (through its closure, default arguments, the
+    globals it names, and for a functools.partial its bound arguments): the one GPU they are
+    on, the CPU when all are CPU tensors, None when it captures none or several GPUs."""
     seen = []
     while isinstance(fn, functools.partial):
         seen += [*fn.args, *fn.keywords.values()]
@@ -165,8 +247,11 @@ def captured_device(fn: Callable) -> torch.device | None:
         seen += [_cell_value(c) for c in fn.__closure__ or ()]
         seen += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
         seen += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
-    devices = {t.device for t in seen if isinstance(t, Tensor) and t.device.type != "cpu"}
-    return devices.pop() if len(devices) == 1 else None
+    devices = {t.device for t in seen if isinstance(t, Tensor)}
+    gpus = devices - {torch.device("cpu")}
+    if len(gpus) == 1:
+        return gpus.pop()
+    return torch.device("cpu") if devices == {torch.device("cpu")} else None
 
 
 def _cell_value(cell: object) -> object:
