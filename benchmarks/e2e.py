@@ -41,7 +41,7 @@ from sparse_bert import SparseBert  # noqa: E402
 import stof_cc  # noqa: E402
 from stof_cc.backends.stream_launch import dependent_launches  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
-from stof_cc.masks.workloads import grid_mask  # noqa: E402
+from stof_cc.masks.workloads import grid_mask, user_mask_mod  # noqa: E402
 
 TOKENS, TOLERANCE = 4096, 1e-2
 
@@ -91,7 +91,7 @@ def run_row(name: str, seq: int, database: Path, profile: bool = False, with_pee
     with torch.no_grad():
         want = model(x, dense)
     model, x = model.half(), x.half()
-    block_mask = create_block_mask(desc.mask_mod_for(seq, seq, batch, 12), None, None, seq, seq, device="cuda")
+    block_mask = create_block_mask(user_mask_mod(name, seq, "cuda"), None, None, seq, seq, device="cuda")  # as users write it
     flex = SparseBert(attention="flex", block_mask=block_mask).cuda().half().eval()
     flex.load_state_dict(model.state_dict())
     peers = {"eager": lambda: model(x, dense)} if with_peers else {}

@@ -25,24 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stof_cc import masks  # noqa: E402
+from stof_cc.masks.workloads import GRID_MASKS, user_mask_mod  # noqa: E402
 
 BLOCK = 128
-
-
-def user_mask_mods(seq: int, device: str) -> dict:
-    """WORKLOADS.md's mask_mods, as a user writes them (tables on the device)."""
-    w = max(64, seq // 16)
-    rnd = torch.rand(-(-seq // 64), -(-seq // 64), generator=torch.Generator().manual_seed(0)) < 3 / (seq / 64)
-    rnd = rnd.to(device)
-    doc = (torch.arange(seq) // max(128, seq // 4)).to(device)
-    return {
-        "causal": lambda b, h, q, k: q >= k,
-        "sliding": lambda b, h, q, k: (q - k).abs() <= w,
-        "dilated": lambda b, h, q, k: ((q - k).abs() <= 4 * w) & (((q - k) % 4) == 0),
-        "longformer": lambda b, h, q, k: ((q - k).abs() <= w) | (q < 32) | (k < 32),
-        "bigbird": lambda b, h, q, k: ((q - k).abs() <= w) | (q < 32) | (k < 32) | rnd[q // 64, k // 64],
-        "document": lambda b, h, q, k: doc[q] == doc[k],
-    }
 
 
 def timed(fn, device: str, repeats: int = 5) -> float:
@@ -58,6 +43,40 @@ def timed(fn, device: str, repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
+def cases(seq: int, device: str) -> dict:
+    """label -> (a maker of a fresh description, the mask_mod FlexAttention gets or None)."""
+    mods = {name: user_mask_mod(name, seq, device) for name in GRID_MASKS}
+    out = {f"from_mask_mod {name}": (lambda fn=fn: masks.from_mask_mod(fn), fn) for name, fn in mods.items()}
+    out["from_mask_mod longformer | causal()"] = (
+        lambda fn=mods["longformer"]: masks.from_mask_mod(fn) | masks.causal(), None)
+    if seq <= 8192:
+        dense = torch.rand(seq, seq, generator=torch.Generator().manual_seed(1)) < 0.05
+        out["from_dense (5% random)"] = (lambda dense=dense: masks.from_dense(dense), None)
+    return out
+
+
+def measure(seq: int, make, mask_mod, device: str) -> dict:
+    """One row: the first build (a fresh description each repeat), the repeat, and
+    create_block_mask on the same mask_mod."""
+    first = timed(lambda: make().block_mask(seq, seq, BLOCK, BLOCK).to(device), device)
+    desc = make()
+    kept = desc.block_mask(seq, seq, BLOCK, BLOCK)
+    row = {"S": seq, "first_ms": first, "repeat_ms": timed(lambda: desc.block_mask(seq, seq, BLOCK, BLOCK), device),
+           "flex_ms": None}
+    if mask_mod is not None and device == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def flex():
+            return create_block_mask(mask_mod, None, None, seq, seq, device=device, BLOCK_SIZE=BLOCK)
+
+        flex()  # warms the allocator
+        row["flex_ms"] = timed(flex, device)
+        flex_blocks = flex().to_dense()[0, 0].cpu().bool()  # non-empty blocks
+        ours = kept.block_classes()[0, 0] != 0
+        row["same_blocks"] = bool(torch.equal(flex_blocks, ours)) if flex_blocks.shape == ours.shape else None
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="8192,32768")
@@ -66,32 +85,10 @@ def main() -> None:
     device = args.device
     rows = []
     for seq in map(int, args.seqs.split(",")):
-        mods = user_mask_mods(seq, device)
-        cases = {f"from_mask_mod {name}": (lambda fn=fn: masks.from_mask_mod(fn), fn) for name, fn in mods.items()}
-        cases["from_mask_mod longformer | causal()"] = (
-            lambda: masks.from_mask_mod(mods["longformer"]) | masks.causal(), None)
-        if seq <= 8192:
-            dense = torch.rand(seq, seq, generator=torch.Generator().manual_seed(1)) < 0.05
-            cases["from_dense (5% random)"] = (lambda: masks.from_dense(dense), None)
-        for label, (make, mask_mod) in cases.items():
-            build = lambda make=make: make().block_mask(seq, seq, BLOCK, BLOCK).to(device)  # noqa: E731
-            first = timed(build, device)
-            desc = make()
-            kept = desc.block_mask(seq, seq, BLOCK, BLOCK)
-            again = timed(lambda desc=desc: desc.block_mask(seq, seq, BLOCK, BLOCK), device)
-            row = {"S": seq, "mask": label, "first_ms": first, "repeat_ms": again, "flex_ms": None}
-            if mask_mod is not None and device == "cuda":
-                from torch.nn.attention.flex_attention import create_block_mask
-
-                flex = lambda mask_mod=mask_mod: create_block_mask(mask_mod, None, None, seq, seq,  # noqa: E731
-                                                                   device=device, BLOCK_SIZE=BLOCK)
-                flex()  # its first call compiles nothing (no _compile), but warms the allocator
-                row["flex_ms"] = timed(flex, device)
-                flex_blocks = flex().to_dense()[0, 0].cpu().bool()  # non-empty blocks
-                ours = kept.block_classes()[0, 0] != 0
-                row["same_blocks"] = bool(torch.equal(flex_blocks, ours)) if flex_blocks.shape == ours.shape else None
+        for label, (make, mask_mod) in cases(seq, device).items():
+            row = {"mask": label, **measure(seq, make, mask_mod, device)}
             rows.append(row)
-            print(f"S={seq:6d} {label:40s} first {first:9.1f} ms  repeat {again:7.2f} ms"
+            print(f"S={seq:6d} {label:40s} first {row['first_ms']:9.1f} ms  repeat {row['repeat_ms']:7.2f} ms"
                   + (f"  create_block_mask {row['flex_ms']:8.1f} ms  same blocks: {row['same_blocks']}"
                      if row["flex_ms"] is not None else ""), flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"

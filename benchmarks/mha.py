@@ -1,11 +1,18 @@
 """The MHA grid of shared/bench/WORKLOADS.md: stof-cc's attention beside its peers, in one process.
 
-Per case (mask, S): B = 8 for S <= 512 else 4096 // S, H = 12, D = 64, fp16, random
-normal inputs. Every implementation is first checked against the fp32 torch reference;
-only correct peers count. Times are medians of `triton.testing.do_bench` after warm-up
-(stof-cc's kernel is compiled and its mask converted before timing, as a user's second
-call would find them). Prints one row per case, then the geomean; `--append` adds the
-table to benchmarks/RESULTS.md with date, GPU and versions.
+Per case (mask, S): B = 8 for S <= 512 else 4096 // S (at least 1), H = 12, D = 64, fp16,
+random normal inputs (`--heads`, `--head-dim`, `--dtype`, `--batch` change them: the D = 128 grid
+is `--heads 16 --head-dim 128 --dtype bfloat16`). Every implementation is first checked against
+the fp32 torch reference (above MAX_DENSE_SEQ on 256 sampled query rows, the dense mask being
+too large); only correct peers count. Peers, as their users run them (WORKLOADS.md):
+SDPA with the boolean mask (up to MAX_DENSE_SEQ), SDPA `is_causal` under the FlashAttention and
+the cuDNN backends (causal), and `torch.compile(flex_attention)` with the mask_mod a user writes
+(`stof_cc.masks.workloads.user_mask_mod`). The floor: the fastest dense kernel (SDPA without a
+mask under the flash and cuDNN backends) times the mask's density; each row reports stof-cc's
+fraction of it. Times are medians of `triton.testing.do_bench` after warm-up (stof-cc's kernel is
+compiled and its mask converted before timing, as a user's second call would find them). Prints
+one row per case, then the geomean; `--append` adds the table to benchmarks/RESULTS.md with date,
+GPU and versions. Long context: `--seqs 32768,131072 --masks causal,sliding,document`.
 
 `--tune` runs stage 2 of the search first (it measures the survivors of stage 1: 8 of 41 here). `--sweep` measures every
 candidate of the search space with stage 2's own timer (kernel time alone: CUDA events behind a
@@ -13,8 +20,8 @@ stream sleep, median of 20, inputs rotated) and reports where the model's choice
 `--tune`, it also reports how far stage 2's winner is from this exhaustive best, both timed the
 same way. `--no-peers` skips the peers (for tuning evidence only).
 
-    python benchmarks/mha.py [--seqs 128,2048] [--masks causal,sliding] [--tune] [--sweep] [--no-peers]
-                             [--json FILE] [--append]
+    python benchmarks/mha.py [--seqs 128,2048] [--masks causal,sliding] [--heads 12 --head-dim 64 --dtype float16]
+                             [--batch B] [--tune] [--sweep] [--no-peers] [--json FILE] [--append]
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from stof_cc.masks.workloads import (  # noqa: E402
     GRID_SEQS,
     grid_batch,
     grid_mask,
+    user_mask_mod,
 )
 from stof_cc.runtime.attention import attention  # noqa: E402
 from stof_cc.templates.attention import config_label, problem_of  # noqa: E402
@@ -50,6 +58,8 @@ from stof_cc.tune.attention import choose  # noqa: E402
 from stof_cc.tune.tune_attention import tune_attention  # noqa: E402
 
 TOLERANCE = 1e-2  # relative error (Frobenius) for fp16
+MAX_DENSE_SEQ = 16384  # above, no dense S x S mask: no SDPA-with-mask peer, a sampled reference
+SAMPLED_ROWS = 256
 
 
 def bench(fn) -> float:
@@ -58,7 +68,9 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def flex_peer(desc, batch, heads, seq):
+def flex_peer(name, batch, heads, seq):
+    """torch.compile(flex_attention) with the user's mask_mod; create_block_mask compiled above
+    MAX_DENSE_SEQ, as FlexAttention's docs advise for long sequences."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = flex_peer.compiled
@@ -66,39 +78,66 @@ def flex_peer(desc, batch, heads, seq):
         torch._dynamo.config.recompile_limit = 1000
         torch._dynamo.config.cache_size_limit = 1000
         compiled = flex_peer.compiled = torch.compile(flex_attention)
-    block_mask = create_block_mask(desc.mask_mod_for(seq, seq, batch, heads), None, None, seq, seq, device="cuda")
+    block_mask = create_block_mask(user_mask_mod(name, seq, "cuda"), None, None, seq, seq, device="cuda",
+                                   _compile=seq > MAX_DENSE_SEQ)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
 
 
 flex_peer.compiled = None
 
 
-def peers(name, desc, dense, batch, heads, seq):
-    out = {"sdpa_mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)}
+def under(backend, **kwargs):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return run
+
+
+def peers(name, dense, batch, heads, seq):
+    out = {}
+    if dense is not None:
+        out["sdpa_mask"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
     if name == "causal":
-        out["sdpa_causal"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out["flash_causal"] = under(SDPBackend.FLASH_ATTENTION, is_causal=True)
+        out["cudnn_causal"] = under(SDPBackend.CUDNN_ATTENTION, is_causal=True)
     try:
-        out["flex"] = flex_peer(desc, batch, heads, seq)
+        out["flex"] = flex_peer(name, batch, heads, seq)
     except Exception as exc:  # record why a peer is missing rather than dropping it silently
         print(f"  flex unavailable for {name} S={seq}: {type(exc).__name__}: {exc}")
     return out
 
 
-def dense_floor(q, k, v):
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v)
+DENSE_FLOORS = {"flash": under(SDPBackend.FLASH_ATTENTION), "cudnn": under(SDPBackend.CUDNN_ATTENTION)}
 
 
-def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: bool = True) -> dict:
-    batch, heads, d = grid_batch(seq), GRID_HEADS, GRID_HEAD_DIM
+def sampled_reference(q, k, v, desc, rows):
+    """The fp32 reference on the query rows ``rows`` only: their mask rows evaluated directly."""
+    b, h = q.shape[:2]
+    index = torch.arange
+    allowed = desc.mask_mod_for(q.shape[2], k.shape[2], b, h)(
+        index(b, device=q.device).view(-1, 1, 1, 1), index(h, device=q.device).view(1, -1, 1, 1),
+        rows.view(1, 1, -1, 1), index(k.shape[2], device=q.device).view(1, 1, 1, -1))
+    return masked_attention(q[:, :, rows], k, v, allowed)
+
+
+def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: bool = True,
+             heads: int = GRID_HEADS, d: int = GRID_HEAD_DIM, dtype: torch.dtype = torch.float16,
+             batch: int | None = None) -> dict:
+    batch = grid_batch(seq) if batch is None else batch
     desc = grid_mask(name, seq)
-    dense = desc.to_dense(seq, seq).cuda()
-    attended = int(dense.sum()) * batch * heads // dense.shape[0] // dense.shape[1]
+    density = desc.block_mask(seq, seq, 128, 128).element_density
+    attended = density * seq * seq * batch * heads
+    dense = desc.to_dense(seq, seq).cuda() if seq <= MAX_DENSE_SEQ else None
     gen = torch.Generator(device="cuda").manual_seed(seq)
-    q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=torch.float16, generator=gen)
+    q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype, generator=gen)
                for _ in range(3))
-    ref = masked_attention(q, k, v, dense)
-    row = {"mask": name, "seq": seq, "batch": batch}
+    if dense is not None:
+        rows, ref = slice(None), masked_attention(q, k, v, dense)
+    else:
+        rows = torch.randperm(seq, device="cuda", generator=gen)[:SAMPLED_ROWS].sort().values
+        ref = sampled_reference(q, k, v, desc, rows)
+    row = {"mask": name, "seq": seq, "batch": batch, "heads": heads, "head_dim": d, "dtype": str(dtype),
+           "density": density}
 
     problem = problem_of(q, k, v)
     if tune:  # stage 2: measure stage 1's survivors and adopt the fastest (no database: every case measures)
@@ -108,20 +147,28 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
                        "winner": config_label(report.winner.params)}
     choice = choose(problem, desc)
     ours = lambda: attention(q, k, v, desc)  # noqa: E731
-    row["stof_err"] = relative_error(ours(), ref)
+    row["stof_err"] = relative_error(ours()[:, :, rows], ref)
     row["stof_ms"] = bench(ours)
     row["kernel"] = config_label(choice.params)
     row["tflops"] = 4 * attended * d / (row["stof_ms"] * 1e-3) / 1e12
 
     row["peers"] = {}
-    for peer, fn in (peers(name, desc, dense, batch, heads, seq) if with_peers else {}).items():
+    for peer, fn in (peers(name, dense, batch, heads, seq) if with_peers else {}).items():
         try:
-            err = relative_error(fn(q, k, v), ref)
+            err = relative_error(fn(q, k, v)[:, :, rows], ref)
             row["peers"][peer] = {"ms": bench(lambda fn=fn: fn(q, k, v)), "err": err, "ok": err < TOLERANCE}
         except Exception as exc:
             row["peers"][peer] = {"ms": math.inf, "err": math.inf, "ok": False, "error": str(exc)[:200]}
     if with_peers:
-        row["dense_fa_ms"] = bench(lambda: dense_floor(q, k, v))
+        row["dense_ms"] = {}
+        for label, fn in DENSE_FLOORS.items():
+            try:
+                row["dense_ms"][label] = bench(lambda fn=fn: fn(q, k, v))
+            except Exception as exc:  # a backend that refuses the shape is named
+                row["dense_ms"][label] = math.inf
+                print(f"  dense {label} unavailable at S={seq}: {type(exc).__name__}: {str(exc)[:120]}")
+        row["floor_ms"] = min(row["dense_ms"].values()) * density
+        row["floor_fraction"] = row["floor_ms"] / row["stof_ms"]
         correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
         row["best_peer_ms"] = min(correct) if correct else math.inf
         row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < TOLERANCE else 0.0
@@ -147,9 +194,9 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
 
 
 def format_table(rows: list[dict]) -> str:
-    peer_names = ["sdpa_mask", "sdpa_causal", "flex"]
+    peer_names = ["sdpa_mask", "flash_causal", "cudnn_causal", "flex"]
     head = "| mask | S | B | stof ms | " + " | ".join(f"{p} ms" for p in peer_names) + \
-           " | dense_fa ms | speedup | TFLOP/s | kernel |"
+           " | floor ms | of floor | speedup | TFLOP/s | kernel |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = []
@@ -157,10 +204,10 @@ def format_table(rows: list[dict]) -> str:
             info = r["peers"].get(p)
             cells.append("-" if info is None else (f"{info['ms']:.4f}" + ("" if info["ok"] else " (wrong)")))
         stof = f"{r['stof_ms']:.4f}" + ("" if r["stof_err"] < TOLERANCE else " (WRONG)")
-        dense = f"{r['dense_fa_ms']:.4f}" if "dense_fa_ms" in r else "-"
+        floor = f"{r['floor_ms']:.4f} | {r['floor_fraction']:.0%}" if "floor_ms" in r else "- | -"
         speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
         lines.append(f"| {r['mask']} | {r['seq']} | {r['batch']} | {stof} | " + " | ".join(cells) +
-                     f" | {dense} | {speedup} | {r['tflops']:.0f} | {r['kernel']} |")
+                     f" | {floor} | {speedup} | {r['tflops']:.0f} | {r['kernel']} |")
     tuned = [r for r in rows if "sweep" in r and "winner_sweep_ms" in r.get("tune", {})]
     if tuned:
         lines += ["", "| mask | S | stage 2 winner | its ms in the sweep | exhaustive best | best ms | ratio | "
@@ -181,6 +228,15 @@ def summary(rows: list[dict]) -> str:
         worst = min(compared, key=lambda r: r["speedup"])
         text = (f"geomean speedup over the best correct peer: {geo:.3f}x over {len(compared)} cases; "
                 f"worst {worst['speedup']:.2f}x ({worst['mask']} S={worst['seq']})\n")
+    causal = [r for r in compared if r["peers"].get("cudnn_causal", {}).get("ok")]
+    if causal:
+        text += "causal, stof-cc's time / cuDNN's causal time: " + ", ".join(
+            f"S={r['seq']} {r['stof_ms'] / r['peers']['cudnn_causal']['ms']:.2f}" for r in causal) + "\n"
+    sparse = [r for r in compared if r["seq"] >= 8192 and r["mask"] != "causal"]
+    if sparse:
+        low = min(sparse, key=lambda r: r["floor_fraction"])
+        text += (f"sparse masks at S >= 8192: {low['floor_fraction']:.0%} of the floor at the lowest "
+                 f"({low['mask']} S={low['seq']})\n")
     sweeps = [r for r in rows if "sweep" in r]
     if sweeps:
         text += (f"model's first choice within 5% of the exhaustive best in "
@@ -233,6 +289,10 @@ def main() -> None:
     parser.add_argument("--no-peers", action="store_true", help="skip the peers (tuning evidence only)")
     parser.add_argument("--tune", action="store_true",
                         help="run stage 2 of the search (measure stage 1's survivors) before timing stof-cc")
+    parser.add_argument("--heads", type=int, default=GRID_HEADS)
+    parser.add_argument("--head-dim", type=int, default=GRID_HEAD_DIM)
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--batch", type=int, help="instead of 4096 tokens per call")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
@@ -241,11 +301,13 @@ def main() -> None:
     rows = []
     for seq in map(int, args.seqs.split(",")):
         for name in args.masks.split(","):
-            row = run_case(name, seq, args.sweep, args.tune, with_peers=not args.no_peers)
+            row = run_case(name, seq, args.sweep, args.tune, with_peers=not args.no_peers, heads=args.heads,
+                           d=args.head_dim, dtype=getattr(torch, args.dtype), batch=args.batch)
             rows.append(row)
             line = f"{name:>10} S={seq:<5} stof {row['stof_ms']:.4f} ms  [{row['kernel']}]"
             if "speedup" in row:
-                line += f"  best peer {row['best_peer_ms']:.4f} ms -> {row['speedup']:.2f}x"
+                line += (f"  best peer {row['best_peer_ms']:.4f} ms -> {row['speedup']:.2f}x, "
+                         f"{row['floor_fraction']:.0%} of the floor")
             if "sweep" in row:
                 line += f"  exhaustive best {row['best_ms']:.4f} ms [{row['best_kernel']}]"
             if "winner_sweep_ms" in row.get("tune", {}):

@@ -392,3 +392,13 @@ def test_bigbird_mask_mod_works_under_flex_vmap():
     mask = masks.bigbird(32, 4, 2, block=32, seed=3)
     flex_dense = create_mask(mask.mask_mod_for(256, 256), None, None, 256, 256, device="cpu")
     assert torch.equal(flex_dense, mask.to_dense(256, 256))
+
+
+@pytest.mark.parametrize("seq", [256, 1000, 2048])
+def test_the_user_written_mask_mods_are_the_grid_masks(seq):
+    """benchmarks' FlexAttention peer runs the mask_mods a user writes (WORKLOADS.md): they
+    attend exactly what the grid's descriptions do."""
+    from stof_cc.masks.workloads import GRID_MASKS, grid_mask, user_mask_mod
+
+    for name in GRID_MASKS:
+        assert torch.equal(masks.from_mask_mod(user_mask_mod(name, seq)).to_dense(seq), grid_mask(name, seq).to_dense(seq))

@@ -7,7 +7,15 @@ import torch
 
 from stof_cc.masks.description import MaskDescription
 from stof_cc.masks.errors import MaskError, check_int
-from stof_cc.masks.zoo import bigbird, causal, dilated, document, longformer, sliding_window
+from stof_cc.masks.zoo import (
+    bigbird,
+    causal,
+    dilated,
+    document,
+    longformer,
+    random_blocks,
+    sliding_window,
+)
 
 GRID_MASKS = ("causal", "sliding", "dilated", "longformer", "bigbird", "document")
 GRID_SEQS = (128, 256, 512, 1024, 2048, 8192)
@@ -54,3 +62,29 @@ def grid_mask(name: str, seq: int) -> MaskDescription:
     if name == "document":
         return document(segment_ids=torch.arange(seq) // max(128, seq // 4))
     raise MaskError(f"grid_mask: name must be one of {', '.join(GRID_MASKS)}, got {name!r}")
+
+
+def user_mask_mod(name: str, seq: int, device: torch.device | str = "cpu"):
+    """The grid mask `name` as a FlexAttention user writes its mask_mod (WORKLOADS.md): plain
+    index arithmetic, BigBird's random blocks and the document ids as tables on ``device``.
+    What the FlexAttention peer and the user-mask benchmarks run (not `mask_mod_for`'s table
+    lookups, which make FlexAttention slower than it is for its users)."""
+    seq = check_int("user_mask_mod", "seq", seq)
+    w = grid_window(seq)
+    if name == "causal":
+        return lambda b, h, q, k: q >= k
+    if name == "sliding":
+        return lambda b, h, q, k: (q - k).abs() <= w
+    if name == "dilated":
+        return lambda b, h, q, k: ((q - k).abs() <= GRID_DILATION * w) & (((q - k) % GRID_DILATION) == 0)
+    if name == "longformer":
+        return lambda b, h, q, k: ((q - k).abs() <= w) | (q < GRID_GLOBAL_TOKENS) | (k < GRID_GLOBAL_TOKENS)
+    if name == "bigbird":
+        rnd = random_blocks(GRID_RANDOM_BLOCKS, GRID_RANDOM_BLOCK, GRID_SEED).cells(seq, seq).to(device)
+        size = GRID_RANDOM_BLOCK
+        return lambda b, h, q, k: ((q - k).abs() <= w) | (q < GRID_GLOBAL_TOKENS) | (k < GRID_GLOBAL_TOKENS) \
+            | rnd[q // size, k // size]
+    if name == "document":
+        doc = (torch.arange(seq) // max(128, seq // 4)).to(device)
+        return lambda b, h, q, k: doc[q] == doc[k]
+    raise MaskError(f"user_mask_mod: name must be one of {', '.join(GRID_MASKS)}, got {name!r}")
