@@ -1,0 +1,105 @@
+"""User masks built on the device (issue 23, item 4): `stof_cc.masks.from_mask_mod` with the
+mask_mods a FlexAttention user writes (shared/bench/WORKLOADS.md), `from_dense` and a union,
+against FlexAttention's `create_block_mask` on the same mask_mod.
+
+    python benchmarks/user_mask_build.py [--seqs 8192,32768] [--device cuda]
+
+Each row: a fresh description per repeat (nothing cached), `block_mask(S, S, 128, 128)` moved
+to the device (what `stof_cc.attention` does on a first call), median of 5 wall-clock
+repeats with the device synchronised; then the same description again (the cached repeat);
+`create_block_mask(mask_mod, None, None, S, S, device=...)` beside it (BLOCK_SIZE 128). The
+block masks are checked to hold the same blocks. On the CPU (--device cpu) FlexAttention is
+not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from stof_cc import masks  # noqa: E402
+from stof_cc.masks.workloads import GRID_MASKS, user_mask_mod  # noqa: E402
+
+BLOCK = 128
+
+
+def timed(fn, device: str, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def cases(seq: int, device: str) -> dict:
+    """label -> (a maker of a fresh description, the mask_mod FlexAttention gets or None)."""
+    mods = {name: user_mask_mod(name, seq, device) for name in GRID_MASKS}
+    out = {f"from_mask_mod {name}": (lambda fn=fn: masks.from_mask_mod(fn), fn) for name, fn in mods.items()}
+    out["from_mask_mod longformer | causal()"] = (
+        lambda fn=mods["longformer"]: masks.from_mask_mod(fn) | masks.causal(), None)
+    if seq <= 8192:
+        dense = torch.rand(seq, seq, generator=torch.Generator().manual_seed(1)) < 0.05
+        out["from_dense (5% random)"] = (lambda dense=dense: masks.from_dense(dense), None)
+    return out
+
+
+def measure(seq: int, make, mask_mod, device: str) -> dict:
+    """One row: the first build (a fresh description each repeat), the repeat, and
+    create_block_mask on the same mask_mod."""
+    first = timed(lambda: make().block_mask(seq, seq, BLOCK, BLOCK).to(device), device)
+    desc = make()
+    kept = desc.block_mask(seq, seq, BLOCK, BLOCK)
+    row = {"S": seq, "first_ms": first, "repeat_ms": timed(lambda: desc.block_mask(seq, seq, BLOCK, BLOCK), device),
+           "flex_ms": None}
+    if mask_mod is not None and device == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def flex():
+            return create_block_mask(mask_mod, None, None, seq, seq, device=device, BLOCK_SIZE=BLOCK)
+
+        flex()  # warms the allocator
+        row["flex_ms"] = timed(flex, device)
+        flex_blocks = flex().to_dense()[0, 0].cpu().bool()  # non-empty blocks
+        ours = kept.block_classes()[0, 0] != 0
+        row["same_blocks"] = bool(torch.equal(flex_blocks, ours)) if flex_blocks.shape == ours.shape else None
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="8192,32768")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = args.device
+    rows = []
+    for seq in map(int, args.seqs.split(",")):
+        for label, (make, mask_mod) in cases(seq, device).items():
+            row = {"mask": label, **measure(seq, make, mask_mod, device)}
+            rows.append(row)
+            print(f"S={seq:6d} {label:40s} first {row['first_ms']:9.1f} ms  repeat {row['repeat_ms']:7.2f} ms"
+                  + (f"  create_block_mask {row['flex_ms']:8.1f} ms  same blocks: {row['same_blocks']}"
+                     if row["flex_ms"] is not None else ""), flush=True)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"\n{name}, torch {torch.__version__}, block {BLOCK}x{BLOCK}, device {device}")
+    print("| S | mask | stof-cc first build ms | repeat ms | create_block_mask ms |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        same = {True: "", False: " (differs)", None: " (not compared)"}[r.get("same_blocks")]
+        flex = "-" if r["flex_ms"] is None else f"{r['flex_ms']:.1f}{same}"
+        print(f"| {r['S']} | {r['mask']} | {r['first_ms']:.1f} | {r['repeat_ms']:.2f} | {flex} |")
+
+
+if __name__ == "__main__":
+    main()
