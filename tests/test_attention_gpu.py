@@ -232,3 +232,25 @@ def test_an_additive_bias_is_added_by_every_template(dtype, head_dim):
             attention(q, k, v, bias=bias, params=params, out=out)
             want = _biased_reference(q, k, v, bias)
         _check(out, want, f"bias {tuple(shape)} {template.name} {params}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq, w, dilation, splits", [(8192, 512, 4, True), (4096, 256, 2, None)])
+def test_a_dilated_window_split_into_strided_windows_matches_reference(dtype, seq, w, dilation, splits):
+    """Where the cost model prefers it (S = 8192: 4 windows of 2048 against one sparse 8192), a
+    dilated window runs as `dilation` sliding windows on strided views (q[:, :, r::d]), each
+    writing its rows of one output; with key padding too. Either way it matches the reference."""
+    from stof_cc.runtime import attention as runtime_attention
+
+    q, k, v = (torch.randn(1, 4, seq, 64, device="cuda", dtype=dtype) for _ in range(3))
+    desc = masks.dilated(w, dilation)
+    dense = desc.to_dense(seq).cuda()
+    got = attention(q, k, v, desc)
+    if splits:
+        assert runtime_attention._splits[desc][problem_of(q, k, v)] == desc.strided_split()
+    assert relative_error(got, masked_attention(q, k, v, dense)) < 1e-2
+    padding = torch.ones(1, seq, dtype=torch.long, device="cuda")
+    padding[:, seq - 1000:] = 0
+    got = attention(q, k, v, desc, key_padding=padding)
+    want = masked_attention(q, k, v, dense & padding.bool()[:, None, None, :])
+    assert relative_error(got, want) < 1e-2

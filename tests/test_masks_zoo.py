@@ -402,3 +402,19 @@ def test_the_user_written_mask_mods_are_the_grid_masks(seq):
 
     for name in GRID_MASKS:
         assert torch.equal(masks.from_mask_mod(user_mask_mod(name, seq)).to_dense(seq), grid_mask(name, seq).to_dense(seq))
+
+
+@pytest.mark.parametrize("w, dilation", [(3, 2), (5, 4), (1, 3)])
+def test_a_dilated_window_is_sliding_windows_on_its_residues(w, dilation):
+    """strided_split: the positions r, r + d, ... of a dilated window attend each other as the
+    sliding window of the split, and no position attends another residue."""
+    seq = 12 * dilation
+    desc = masks.dilated(w, dilation)
+    d, sub = desc.strided_split()
+    dense = desc.to_dense(seq)[0, 0]
+    assert d == dilation
+    for r in range(d):
+        for r2 in range(d):
+            block = dense[r::d, r2::d]
+            assert torch.equal(block, sub.to_dense(seq // d)[0, 0]) if r == r2 else not block.any()
+    assert masks.causal().strided_split() is None

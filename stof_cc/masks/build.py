@@ -25,10 +25,7 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
     maybe = (classes == PARTIAL).nonzero()  # row-major: (b, h, i, j) in CSR order
     flat = classes.view(-1)
     strides = torch.tensor(classes.stride())
-    # a translation-invariant mask evaluates one tile per block offset, not per block, so
-    # its temporaries stay small and one chunk avoids re-evaluating offsets chunk by chunk
-    elements = grid.block_m * grid.block_n
-    per_chunk = max(1, len(maybe) if desc.invariant else CHUNK_ELEMENTS // elements)
+    per_chunk = desc.tiles_per_chunk(grid) or max(1, len(maybe))
     kept = [torch.zeros(0, grid.words, dtype=torch.int32)]
     for start in range(0, len(maybe), per_chunk):
         index = maybe[start : start + per_chunk]

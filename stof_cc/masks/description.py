@@ -87,6 +87,21 @@ class MaskDescription:
 
     # -- what the builder calls ----------------------------------------------------------
 
+    def strided_split(self) -> tuple[int, MaskDescription] | None:
+        """(d, sub) when the mask connects only positions equal modulo d (q % d == k % d) and,
+        on each residue's strided subsequence (positions r, r + d, ...), is ``sub`` (in that
+        subsequence's own positions): d independent attentions over strided views then
+        compute it, each with a denser mask. None for masks without that structure."""
+        return None
+
+    def tiles_per_chunk(self, grid: BlockGrid) -> int | None:
+        """How many PARTIAL tiles the builder hands `tile_bits` at once (None: all): chunks of
+        CHUNK_ELEMENTS elements bound an evaluation's temporaries; a translation-invariant
+        mask evaluates one tile per block offset, so one chunk avoids re-evaluating offsets."""
+        from stof_cc.masks.build import CHUNK_ELEMENTS
+
+        return None if self.invariant else max(1, CHUNK_ELEMENTS // (grid.block_m * grid.block_n))
+
     def tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
         """int32 [N, words]: packed bits of `tiles`, all of which are PARTIAL in this
         description's class grid (combinators rely on that). Translation-invariant masks

@@ -112,11 +112,13 @@ class BlockGrid:
         pattern = 2 * (tiles.i == self.n_rb - 1).long() + (tiles.j == self.n_cb - 1).long()
         return valid[pattern]
 
-    def valid_grid(self) -> torch.Tensor:
-        """`valid_words` of every block, int32 [n_rb, n_cb, words]."""
-        pattern = 2 * (torch.arange(self.n_rb) == self.n_rb - 1).long()[:, None] \
-            + (torch.arange(self.n_cb) == self.n_cb - 1).long()[None, :]
-        return self._valid[pattern]
+    def valid_grid(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`valid_words` of every block, int32 [n_rb, n_cb, words], built on ``device`` (at
+        S = 32768 with 128 x 128 blocks it is 128 MiB: not a thing to copy there)."""
+        last_row = torch.arange(self.n_rb, device=device) == self.n_rb - 1
+        last_col = torch.arange(self.n_cb, device=device) == self.n_cb - 1
+        pattern = 2 * last_row.long()[:, None] + last_col.long()[None, :]
+        return self._valid.to(device)[pattern]
 
     def _valid_patterns(self) -> torch.Tensor:
         rows_last = self.ext.seq_q - (self.n_rb - 1) * self.block_m

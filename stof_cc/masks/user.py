@@ -93,8 +93,12 @@ class _Evaluated(MaskDescription):
         tiles = self._grid_tiles(grid)
         if tiles is None:
             return torch.full((1, 1, grid.n_rb, grid.n_cb), PARTIAL, dtype=torch.int8)
-        valid = grid.valid_grid().to(tiles.device)
+        valid = grid.valid_grid(tiles.device)
         return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu()
+
+    def tiles_per_chunk(self, grid: BlockGrid) -> int | None:
+        """Every tile at once where they are read from the packed bits (a gather, no evaluation)."""
+        return None if self._grid_tiles(grid) is not None else super().tiles_per_chunk(grid)
 
     def tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
         packed = self._grid_tiles(grid)

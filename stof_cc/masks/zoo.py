@@ -72,10 +72,15 @@ class _Dilated(_Labelled):
     def __init__(self, w: int, dilation: int, label: str) -> None:
         super().__init__(label)
         self.reach, self.dilation = w * dilation, dilation
+        self._residue_mask = sliding_window(w)  # one object: plans and choices are cached per description
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         d = q - k
         return (d.abs() <= self.reach) & (d % self.dilation == 0)
+
+    def strided_split(self) -> tuple[int, MaskDescription]:
+        """Positions r, r + d, r + 2d, ... attend each other within w steps: a sliding window."""
+        return self.dilation, self._residue_mask
 
     def _classify(self, grid: BlockGrid) -> Tensor:
         d_min, d_max = grid.diagonals()

@@ -64,6 +64,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     description = as_description(mask)
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         problem_of(q, k, v)  # raises, naming the argument
+    split = _strided_split(q, k, v, description, key_padding, bias, params)
+    if split is not None:
+        return _run_split(q, k, v, split, scale, key_padding, out)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise AttentionInputError("stof_cc.attention is inference-only (no backward): call it under "
                                   "torch.no_grad() or pass tensors that do not require grad")
@@ -92,6 +95,43 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDe
     choice = choose(problem, description) if params is None else pinned_choice(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
     return launch_plan(q, k, v, problem, choice.template, choice.params, block_mask, scale)
+
+
+_splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] = weakref.WeakKeyDictionary()
+
+
+def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
+                   key_padding: Any, bias: torch.Tensor | None,
+                   params: dict[str, Any] | None) -> tuple[int, MaskDescription] | None:
+    """(d, sub-mask) when the mask splits into d strided attentions (`strided_split`: a
+    dilated window is d sliding windows over every d-th position) and the cost model expects
+    the d calls to beat one call on the sparse mask; else None. Decided once per mask and
+    problem. Not with a bias, pinned parameters or pre-converted key padding."""
+    if description is None or bias is not None or params is not None or isinstance(key_padding, KeyPadding):
+        return None
+    found = description.strided_split()
+    if found is None or q.shape[2] != k.shape[2] or q.shape[2] % found[0]:
+        return None
+    problem = problem_of(q, k, v)
+    per_mask = _splits.setdefault(description, {})
+    if problem not in per_mask:
+        d, sub = found
+        strided = dataclasses.replace(problem, seq_q=problem.seq_q // d, seq_k=problem.seq_k // d)
+        direct_us = choose(problem, description).estimates[0].micros
+        split_us = d * choose(strided, sub).estimates[0].micros
+        per_mask[problem] = found if split_us < direct_us else None
+    return per_mask[problem]
+
+
+def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, MaskDescription],
+               scale: float | None, key_padding: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+    """Attention on each residue's strided views (q[:, :, r::d] ...), written into out's."""
+    d, sub = split
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    for r in range(d):
+        attention(q[:, :, r::d], k[:, :, r::d], v[:, :, r::d], sub, scale,
+                  key_padding=None if key_padding is None else key_padding[:, r::d], out=out[:, :, r::d])
+    return out
 
 
 on_adopt(lambda description: _plans.pop(description, None))  # plans built on the model's pick
