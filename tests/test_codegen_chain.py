@@ -169,6 +169,36 @@ def test_unsupported_nodes_are_refused_by_name():
         ELEMENTWISE.match(graph, group)
 
 
+class NanPaths(torch.nn.Module):
+    """relu, maximum, minimum and clamp, which torch makes NaN for a NaN input."""
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) + torch.maximum(x, r) - torch.minimum(r, x) + x.clamp(-0.5, 0.5) * 2.0
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_nan_stays_nan_through_relu_maximum_minimum_and_clamp(tmp_path: Path, fast_math: bool):
+    torch.manual_seed(0)
+    x, r = torch.randn(SHAPE), torch.randn(SHAPE)
+    x.view(-1)[::7] = float("nan")
+    r.view(-1)[3::11] = float("nan")
+    graph, group = _group(NanPaths(), x, r)
+    chain = Chain(graph, group.nodes, {}, SHAPE)
+    args = []
+    for op in chain.operands:
+        path = tmp_path / f"{op.name}.bin"
+        {"x": x, "r": r}[op.ref.name].numpy().astype(np.float32).tofile(path)
+        args.append(str(path))
+    source = tmp_path / "chain.cu"
+    source.write_text(_host_program(chain, x.numel(), SHAPE[-1]))
+    flags = ["--use_fast_math"] if fast_math else []
+    subprocess.run(["nvcc", "-O2", *flags, "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
+    got = torch.tensor([float(v) for v in out.split()]).view(SHAPE)
+    torch.testing.assert_close(got, NanPaths()(x, r), rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.nvcc
 def test_gelu_erf_keeps_nan_and_infinity(tmp_path: Path):
     environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)))

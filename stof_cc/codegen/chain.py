@@ -92,9 +92,9 @@ def _clamp(node: Node, a: list[str]) -> str:
     high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
     out = a[0]
     if low is not None:
-        out = f"fmaxf({out}, {_float(low)})"
+        out = f"max_nan({out}, {_float(low)})"
     if high is not None:
-        out = f"fminf({out}, {_float(high)})"
+        out = f"min_nan({out}, {_float(high)})"
     return out
 
 
@@ -109,9 +109,9 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "sub": (2, _sub),
     "mul": (2, lambda n, a: f"{a[0]} * {a[1]}"),
     "div": (2, _div),
-    "maximum": (2, lambda n, a: f"fmaxf({a[0]}, {a[1]})"),
-    "minimum": (2, lambda n, a: f"fminf({a[0]}, {a[1]})"),
-    "relu": (1, lambda n, a: f"fmaxf({a[0]}, 0.f)"),
+    "maximum": (2, lambda n, a: f"max_nan({a[0]}, {a[1]})"),  # group_common.j2: NaN in, NaN out, as torch
+    "minimum": (2, lambda n, a: f"min_nan({a[0]}, {a[1]})"),
+    "relu": (1, lambda n, a: f"max_nan({a[0]}, 0.f)"),
     "gelu": (1, _gelu),
     "silu": (1, lambda n, a: f"{a[0]} / (1.f + expf(-{a[0]}))"),
     "sigmoid": (1, lambda n, a: f"1.f / (1.f + expf(-{a[0]}))"),
