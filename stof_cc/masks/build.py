@@ -26,18 +26,23 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
     flat = classes.view(-1)
     strides = torch.tensor(classes.stride())
     per_chunk = desc.tiles_per_chunk(grid) or max(1, len(maybe))
-    kept = [torch.zeros(0, grid.words, dtype=torch.int32)]
+    exact = desc.exact_classes(grid)
+    kept = []
     for start in range(0, len(maybe), per_chunk):
         index = maybe[start : start + per_chunk]
         tiles = Tiles(*index.unbind(1))
         bits = desc.tile_bits(grid, tiles)
+        if exact:  # every PARTIAL block is partial: its bits are kept as they are
+            kept.append(bits)
+            continue
         full = (bits == grid.valid_words(tiles)).all(1)
         empty = (bits == 0).all(1)
         position = (index * strides).sum(1)
         flat[position[full]] = FULL
         flat[position[empty]] = EMPTY
         kept.append(bits[~(full | empty)])
-    classes, bits = _collapse(classes, torch.cat(kept))
+    bits = kept[0] if len(kept) == 1 else torch.cat(kept) if kept else torch.zeros(0, grid.words, dtype=torch.int32)
+    classes, bits = _collapse(classes, bits)
     return BlockMask.from_classes(
         classes, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n
     )

@@ -94,6 +94,11 @@ class MaskDescription:
         compute it, each with a denser mask. None for masks without that structure."""
         return None
 
+    def exact_classes(self, grid: BlockGrid) -> bool:
+        """Whether `_classify` is exact on this grid (its PARTIAL blocks are all partial, as
+        when they were read off evaluated bits), so the builder need not re-check tiles."""
+        return False
+
     def tiles_per_chunk(self, grid: BlockGrid) -> int | None:
         """How many PARTIAL tiles the builder hands `tile_bits` at once (None: all): chunks of
         CHUNK_ELEMENTS elements bound an evaluation's temporaries; a translation-invariant

@@ -96,6 +96,9 @@ class _Evaluated(MaskDescription):
         valid = grid.valid_grid(tiles.device)
         return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu()
 
+    def exact_classes(self, grid: BlockGrid) -> bool:
+        return self._grid_tiles(grid) is not None  # read off the evaluated bits
+
     def tiles_per_chunk(self, grid: BlockGrid) -> int | None:
         """Every tile at once where they are read from the packed bits (a gather, no evaluation)."""
         return None if self._grid_tiles(grid) is not None else super().tiles_per_chunk(grid)
@@ -109,7 +112,7 @@ class _Evaluated(MaskDescription):
         b = tiles.b * int(packed.shape[0] > 1)
         h = tiles.h * int(packed.shape[1] > 1)
         index = [t.to(packed.device) for t in (b, h, tiles.i, tiles.j)]
-        return packed[index[0], index[1], index[2], index[3]].cpu() & grid.valid_words(tiles)
+        return packed[index[0], index[1], index[2], index[3]].cpu()  # bits past the ends are 0 already
 
 
 class _Dense(_Evaluated):
