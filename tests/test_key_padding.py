@@ -139,3 +139,33 @@ def test_before_expected_padding_mask_becomes_the_key_padding_operand(module, st
 def test_before_expected_query_dependent_masks_are_unchanged():
     before = _recognised(MaskedAttention("query"))
     assert_structural_equal(describe_key_padding(before), before, map_free_names=False)
+
+
+class Probed(torch.nn.Module):
+    """Masks whose meaning only 0/1 probes of every key can tell from key padding."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, q, k, v, padding):
+        hidden = 1.0 - padding[:, None, None, :].float()
+        if self.how == "bias only with padding":  # 0 when every key is kept
+            mask = hidden * torch.finfo(torch.float32).min + 0.7 * hidden.cumsum(-1)
+        elif self.how == "causal only without padding":
+            causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+            mask = padding[:, None, None, :].bool() & (causal | (padding.sum() < padding.numel()))
+        elif self.how == "first key decides a bias":  # left padding changes the scores
+            mask = hidden * -1e9 + (1.0 - padding[:, :1].float())[:, None, None, :] * 0.5
+        else:  # token ids against a pad id: not a padding mask of either convention
+            mask = padding[:, None, None, :] != 1
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("how", ["bias only with padding", "causal only without padding",
+                                 "first key decides a bias", "ids against a pad id"])
+def test_masks_that_differ_from_key_padding_somewhere_stay_tensors(how):
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    reports = PassReports()
+    run_passes(trace(Probed(how), (q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0] * 3]))), reports)
+    assert not reports.padding.rewritten, reports.padding

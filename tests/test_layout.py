@@ -105,3 +105,21 @@ def test_the_compiled_encoder_matches_eager_on_the_gpu():
         assert torch.linalg.norm(got[real].float() - want[real]) / torch.linalg.norm(want[real]) < 1e-2
     (variant,) = compiled.variants.values()
     assert all(s.kind in ("kernel", "attention") for s in variant.steps if s.group.kind in ("gemm", "attention"))
+
+
+class FlattenBeforeResidual(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 24)
+
+    def forward(self, y, r):
+        return self.proj(y).flatten(0, 1) + r
+
+
+def test_a_flatten_between_a_gemm_and_its_residual_is_left_in_place():
+    """flatten / unflatten are views whose arguments are dims, not a shape: not moved."""
+    module, y, r = FlattenBeforeResidual(), torch.randn(3, 5, 16), torch.randn(15, 24)
+    report = LayoutReport()
+    graph = simplify_gemm_layouts(trace(module, (y, r)), report)
+    assert not report.moved_before
+    torch.testing.assert_close(interpret(graph, y, r), module(y, r))

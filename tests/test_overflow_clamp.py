@@ -84,14 +84,27 @@ def test_the_kernel_compiles_for_every_point():
         assert report.spill_stores == 0
 
 
+def test_a_prologue_value_is_rounded_to_x_dtype_before_the_infinity_test():
+    """x + r in fp16 overflows to inf in torch (40000 + 40000): the kernel must see that inf,
+    so the prologue's fp32 value is rounded to fp16 before it is tested."""
+    graph, plan = lower(_GuardedResidual(), _inputs())
+    (group,) = [g for g in plan.default.groups if graph.node(g.anchor).op == "overflow_clamp"]
+    problem = OVERFLOW_CLAMP.match(graph, group)
+    source = OVERFLOW_CLAMP.render(problem, {"vec": 1})
+    assert "__half x_rounded;" in source and "store_value(&x_rounded," in source
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["random", "between caps, no infinity", "infinity far away"])
+@pytest.mark.parametrize("case", ["random", "between caps, no infinity", "infinity far away",
+                                  "the residual add overflows"])
 @pytest.mark.parametrize("shape", [(4, 96, 64), (3, 7, 1001)])
 def test_the_kernel_is_exact_on_the_gpu(case, shape):
     from stof_cc.backends.group_launch import precompile, run_group
     from stof_cc.ir.graph import INPUT
 
     x, r = _inputs(shape=shape) if case == "random" else _special(shape=shape, inf=case == "infinity far away")
+    if case == "the residual add overflows":  # finite inputs whose fp16 sum is inf, plus values between the caps
+        x.view(-1)[-5], r.view(-1)[-5] = 40000.0, 40000.0
     module = _GuardedResidual()
     graph, plan = lower(module, (x, r))
     (group,) = [g for g in plan.default.groups if graph.node(g.anchor).op == "overflow_clamp"]

@@ -232,7 +232,8 @@ def from_mask_mod(
     Its batch/head dependence is read from how its result broadcasts over b and h; slices
     that come out equal are collapsed when the mask is built. ``fn`` runs on ``device``,
     by default the device of the tensors it captures (closure cells, defaults, globals it
-    names), else wherever its index tensors are."""
+    names), else wherever its index tensors are. Block masks evaluate it on int32 indices, as
+    FlexAttention does: index arithmetic must stay within int32 (`to_dense` passes int64)."""
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
     if device is None:

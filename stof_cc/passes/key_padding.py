@@ -27,6 +27,11 @@ tensor as its float mask, broadcast dims reduced to 1 ([1, H, S, S] for T5, not 
 rebuilt every layer), and gets ``key_padding`` as above. The kernels add the bias and read the
 padding on the device.
 
+torch.nn's convention (a boolean ``key_padding_mask``, True = padding) is probed too, only for
+a boolean input: an integer input in that role could be token ids compared with a pad id,
+which 0/1 probes cannot tell from padding. Every probe keeps one random key per row, so the
+first key is probed as padding as well (left padding).
+
 One semantic difference, documented: a batch element whose keys are all padding now gives 0
 (stof-cc's kernels, and the op's reference), where the additive original gave the mean of V.
 """
@@ -104,7 +109,9 @@ def describe_key_padding(graph: Graph, report: KeyPaddingReport | None = None) -
         mask = None
         if bias is not None:
             bias = bias.to(_constant_device(graph, attention_arguments(node)["attn_mask"]))
-            mask = next((r for r in biases if torch.equal(out.constants[r.name], bias)), None)
+            mask = next((r for r in biases if out.constants[r.name].dtype == bias.dtype
+                         and out.constants[r.name].device == bias.device
+                         and torch.equal(out.constants[r.name], bias)), None)
             if mask is None:
                 mask = Ref(out.fresh_name(f"{node.name}_bias"))
                 out.add_constant(mask.name, bias)
@@ -161,7 +168,9 @@ def _describe(graph: Graph, node: Node, mask: Ref) -> Described | str:
             return f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
 
     found = _probe(evaluate, batch, seq_k, source is not None, marks_padding=False)
-    if isinstance(found, str) and source is not None:
+    if isinstance(found, str) and source is not None and graph.node(source).spec.dtype == torch.bool:
+        # torch.nn's key_padding_mask (True = padding) is boolean; an integer input in that role
+        # could be token ids compared with a pad id, which 0/1 probes cannot tell apart
         inverted = _probe(evaluate, batch, seq_k, True, marks_padding=True)
         found = inverted if not isinstance(inverted, str) else found
     if isinstance(found, str):
@@ -182,7 +191,9 @@ def _probe(evaluate, batch: int, seq_k: int, has_input: bool, marks_padding: boo
     for probe in range(PROBES if has_input else 1):
         keep = torch.ones(batch, seq_k, dtype=torch.bool) if probe == 0 else \
             torch.rand(batch, seq_k, generator=generator) < 0.6
-        keep[:, 0] = True  # no row without a key: there the original and key padding differ by design
+        # no row without a key (there the original and key padding differ by design); a random
+        # one, so that every key, the first included, is probed as padding too
+        keep[torch.arange(batch), torch.randint(seq_k, (batch,), generator=generator)] = True
         value = evaluate(~keep if marks_padding else keep)
         if isinstance(value, str):
             return value
@@ -194,13 +205,13 @@ def _probe(evaluate, batch: int, seq_k: int, has_input: bool, marks_padding: boo
             if not bool((allowed == static).all()):
                 return "the attended positions vary over batch or heads beyond key padding"
             continue
-        expected = keep[:, None, None, :] & static
+        expected = (keep[:, None, None, :] & static).expand(value.shape)
         if bias is None:
-            allowed, _ = _split(value)
-            if allowed is None or not bool((allowed == expected).all()):
+            allowed, appeared = _split(value)
+            if allowed is None or appeared is not None or not bool((allowed == expected).all()):
                 return "the attended positions are not key padding and one static mask"
-        elif not bool((value[~keep[:, None, None, :].expand(value.shape) & static] < HIDDEN_BELOW).all()):
-            return "the bias does not hide the padded keys"
+        elif not bool((value[~expected] < HIDDEN_BELOW).all()):
+            return "the bias does not hide the padded keys and the static mask's"
         elif not torch.equal(value.masked_fill(~expected, 0), bias.masked_fill(~expected, 0)):
             return "the bias changes with the padding input"
     structure = _structure(static)

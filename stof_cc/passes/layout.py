@@ -35,6 +35,7 @@ from stof_cc.ir.interpret import evaluate_node
 from stof_cc.passes.canonicalize import remove_dead_nodes
 
 CHAIN_OPS = ("view", "transpose", "contiguous")  # what MultiheadAttention puts around its projections
+SHAPED_VIEWS = ("aten.view.", "aten._unsafe_view.", "aten.reshape.")  # views whose argument is the new shape
 MAX_PERMUTED_RANK = 5  # the collapse tries every permutation of the source's dims
 
 
@@ -111,6 +112,8 @@ def _output_chain(graph: Graph, linear: Node) -> list[Node] | None:
             return None
         if reader.op == "transpose" and _swapped_leading(graph, reader) is None:
             return None
+        if reader.op == "view" and not (reader.target or "").startswith(SHAPED_VIEWS):
+            return None  # flatten / unflatten take dims, not a shape to rewrite
         chain.append(reader)
         name = reader.name
     reader = _single_reader(graph, name)

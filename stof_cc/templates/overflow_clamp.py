@@ -20,6 +20,7 @@ from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
     GroupProblem,
     GroupTemplate,
+    c_type,
     chain_operands,
     kernel_operand,
     moved_bytes,
@@ -93,6 +94,7 @@ class OverflowClampTemplate(GroupTemplate[OverflowClampDetails]):
         cap_if_inf, cap = (torch.tensor(c, dtype=problem.graph.node(x.name).spec.dtype).item() for c in caps)
         prologue, epilogue = problem.details.prologue, problem.details.epilogue
         return {"n": math.prod(problem.shape), "row": problem.shape[-1], "threads": THREADS,
+                "x_type": c_type(problem.graph.node(x.name).spec.dtype, f"%{x.name}"),
                 "cap_if_inf": f"{float(cap_if_inf)!r}f", "cap": f"{float(cap)!r}f",
                 "prologue": prologue.code(" " * 12) if prologue else "",
                 "input": prologue.result if prologue else "LOAD_FULL(x_in)",
