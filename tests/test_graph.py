@@ -66,6 +66,23 @@ def test_duplicate_name_is_refused():
         g.add_node(Node("y", "relu", "aten.relu.default", (Ref("x"),)))
 
 
+def test_a_fresh_name_during_rebuild_avoids_the_source_graphs_later_names():
+    """A pass adding a node before y under a fresh name "z" must not take the name of the
+    source's later node z (its add would then fail as defined twice)."""
+    g = _linear_graph()
+
+    def rewrite(node: Node, out: Graph) -> Node:
+        if node.name == "y":
+            extra = out.add_node(Node(out.fresh_name("z"), "relu", "aten.relu.default", (Ref("x"),),
+                                      spec=TensorSpec((2, 3), torch.float32)))
+            assert extra.name == "z_1"
+        return node
+
+    rebuilt = g.rebuild(rewrite)
+    assert [n.name for n in rebuilt.nodes()] == ["x", "w", "z_1", "y", "z"]
+    assert rebuilt.fresh_name("z_2") == "z_2"  # the reservation ends with the rebuild
+
+
 def test_verify_finds_cycle_made_by_editing_args():
     g = _linear_graph()
     g.node("y").args = (Ref("z"), Ref("w"))  # y now reads z, which reads y

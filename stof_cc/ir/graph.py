@@ -174,6 +174,7 @@ class Graph:
         self.outputs: list[Any] = []  # Refs, or literals a module returns as is
         self.in_spec: Any = None
         self.out_spec: Any = None
+        self._reserved: frozenset[str] = frozenset()  # names fresh_name avoids beyond the graph's own
 
     # -- building -------------------------------------------------------------------
     def add_node(self, node: Node) -> Node:
@@ -197,12 +198,14 @@ class Graph:
         return self.add_node(Node(name, CONSTANT, target=target, spec=TensorSpec.of(value)))
 
     def fresh_name(self, base: str) -> str:
-        """A node name not yet used, derived from ``base``."""
-        if base not in self._g:
+        """A node name not yet used, derived from ``base``; during `rebuild`, not one of the
+        source graph's names either (a node added later under it would clash)."""
+        taken = lambda name: name in self._g or name in self._reserved  # noqa: E731
+        if not taken(base):
             return base
         for i in itertools.count(1):
             candidate = f"{base}_{i}"
-            if candidate not in self._g:
+            if not taken(candidate):
                 return candidate
         raise AssertionError("unreachable")
 
@@ -260,6 +263,7 @@ class Graph:
         callback may add nodes of its own to ``new_graph`` first). Passes build on this."""
         out = Graph(self.name)
         out.in_spec, out.out_spec = self.in_spec, self.out_spec
+        out._reserved = frozenset(self._g.nodes)
         for node in self.nodes():
             if node.op == INPUT:
                 out.add_input(node.name, node.spec)
@@ -270,6 +274,7 @@ class Graph:
                 if new is not None:
                     out.add_node(new)
         out.outputs = list(self.outputs)
+        out._reserved = frozenset()
         return out
 
     def copy(self) -> Graph:
