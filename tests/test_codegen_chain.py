@@ -115,7 +115,15 @@ def test_powers_of_negative_values_hold_under_fast_math(tmp_path: Path):
     """The kernels build with --use_fast_math, where powf(x, 3) is NaN for x < 0."""
     torch.manual_seed(0)
     x, r = torch.randn(SHAPE), torch.randn(SHAPE)
-    graph, group = _group(Powers(), x, r)
+    got = _run_on_host(tmp_path, Powers(), x, r, ["--use_fast_math"])
+    torch.testing.assert_close(got, Powers()(x, r), rtol=1e-5, atol=1e-4)
+
+
+def _run_on_host(tmp_path: Path, module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor,
+                 flags: list[str]) -> torch.Tensor:
+    """``module``'s elementwise group generated as a chain, compiled for the host by nvcc with
+    ``flags`` and run on x and r: its output."""
+    graph, group = _group(module, x, r)
     chain = Chain(graph, group.nodes, {}, SHAPE)
     args = []
     for op in chain.operands:
@@ -124,11 +132,9 @@ def test_powers_of_negative_values_hold_under_fast_math(tmp_path: Path):
         args.append(str(path))
     source = tmp_path / "chain.cu"
     source.write_text(_host_program(chain, x.numel(), SHAPE[-1]))
-    subprocess.run(["nvcc", "-O2", "--use_fast_math", "-o", str(tmp_path / "chain"), str(source)], check=True,
-                   capture_output=True)
+    subprocess.run(["nvcc", "-O2", *flags, "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
-    got = torch.tensor([float(v) for v in out.split()]).view(SHAPE)
-    torch.testing.assert_close(got, Powers()(x, r), rtol=1e-5, atol=1e-4)
+    return torch.tensor([float(v) for v in out.split()]).view(SHAPE)
 
 
 @pytest.mark.nvcc
@@ -183,19 +189,7 @@ def test_nan_stays_nan_through_relu_maximum_minimum_and_clamp(tmp_path: Path, fa
     x, r = torch.randn(SHAPE), torch.randn(SHAPE)
     x.view(-1)[::7] = float("nan")
     r.view(-1)[3::11] = float("nan")
-    graph, group = _group(NanPaths(), x, r)
-    chain = Chain(graph, group.nodes, {}, SHAPE)
-    args = []
-    for op in chain.operands:
-        path = tmp_path / f"{op.name}.bin"
-        {"x": x, "r": r}[op.ref.name].numpy().astype(np.float32).tofile(path)
-        args.append(str(path))
-    source = tmp_path / "chain.cu"
-    source.write_text(_host_program(chain, x.numel(), SHAPE[-1]))
-    flags = ["--use_fast_math"] if fast_math else []
-    subprocess.run(["nvcc", "-O2", *flags, "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
-    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
-    got = torch.tensor([float(v) for v in out.split()]).view(SHAPE)
+    got = _run_on_host(tmp_path, NanPaths(), x, r, ["--use_fast_math"] if fast_math else [])
     torch.testing.assert_close(got, NanPaths()(x, r), rtol=1e-6, atol=1e-6, equal_nan=True)
 
 

@@ -28,13 +28,13 @@ ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated
 
 
 class _Evaluated(MaskDescription):
-    """A mask classified by evaluating it: row-packed bits per (extent, device), kept while
-    they fit PACKED_BUDGET; `_classify` and `tile_bits` read them for block_n a multiple of 32
+    """A mask classified by evaluating it: row-packed bits of the latest extent, on the
+    evaluation device, kept while they fit PACKED_BUDGET; `_classify` and `tile_bits` read them for block_n a multiple of 32
     or 16 (the cost model's fine grid)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._bits: dict[Extent, torch.Tensor | None] = {}
+        self._bits: dict[Extent, torch.Tensor] = {}
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
 
     def _evaluation_device(self) -> torch.device:

@@ -220,6 +220,39 @@ def chain_operands(graph: Graph, group: FusionGroup, chain: Chain) -> list[Kerne
     return [kernel_operand(graph, op.ref.name, op.name, op.access) for op in chain.operands]
 
 
+@dataclass(frozen=True)
+class AnchorInput:
+    """How an anchored group's kernel reads its anchor's input: through the prologue chain of the
+    group's nodes before the anchor (None: the input itself, read as ``x_in``), the operands that
+    reads, and the group's nodes after the anchor."""
+
+    prologue: Chain | None
+    operands: list[KernelOperand]
+    after: tuple[str, ...]
+
+    def code(self, indent: str) -> str:
+        return self.prologue.code(indent) if self.prologue is not None else ""
+
+    @property
+    def expression(self) -> str:
+        """The C expression of the anchor's input element."""
+        return self.prologue.result if self.prologue is not None else "LOAD_FULL(x_in)"
+
+
+def anchor_input(graph: Graph, group: FusionGroup, source: str, shape: tuple[int, ...]) -> AnchorInput:
+    """The group's nodes before its anchor as the prologue computing the anchor's input
+    ``source`` (it must end there), or ``source`` read directly when there are none."""
+    anchor = group.anchor
+    position = group.nodes.index(anchor)
+    before, after = group.nodes[:position], tuple(group.nodes[position + 1:])
+    if not before:
+        return AnchorInput(None, [kernel_operand(graph, source, "x_in", "full")], after)
+    if source != before[-1]:
+        raise NotFusable(f"%{anchor}: its input %{source} is not the end of the group's prologue")
+    prologue = Chain(graph, before, {}, shape, operand_prefix="in")
+    return AnchorInput(prologue, chain_operands(graph, group, prologue), after)
+
+
 def moved_bytes(problem: GroupProblem[Any]) -> int:
     """Bytes a group kernel reads (each operand once) and writes (its output)."""
     graph = problem.graph

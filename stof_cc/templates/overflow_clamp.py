@@ -1,7 +1,7 @@
 """Spec of the `overflow_clamp` template (overflow_clamp.cu.j2): T5's fp16 overflow guard
 (``ir.ops.overflow_clamp_reference``) as one kernel and one pass over x. An element's result
 depends on the whole-tensor ``any(isinf(x))`` only when the two caps clamp it differently and
-it is finite (fp16 values above 64504, in practice never): a CTA holding such an element that
+it is finite (fp16 magnitudes above 64512, in practice never): a CTA holding such an element that
 saw no infinity itself scans x for one before it writes those elements again. So the common
 case reads x once and writes the output once, with no grid-wide synchronisation. An
 epilogue that reads no other tensor (the cast before T5's final RMSNorm) is fused."""
@@ -18,11 +18,11 @@ from stof_cc.codegen import Chain, NotFusable
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
+    AnchorInput,
     GroupProblem,
     GroupTemplate,
+    anchor_input,
     c_type,
-    chain_operands,
-    kernel_operand,
     moved_bytes,
     output_problem,
 )
@@ -35,10 +35,10 @@ MAX_CTAS = 1024  # grid-stride beyond: bounds the rare slow path's whole-tensor 
 
 @dataclass(frozen=True)
 class OverflowClampDetails:
-    """The chains around the clamp: the prologue that computes x (None: x is read directly,
-    with 16-byte vectors where they fit) and the epilogue from the clamped value ``c``."""
+    """The chains around the clamp: how x is read (a prologue computes it, or x is read
+    directly, with 16-byte vectors where they fit) and the epilogue from the clamped value ``c``."""
 
-    prologue: Chain | None
+    read: AnchorInput
     epilogue: Chain
 
 
@@ -59,23 +59,18 @@ class OverflowClampTemplate(GroupTemplate[OverflowClampDetails]):
         x = anchor.args[0]
         if not isinstance(x, Ref) or tuple(graph.node(x.name).spec.shape) != problem.shape:
             raise NotFusable(f"%{anchor.name}: its input is not a tensor of the output's shape")
-        position = group.nodes.index(anchor.name)
-        before, after = group.nodes[:position], group.nodes[position + 1:]
-        if before and before[-1] != x.name:
-            raise NotFusable(f"%{anchor.name}: its input %{x.name} is not the end of the group's prologue")
-        prologue = Chain(graph, before, {}, problem.shape, operand_prefix="in") if before else None
-        operands = chain_operands(graph, group, prologue) if prologue else [kernel_operand(graph, x.name, "x_in", "full")]
-        epilogue = Chain(graph, after, {anchor.name: "c"}, problem.shape, operand_prefix="ep")
+        read = anchor_input(graph, group, x.name, problem.shape)
+        epilogue = Chain(graph, read.after, {anchor.name: "c"}, problem.shape, operand_prefix="ep")
         if epilogue.operands:
             raise NotFusable(f"group {group.name}: the epilogue after overflow_clamp reads other tensors")
-        return problem.with_operands(operands, OverflowClampDetails(prologue, epilogue))
+        return problem.with_operands(read.operands, OverflowClampDetails(read, epilogue))
 
     def example(self) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
         return _GuardedResidual(), (torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16))
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
         vec = 16 // problem.dtype.itemsize
-        vectors = problem.details.prologue is None and math.prod(problem.shape) % vec == 0 \
+        vectors = problem.details.read.prologue is None and math.prod(problem.shape) % vec == 0 \
             and problem.graph.node(problem.operands[0].ref).spec.dtype.itemsize == problem.dtype.itemsize
         return [{"vec": v} for v in ((1, vec) if vectors else (1,))]
 
@@ -92,12 +87,12 @@ class OverflowClampTemplate(GroupTemplate[OverflowClampDetails]):
         x, *caps = problem.graph.node(problem.group.anchor).args
         # torch.clamp rounds its bounds to x's dtype (fp16: 64504 -> 64512), so the clamped value is one of x's
         cap_if_inf, cap = (torch.tensor(c, dtype=problem.graph.node(x.name).spec.dtype).item() for c in caps)
-        prologue, epilogue = problem.details.prologue, problem.details.epilogue
+        read, epilogue = problem.details.read, problem.details.epilogue
         return {"n": math.prod(problem.shape), "row": problem.shape[-1], "threads": THREADS,
                 "x_type": c_type(problem.graph.node(x.name).spec.dtype, f"%{x.name}"),
                 "cap_if_inf": f"{float(cap_if_inf)!r}f", "cap": f"{float(cap)!r}f",
-                "prologue": prologue.code(" " * 12) if prologue else "",
-                "input": prologue.result if prologue else "LOAD_FULL(x_in)",
+                "prologue": read.code(" " * 12),
+                "input": read.expression,
                 "epilogue": epilogue.code(" " * 4), "result": epilogue.result}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:

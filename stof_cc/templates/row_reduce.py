@@ -20,6 +20,7 @@ from stof_cc.templates.group import (
     GroupProblem,
     GroupTemplate,
     KernelOperand,
+    anchor_input,
     chain_operands,
     kernel_operand,
     moved_bytes,
@@ -69,23 +70,15 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
         problem = output_problem(graph, group)
         anchor = graph.node(group.anchor)
         reduction, source, weight, bias, eps = reduction_inputs(graph, anchor, problem.shape)
-        position = group.nodes.index(anchor.name)
-        before, after = list(group.nodes[:position]), list(group.nodes[position + 1:])
 
         # read before the reduction (the prologue, or the input itself) / after it (the norm's
         # weight and bias, the epilogue): each loop of the kernel loads only its own operands
-        if before:
-            if source.name != before[-1]:
-                raise NotFusable(f"%{anchor.name}: its input %{source.name} is not the end of the group's prologue")
-            prologue = Chain(graph, before, {}, problem.shape, operand_prefix="in")
-            prologue_operands = chain_operands(graph, group, prologue)
-            prologue_code, input_expr = prologue.code(" " * 16), prologue.result
-        else:
-            prologue_operands = [kernel_operand(graph, source.name, "x_in", "full")]
-            prologue_code, input_expr = "", "LOAD_FULL(x_in)"
+        read = anchor_input(graph, group, source.name, problem.shape)
+        prologue_operands = read.operands
+        prologue_code, input_expr = read.code(" " * 16), read.expression
         epilogue_operands = [kernel_operand(graph, ref.name, name, "row")
                              for ref, name in ((weight, "weight"), (bias, "bias")) if ref is not None]
-        epilogue = Chain(graph, after, {anchor.name: "y"}, problem.shape, operand_prefix="ep")
+        epilogue = Chain(graph, read.after, {anchor.name: "y"}, problem.shape, operand_prefix="ep")
         epilogue_operands += chain_operands(graph, group, epilogue)
         details = RowReduceDetails(
             reduction=reduction, eps=eps, prologue_operands=tuple(prologue_operands),
