@@ -32,9 +32,12 @@ def test_spaces_are_not_empty_and_respect_limits():
                 assert params["warps"] * 16 * params["m_tiles"] == params["block_m"]
                 assert template.shared_bytes(problem, params) <= 227 * 1024
                 # heads fastest, block rows slowest: every head starts its longest row first
+                # (a tile-schedule template: one CTA per tile, flattened to x)
                 grid, threads, _ = template.launch(problem, params)
                 producer = 128 if template is WGMMA_WS else 0  # the copy warpgroup
-                assert grid == (4, 2, -(-1000 // params["block_m"])) and threads == 32 * params["warps"] + producer
+                tiles = (4, 2, -(-1000 // params["block_m"]))
+                assert grid == ((tiles[0] * tiles[1] * tiles[2], 1, 1) if template.walks_tile_schedule else tiles)
+                assert threads == 32 * params["warps"] + producer
 
 
 def test_render_is_deterministic_and_names_the_kernel():

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.backends.tile_schedule import tile_schedule
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem
 from stof_cc.templates.registry import KernelTemplate
@@ -36,7 +37,7 @@ class LaunchPlan:
     dtype: torch.dtype
     device: torch.device
     copy_inputs: bool  # the strides do not suit the kernel: callers pass contiguous copies
-    mask_args: tuple[int, ...]  # any_ptr, any_cols, any_tile, part_bits, row_order
+    mask_args: tuple[int, ...]  # any_ptr, any_cols, any_tile, part_bits, row_order (or the tile schedule)
     size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S)
     end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e), K/V head multiplier
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
@@ -126,8 +127,13 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
     if not scale > 0:
         raise AttentionInputError(f"scale must be positive, got {scale}")
     grid, threads, shared = template.launch(problem, params)
-    mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, block_mask.part_bits,
-                    _row_order(block_mask))
+    if template.walks_tile_schedule:  # grid (CTAs, 1, 1), the schedule in place of row_order
+        ctas = torch.cuda.get_device_properties(q.device).multi_processor_count if params["persistent"] else None
+        schedule = tile_schedule(block_mask, problem.batch, problem.heads, ctas)
+        grid, order = (schedule.ctas, 1, 1), schedule.table
+    else:
+        order = _row_order(block_mask)
+    mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, block_mask.part_bits, order)
     rows_per_head = block_mask.n_rb if block_mask.heads > 1 else 0
     rows_per_batch = block_mask.heads * block_mask.n_rb if block_mask.batch > 1 else 0
     copy_inputs = not all(t.stride(3) == 1 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))

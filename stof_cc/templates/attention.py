@@ -122,7 +122,7 @@ def validated_problem(problem: AttentionProblem) -> AttentionProblem:
 def config_label(params: dict[str, Any]) -> str:
     """Short unique name of a parameter point, e.g. ``blockwise m64 n64 w4 s2``."""
     return (f"{params['strategy']} m{params['block_m']} n{params['block_n']} "
-            f"w{params['warps']} s{params['stages']}")
+            f"w{params['warps']} s{params['stages']}" + (" persistent" if params.get("persistent") else ""))
 
 
 class _AttentionTemplate(KernelTemplate[AttentionProblem]):
@@ -135,6 +135,7 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
     waits_for_producers = True  # attention_common.setup() waits first
+    walks_tile_schedule = False  # True: grid (CTAs, 1, 1) over a `tile_schedule` passed as row_order
     shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
     stage_counts = (1, 2)
@@ -226,6 +227,8 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     strategy = "wgmma_ws"
     shapes = ((128, 1), (192, 1))  # 2 or 3 consumer warpgroups: one alone gains nothing from the split
     stage_counts = (2, 3)
+    walks_tile_schedule = True
+    schedules = (False, True)  # params["persistent"]: one CTA per tile, or one per SM (tile_schedule)
 
     def consumer_registers(self, params: dict[str, Any]) -> int:
         """Registers per consumer thread after setmaxnreg: what the producer leaves of the
@@ -235,7 +238,8 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
         needed = super().registers  # a consumer's registers, before the launch-time cap
-        return [params for params in super().space(problem) if needed(problem, params) <= self.consumer_registers(params)]
+        return [params | {"persistent": persistent} for params in super().space(problem)
+                if needed(problem, params) <= self.consumer_registers(params) for persistent in self.schedules]
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """What ptxas reports and the launch reserves: the register file split evenly over all
@@ -248,8 +252,10 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
                                                    "consumer_registers": self.consumer_registers(params)}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
-        grid, threads, shared = super().launch(problem, params)
-        return grid, threads + PRODUCER_THREADS, shared
+        """One CTA per tile, flattened to x; `attention_launch.launch_plan` narrows a persistent
+        point's grid to the GPU's SMs."""
+        (heads, batch, rows), threads, shared = super().launch(problem, params)
+        return (heads * batch * rows, 1, 1), threads + PRODUCER_THREADS, shared
 
 
 # Attention templates have no group example: every instance is rendered and compiled in tests.

@@ -25,6 +25,8 @@ The model prices one launch of a masked-attention template as
       SM under the shared-memory, register, warp and CTA limits).
 
   Each CTA also pays ``CTA_FIXED_US`` (Q load, output store), in waves of SMs x occupancy.
+  A persistent point (one CTA per SM running many tiles) pays ``PERSISTENT_TILE_US`` per tile
+  instead (the producer loads the next tile's Q while the consumers finish the last), in one wave.
 * ``t_critical``: the longest block row (global tokens make one row long) run by one CTA
   alone, which can use only ``warps / 8`` of an SM's issue slots.
 
@@ -55,6 +57,8 @@ ITER_US = 0.018                # fixed latency of one block iteration
 WS_ITER_US = 0.058             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
 EXPOSED_LOAD_US = 3.4e-05     # per KiB of K/V a one-stage kernel waits for
 CTA_FIXED_US = 0.165           # per CTA: Q tile load, output store, prologue
+PERSISTENT_TILE_US = 0.055     # per tile of a persistent CTA: set (not fitted) so a persistent point ranks just
+                               # ahead of its one-CTA-per-tile twin, as measured on most points (docs/attention.md)
 LAUNCH_US = 10.7               # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
@@ -116,8 +120,10 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
     per_block = compute_us + 4 * bn * head_dim / TILE_BYTES_PER_US
     latency = (WS_ITER_US if params["strategy"] == "wgmma_ws" else ITER_US) + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
     per_partial = bm * bn / BIT_TESTS_PER_US
-    sm_work = blocks * (per_block + latency / occ) + partial * per_partial + n_ctas * CTA_FIXED_US
-    waves = math.ceil(n_ctas / (sm_count * occ))
+    persistent = params.get("persistent", False)
+    sm_work = (blocks * (per_block + latency / occ) + partial * per_partial
+               + n_ctas * (PERSISTENT_TILE_US if persistent else CTA_FIXED_US))
+    waves = 1 if persistent else math.ceil(n_ctas / (sm_count * occ))
     t_throughput = max(sm_work / sm_count, waves * CTA_FIXED_US)
     single_cta_share = min(1.0, warps / 8)
     t_critical = (max(counts, default=0) * (per_block + latency) + CTA_FIXED_US) / single_cta_share

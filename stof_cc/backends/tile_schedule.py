@@ -1,0 +1,93 @@
+"""Which CTA runs which attention tile, for the kernels that walk a list of tiles
+(attention_wgmma_ws). A tile is one (head, batch element, block row); its cost is the number of
+non-empty key blocks in its row of the block mask plus a fixed share for its prologue and store.
+
+Two schedules, both longest tile first:
+* ``grid``: one CTA per tile; the hardware hands CTAs to SMs as they free up.
+* ``persistent``: one CTA per SM, each running its share of the tiles back to back (largest
+  first onto the least-loaded CTA), so the producer warpgroup loads a tile's Q and first K/V
+  blocks while the consumers still finish the one before: no per-CTA start-up on the critical
+  path, and no partly filled last wave.
+
+The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, then a
+``(head, batch, block row)`` triple per tile, CTA by CTA. Kernels read it in place of
+``row_order``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from stof_cc.masks.block_mask import BlockMask
+
+TILE_FIXED_BLOCKS = 1  # a tile's prologue and output store, in key blocks (for balancing only)
+
+
+@dataclass(frozen=True)
+class TileSchedule:
+    """``table`` (int32, on the mask's device) for a grid of ``ctas`` CTAs."""
+
+    ctas: int
+    table: torch.Tensor
+
+
+_schedules: weakref.WeakKeyDictionary[BlockMask, dict[tuple, TileSchedule]] = weakref.WeakKeyDictionary()
+
+
+def tile_costs(block_mask: BlockMask, batch: int, heads: int) -> torch.Tensor:
+    """int64 [block rows, batch, heads]: each tile's non-empty key blocks (mask slices broadcast
+    over the batch and heads they serve)."""
+    counts = (block_mask.any_ptr[1:] - block_mask.any_ptr[:-1]).cpu().to(torch.int64)
+    counts = counts.view(block_mask.batch, block_mask.heads, block_mask.n_rb)
+    return counts.expand(batch, heads, block_mask.n_rb).permute(2, 0, 1)
+
+
+def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | None) -> TileSchedule:
+    """The schedule of every (head, batch, block row) tile: one CTA each when ``ctas`` is None
+    (grid), else at most ``ctas`` persistent CTAs. Cached per mask."""
+    key = (batch, heads, ctas)
+    cached = _schedules.setdefault(block_mask, {})
+    if key not in cached:
+        cached[key] = _build(block_mask, batch, heads, ctas)
+    return cached[key]
+
+
+def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None) -> TileSchedule:
+    costs = tile_costs(block_mask, batch, heads)
+    n_rb = block_mask.n_rb
+    # tile index z * (B * H) + b * H + h; longest first, ties in row-major order (heads fastest)
+    flat = costs.reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    row = order // (batch * heads)
+    b = (order // heads) % batch
+    h = order % heads
+    triples = torch.stack((h, b, row), 1).to(torch.int32)
+    n_tiles = n_rb * batch * heads
+    if ctas is None or ctas >= n_tiles:
+        offsets = torch.arange(n_tiles + 1, dtype=torch.int32)
+        return _on_device(block_mask, n_tiles, offsets, triples)
+    owner = _longest_first_onto_least_loaded((flat[order] + TILE_FIXED_BLOCKS).tolist(), ctas)
+    by_cta = torch.sort(owner, stable=True).indices  # each CTA's tiles keep the longest-first order
+    offsets = torch.zeros(ctas + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.bincount(owner, minlength=ctas), 0).to(torch.int32)
+    return _on_device(block_mask, ctas, offsets, triples[by_cta])
+
+
+def _longest_first_onto_least_loaded(costs: list[int], ctas: int) -> torch.Tensor:
+    """LPT: each tile (costs descending) goes to the CTA with the least work so far."""
+    loads = [(0, cta) for cta in range(ctas)]
+    owner = [0] * len(costs)
+    for n, cost in enumerate(costs):
+        load, cta = heapq.heappop(loads)
+        owner[n] = cta
+        heapq.heappush(loads, (load + cost, cta))
+    return torch.tensor(owner, dtype=torch.int64)
+
+
+def _on_device(block_mask: BlockMask, ctas: int, offsets: torch.Tensor, triples: torch.Tensor) -> TileSchedule:
+    table = torch.cat((offsets, triples.reshape(-1)))
+    return TileSchedule(ctas, table.to(block_mask.any_ptr.device))

@@ -1,0 +1,72 @@
+"""Tile schedules of the warp-specialised attention kernel (CPU): every tile exactly once,
+longest first, and persistent CTAs balanced."""
+
+from __future__ import annotations
+
+import torch
+
+from stof_cc import masks
+from stof_cc.backends.tile_schedule import tile_costs, tile_schedule
+from stof_cc.masks.block_mask import BlockMask
+from stof_cc.templates.attention import AttentionProblem
+from stof_cc.tune.attention import cached_block_mask
+
+
+def _block_mask(description, batch: int, heads: int, seq: int) -> BlockMask:
+    problem = AttentionProblem(batch, heads, seq, seq, 64, torch.float16)
+    return cached_block_mask(description, problem, {"block_m": 128, "block_n": 128}, torch.device("cpu"))
+
+
+def _decode(table: torch.Tensor, ctas: int) -> list[list[tuple[int, int, int]]]:
+    offsets = table[: ctas + 1].tolist()
+    triples = table[ctas + 1:].view(-1, 3).tolist()
+    assert offsets[0] == 0 and offsets[-1] == len(triples)
+    return [[tuple(t) for t in triples[offsets[c]:offsets[c + 1]]] for c in range(ctas)]
+
+
+def _every_tile_once(per_cta, batch: int, heads: int, rows: int) -> None:
+    seen = sorted(t for tiles in per_cta for t in tiles)
+    assert seen == sorted((h, b, r) for h in range(heads) for b in range(batch) for r in range(rows))
+
+
+def test_grid_schedule_is_one_tile_per_cta_longest_first_heads_fastest():
+    bm = _block_mask(masks.causal(), 2, 3, 1000)
+    schedule = tile_schedule(bm, 2, 3, None)
+    assert schedule.ctas == 2 * 3 * bm.n_rb
+    per_cta = _decode(schedule.table, schedule.ctas)
+    assert all(len(tiles) == 1 for tiles in per_cta)
+    _every_tile_once(per_cta, 2, 3, bm.n_rb)
+    tiles = [tiles[0] for tiles in per_cta]
+    assert tiles[:6] == [(h, b, bm.n_rb - 1) for b in range(2) for h in range(3)]  # the longest row first
+    assert tiles[-1] == (2, 1, 0)
+
+
+def test_persistent_schedule_balances_ctas_and_keeps_each_longest_first():
+    batch, heads, ctas = 1, 12, 132
+    bm = _block_mask(masks.causal(), batch, heads, 8192)
+    costs = tile_costs(bm, batch, heads)
+    schedule = tile_schedule(bm, batch, heads, ctas)
+    assert schedule.ctas == ctas
+    per_cta = _decode(schedule.table, ctas)
+    _every_tile_once(per_cta, batch, heads, bm.n_rb)
+    loads = [sum(int(costs[r, b, h]) + 1 for h, b, r in tiles) for tiles in per_cta]
+    total = int(costs.sum()) + costs.numel()
+    assert max(loads) <= total / ctas + int(costs.max()) + 1  # LPT's bound: one tile above the mean
+    assert max(loads) - min(loads) <= 0.05 * total / ctas
+    for tiles in per_cta:
+        lengths = [int(costs[r, b, h]) for h, b, r in tiles]
+        assert lengths == sorted(lengths, reverse=True)
+
+
+def test_per_head_masks_are_costed_per_head_and_fewer_tiles_than_ctas_fall_back_to_the_grid():
+    dense = torch.zeros(1, 2, 512, 512, dtype=torch.bool)
+    dense[0, 0] = True  # head 0 attends everything, head 1 only the first key block
+    dense[0, 1, :, :128] = True
+    bm = _block_mask(masks.from_dense(dense), 1, 2, 512)
+    costs = tile_costs(bm, 1, 2)
+    assert costs[:, 0, 0].tolist() == [4] * 4 and costs[:, 0, 1].tolist() == [1] * 4
+    schedule = tile_schedule(bm, 1, 2, 3)
+    per_cta = _decode(schedule.table, 3)
+    _every_tile_once(per_cta, 1, 2, 4)
+    assert [len(tiles) for tiles in per_cta] == [2, 3, 3]  # 4 + 4 | 4 + 1 + 1 ... balanced by LPT
+    assert tile_schedule(bm, 1, 2, 1000).ctas == 8  # one CTA per tile when there are fewer tiles
