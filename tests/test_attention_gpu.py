@@ -261,7 +261,8 @@ def test_a_dilated_window_split_into_strided_windows_matches_reference(dtype, se
 def test_persistent_ctas_carry_their_pipelines_from_tile_to_tile(dtype, head_dim):
     """Far more tiles than SMs: each persistent CTA runs many, some of them with no allowed key
     (whole block rows masked, or all keys padded away), and its K/V rings, Q buffer and
-    warpgroup turns carry over from one tile to the next. Every warp-specialised point."""
+    warpgroup turns carry over from one tile to the next; with key padding and with a bias.
+    Every warp-specialised point, persistent or one CTA per tile."""
     batch, heads, seq = 2, 8, 3000  # 384 tiles of 128 rows, 256 of 192; ragged at the end
     mask = masks.from_mask_mod(lambda b, h, q, k: (k <= q) & ~((q >= 1000) & (q < 1500) & (h == 2)))
     padding = torch.ones(batch, seq, dtype=torch.int64)
@@ -269,12 +270,14 @@ def test_persistent_ctas_carry_their_pipelines_from_tile_to_tile(dtype, head_dim
     padding[1, :300] = 0
     dense = mask.to_dense(seq, seq, batch=batch, heads=heads).cuda()
     problem = problem_of(*(torch.empty(batch, heads, seq, head_dim, dtype=dtype, device="cuda") for _ in range(3)))
-    points = [(t, p) for t, p in candidates(problem) if t.walks_tile_schedule and p["persistent"]]
-    assert points, "no persistent point in the space"
+    points = [(t, p) for t, p in candidates(problem) if t.walks_tile_schedule]
+    assert any(p["persistent"] for _, p in points), "no persistent point in the space"
+    bias = torch.randn(1, heads, seq, seq, device="cuda", dtype=dtype)
     for template, params in points:
-        for key_padding in (None, padding.cuda()):
+        for key_padding, with_bias in ((None, False), (padding.cuda(), False), (None, True)):
             q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
             out = torch.full_like(q, float("nan"))
-            attention(q, k, v, mask, key_padding=key_padding, params=params, out=out)
+            attention(q, k, v, mask, key_padding=key_padding, bias=bias if with_bias else None, params=params, out=out)
             ref_mask = dense if key_padding is None else dense & (key_padding != 0)[:, None, None, :]
-            _check(out, masked_attention(q, k, v, ref_mask), f"{template.name} {params} padding={key_padding is not None}")
+            ref = _biased_reference(q, k, v, bias, ref_mask) if with_bias else masked_attention(q, k, v, ref_mask)
+            _check(out, ref, f"{template.name} {params} padding={key_padding is not None} bias={with_bias}")

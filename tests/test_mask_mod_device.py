@@ -83,7 +83,11 @@ def test_a_user_mask_built_on_the_gpu_equals_the_cpu_build(seq):
              (masks.from_dense(dense) | masks.causal(), None)]
     for on_gpu, on_cpu in pairs:
         for block in ((64, 64), (128, 128)):
-            got = on_gpu.block_mask(seq, seq, *block).to_dense()
             want = on_cpu.block_mask(seq, seq, *block).to_dense() if on_cpu is not None else \
                 (dense | torch.ones(seq, seq, dtype=torch.bool).tril())[None, None]
+            got = on_gpu.block_mask(seq, seq, *block).to_dense()
             assert torch.equal(got, want), (on_gpu, block)
+            # built on the GPU itself (the tiles never visit the host): every tensor there, same blocks
+            built = on_gpu.block_mask(seq, seq, *block, device="cuda")
+            assert all(t.is_cuda for t in (built.any_ptr, built.any_cols, built.any_tile, built.part_bits))
+            assert torch.equal(built.to("cpu").to_dense(), want), (on_gpu, block, "built on the GPU")

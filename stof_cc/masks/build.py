@@ -3,7 +3,10 @@ only the blocks that may be partial (in bounded chunks), make the classes exact,
 batch/head slices that are equal, and lay the result out as CSR.
 
 Memory is the class grid (one byte per block) plus the tiles of partial blocks; no step
-holds a dense seq_q x seq_k mask unless the description itself is one (from_dense).
+holds a dense seq_q x seq_k mask unless the description itself is one (from_dense). The
+class grid and the CSR offsets are small and made on the CPU; the tiles are gathered where
+the block mask is wanted (`tile_bits_on`), so a mask evaluated on the GPU never sends its
+tiles to the host and back.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL, BlockGrid, Tiles
 CHUNK_ELEMENTS = 1 << 22
 
 
-def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int]) -> BlockMask:
-    """The BlockMask of `desc` on `grid`, with leading mask dims `dims` = (Bm, Hm)."""
+def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int],
+                     device: torch.device) -> BlockMask:
+    """The BlockMask of `desc` on `grid`, with leading mask dims `dims` = (Bm, Hm), on `device`."""
     classes = grid.classes(desc).expand(*dims, grid.n_rb, grid.n_cb)
     classes = classes.clone(memory_format=torch.contiguous_format)  # updated in place below
     maybe = (classes == PARTIAL).nonzero()  # row-major: (b, h, i, j) in CSR order
@@ -31,21 +35,22 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
     for start in range(0, len(maybe), per_chunk):
         index = maybe[start : start + per_chunk]
         tiles = Tiles(*index.unbind(1))
-        bits = desc.tile_bits(grid, tiles)
+        bits = desc.tile_bits_on(grid, tiles, device)
         if exact:  # every PARTIAL block is partial: its bits are kept as they are
             kept.append(bits)
             continue
-        full = (bits == grid.valid_words(tiles)).all(1)
-        empty = (bits == 0).all(1)
+        full = (bits == grid.valid_words(tiles).to(device)).all(1).cpu()
+        empty = (bits == 0).all(1).cpu()
         position = (index * strides).sum(1)
         flat[position[full]] = FULL
         flat[position[empty]] = EMPTY
-        kept.append(bits[~(full | empty)])
-    bits = kept[0] if len(kept) == 1 else torch.cat(kept) if kept else torch.zeros(0, grid.words, dtype=torch.int32)
+        kept.append(bits[(~(full | empty)).to(device)])
+    bits = kept[0] if len(kept) == 1 else torch.cat(kept) if kept else \
+        torch.zeros(0, grid.words, dtype=torch.int32, device=device)
     classes, bits = _collapse(classes, bits)
     return BlockMask.from_classes(
         classes, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n
-    )
+    ).to(device)  # the CSR arrays follow the tiles (which are there already)
 
 
 def _collapse(classes: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +64,7 @@ def _collapse(classes: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, 
         runs = bits.view(batch, bits.shape[0] // batch, words)
         if bool((runs == runs[:1]).all()):
             classes, bits = classes[:1], runs[0]
-    batch, heads = classes.shape[:2]
+    batch, heads = classes.shape[:2]  # classes on the CPU, bits where the mask is built
     if heads > 1 and bool((classes == classes[:, :1]).all()):
         per_batch = bits.split((classes == PARTIAL).sum((1, 2, 3)).tolist())
         runs = [run.view(heads, run.shape[0] // heads, words) for run in per_batch]

@@ -107,8 +107,18 @@ class MaskDescription:
 
         return None if self.invariant else max(1, CHUNK_ELEMENTS // (grid.block_m * grid.block_n))
 
+    def evaluates_on(self, device: torch.device) -> bool:
+        """Whether the tiles are evaluated on ``device`` (a user mask on the GPU): a block
+        mask wanted there is then best built there, not on the CPU and copied."""
+        return device.type == "cpu"
+
+    def tile_bits_on(self, grid: BlockGrid, tiles: Tiles, device: torch.device) -> torch.Tensor:
+        """`tile_bits` on ``device`` (the tiles' indices are on the CPU): evaluated on the
+        CPU and copied, unless the description keeps its tiles on a device already."""
+        return self.tile_bits(grid, tiles).to(device)
+
     def tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
-        """int32 [N, words]: packed bits of `tiles`, all of which are PARTIAL in this
+        """int32 [N, words] on the CPU: packed bits of `tiles`, all of which are PARTIAL in this
         description's class grid (combinators rely on that). Translation-invariant masks
         evaluate one tile per distinct block offset i*block_m - j*block_n."""
         if not self.invariant:
@@ -202,19 +212,22 @@ class MaskDescription:
         block_n: int = 64,
         batch: int | None = None,
         heads: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> BlockMask:
-        """The mask in the unified storage format (see BlockMask) for these sizes; built once
-        per (sizes, block shape) and kept (a description does not change)."""
+        """The mask in the unified storage format (see BlockMask) for these sizes, its tensors
+        on ``device``; built there once per (sizes, block shape, device) and kept (a
+        description does not change)."""
         from stof_cc.masks.build import build_block_mask
 
         ext, dims = self._extent("block_mask", seq_q, seq_k, batch, heads)
         block_m = check_int("block_mask", "block_m", block_m)
         block_n = check_int("block_mask", "block_n", block_n)
-        key = (ext, dims, block_m, block_n)
+        device = torch.device(device)
+        key = (ext, dims, block_m, block_n, str(device))
         if key not in self._built:
             if len(self._built) >= BUILT_KEPT:
                 self._built.pop(next(iter(self._built)))
-            self._built[key] = build_block_mask(self, BlockGrid(ext, block_m, block_n), dims)
+            self._built[key] = build_block_mask(self, BlockGrid(ext, block_m, block_n), dims, device)
         return self._built[key]
 
     def __or__(self, other: object) -> MaskDescription:

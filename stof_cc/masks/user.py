@@ -103,16 +103,26 @@ class _Evaluated(MaskDescription):
         """Every tile at once where they are read from the packed bits (a gather, no evaluation)."""
         return None if self._grid_tiles(grid) is not None else super().tiles_per_chunk(grid)
 
+    def evaluates_on(self, device: torch.device) -> bool:
+        def ordinal(d: torch.device) -> int | None:
+            return torch.cuda.current_device() if d.type == "cuda" and d.index is None else d.index
+        evaluation = self._evaluation_device()
+        return device.type == evaluation.type and ordinal(device) == ordinal(evaluation)
+
     def tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
+        return self.tile_bits_on(grid, tiles, torch.device("cpu"))
+
+    def tile_bits_on(self, grid: BlockGrid, tiles: Tiles, device: torch.device) -> Tensor:
+        """Gathered from the packed bits (or evaluated) on the evaluation device, then moved
+        to ``device``: no copy when the block mask is built where the mask was evaluated."""
         packed = self._grid_tiles(grid)
         if packed is None:  # evaluate the tiles themselves, on the evaluation device
-            device = self._evaluation_device()
-            on_device = Tiles(*(t.to(device) for t in (tiles.b, tiles.h, tiles.i, tiles.j)))
-            return self._tile_bits(grid, on_device).cpu()
+            on_device = Tiles(*(t.to(self._evaluation_device()) for t in (tiles.b, tiles.h, tiles.i, tiles.j)))
+            return self._tile_bits(grid, on_device).to(device)
         b = tiles.b * int(packed.shape[0] > 1)
         h = tiles.h * int(packed.shape[1] > 1)
         index = [t.to(packed.device) for t in (b, h, tiles.i, tiles.j)]
-        return packed[index[0], index[1], index[2], index[3]].cpu()  # bits past the ends are 0 already
+        return packed[index[0], index[1], index[2], index[3]].to(device)  # bits past the ends are 0 already
 
 
 class _Dense(_Evaluated):

@@ -156,9 +156,9 @@ def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
            problem.batch, problem.heads, str(device))
     per_mask = _block_masks.setdefault(description, {})
     if key not in per_mask:
-        if device.type == "cpu":
-            per_mask[key] = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"],
-                                                   params["block_n"], batch=problem.batch, heads=problem.heads)
+        if device.type == "cpu" or description.evaluates_on(device):  # built where its tiles are evaluated
+            per_mask[key] = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
+                                                   batch=problem.batch, heads=problem.heads, device=device)
         else:
             per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu")).to(device)
     return per_mask[key]
