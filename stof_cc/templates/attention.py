@@ -241,6 +241,9 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         return [params | {"persistent": persistent} for params in super().space(problem)
                 if needed(problem, params) <= self.consumer_registers(params) for persistent in self.schedules]
 
+    def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
+        return super().kernel_name(problem, params) + ("_persistent" if params["persistent"] else "")
+
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """What ptxas reports and the launch reserves: the register file split evenly over all
         threads (setmaxnreg then moves registers from the producer to the consumers)."""
