@@ -281,3 +281,22 @@ def test_persistent_ctas_carry_their_pipelines_from_tile_to_tile(dtype, head_dim
             ref_mask = dense if key_padding is None else dense & (key_padding != 0)[:, None, None, :]
             ref = _biased_reference(q, k, v, bias, ref_mask) if with_bias else masked_attention(q, k, v, ref_mask)
             _check(out, ref, f"{template.name} {params} padding={key_padding is not None} bias={with_bias}")
+
+
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_tensor_maps_read_strided_views_and_broadcast_inputs_are_copied(head_dim):
+    """The warp-specialised kernel loads through tensor maps built on the inputs' own strides: a
+    packed qkv ([B, S, 3, H, D] memory) runs without copies; K broadcast over heads (stride 0),
+    which a tensor map cannot describe, is copied first. Every warp-specialised point."""
+    batch, heads, seq = 2, 4, 700
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", dtype=torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    shared_k = torch.randn(batch, 1, seq, head_dim, device="cuda", dtype=torch.float16).expand(batch, heads, seq, head_dim)
+    mask = masks.causal()
+    dense = mask.to_dense(seq).cuda()
+    points = [params for template, params in candidates(problem_of(q, k, v)) if template.loads_with_tma]
+    assert points, "no TMA point in the space"
+    for params in points:
+        _check(attention(q, k, v, mask, params=params), masked_attention(q, k, v, dense), f"packed qkv {params}")
+        _check(attention(q, shared_k, v, mask, params=params), masked_attention(q, shared_k, v, dense),
+               f"broadcast K {params}")

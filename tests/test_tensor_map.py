@@ -7,13 +7,14 @@ import ctypes
 import pytest
 import torch
 
-from stof_cc.backends.tensor_map import TensorMapError, encode_2d
+from stof_cc.backends.tensor_map import TensorMapError, encode_2d, encode_heads
 
 
 class FakeLib:
     def cuTensorMapEncodeTiled(self, out, dtype, rank, address, dims, strides, box, element_strides, interleave,
                                swizzle, promotion, fill):
-        self.seen = (dtype, rank, address.value, list(dims[:2]), strides[0], list(box[:2]), swizzle, fill)
+        self.seen = (dtype, rank, address.value, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]),
+                     swizzle, fill)
         ctypes.memset(out, 7, 128)
         return 0
 
@@ -28,7 +29,7 @@ def test_a_row_major_matrix_becomes_a_swizzled_2d_map():
     assert encoded == bytes([7]) * 128
     dtype, rank, address, dims, pitch, box, swizzle, fill = lib.seen
     assert (dtype, rank, address) == (6, 2, x.data_ptr())  # fp16, 2-D
-    assert dims == [256, 300] and pitch == 512 and box == [64, 128]  # innermost first; leading dims flattened
+    assert dims == [256, 300] and pitch == [512] and box == [64, 128]  # innermost first; leading dims flattened
     assert swizzle == 3 and fill == 0  # 128-byte swizzle, zeros past the edges
     encode_2d(x.bfloat16(), 64, 64, lib=lib)
     assert lib.seen[0] == 9
@@ -44,3 +45,27 @@ def test_a_row_major_matrix_becomes_a_swizzled_2d_map():
 def test_refusals_say_why(tensor, box, message):
     with pytest.raises(TensorMapError, match=message):
         encode_2d(tensor, *box, lib=FakeLib())
+
+
+def test_an_attention_operand_becomes_a_4d_map_over_its_own_strides():
+    lib = FakeLib()
+    qkv = torch.randn(2, 100, 3, 4, 128, dtype=torch.bfloat16)  # packed qkv: [B, S, 3, H, D] memory
+    k = qkv[:, :, 1].transpose(1, 2)  # [B, H, S, D] view, no copy
+    encode_heads(k, 64, lib=lib)
+    dtype, rank, address, dims, strides, box, swizzle, fill = lib.seen
+    assert (dtype, rank, address) == (9, 4, k.data_ptr())
+    assert dims == [128, 100, 4, 2]  # head_dim, rows, heads, batch
+    assert strides == [3 * 4 * 128 * 2, 128 * 2, 100 * 3 * 4 * 128 * 2]  # bytes per row, head, batch element
+    assert box == [64, 64, 1, 1] and swizzle == 3 and fill == 0  # one 128-byte column block; zeros past the rows
+    encode_heads(torch.randn(1, 1, 100, 64, dtype=torch.float16), 128, lib=lib)
+    assert lib.seen[4] == [128, 100 * 128, 100 * 128]  # extent-1 dimensions get the packed stride
+
+
+@pytest.mark.parametrize("tensor, message", [
+    (torch.randn(2, 1, 64, 64, dtype=torch.float16).expand(2, 4, 64, 64), "nonzero"),  # broadcast heads
+    (torch.randn(2, 4, 64, 64, dtype=torch.float16).transpose(2, 3), "unit stride"),
+    (torch.randn(4, 64, 64, dtype=torch.float16), "batch, heads, rows, head_dim"),
+])
+def test_attention_maps_refuse_what_tma_cannot_read(tensor, message):
+    with pytest.raises(TensorMapError, match=message):
+        encode_heads(tensor, 64, lib=FakeLib())

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_heads
 from stof_cc.backends.tile_schedule import tile_schedule
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem
@@ -21,6 +22,7 @@ from stof_cc.templates.registry import KernelTemplate
 LOG2E = 1.4426950408889634
 
 _kernels: dict[tuple, Kernel] = {}
+MAX_CACHED_MAPS = 16  # per plan: the (q, k, v) addresses whose tensor maps are kept
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,22 @@ class LaunchPlan:
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
     bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
     reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
+    tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads with TMA
+    _maps: dict[tuple[int, int, int], list[bytes]] = field(default_factory=dict, compare=False, repr=False)
+
+    def tensor_maps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[bytes]:
+        """Q, K and V's tensor maps for a TMA kernel (none otherwise), encoded once per address
+        triple: a model's buffers, or a CUDA graph's, are encoded on their first call only."""
+        if self.tma_box_rows is None:
+            return []
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        maps = self._maps.get(key)
+        if maps is None:
+            if len(self._maps) >= MAX_CACHED_MAPS:
+                self._maps.clear()
+            q_rows, kv_rows = self.tma_box_rows
+            maps = self._maps[key] = [encode_heads(q, q_rows), encode_heads(k, kv_rows), encode_heads(v, kv_rows)]
+        return maps
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor | None = None, padding: KeyPadding | None = None,
@@ -70,7 +88,7 @@ class LaunchPlan:
             raise AttentionInputError("this plan was built " + ("with" if self.reads_bias else "without")
                                       + " a bias; pass the same kind of call")
         bias_args = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
-        self.kernel.launch(self.grid, self.threads, self.shared_bytes,
+        self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *padding_args, *self.size_args, *out.stride()[:3], *self.end_args, *bias_args,
                            self.bias_to_raw)
@@ -136,7 +154,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
     mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, block_mask.part_bits, order)
     rows_per_head = block_mask.n_rb if block_mask.heads > 1 else 0
     rows_per_batch = block_mask.heads * block_mask.n_rb if block_mask.batch > 1 else 0
-    copy_inputs = not all(t.stride(3) == 1 and all(st % 8 == 0 for st in t.stride()[:3]) for t in (q, k, v))
+    copy_inputs = not all(_suits_kernel(t, template.loads_with_tma) for t in (q, k, v))
     return LaunchPlan(
         kernel=compiled_kernel(template, problem, params),
         grid=grid, threads=threads, shared_bytes=shared,
@@ -145,7 +163,15 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         size_args=(problem.seq_q, problem.seq_k, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]),
         end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem)),
         mask_tensors=mask_tensors, bias_to_raw=1.0 / scale, reads_bias=problem.bias,
+        tma_box_rows=(params["block_m"], params["block_n"]) if template.loads_with_tma else None,
     )
+
+
+def _suits_kernel(t: torch.Tensor, tma: bool) -> bool:
+    """Unit stride in head_dim and 16-byte row strides (cp.async and TMA); for TMA also no
+    broadcast (stride 0) dimension, which a tensor map cannot describe."""
+    strides_ok = t.stride(3) == 1 and all(st % 8 == 0 for st in t.stride()[:3])
+    return strides_ok and not (tma and any(st == 0 and n > 1 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True)))
 
 
 def kv_head_magic(problem: AttentionProblem) -> int:
@@ -163,8 +189,9 @@ def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params:
     """Render, compile (nvcc, cached on disk) and load the kernel; cached per process."""
     key = (template.name, problem.dtype, problem.head_dim, problem.bias, tuple(sorted(params.items())))
     if key not in _kernels:
+        arg_format = TENSOR_MAP_FORMAT * 3 * template.loads_with_tma + template.arg_format
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
-                                    template.arg_format, arch_features=template.arch_features,
+                                    arg_format, arch_features=template.arch_features,
                                     waits_for_producers=template.waits_for_producers)
     return _kernels[key]
 

@@ -32,8 +32,7 @@ def encode_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, lib=None) -> b
     the others flattened into rows), copying ``box_rows`` x ``box_cols`` tiles into shared
     memory with the 128-byte swizzle (chunk c of row r lands at chunk c ^ (r % 8)); reads
     past the edges fill zeros."""
-    if tensor.dtype not in _DATA_TYPES:
-        raise TensorMapError(f"tensor maps are made for fp16/bf16 here, got {tensor.dtype}")
+    _check_dtype(tensor)
     if not tensor.is_contiguous():
         raise TensorMapError(f"a tensor map needs a contiguous tensor, got strides {tensor.stride()}")
     cols = tensor.shape[-1]
@@ -42,17 +41,53 @@ def encode_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, lib=None) -> b
     if tensor.data_ptr() % 16 or row_bytes % 16:
         raise TensorMapError(f"TMA needs a 16-byte aligned address and row pitch; got address "
                              f"{tensor.data_ptr():#x}, {row_bytes}-byte rows")
+    _check_box(tensor, box_rows, box_cols)
+    return _encode(tensor, (cols, rows), (row_bytes,), (box_cols, box_rows), lib)
+
+
+def encode_heads(tensor: torch.Tensor, box_rows: int, lib=None) -> bytes:
+    """The 4-D tensor map of attention operand ``tensor`` [batch, heads, rows, head_dim] (unit
+    stride in head_dim; any 16-byte multiple strides otherwise, e.g. a transposed
+    [batch, rows, heads, head_dim] view), copying ``box_rows`` x 64 tiles (one 128-byte column
+    block) with the 128-byte swizzle; rows past the end of a (batch, head) read as zeros."""
+    _check_dtype(tensor)
+    if tensor.dim() != 4 or tensor.stride(3) != 1:
+        raise TensorMapError(f"an attention tensor map needs [batch, heads, rows, head_dim] with unit stride in "
+                             f"head_dim, got shape {tuple(tensor.shape)}, strides {tensor.stride()}")
+    size = tensor.element_size()
+    batch, heads, rows, cols = tensor.shape
+    # a dimension of extent 1 is never stepped: give it the stride of the dimensions inside it
+    strides = [st * size if n > 1 else inner for st, n, inner in
+               zip(tensor.stride()[2::-1], (rows, heads, batch),
+                   (cols * size, rows * cols * size, heads * rows * cols * size), strict=True)]
+    if tensor.data_ptr() % 16 or any(st % 16 or st == 0 for st in strides):
+        raise TensorMapError(f"TMA needs a 16-byte aligned address and nonzero 16-byte multiple strides; got "
+                             f"address {tensor.data_ptr():#x}, strides {tensor.stride()} ({size}-byte elements)")
+    _check_box(tensor, box_rows, 64)
+    return _encode(tensor, (cols, rows, heads, batch), tuple(strides), (64, box_rows, 1, 1), lib)
+
+
+def _check_dtype(tensor: torch.Tensor) -> None:
+    if tensor.dtype not in _DATA_TYPES:
+        raise TensorMapError(f"tensor maps are made for fp16/bf16 here, got {tensor.dtype}")
+
+
+def _check_box(tensor: torch.Tensor, box_rows: int, box_cols: int) -> None:
     if box_cols * tensor.element_size() != 128 or not 0 < box_rows <= 256:
         raise TensorMapError(f"box {box_rows} x {box_cols}: the 128-byte swizzle needs 128-byte box rows "
                              "and at most 256 of them")
+
+
+def _encode(tensor: torch.Tensor, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+            lib=None) -> bytes:
+    """cuTensorMapEncodeTiled over ``dims`` (innermost first), byte ``strides`` of all but the
+    innermost, ``box`` per dimension: 128-byte swizzle, 256-byte L2 promotion, zero fill."""
     lib = lib or _libcuda()
+    rank = len(dims)
     out = ctypes.create_string_buffer(TENSOR_MAP_BYTES)
-    dims = (ctypes.c_uint64 * 2)(cols, rows)
-    strides = (ctypes.c_uint64 * 1)(row_bytes)
-    box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
-    element_strides = (ctypes.c_uint32 * 2)(1, 1)
-    _check(lib.cuTensorMapEncodeTiled(out, _DATA_TYPES[tensor.dtype], 2, ctypes.c_void_p(tensor.data_ptr()), dims,
-                                      strides, box, element_strides, _INTERLEAVE_NONE, _SWIZZLE_128B,
-                                      _L2_PROMOTION_256B, _OOB_FILL_ZERO),
-           f"cuTensorMapEncodeTiled({tuple(tensor.shape)}, box {box_rows}x{box_cols})", lib)
+    _check(lib.cuTensorMapEncodeTiled(out, _DATA_TYPES[tensor.dtype], rank, ctypes.c_void_p(tensor.data_ptr()),
+                                      (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
+                                      (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+                                      _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO),
+           f"cuTensorMapEncodeTiled({tuple(tensor.shape)}, strides {tensor.stride()}, box {box})", lib)
     return out.raw

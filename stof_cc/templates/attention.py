@@ -136,6 +136,7 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
     waits_for_producers = True  # attention_common.setup() waits first
     walks_tile_schedule = False  # True: grid (CTAs, 1, 1) over a `tile_schedule` passed as row_order
+    loads_with_tma = False  # True: takes Q, K and V's tensor maps before arg_format's arguments (attention_launch)
     shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
     stage_counts = (1, 2)
@@ -228,6 +229,7 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     shapes = ((128, 1), (192, 1))  # 2 or 3 consumer warpgroups: one alone gains nothing from the split
     stage_counts = (2, 3)
     walks_tile_schedule = True
+    loads_with_tma = True
     schedules = (False, True)  # params["persistent"]: one CTA per tile, or one per SM (tile_schedule)
 
     def consumer_registers(self, params: dict[str, Any]) -> int:
