@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -216,7 +218,7 @@ def test_an_additive_bias_is_added_by_every_template(dtype, head_dim):
     in fp32 or the inputs' dtype, alone or with causal masking and key padding."""
     seq = 300
     q, k, v = _inputs(seq, head_dim, dtype)
-    points = candidates(problem_of(q, k, v))
+    points = candidates(dataclasses.replace(problem_of(q, k, v), bias=True))  # the bias variants' space
     padding = _paddings(seq)["right"].cuda()
     causal = masks.causal()
     for i, (template, params) in enumerate(points):
@@ -272,9 +274,11 @@ def test_persistent_ctas_carry_their_pipelines_from_tile_to_tile(dtype, head_dim
     problem = problem_of(*(torch.empty(batch, heads, seq, head_dim, dtype=dtype, device="cuda") for _ in range(3)))
     points = [(t, p) for t, p in candidates(problem) if t.walks_tile_schedule]
     assert any(p["persistent"] for _, p in points), "no persistent point in the space"
+    with_bias_too = [p for t, p in candidates(dataclasses.replace(problem, bias=True)) if t.walks_tile_schedule]
     bias = torch.randn(1, heads, seq, seq, device="cuda", dtype=dtype)
     for template, params in points:
-        for key_padding, with_bias in ((None, False), (padding.cuda(), False), (None, True)):
+        runs = ((None, False), (padding.cuda(), False)) + (((None, True),) if params in with_bias_too else ())
+        for key_padding, with_bias in runs:
             q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
             out = torch.full_like(q, float("nan"))
             attention(q, k, v, mask, key_padding=key_padding, bias=bias if with_bias else None, params=params, out=out)

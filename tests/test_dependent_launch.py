@@ -77,6 +77,15 @@ def test_launch_structures_have_cuda_h_layout():
     assert LaunchConfig.stream.offset == 32 and LaunchConfig.attrs.offset == 40 and LaunchConfig.num_attrs.offset == 48
 
 
+def test_building_the_launch_attribute_leaves_the_interpreter_alone():
+    """The attribute's 1 once went into the interpreter's shared empty bytes object (ctypes hands
+    out a char-array field as new bytes): compiling any empty file then raised "source code string
+    cannot contain null bytes" (empty __init__.py files of numpy.testing, triton...)."""
+    DriverKernel(b"\x7fELF", "k", "P", lib=FakeLib(), waits_for_producers=True)
+    assert b"".decode() == "" and len(b"".join([b"", b""])) == 0
+    compile(b"", "empty.py", "exec")  # raised ValueError/SyntaxError with the corruption
+
+
 class FakeLib:
     """Records which launch call a kernel made and reads a cuLaunchKernelEx config back."""
 
@@ -99,7 +108,7 @@ class FakeLib:
     def cuLaunchKernelEx(self, config_ref, function, params, extra):
         config = ctypes.cast(config_ref, ctypes.POINTER(LaunchConfig)).contents
         attribute = config.attrs[0]
-        value = ctypes.cast(attribute.value, ctypes.POINTER(ctypes.c_int)).contents.value
+        value = attribute.value.programmatic_stream_serialization
         self.launches.append(("programmatic", (config.grid_x, config.grid_y, config.grid_z),
                               (config.block_x, config.block_y, config.block_z), config.shared_bytes,
                               config.stream, config.num_attrs, attribute.id, value))

@@ -15,6 +15,7 @@ class FakeLib:
                                swizzle, promotion, fill):
         self.seen = (dtype, rank, address.value, list(dims[:rank]), list(strides[:rank - 1]), list(box[:rank]),
                      swizzle, fill)
+        self.map_address = ctypes.addressof(out)
         ctypes.memset(out, 7, 128)
         return 0
 
@@ -31,6 +32,7 @@ def test_a_row_major_matrix_becomes_a_swizzled_2d_map():
     assert (dtype, rank, address) == (6, 2, x.data_ptr())  # fp16, 2-D
     assert dims == [256, 300] and pitch == [512] and box == [64, 128]  # innermost first; leading dims flattened
     assert swizzle == 3 and fill == 0  # 128-byte swizzle, zeros past the edges
+    assert lib.map_address % 64 == 0  # the driver's alignment for the map it writes
     encode_2d(x.bfloat16(), 64, 64, lib=lib)
     assert lib.seen[0] == 9
 

@@ -98,10 +98,16 @@ class ParameterBlock:
         return self.pointers
 
 
+class LaunchAttributeValue(ctypes.Union):
+    """CUlaunchAttributeValue: 64 bytes; the programmatic-serialization member is an int."""
+
+    _fields_ = [("programmatic_stream_serialization", ctypes.c_int), ("raw", ctypes.c_ubyte * 64)]
+
+
 class LaunchAttribute(ctypes.Structure):
     """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", LaunchAttributeValue)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -114,8 +120,13 @@ class LaunchConfig(ctypes.Structure):
 
 
 def _programmatic_attribute() -> LaunchAttribute:
+    """Programmatic stream serialization on. (This once memmoved the 1 into ``attribute.value``
+    when that was a char array: ctypes hands out such a field as a new ``bytes``, here the
+    shared empty one, so the 1 went into the interpreter's ``b""`` - every later import of an
+    empty file failed with "source code string cannot contain null bytes" - and the attribute
+    stayed 0.)"""
     attribute = LaunchAttribute(id=LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-    ctypes.memmove(attribute.value, ctypes.byref(ctypes.c_int(1)), ctypes.sizeof(ctypes.c_int))
+    attribute.value.programmatic_stream_serialization = 1
     return attribute
 
 

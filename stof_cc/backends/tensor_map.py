@@ -19,6 +19,7 @@ from stof_cc.backends.stream_launch import _check, _libcuda
 
 TENSOR_MAP_FORMAT = "128s"  # struct code of one by-value CUtensorMap (alignment 64: put them first)
 TENSOR_MAP_BYTES = 128
+TENSOR_MAP_ALIGN = 64  # cuTensorMapEncodeTiled's alignment requirement for the map it writes
 _DATA_TYPES = {torch.float16: 6, torch.bfloat16: 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / _BFLOAT16
 _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO = 0, 3, 3, 0
 
@@ -84,7 +85,11 @@ def _encode(tensor: torch.Tensor, dims: tuple[int, ...], strides: tuple[int, ...
     innermost, ``box`` per dimension: 128-byte swizzle, 256-byte L2 promotion, zero fill."""
     lib = lib or _libcuda()
     rank = len(dims)
-    out = ctypes.create_string_buffer(TENSOR_MAP_BYTES)
+    # The driver requires the map 64-byte aligned (ctypes buffers are 16): encode into an aligned
+    # window of a larger buffer.
+    raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + TENSOR_MAP_ALIGN)
+    offset = -ctypes.addressof(raw) % TENSOR_MAP_ALIGN
+    out = (ctypes.c_char * TENSOR_MAP_BYTES).from_buffer(raw, offset)
     _check(lib.cuTensorMapEncodeTiled(out, _DATA_TYPES[tensor.dtype], rank, ctypes.c_void_p(tensor.data_ptr()),
                                       (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*strides),
                                       (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),

@@ -215,7 +215,11 @@ class WgmmaAttention(_AttentionTemplate):
 
 
 PRODUCER_THREADS = 128  # attention_wgmma_ws's copy warpgroup
-PRODUCER_REGISTERS = 40
+PRODUCER_REGISTERS = 24  # attention_wgmma_ws's producer: one thread issues every TMA copy
+# What attention_wgmma_ws's consumer warpgroups need per thread, by (head_dim, block_n): no copy code, so
+# less than WGMMA_REGISTERS; (64, 128) compiles into the 160 that three consumer warpgroups get.
+WS_CONSUMER_REGISTERS = {(64, 64): 121, (64, 128): 160, (128, 64): 160, (128, 128): 208}
+WS_BIAS_REGISTERS = 16  # more for the bias variant (its loads and row pointers): at 160 it spilled 112-368 bytes
 
 
 class WarpSpecialisedWgmmaAttention(WgmmaAttention):
@@ -239,9 +243,13 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         return min(240, spare // 8 * 8)
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
-        needed = super().registers  # a consumer's registers, before the launch-time cap
+        """Three consumer warpgroups (block_m 192) take 3 stages: each K/V buffer stays held until
+        the third has read it (measured on the H100: 2 stages no faster, and ptxas spilled one
+        of its variants)."""
         return [params | {"persistent": persistent} for params in super().space(problem)
-                if needed(problem, params) <= self.consumer_registers(params) for persistent in self.schedules]
+                if WS_CONSUMER_REGISTERS[(problem.head_dim, params["block_n"])] + WS_BIAS_REGISTERS * problem.bias
+                <= self.consumer_registers(params)
+                and (params["block_m"] == 128 or params["stages"] == 3) for persistent in self.schedules]
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return super().kernel_name(problem, params) + ("_persistent" if params["persistent"] else "")

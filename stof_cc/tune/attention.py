@@ -91,7 +91,6 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
     per_mask = _choices.setdefault(description, {})
     if key not in per_mask:
         scored = []
-        kv_bytes = 2 * problem.batch * (problem.kv_heads or problem.heads) * problem.seq_k * problem.head_dim * 2
         options = candidates(problem)
         if not options:
             raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
@@ -104,7 +103,7 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
             scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks,
                                     int(bm.part_cols.numel()), template.shared_bytes(problem, params),
                                     key[1], template.registers(problem, params),
-                                    template.launch(problem, params)[1], kv_bytes), template))
+                                    template.launch(problem, params)[1]), template))
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
         fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))

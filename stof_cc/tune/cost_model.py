@@ -26,11 +26,7 @@ The model prices one launch of a masked-attention template as
 
   Each CTA also pays ``CTA_FIXED_US`` (Q load, output store), in waves of SMs x occupancy.
   A persistent point (one CTA per SM running many tiles) pays ``PERSISTENT_TILE_US`` per tile
-  instead (the producer loads the next tile's Q while the consumers finish the last), in one wave,
-  while K and V of every (batch, head) fit the L2 (``L2_BYTES``). Past that it costs
-  ``1 + PERSISTENT_L2_PENALTY`` times its one-CTA-per-tile twin: the persistent CTAs drift apart
-  along their tile lists and stream more distinct K/V at once (measured: causal D = 128 at
-  S = 8192 and causal S = 131072, 4-8% slower; within the L2 3-8% faster).
+  instead (the producer loads the next tile's Q while the consumers finish the last), in one wave.
 * ``t_critical``: the longest block row (global tokens make one row long) run by one CTA
   alone, which can use only ``warps / 8`` of an SM's issue slots.
 
@@ -44,7 +40,6 @@ benchmarks/RESULTS.md); other GPUs scale by their SM count. STOF's rule (rho = n
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -64,8 +59,6 @@ EXPOSED_LOAD_US = 3.4e-05     # per KiB of K/V a one-stage kernel waits for
 CTA_FIXED_US = 0.165           # per CTA: Q tile load, output store, prologue
 PERSISTENT_TILE_US = 0.055     # per tile of a persistent CTA: set (not fitted) so a persistent point ranks just
                                # ahead of its one-CTA-per-tile twin, as measured on most points (docs/attention.md)
-PERSISTENT_L2_PENALTY = 0.05   # a persistent point whose K/V exceed the L2, against its twin (measured 4-8%)
-L2_BYTES = 50 * 1024 * 1024    # the H100's L2
 LAUNCH_US = 10.7               # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
@@ -99,18 +92,13 @@ def occupancy(threads: int, shared_bytes: int, registers_per_thread: int) -> int
 
 def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_blocks: Any,
              partial_blocks: int, shared_bytes: int, sm_count: int,
-             registers_per_thread: int = 128, threads: int | None = None, kv_bytes: int = 0) -> Estimate:
+             registers_per_thread: int = 128, threads: int | None = None) -> Estimate:
     """Estimate one candidate.
 
     ``row_blocks`` holds the non-empty block count of every block row of every distinct
     mask (a 1-D integer tensor or list); ``heads_batches`` is how many (batch, head)
-    pairs each distinct mask serves; ``threads`` is the CTA size (default: its warps);
-    ``kv_bytes`` the size of K and V over every batch element and K/V head.
+    pairs each distinct mask serves; ``threads`` is the CTA size (default: its warps).
     """
-    if params.get("persistent") and kv_bytes > L2_BYTES:
-        twin = estimate(params | {"persistent": False}, head_dim, heads_batches, row_blocks, partial_blocks,
-                        shared_bytes, sm_count, registers_per_thread, threads, kv_bytes)
-        return dataclasses.replace(twin, params=params, micros=twin.micros * (1 + PERSISTENT_L2_PENALTY))
     bm, bn, warps = params["block_m"], params["block_n"], params["warps"]
     counts = [int(c) for c in row_blocks]
     blocks = sum(counts) * heads_batches
