@@ -1,7 +1,7 @@
 """Fit the attention cost model's constants to a measured sweep.
 
-    python benchmarks/mha.py --sweep --json sweep.json      # on the GPU
-    python benchmarks/fit_cost_model.py sweep.json          # anywhere (CPU is enough)
+    python benchmarks/mha.py --sweep --json sweep.json      # on the GPU (any --heads/--head-dim/--dtype)
+    python benchmarks/fit_cost_model.py sweep.json [more.json ...]   # anywhere (CPU is enough)
     python benchmarks/fit_cost_model.py sweep.json --evaluate   # the current constants' picks only
 
 `--evaluate` fits nothing: per case it prints the pick of the constants in cost_model.py, that
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stof_cc.masks.workloads import GRID_HEAD_DIM, GRID_HEADS, grid_mask  # noqa: E402
+from stof_cc.masks.workloads import grid_mask  # noqa: E402
 from stof_cc.templates.attention import AttentionProblem, config_label  # noqa: E402
 from stof_cc.tune import cost_model  # noqa: E402
 from stof_cc.tune.attention import cached_block_mask, candidates  # noqa: E402
@@ -38,31 +38,34 @@ CONSTANTS = ("TENSOR_FLOPS_PER_US", "WGMMA_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "
 SM_COUNT = 132  # the H100 SXM the sweeps were measured on
 
 
-def load_cases(path: str) -> list[tuple[str, list[tuple]]]:
+def load_cases(paths: list[str]) -> list[tuple[str, list[tuple]]]:
     """Per case: (label, [(params, model inputs..., measured us)]) for every candidate."""
     cases = []
-    for row in json.loads(Path(path).read_text()):
-        measured = {config_label(m["params"]): m["ms"] * 1e3 for m in row["sweep"] if m["ok"]}
-        desc = grid_mask(row["mask"], row["seq"])
-        problem = AttentionProblem(row["batch"], GRID_HEADS, row["seq"], row["seq"], GRID_HEAD_DIM, torch.float16)
-        points = []
-        for template, params in candidates(problem):
-            if config_label(params) not in measured:
-                continue
-            bm = cached_block_mask(desc, problem, params, torch.device("cpu"))
-            points.append((params, row["batch"] * GRID_HEADS // (bm.batch * bm.heads),
-                           (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist(), int(bm.part_cols.numel()),
-                           template.shared_bytes(problem, params), template.registers(problem, params),
-                           template.launch(problem, params)[1], measured[config_label(params)]))
-        cases.append((f"{row['mask']} S={row['seq']}", points))
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            measured = {config_label(m["params"]): m["ms"] * 1e3 for m in row["sweep"] if m["ok"]}
+            desc = grid_mask(row["mask"], row["seq"])
+            heads, head_dim = row["heads"], row["head_dim"]
+            dtype = getattr(torch, row["dtype"].removeprefix("torch."))
+            problem = AttentionProblem(row["batch"], heads, row["seq"], row["seq"], head_dim, dtype)
+            points = []
+            for template, params in candidates(problem):
+                if config_label(params) not in measured:
+                    continue
+                bm = cached_block_mask(desc, problem, params, torch.device("cpu"))
+                points.append((params, head_dim, row["batch"] * heads // (bm.batch * bm.heads),
+                               (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist(), int(bm.part_cols.numel()),
+                               template.shared_bytes(problem, params), template.registers(problem, params),
+                               template.launch(problem, params)[1], measured[config_label(params)]))
+            cases.append((f"{row['mask']} S={row['seq']} d={head_dim}", points))
     return cases
 
 
 def loss(cases, report: bool = False) -> float:
     total = 0.0
     for label, points in cases:
-        scored = [(cost_model.estimate(p, GRID_HEAD_DIM, hb, rows, part, smem, SM_COUNT, regs, threads).micros, us, p)
-                  for p, hb, rows, part, smem, regs, threads, us in points]
+        scored = [(cost_model.estimate(p, d, hb, rows, part, smem, SM_COUNT, regs, threads).micros, us, p)
+                  for p, d, hb, rows, part, smem, regs, threads, us in points]
         best = min(us for _, us, _ in scored)
         est, picked_us, params = min(scored, key=lambda s: s[0])
         total += math.log(picked_us / best)
@@ -73,22 +76,23 @@ def loss(cases, report: bool = False) -> float:
     return total
 
 
-def evaluate(path: str) -> None:
-    rows = {(r["mask"], r["seq"]): r for r in json.loads(Path(path).read_text())}
+def evaluate(paths: list[str]) -> None:
+    rows = {(r["mask"], r["seq"], r["head_dim"]): r for path in paths for r in json.loads(Path(path).read_text())}
     speedups = []
-    print("| mask | S | pick | ms (sweep) | best peer ms | speedup | measured best |")
-    print("|---|---|---|---|---|---|---|")
-    for label, points in load_cases(path):
-        mask, seq = label.split(" S=")
-        row = rows[(mask, int(seq))]
-        _, picked_us, params = min(((cost_model.estimate(p, GRID_HEAD_DIM, hb, r, part, smem, SM_COUNT, regs, threads).micros,
-                                     us, p) for p, hb, r, part, smem, regs, threads, us in points), key=lambda s: s[0])
+    print("| mask | S | d | pick | ms (sweep) | best peer ms | speedup | measured best |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, points in load_cases(paths):
+        mask, rest = label.split(" S=")
+        seq, head_dim = (int(x) for x in rest.split(" d="))
+        row = rows[(mask, seq, head_dim)]
+        _, picked_us, params = min(((cost_model.estimate(p, d, hb, r, part, smem, SM_COUNT, regs, threads).micros,
+                                     us, p) for p, d, hb, r, part, smem, regs, threads, us in points), key=lambda s: s[0])
         speedups.append(row["best_peer_ms"] * 1e3 / picked_us)
-        print(f"| {mask} | {seq} | {config_label(params)} | {picked_us / 1e3:.4f} | {row['best_peer_ms']:.4f} | "
-              f"{speedups[-1]:.2f}x | {row['best_kernel']} {row['best_ms']:.4f} |")
+        print(f"| {mask} | {seq} | {head_dim} | {config_label(params)} | {picked_us / 1e3:.4f} | "
+              f"{row['best_peer_ms']:.4f} | {speedups[-1]:.2f}x | {row['best_kernel']} {row['best_ms']:.4f} |")
     geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
     print(f"\ngeomean {geomean:.3f}x over {len(speedups)} cases; worst {min(speedups):.2f}x")
-    print(stage_two_summary(load_cases(path)))
+    print(stage_two_summary(load_cases(paths)))
 
 
 def stage_two_summary(cases, top_k: int = 8) -> str:
@@ -97,8 +101,8 @@ def stage_two_summary(cases, top_k: int = 8) -> str:
     correlation between estimates and measured times (median over cases)."""
     gaps, shares, correlations = [], [], []
     for _, points in cases:
-        scored = sorted((cost_model.estimate(p, GRID_HEAD_DIM, hb, r, part, smem, SM_COUNT, regs, threads).micros, us)
-                        for p, hb, r, part, smem, regs, threads, us in points)
+        scored = sorted((cost_model.estimate(p, d, hb, r, part, smem, SM_COUNT, regs, threads).micros, us)
+                        for p, d, hb, r, part, smem, regs, threads, us in points)
         best = min(us for _, us in scored)
         gaps.append(min(us for _, us in scored[:top_k]) / best)
         shares.append(min(top_k, len(scored)) / len(scored))
@@ -126,15 +130,15 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", help="JSON written by benchmarks/mha.py --sweep --json")
+    parser.add_argument("sweeps", nargs="+", help="JSON written by benchmarks/mha.py --sweep --json")
     parser.add_argument("--trials", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--evaluate", action="store_true", help="report the current constants' picks, fit nothing")
     args = parser.parse_args()
     if args.evaluate:
-        evaluate(args.sweep)
+        evaluate(args.sweeps)
         return
-    cases = load_cases(args.sweep)
+    cases = load_cases(args.sweeps)
     best = (loss(cases), {name: getattr(cost_model, name) for name in CONSTANTS})
     print(f"current constants: loss {best[0]:.3f}")
     rng = random.Random(args.seed)
