@@ -57,8 +57,13 @@ def load_cases(paths: list[str]) -> list[tuple[str, list[tuple]]]:
                                (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist(), int(bm.part_cols.numel()),
                                template.shared_bytes(problem, params), template.registers(problem, params),
                                template.launch(problem, params)[1], measured[config_label(params)]))
-            cases.append((f"{row['mask']} S={row['seq']} d={head_dim}", points))
+            cases.append((_label(row), points))
     return cases
+
+
+def _label(row: dict) -> str:
+    """A sweep row's case: mask, sequence, head dim, heads, batch and dtype."""
+    return f"{row['mask']} S={row['seq']} d={row['head_dim']} H={row['heads']} B={row['batch']} {row['dtype']}"
 
 
 def loss(cases, report: bool = False) -> float:
@@ -77,14 +82,13 @@ def loss(cases, report: bool = False) -> float:
 
 
 def evaluate(paths: list[str]) -> None:
-    rows = {(r["mask"], r["seq"], r["head_dim"]): r for path in paths for r in json.loads(Path(path).read_text())}
+    rows = {_label(r): r for path in paths for r in json.loads(Path(path).read_text())}
     speedups = []
     print("| mask | S | d | pick | ms (sweep) | best peer ms | speedup | measured best |")
     print("|---|---|---|---|---|---|---|---|")
     for label, points in load_cases(paths):
-        mask, rest = label.split(" S=")
-        seq, head_dim = (int(x) for x in rest.split(" d="))
-        row = rows[(mask, seq, head_dim)]
+        row = rows[label]
+        mask, seq, head_dim = row["mask"], row["seq"], row["head_dim"]
         _, picked_us, params = min(((cost_model.estimate(p, d, hb, r, part, smem, SM_COUNT, regs, threads).micros,
                                      us, p) for p, d, hb, r, part, smem, regs, threads, us in points), key=lambda s: s[0])
         speedups.append(row["best_peer_ms"] * 1e3 / picked_us)

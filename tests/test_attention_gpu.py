@@ -9,7 +9,7 @@ import torch
 
 from stof_cc import masks
 from stof_cc.ir.reference import masked_attention, relative_error
-from stof_cc.runtime.attention import attention
+from stof_cc.runtime.attention import _planned, attention
 from stof_cc.templates.attention import AttentionInputError, problem_of
 from stof_cc.tune.attention import candidates
 
@@ -304,3 +304,5 @@ def test_tensor_maps_read_strided_views_and_broadcast_inputs_are_copied(head_dim
         _check(attention(q, k, v, mask, params=params), masked_attention(q, k, v, dense), f"packed qkv {params}")
         _check(attention(q, shared_k, v, mask, params=params), masked_attention(q, shared_k, v, dense),
                f"broadcast K {params}")
+        assert not _planned(q, k, v, mask, None, params, False).copy_inputs  # the views' own strides
+        assert _planned(q, shared_k, v, mask, None, params, False).copy_inputs

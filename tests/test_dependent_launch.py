@@ -82,8 +82,7 @@ def test_building_the_launch_attribute_leaves_the_interpreter_alone():
     out a char-array field as new bytes): compiling any empty file then raised "source code string
     cannot contain null bytes" (empty __init__.py files of numpy.testing, triton...)."""
     DriverKernel(b"\x7fELF", "k", "P", lib=FakeLib(), waits_for_producers=True)
-    assert b"".decode() == "" and len(b"".join([b"", b""])) == 0
-    compile(b"", "empty.py", "exec")  # raised ValueError/SyntaxError with the corruption
+    compile(b"", "empty.py", "exec")  # raised "source code string cannot contain null bytes" with the corruption
 
 
 class FakeLib:

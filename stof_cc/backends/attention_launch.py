@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from stof_cc.templates.registry import KernelTemplate
 LOG2E = 1.4426950408889634
 
 _kernels: dict[tuple, Kernel] = {}
-MAX_CACHED_MAPS = 16  # per plan: the (q, k, v) addresses whose tensor maps are kept
+MAX_CACHED_MAPS = 64  # per plan: the (q, k, v) address triples whose tensor maps are kept (least recent out)
 
 
 @dataclass(frozen=True)
@@ -46,20 +47,24 @@ class LaunchPlan:
     bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
     reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
     tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads with TMA
-    _maps: dict[tuple[int, int, int], list[bytes]] = field(default_factory=dict, compare=False, repr=False)
+    _maps: OrderedDict[tuple[int, int, int], list[bytes]] = field(default_factory=OrderedDict, compare=False,
+                                                                  repr=False)
 
     def tensor_maps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[bytes]:
         """Q, K and V's tensor maps for a TMA kernel (none otherwise), encoded once per address
-        triple: a model's buffers, or a CUDA graph's, are encoded on their first call only."""
+        triple and kept for the MAX_CACHED_MAPS triples used last: a model's buffers, or a CUDA
+        graph's, are encoded on their first call only."""
         if self.tma_box_rows is None:
             return []
         key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
         maps = self._maps.get(key)
         if maps is None:
             if len(self._maps) >= MAX_CACHED_MAPS:
-                self._maps.clear()
+                self._maps.popitem(last=False)
             q_rows, kv_rows = self.tma_box_rows
             maps = self._maps[key] = [encode_heads(q, q_rows), encode_heads(k, kv_rows), encode_heads(v, kv_rows)]
+        else:
+            self._maps.move_to_end(key)
         return maps
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

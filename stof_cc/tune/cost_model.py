@@ -32,8 +32,8 @@ The model prices one launch of a masked-attention template as
 
 Block counts come from the `BlockMask` at the candidate's own block shape, so finer
 blocks are rewarded exactly where the mask has fine structure. The constants are per-SM
-rates for an H100 SXM (sm_90, 132 SMs, fp16, d = 64), fitted to sweeps of
-`benchmarks/mha.py --sweep` (the fit minimises the time lost by the model's pick; see
+rates for an H100 SXM (sm_90, 132 SMs), fitted to sweeps of `benchmarks/mha.py --sweep`
+(the D = 64 fp16 and D = 128 bf16 grids together; the fit minimises the time lost by the model's pick; see
 benchmarks/RESULTS.md); other GPUs scale by their SM count. STOF's rule (rho = non-empty
 16x16 blocks over (S/16)^2 against tau = 1/log2(S/16)^2) is reported beside the choice.
 """
