@@ -280,3 +280,25 @@ def test_grid_masks_at_8192_are_exact(name):
             counts == 128 * 128, masks.FULL, torch.where(counts == 0, masks.EMPTY, masks.PARTIAL)
         )
         assert torch.equal(classes[i].long(), want.long()), f"{name} block row {i}"
+
+
+@pytest.mark.parametrize("seq", (300, 1000, 2065))
+def test_counts_at_a_coarser_block_shape_equal_the_coarse_masks_counts(seq):
+    """The cost model prices every candidate block shape from one 16 x 16 mask: for every zoo
+    pattern, a per-head dense mask and a combined user mask, at ragged sizes, the counts match the
+    block mask built at that shape."""
+    w = max(8, seq // 16)
+    dense = torch.rand(2, 3, seq, seq, generator=torch.Generator().manual_seed(seq)) < 0.1
+    descriptions = [masks.causal(), masks.sliding_window(w), masks.dilated(w, 3), masks.longformer(w, 5),
+                    masks.bigbird(w, 3, 2, block=16, seed=1), masks.document([seq // 3, seq - seq // 3 - 7, 7]),
+                    masks.key_padding([seq, 0]), masks.from_dense(dense), masks.strided(max(4, seq // 8)),
+                    masks.longformer(37, 3) | masks.from_mask_mod(lambda b, h, q, k: (q - k) % 7 == h)]
+    for description in descriptions:
+        fine = description.block_mask(seq, seq, 16, 16, batch=2, heads=3)
+        for block_m, block_n in ((16, 32), (64, 64), (128, 64), (128, 128), (192, 128)):
+            coarse = description.block_mask(seq, seq, block_m, block_n, batch=2, heads=3)
+            rows, partial = fine.counts_at(block_m, block_n)
+            assert torch.equal(rows, (coarse.any_ptr[1:] - coarse.any_ptr[:-1]).long()), (description, block_m, block_n)
+            assert partial == coarse.part_cols.numel(), (description, block_m, block_n)
+    with pytest.raises(ValueError, match="not a multiple"):
+        masks.causal().block_mask(seq, seq, 16, 16).counts_at(24, 32)

@@ -205,6 +205,26 @@ class BlockMask:
             classes[self._rows(ptr.cpu()) * self.n_cb + cols.cpu().long()] = code
         return classes.view(self.batch, self.heads, self.n_rb, self.n_cb)
 
+    def counts_at(self, block_m: int, block_n: int) -> tuple[torch.Tensor, int]:
+        """The block counts this mask would have at a coarser block shape (multiples of this
+        one's), without building it: int64 [Bm * Hm * ceil(seq_q / block_m)] non-empty blocks
+        per block row (BlockMask row order) and the number of PARTIAL blocks. A coarse block is
+        EMPTY when all its fine blocks are, FULL when all its in-range fine blocks are FULL;
+        the fine blocks past the matrix edge count as neither. The cost model prices every
+        candidate shape from one fine mask this way, instead of evaluating the mask once per
+        shape."""
+        if block_m % self.block_m or block_n % self.block_n:
+            raise ValueError(f"block {block_m} x {block_n} is not a multiple of this mask's "
+                             f"{self.block_m} x {self.block_n}")
+        fm, fn = block_m // self.block_m, block_n // self.block_n
+        n_rb, n_cb = -(-self.seq_q // block_m), -(-self.seq_k // block_n)
+        classes = self.block_classes()
+        pad = (0, n_cb * fn - self.n_cb, 0, n_rb * fm - self.n_rb)
+        shape = (self.batch, self.heads, n_rb, fm, n_cb, fn)
+        nonempty = torch.nn.functional.pad(classes != EMPTY, pad, value=False).view(shape).any(5).any(3)
+        full = torch.nn.functional.pad(classes == FULL, pad, value=True).view(shape).all(5).all(3)
+        return nonempty.sum(-1).reshape(-1), int((nonempty & ~full).sum())
+
     def to_dense(self) -> torch.Tensor:
         """bool [Bm, Hm, seq_q, seq_k], True = attend (on the CPU)."""
         return self._dense(range(self.batch * self.heads)).view(self.shape)

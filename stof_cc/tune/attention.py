@@ -96,17 +96,23 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
             raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
                                       f"{target_capability()} (the templates need sm_80 or newer, a batch of at "
                                       f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
+        # One 16 x 16 block mask prices every candidate shape (BlockMask.counts_at): the mask is
+        # evaluated once, not once per shape (a user mask at S = 32768 took 7 s the other way).
+        fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
+        heads_batches = problem.batch * problem.heads // (fine.batch * fine.heads)
+        counts: dict[tuple[int, int], tuple[list[int], int]] = {}
         for template, params in options:
-            bm = cached_block_mask(description, problem, params, torch.device("cpu"))
-            row_blocks = (bm.any_ptr[1:] - bm.any_ptr[:-1]).tolist()
-            heads_batches = problem.batch * problem.heads // (bm.batch * bm.heads)
-            scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks,
-                                    int(bm.part_cols.numel()), template.shared_bytes(problem, params),
-                                    key[1], template.registers(problem, params),
-                                    template.launch(problem, params)[1]), template))
+            shape = (params["block_m"], params["block_n"])
+            if shape not in counts:
+                rows, partial = fine.counts_at(*shape)
+                counts[shape] = rows.tolist(), partial
+            row_blocks, partial = counts[shape]
+            scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks, partial,
+                                    template.shared_bytes(problem, params), key[1],
+                                    template.registers(problem, params), template.launch(problem, params)[1]),
+                           template))
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
-        fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
         rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
     return per_mask[key]
