@@ -30,8 +30,9 @@ The model prices one launch of a masked-attention template as
 * ``t_critical``: the longest block row (global tokens make one row long) run by one CTA
   alone, which can use only ``warps / 8`` of an SM's issue slots.
 
-Block counts come from the `BlockMask` at the candidate's own block shape, so finer
-blocks are rewarded exactly where the mask has fine structure. The constants are per-SM
+Block counts are those of the mask at the candidate's own block shape (reduced from one
+16 x 16 `BlockMask`, `BlockMask.counts_at`), so finer blocks are rewarded exactly where the
+mask has fine structure. The constants are per-SM
 rates for an H100 SXM (sm_90, 132 SMs), fitted to sweeps of `benchmarks/mha.py --sweep`
 (the D = 64 fp16 and D = 128 bf16 grids together; the fit minimises the time lost by the model's pick; see
 benchmarks/RESULTS.md); other GPUs scale by their SM count. STOF's rule (rho = non-empty
