@@ -240,8 +240,9 @@ def test_an_additive_bias_is_added_by_every_template(dtype, head_dim):
 @pytest.mark.parametrize("seq, w, dilation, splits", [(8192, 512, 4, True), (4096, 256, 2, None)])
 def test_a_dilated_window_split_into_strided_windows_matches_reference(dtype, seq, w, dilation, splits):
     """Where the cost model prefers it (S = 8192: 4 windows of 2048 against one sparse 8192), a
-    dilated window runs as `dilation` sliding windows on strided views (q[:, :, r::d]), each
-    writing its rows of one output; with key padding too. Either way it matches the reference."""
+    dilated window runs as `dilation` sliding windows over strided positions in one launch (each
+    residue a batch slot), writing its rows of one output; with key padding too. Either way it
+    matches the reference."""
     from stof_cc.runtime import attention as runtime_attention
 
     q, k, v = (torch.randn(1, 12, seq, 64, device="cuda", dtype=dtype) for _ in range(3))
@@ -256,6 +257,35 @@ def test_a_dilated_window_split_into_strided_windows_matches_reference(dtype, se
     got = attention(q, k, v, desc, key_padding=padding)
     want = masked_attention(q, k, v, dense & padding.bool()[:, None, None, :])
     assert relative_error(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_a_strided_split_runs_every_template_point_in_one_launch(head_dim):
+    """A strided split's problem (each residue of each batch element a batch slot) at every point
+    of its space, on packed-qkv views with key padding per slot: one launch matches the dilated
+    mask's reference."""
+    from stof_cc.backends.attention_launch import key_padding_on_device, launch_plan
+    from stof_cc.runtime.attention import _residue_problem
+    from stof_cc.tune.attention import cached_block_mask
+
+    batch, heads, seq, dilation = 2, 3, 1024, 4
+    desc = masks.dilated(48, dilation)
+    d, sub = desc.strided_split()
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device="cuda", dtype=torch.float16)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    padding = torch.ones(batch, seq, dtype=torch.int64, device="cuda")
+    padding[1, 700:] = 0
+    padding[0, :9] = 0
+    per_slot = key_padding_on_device(padding.view(batch, -1, d).transpose(1, 2).reshape(batch * d, -1))
+    ref = masked_attention(q, k, v, desc.to_dense(seq).cuda() & padding.bool()[:, None, None, :])
+    problem = _residue_problem(problem_of(q, k, v), d)
+    points = candidates(problem)
+    assert points, "a strided split has no kernel"
+    for template, params in points:
+        plan = launch_plan(q, k, v, problem, template, params, cached_block_mask(sub, problem, params, q.device), None)
+        assert not plan.copy_inputs  # the views' own strides, residues included
+        out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+        _check(plan.launch(q, k, v, out, per_slot), ref, f"strided {template.name} {params}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

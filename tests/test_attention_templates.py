@@ -20,7 +20,9 @@ from stof_cc.templates.attention import (
 
 PROBLEMS = [AttentionProblem(2, 4, 1000, 1000, d, dt) for d in SUPPORTED_HEAD_DIMS
             for dt in (torch.float16, torch.bfloat16)]
-INSTANCES = [(t, p, params) for p in PROBLEMS for t in ATTENTION_TEMPLATES for params in t.space(p)]
+# a strided split's kernel variants (runtime.attention._run_split), fp16 only: the residue decode is dtype-blind
+STRIDED = [AttentionProblem(8, 4, 250, 250, d, torch.float16, residues=4) for d in SUPPORTED_HEAD_DIMS]
+INSTANCES = [(t, p, params) for p in PROBLEMS + STRIDED for t in ATTENTION_TEMPLATES for params in t.space(p)]
 
 
 def test_spaces_are_not_empty_and_respect_limits():

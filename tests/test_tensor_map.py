@@ -49,18 +49,31 @@ def test_refusals_say_why(tensor, box, message):
         encode_2d(tensor, *box, lib=FakeLib())
 
 
-def test_an_attention_operand_becomes_a_4d_map_over_its_own_strides():
+def test_an_attention_operand_becomes_a_5d_map_over_its_own_strides():
     lib = FakeLib()
     qkv = torch.randn(2, 100, 3, 4, 128, dtype=torch.bfloat16)  # packed qkv: [B, S, 3, H, D] memory
     k = qkv[:, :, 1].transpose(1, 2)  # [B, H, S, D] view, no copy
     encode_heads(k, 64, lib=lib)
     dtype, rank, address, dims, strides, box, swizzle, fill = lib.seen
-    assert (dtype, rank, address) == (9, 4, k.data_ptr())
-    assert dims == [128, 100, 4, 2]  # head_dim, rows, heads, batch
-    assert strides == [3 * 4 * 128 * 2, 128 * 2, 100 * 3 * 4 * 128 * 2]  # bytes per row, head, batch element
-    assert box == [64, 64, 1, 1] and swizzle == 3 and fill == 0  # one 128-byte column block; zeros past the rows
+    assert (dtype, rank, address) == (9, 5, k.data_ptr())
+    assert dims == [128, 100, 1, 4, 2]  # head_dim, rows, one residue, heads, batch
+    row = 3 * 4 * 128 * 2
+    assert strides == [row, 100 * row, 128 * 2, 100 * row]  # bytes per row, (residue), head, batch element
+    assert box == [64, 64, 1, 1, 1] and swizzle == 3 and fill == 0  # one 128-byte column block; zeros past the rows
     encode_heads(torch.randn(1, 1, 100, 64, dtype=torch.float16), 128, lib=lib)
-    assert lib.seen[4] == [128, 100 * 128, 100 * 128]  # extent-1 dimensions get the packed stride
+    assert lib.seen[4] == [128, 100 * 128, 100 * 128, 100 * 128]  # extent-1 dimensions get the packed stride
+
+
+def test_a_strided_split_reads_each_residue_as_its_own_sequence():
+    """residues = 4: residue r's rows are r, r + 4, ...; the residue steps one row."""
+    lib = FakeLib()
+    q = torch.randn(2, 3, 64, 64, dtype=torch.float16)
+    encode_heads(q, 16, residues=4, lib=lib)
+    dims, strides = lib.seen[3], lib.seen[4]
+    assert dims == [64, 16, 4, 3, 2]
+    assert strides == [4 * 128, 128, 64 * 128, 3 * 64 * 128]
+    with pytest.raises(TensorMapError, match="residues"):
+        encode_heads(q, 16, residues=5, lib=lib)
 
 
 @pytest.mark.parametrize("tensor, message", [

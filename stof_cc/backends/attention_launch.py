@@ -41,12 +41,14 @@ class LaunchPlan:
     device: torch.device
     copy_inputs: bool  # the strides do not suit the kernel: callers pass contiguous copies
     mask_args: tuple[int, ...]  # any_ptr, any_cols, any_tile, part_bits, row_order (or the tile schedule)
-    size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S)
-    end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e), K/V head multiplier
+    size_args: tuple[int, ...]  # seq_q, seq_k, then the q, k and v strides over (B, H, S, residue)
+    end_args: tuple[Any, ...]  # mask rows per batch and per head, scale * log2(e), K/V head multiplier, residues
+    # and their multiplier
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
     bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
     reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
     tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads with TMA
+    residues: int = 1  # a strided split's d (problem.residues)
     _maps: OrderedDict[tuple[int, int, int], list[bytes]] = field(default_factory=OrderedDict, compare=False,
                                                                   repr=False)
 
@@ -62,7 +64,8 @@ class LaunchPlan:
             if len(self._maps) >= MAX_CACHED_MAPS:
                 self._maps.popitem(last=False)
             q_rows, kv_rows = self.tma_box_rows
-            maps = self._maps[key] = [encode_heads(q, q_rows), encode_heads(k, kv_rows), encode_heads(v, kv_rows)]
+            maps = self._maps[key] = [encode_heads(t, rows, self.residues)
+                                      for t, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows))]
         else:
             self._maps.move_to_end(key)
         return maps
@@ -71,7 +74,8 @@ class LaunchPlan:
                out: torch.Tensor | None = None, padding: KeyPadding | None = None,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """Launch on q, k, v (laid out as planned) into ``out`` (or a new tensor), with key
-        padding and an additive ``bias`` (`bias_view`'s result) when given."""
+        padding (per batch slot: [B * residues, S_k / residues]) and an additive ``bias``
+        (`bias_view`'s result) when given."""
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
@@ -82,11 +86,12 @@ class LaunchPlan:
                                       f"{out.device}, strides {out.stride()}, address {out.data_ptr():#x}")
         if padding is None:
             padding_args = (0, 0)
-        elif padding.ranges.shape[0] != self.shape[0] or padding.valid.shape[1] != self.size_args[1] \
+        elif padding.ranges.shape[0] != self.shape[0] * self.residues or padding.valid.shape[1] != self.size_args[1] \
                 or padding.ranges.device != self.device:
-            raise AttentionInputError(f"key_padding is for {padding.valid.shape[0]} batch elements of "
+            raise AttentionInputError(f"key_padding is for {padding.valid.shape[0]} batch slots of "
                                       f"{padding.valid.shape[1]} keys on {padding.ranges.device}; these "
-                                      f"inputs have {self.shape[0]} of {self.size_args[1]} keys on {self.device}")
+                                      f"inputs have {self.shape[0] * self.residues} of {self.size_args[1]} keys "
+                                      f"on {self.device}")
         else:
             padding_args = (padding.ranges.data_ptr(), padding.valid.data_ptr())
         if (bias is not None) != self.reads_bias:
@@ -95,7 +100,8 @@ class LaunchPlan:
         bias_args = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
         self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
-                           *padding_args, *self.size_args, *out.stride()[:3], *self.end_args, *bias_args,
+                           *padding_args, *self.size_args, *residue_strides(out, self.residues), *self.end_args,
+                           *bias_args,
                            self.bias_to_raw)
         return out
 
@@ -145,7 +151,10 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
                 template: KernelTemplate, params: dict[str, Any], block_mask: BlockMask,
                 scale: float | None) -> LaunchPlan:
     """The plan for running ``template`` at ``params`` on inputs laid out like q, k, v (already
-    checked as ``problem``) with ``block_mask`` (on q's device, at the point's block shape)."""
+    checked as ``problem``) with ``block_mask`` (on q's device, at the point's block shape).
+    A strided split's problem (``problem.residues`` d > 1: batch B * d, sequences S / d) runs
+    in one launch on the unsplit q, k, v, each residue's positions r, r + d, ... a sequence of its own."""
+    residues = problem.residues
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
     if not scale > 0:
         raise AttentionInputError(f"scale must be positive, got {scale}")
@@ -165,11 +174,20 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         grid=grid, threads=threads, shared_bytes=shared,
         shape=tuple(q.shape), dtype=q.dtype, device=q.device, copy_inputs=copy_inputs,
         mask_args=tuple(t.data_ptr() for t in mask_tensors),
-        size_args=(problem.seq_q, problem.seq_k, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3]),
-        end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem)),
+        size_args=(problem.seq_q, problem.seq_k, *(st for t in (q, k, v) for st in residue_strides(t, residues))),
+        end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem), residues,
+                  division_magic(residues, problem.batch)),
         mask_tensors=mask_tensors, bias_to_raw=1.0 / scale, reads_bias=problem.bias,
         tma_box_rows=(params["block_m"], params["block_n"]) if template.loads_with_tma else None,
+        residues=residues,
     )
+
+
+def residue_strides(t: torch.Tensor, residues: int) -> tuple[int, int, int, int]:
+    """A [B, H, S, D] operand's strides as the kernels take them: batch, head, row (a residue's
+    rows are ``residues`` apart) and residue (one row)."""
+    batch, head, row = t.stride()[:3]
+    return batch, head, row * residues, row
 
 
 def _suits_kernel(t: torch.Tensor, tma: bool) -> bool:
@@ -180,19 +198,24 @@ def _suits_kernel(t: torch.Tensor, tma: bool) -> bool:
 
 
 def kv_head_magic(problem: AttentionProblem) -> int:
-    """The kernels' multiplier for query head h -> K/V head h // group: ceil(2^32 / group), so
-    that umulhi(h, magic) == h // group for every h < 2^32 / group; 0 without grouping."""
-    group = problem.kv_group
-    if group == 1:
+    """The kernels' multiplier for query head h -> K/V head h // group (`division_magic`)."""
+    return division_magic(problem.kv_group, problem.heads)
+
+
+def division_magic(divisor: int, below: int) -> int:
+    """The kernels' multiplier for x -> x // divisor: ceil(2^32 / divisor), so that
+    umulhi(x, magic) == x // divisor for every x < ``below`` (checked); 0 for divisor 1."""
+    if divisor == 1:
         return 0
-    magic = -(-(1 << 32) // group)
-    assert all((h * magic) >> 32 == h // group for h in range(problem.heads))
+    magic = -(-(1 << 32) // divisor)
+    assert all((x * magic) >> 32 == x // divisor for x in range(below))
     return magic
 
 
 def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params: dict[str, Any]) -> Kernel:
     """Render, compile (nvcc, cached on disk) and load the kernel; cached per process."""
-    key = (template.name, problem.dtype, problem.head_dim, problem.bias, tuple(sorted(params.items())))
+    key = (template.name, problem.dtype, problem.head_dim, problem.bias, problem.residues > 1,
+           tuple(sorted(params.items())))
     if key not in _kernels:
         arg_format = TENSOR_MAP_FORMAT * 3 * template.loads_with_tma + template.arg_format
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),

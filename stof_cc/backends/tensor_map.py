@@ -46,26 +46,35 @@ def encode_2d(tensor: torch.Tensor, box_rows: int, box_cols: int, lib=None) -> b
     return _encode(tensor, (cols, rows), (row_bytes,), (box_cols, box_rows), lib)
 
 
-def encode_heads(tensor: torch.Tensor, box_rows: int, lib=None) -> bytes:
-    """The 4-D tensor map of attention operand ``tensor`` [batch, heads, rows, head_dim] (unit
+def encode_heads(tensor: torch.Tensor, box_rows: int, residues: int = 1, lib=None) -> bytes:
+    """The tensor map of attention operand ``tensor`` [batch, heads, rows, head_dim] (unit
     stride in head_dim; any 16-byte multiple strides otherwise, e.g. a transposed
     [batch, rows, heads, head_dim] view), copying ``box_rows`` x 64 tiles (one 128-byte column
-    block) with the 128-byte swizzle; rows past the end of a (batch, head) read as zeros."""
+    block) with the 128-byte swizzle; rows past the end of a (batch, head) read as zeros.
+
+    5-D: [batch, heads, residues, rows / residues, head_dim]. With ``residues`` d > 1 (a strided
+    split) residue r's rows are r, r + d, r + 2 d, ...: each residue is its own sequence."""
     _check_dtype(tensor)
     if tensor.dim() != 4 or tensor.stride(3) != 1:
         raise TensorMapError(f"an attention tensor map needs [batch, heads, rows, head_dim] with unit stride in "
                              f"head_dim, got shape {tuple(tensor.shape)}, strides {tensor.stride()}")
     size = tensor.element_size()
     batch, heads, rows, cols = tensor.shape
-    # a dimension of extent 1 is never stepped: give it the stride of the dimensions inside it
-    strides = [st * size if n > 1 else inner for st, n, inner in
-               zip(tensor.stride()[2::-1], (rows, heads, batch),
-                   (cols * size, rows * cols * size, heads * rows * cols * size), strict=True)]
+    if rows % residues:
+        raise TensorMapError(f"{rows} rows do not split into {residues} residues")
+    row_stride, head_stride, batch_stride = (st * size for st in tensor.stride()[2::-1])
+    dims = (cols, rows // residues, residues, heads, batch)
+    steps = (row_stride * residues, row_stride, head_stride, batch_stride)
+    # a dimension of extent 1 is never stepped: give it the extent of everything inside it
+    strides, inner = [], cols * size
+    for step, extent in zip(steps, dims[1:], strict=True):
+        strides.append(step if extent > 1 else inner)
+        inner = strides[-1] * extent
     if tensor.data_ptr() % 16 or any(st % 16 or st == 0 for st in strides):
         raise TensorMapError(f"TMA needs a 16-byte aligned address and nonzero 16-byte multiple strides; got "
                              f"address {tensor.data_ptr():#x}, strides {tensor.stride()} ({size}-byte elements)")
     _check_box(tensor, box_rows, 64)
-    return _encode(tensor, (cols, rows, heads, batch), tuple(strides), (64, box_rows, 1, 1), lib)
+    return _encode(tensor, dims, tuple(strides), (64, box_rows, 1, 1, 1), lib)
 
 
 def _check_dtype(tensor: torch.Tensor) -> None:

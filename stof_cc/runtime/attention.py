@@ -25,7 +25,7 @@ from stof_cc.backends.attention_launch import (
     launch_plan,
 )
 from stof_cc.masks import MaskDescription
-from stof_cc.templates.attention import AttentionInputError, problem_of
+from stof_cc.templates.attention import AttentionInputError, AttentionProblem, problem_of
 from stof_cc.tune.attention import (
     as_description,
     cached_block_mask,
@@ -83,31 +83,42 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
-             scale: float | None, params: dict[str, Any] | None, bias: bool) -> LaunchPlan:
-    """The launch plan for this mask and input layout: built on the first call, then reused."""
+             scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int = 1) -> LaunchPlan:
+    """The launch plan for this mask and input layout (``residues``: a strided split's d, the
+    mask then being each residue's): built on the first call, then reused."""
     layout = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
-              q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())), bias)
+              q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())), bias,
+              residues)
     per_mask = _plans.setdefault(description, {})
     plan = per_mask.get(layout)
     if plan is None:
-        plan = per_mask[layout] = _plan(q, k, v, description, scale, params, bias)
+        plan = per_mask[layout] = _plan(q, k, v, description, scale, params, bias, residues)
     return plan
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription,
-          scale: float | None, params: dict[str, Any] | None, bias: bool) -> LaunchPlan:
+          scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int) -> LaunchPlan:
     """Validate the inputs, choose the kernel, fetch the mask and build the launch plan."""
-    problem = dataclasses.replace(problem_of(q, k, v), bias=bias)
+    problem = _residue_problem(dataclasses.replace(problem_of(q, k, v), bias=bias), residues)
     choice = choose(problem, description) if params is None else pinned_choice(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
     return launch_plan(q, k, v, problem, choice.template, choice.params, block_mask, scale)
 
 
+def _residue_problem(problem: AttentionProblem, residues: int) -> AttentionProblem:
+    """The problem a strided split into ``residues`` poses: each residue of each batch element
+    is a batch slot of its own, its sequences 1 / residues as long."""
+    if residues == 1:
+        return problem
+    return dataclasses.replace(problem, batch=problem.batch * residues, seq_q=problem.seq_q // residues,
+                               seq_k=problem.seq_k // residues, residues=residues)
+
+
 _splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] = weakref.WeakKeyDictionary()
-# The model's estimates of the small strided sub-problems ran up to 2x low on the H100 (D = 128,
-# S = 4096: four windows estimated 114 us, measured 246, against 160 for the one sparse call):
-# the split is taken only where it is estimated to win by more than that.
-SPLIT_MARGIN = 0.4
+# Taken only where the cost model expects the split to win by this margin: the model prices the
+# split's one launch (B * d slots of sequences S / d) and the direct one on the sparse mask alike,
+# but has no term for the direct kernel's d-fold sparser partial blocks.
+SPLIT_MARGIN = 0.8
 
 
 def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
@@ -115,7 +126,7 @@ def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descriptio
                    params: dict[str, Any] | None) -> tuple[int, MaskDescription] | None:
     """(d, sub-mask) when the mask splits into d strided attentions (`strided_split`: a
     dilated window is d sliding windows over every d-th position) and the cost model expects
-    the d calls to take less than SPLIT_MARGIN of one call on the sparse mask; else None. Decided once per mask and
+    the split to take less than SPLIT_MARGIN of one call on the sparse mask; else None. Decided once per mask and
     problem. Not with a bias, pinned parameters or pre-converted key padding."""
     if description is None or bias is not None or params is not None or isinstance(key_padding, KeyPadding):
         return None
@@ -127,29 +138,30 @@ def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descriptio
         if found is not None and q.shape[2] == k.shape[2] and q.shape[2] % found[0] == 0:
             d, sub = found
             problem = problem_of(q, k, v)
-            strided = dataclasses.replace(problem, seq_q=problem.seq_q // d, seq_k=problem.seq_k // d)
             direct_us = choose(problem, description).estimates[0].micros
-            split_us = d * choose(strided, sub).estimates[0].micros
+            split_us = choose(_residue_problem(problem, d), sub).estimates[0].micros
             per_mask[sizes] = found if split_us < SPLIT_MARGIN * direct_us else None
     return per_mask[sizes]
 
 
 def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, MaskDescription],
                scale: float | None, key_padding: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
-    """Attention on each residue's strided views (q[:, :, r::d] ...), written into out's."""
+    """The d strided attentions (residue r: positions r, r + d, ...) in one launch, each residue
+    a batch slot reading and writing its own rows of q, k, v and out."""
     d, sub = split
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
-    views = [tuple(t[:, :, r::d] for t in (q, k, v, out)) for r in range(d)]
-    plan = _planned(*views[0][:3], sub, scale, None, False)  # every residue has the same sizes and strides
-    if plan.copy_inputs or any((q_r.data_ptr() | k_r.data_ptr() | v_r.data_ptr()) & 15 for q_r, k_r, v_r, _ in views):
-        for r, (q_r, k_r, v_r, out_r) in enumerate(views):  # the general road, copies included
-            attention(q_r, k_r, v_r, sub, scale, key_padding=None if key_padding is None else key_padding[:, r::d],
-                      out=out_r)
-        return out
-    for r, (q_r, k_r, v_r, out_r) in enumerate(views):  # one plan, launched on each residue's views
-        padding = None if key_padding is None else key_padding_on_device(key_padding[:, r::d])
-        plan.launch(q_r, k_r, v_r, out_r, padding)
-    return out
+    plan = _planned(q, k, v, sub, scale, None, False, d)
+    if plan.copy_inputs or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
+        q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+        plan = _planned(q, k, v, sub, scale, None, False, d)
+    padding = None
+    if key_padding is not None:  # batch slot b * d + r reads key_padding[b, r::d]
+        if key_padding.dim() != 2 or key_padding.shape[1] != k.shape[2]:
+            raise AttentionInputError(f"key_padding must be [batch, {k.shape[2]}] (nonzero = attend), got shape "
+                                      f"{tuple(key_padding.shape)}")
+        per_residue = key_padding.reshape(key_padding.shape[0], -1, d).transpose(1, 2)
+        padding = key_padding_on_device(per_residue.reshape(-1, key_padding.shape[1] // d))
+    return plan.launch(q, k, v, out, padding)
 
 
 on_adopt(lambda description: _plans.pop(description, None))  # plans built on the model's pick

@@ -35,6 +35,10 @@ GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y (batch) and gridDim.z (block 
 # by a few registers over block_m and dtype (checked in CI)
 WGMMA_REGISTERS = {(64, 64): 121, (64, 128): 185, (128, 64): 160, (128, 128): 208}
 MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (checked in CI)
+# A strided split's kernel variant (the residue decode) near the register limit spilled: blockwise d64
+# m64 n64 w2 (estimated 239) 12 / 20 bytes at 255, the ws m192 n128 d64 consumers (160 of 160) 32 / 40
+# bytes: a strided space keeps this margin.
+STRIDED_REGISTERS = 20
 
 
 def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int) -> int:
@@ -52,6 +56,9 @@ class AttentionProblem:
     dtype: torch.dtype
     kv_heads: int | None = None  # grouped-query attention: fewer K/V heads (None: as many as q)
     bias: bool = False  # an additive bias is read and added to the scores (its own kernel variant)
+    # A strided split's d (its own kernel variant): batch and seq_q / seq_k are then the split's, B * d
+    # slots of S / d positions, slot b * d + r reading positions r, r + d, ... of batch element b.
+    residues: int = 1
 
     @property
     def dtype_name(self) -> str:
@@ -127,10 +134,11 @@ def config_label(params: dict[str, Any]) -> str:
 
 class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     source_file = "attention.cu.j2"
-    # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 12 strides,
-    # 2 mask-row strides, scale * log2(e), the K/V head multiplier (attention_launch.kv_head_magic),
-    # bias, its strides over (B, H, S_q), 1 / scale
-    arg_format = "P" * 11 + "ii" + "q" * 12 + "iifI" + "P" + "qqq" + "f"
+    # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 16 strides
+    # (batch, head, row, residue of q, k, v, o), 2 mask-row strides, scale * log2(e), the K/V head
+    # multiplier (attention_launch.kv_head_magic), residues and theirs, bias, its strides over
+    # (B, H, S_q), 1 / scale
+    arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f"
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
@@ -149,7 +157,7 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
         for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
             params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
                       "warps": block_m // (16 * m_tiles), "m_tiles": m_tiles, "stages": stages}
-            registers = self.registers(problem, params)
+            registers = self.registers(problem, params) + STRIDED_REGISTERS * (problem.residues > 1)
             if -(-problem.seq_q // block_m) > GRID_YZ_LIMIT:  # block rows are the grid's z
                 continue
             if (registers <= MAX_REGISTERS and registers * params["warps"] * 32 <= SM_REGISTER_FILE
@@ -169,10 +177,11 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return (f"stof_attn_{self.strategy}_{problem.dtype_name}_d{problem.head_dim}"
                 f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}"
-                + ("_bias" if problem.bias else ""))
+                + ("_bias" if problem.bias else "") + ("_strided" if problem.residues > 1 else ""))
 
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
-        return {"mma": self.mma, "dtype": problem.dtype_name, "head_dim": problem.head_dim, "bias": problem.bias}
+        return {"mma": self.mma, "dtype": problem.dtype_name, "head_dim": problem.head_dim, "bias": problem.bias,
+                "strided": problem.residues > 1}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         """One CTA per (head, batch, block row), heads fastest so the scheduler starts all long
@@ -251,11 +260,15 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         of its variants)."""
         return [params | {"persistent": persistent} for params in super().space(problem)
                 if WS_CONSUMER_REGISTERS[(problem.head_dim, params["block_n"])] + WS_BIAS_REGISTERS * problem.bias
-                <= self.consumer_registers(params)
+                + STRIDED_REGISTERS * (problem.residues > 1) <= self.consumer_registers(params)
                 and (params["block_m"] == 128 or params["stages"] == 3) for persistent in self.schedules]
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return super().kernel_name(problem, params) + ("_persistent" if params["persistent"] else "")
+
+    def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        """Two Q buffers: a persistent CTA loads the next tile's Q while this one's S read the other."""
+        return super().shared_bytes(problem, params) + params["block_m"] * problem.head_dim * 2
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """What ptxas reports and the launch reserves: the register file split evenly over all
