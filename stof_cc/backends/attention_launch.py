@@ -165,7 +165,10 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         grid, order = (schedule.ctas, 1, 1), schedule.table
     else:
         order = _row_order(block_mask)
-    mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, block_mask.part_bits, order)
+    part_bits = block_mask.part_bits
+    if template.loads_with_tma and part_bits.data_ptr() % 16:  # bit tiles are bulk-copied from 16-byte aligned rows
+        part_bits = part_bits.clone()
+    mask_tensors = (block_mask.any_ptr, block_mask.any_cols, block_mask.any_tile, part_bits, order)
     rows_per_head = block_mask.n_rb if block_mask.heads > 1 else 0
     rows_per_batch = block_mask.heads * block_mask.n_rb if block_mask.batch > 1 else 0
     copy_inputs = not all(_suits_kernel(t, template.loads_with_tma) for t in (q, k, v))

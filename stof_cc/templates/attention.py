@@ -267,8 +267,11 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         return super().kernel_name(problem, params) + ("_persistent" if params["persistent"] else "")
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
-        """Two Q buffers: a persistent CTA loads the next tile's Q while this one's S read the other."""
-        return super().shared_bytes(problem, params) + params["block_m"] * problem.head_dim * 2
+        """Two Q buffers (a persistent CTA loads the next tile's Q while this one's S read the
+        other) and a partial block's bit tile per stage."""
+        second_q = params["block_m"] * problem.head_dim * 2
+        bit_tiles = params["stages"] * params["block_m"] * params["block_n"] // 8
+        return super().shared_bytes(problem, params) + second_q + bit_tiles
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """What ptxas reports and the launch reserves: the register file split evenly over all
