@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -23,6 +24,9 @@ PROBLEMS = [AttentionProblem(2, 4, 1000, 1000, d, dt) for d in SUPPORTED_HEAD_DI
 # a strided split's kernel variants (runtime.attention._run_split), fp16 only: the residue decode is dtype-blind
 STRIDED = [AttentionProblem(8, 4, 250, 250, d, torch.float16, residues=4) for d in SUPPORTED_HEAD_DIMS]
 INSTANCES = [(t, p, params) for p in PROBLEMS + STRIDED for t in ATTENTION_TEMPLATES for params in t.space(p)]
+# the warp-specialised kernel's bias variants (its register split leaves them least room)
+INSTANCES += [(WGMMA_WS, p, params) for p in (dataclasses.replace(p, bias=True) for p in PROBLEMS)
+              for params in WGMMA_WS.space(p)]
 
 
 def test_spaces_are_not_empty_and_respect_limits():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from stof_cc import masks
-from stof_cc.backends.tile_schedule import tile_costs, tile_schedule
+from stof_cc.backends.tile_schedule import TILE_ENTRY, tile_costs, tile_schedule
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import AttentionProblem
 from stof_cc.tune.attention import cached_block_mask
@@ -17,11 +17,19 @@ def _block_mask(description, batch: int, heads: int, seq: int) -> BlockMask:
     return cached_block_mask(description, problem, {"block_m": 128, "block_n": 128}, torch.device("cpu"))
 
 
-def _decode(table: torch.Tensor, ctas: int) -> list[list[tuple[int, int, int]]]:
+def _decode(table: torch.Tensor, ctas: int, block_mask: BlockMask | None = None) -> list[list[tuple[int, int, int]]]:
+    """Each CTA's (head, batch, block row) tiles; with ``block_mask``, checks each tile's
+    [first, last) against the mask's row pointers."""
     offsets = table[: ctas + 1].tolist()
-    triples = table[ctas + 1:].view(-1, 3).tolist()
-    assert offsets[0] == 0 and offsets[-1] == len(triples)
-    return [[tuple(t) for t in triples[offsets[c]:offsets[c + 1]]] for c in range(ctas)]
+    entries = table[ctas + 1:].view(-1, TILE_ENTRY).tolist()
+    assert offsets[0] == 0 and offsets[-1] == len(entries)
+    if block_mask is not None:
+        any_ptr = block_mask.any_ptr.tolist()
+        for h, b, row, first, last in entries:
+            mask_row = ((b if block_mask.batch > 1 else 0) * block_mask.heads
+                        + (h if block_mask.heads > 1 else 0)) * block_mask.n_rb + row
+            assert (first, last) == (any_ptr[mask_row], any_ptr[mask_row + 1])
+    return [[tuple(t[:3]) for t in entries[offsets[c]:offsets[c + 1]]] for c in range(ctas)]
 
 
 def _every_tile_once(per_cta, batch: int, heads: int, rows: int) -> None:
@@ -33,7 +41,7 @@ def test_grid_schedule_is_one_tile_per_cta_longest_first_heads_fastest():
     bm = _block_mask(masks.causal(), 2, 3, 1000)
     schedule = tile_schedule(bm, 2, 3, None)
     assert schedule.ctas == 2 * 3 * bm.n_rb
-    per_cta = _decode(schedule.table, schedule.ctas)
+    per_cta = _decode(schedule.table, schedule.ctas, bm)
     assert all(len(tiles) == 1 for tiles in per_cta)
     _every_tile_once(per_cta, 2, 3, bm.n_rb)
     tiles = [tiles[0] for tiles in per_cta]
@@ -47,7 +55,7 @@ def test_persistent_schedule_balances_ctas_and_keeps_each_longest_first():
     costs = tile_costs(bm, batch, heads)
     schedule = tile_schedule(bm, batch, heads, ctas)
     assert schedule.ctas == ctas
-    per_cta = _decode(schedule.table, ctas)
+    per_cta = _decode(schedule.table, ctas, bm)
     _every_tile_once(per_cta, batch, heads, bm.n_rb)
     loads = [sum(int(costs[r, b, h]) + 1 for h, b, r in tiles) for tiles in per_cta]
     total = int(costs.sum()) + costs.numel()
@@ -66,7 +74,7 @@ def test_per_head_masks_are_costed_per_head_and_fewer_tiles_than_ctas_fall_back_
     costs = tile_costs(bm, 1, 2)
     assert costs[:, 0, 0].tolist() == [4] * 4 and costs[:, 0, 1].tolist() == [1] * 4
     schedule = tile_schedule(bm, 1, 2, 3)
-    per_cta = _decode(schedule.table, 3)
+    per_cta = _decode(schedule.table, 3, bm)
     _every_tile_once(per_cta, 1, 2, 4)
     assert [len(tiles) for tiles in per_cta] == [2, 3, 3]  # 4 + 4 | 4 + 1 + 1 ... balanced by LPT
     assert tile_schedule(bm, 1, 2, 1000).ctas == 8  # one CTA per tile when there are fewer tiles

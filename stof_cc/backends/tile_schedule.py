@@ -9,9 +9,10 @@ Two schedules, both longest tile first:
   blocks while the consumers still finish the one before: no per-CTA start-up on the critical
   path, and no partly filled last wave.
 
-The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, then a
-``(head, batch, block row)`` triple per tile, CTA by CTA. Kernels read it in place of
-``row_order``.
+The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, then per tile,
+CTA by CTA, ``TILE_ENTRY`` ints: head, batch, block row, and the tile's range [first, last) in
+the block mask's ``any_cols`` / ``any_tile`` (so a kernel reads one entry, not the mask's row
+pointers after it). Kernels read it in place of ``row_order``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from stof_cc.masks.block_mask import BlockMask
 
 TILE_FIXED_BLOCKS = 1  # a tile's prologue and output store, in key blocks (for balancing only)
+TILE_ENTRY = 5  # ints per tile: head, batch, block row, first, last
 
 
 @dataclass(frozen=True)
@@ -65,16 +67,19 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None) -> T
     row = order // (batch * heads)
     b = (order // heads) % batch
     h = order % heads
-    triples = torch.stack((h, b, row), 1).to(torch.int32)
+    # the tile's row of the block mask (a mask of one batch element or head serves them all)
+    mask_row = ((b if block_mask.batch > 1 else 0) * block_mask.heads + (h if block_mask.heads > 1 else 0)) * n_rb + row
+    any_ptr = block_mask.any_ptr.cpu().to(torch.int64)
+    entries = torch.stack((h, b, row, any_ptr[mask_row], any_ptr[mask_row + 1]), 1).to(torch.int32)
     n_tiles = n_rb * batch * heads
     if ctas is None or ctas >= n_tiles:
         offsets = torch.arange(n_tiles + 1, dtype=torch.int32)
-        return _on_device(block_mask, n_tiles, offsets, triples)
+        return _on_device(block_mask, n_tiles, offsets, entries)
     owner = _longest_first_onto_least_loaded((flat[order] + TILE_FIXED_BLOCKS).tolist(), ctas)
     by_cta = torch.sort(owner, stable=True).indices  # each CTA's tiles keep the longest-first order
     offsets = torch.zeros(ctas + 1, dtype=torch.int32)
     offsets[1:] = torch.cumsum(torch.bincount(owner, minlength=ctas), 0).to(torch.int32)
-    return _on_device(block_mask, ctas, offsets, triples[by_cta])
+    return _on_device(block_mask, ctas, offsets, entries[by_cta])
 
 
 def _longest_first_onto_least_loaded(costs: list[int], ctas: int) -> torch.Tensor:
@@ -88,6 +93,6 @@ def _longest_first_onto_least_loaded(costs: list[int], ctas: int) -> torch.Tenso
     return torch.tensor(owner, dtype=torch.int64)
 
 
-def _on_device(block_mask: BlockMask, ctas: int, offsets: torch.Tensor, triples: torch.Tensor) -> TileSchedule:
-    table = torch.cat((offsets, triples.reshape(-1)))
+def _on_device(block_mask: BlockMask, ctas: int, offsets: torch.Tensor, entries: torch.Tensor) -> TileSchedule:
+    table = torch.cat((offsets, entries.reshape(-1)))
     return TileSchedule(ctas, table.to(block_mask.any_ptr.device))
