@@ -88,7 +88,8 @@ class LaunchPlan:
             padding_args = (0, 0)
         elif padding.ranges.shape[0] != self.shape[0] * self.residues or padding.valid.shape[1] != self.size_args[1] \
                 or padding.ranges.device != self.device:
-            raise AttentionInputError(f"key_padding is for {padding.valid.shape[0]} batch slots of "
+            rows = "batch elements" if self.residues == 1 else f"batch slots ({self.residues} per batch element)"
+            raise AttentionInputError(f"key_padding is for {padding.valid.shape[0]} {rows} of "
                                       f"{padding.valid.shape[1]} keys on {padding.ranges.device}; these "
                                       f"inputs have {self.shape[0] * self.residues} of {self.size_args[1]} keys "
                                       f"on {self.device}")

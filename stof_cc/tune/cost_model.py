@@ -48,19 +48,19 @@ from typing import Any
 from stof_cc.templates.attention import config_label
 
 # Per-SM rates (H100 SXM, mma.sync path), in units per microsecond, and latencies in us.
-TENSOR_FLOPS_PER_US = 1.38e+08   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
-WGMMA_FLOPS_PER_US = 1.11e+07    # wgmma (attention_wgmma) flops per SM, issue to completion
-FRAGMENT_OVERHEAD = 69.7        # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
-EXP_PER_US = 2.12e+04            # exp2 + scaling + max/sum per element
-BIT_TESTS_PER_US = 7.07e+03      # PARTIAL-block bit tests (word loads and selects)
-TILE_BYTES_PER_US = 4.11e+05     # K/V tile bytes streamed from L2 into shared memory
-ITER_US = 0.152                # fixed latency of one block iteration
-WS_ITER_US = 0.318             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
-EXPOSED_LOAD_US = 0.000109     # per KiB of K/V a one-stage kernel waits for
-CTA_FIXED_US = 0.283           # per CTA: Q tile load, output store, prologue
+TENSOR_FLOPS_PER_US = 7.72e+07   # fitted factor, paired with FRAGMENT_OVERHEAD (not a hardware rate)
+WGMMA_FLOPS_PER_US = 6.33e+06    # wgmma (attention_wgmma) flops per SM, issue to completion
+FRAGMENT_OVERHEAD = 43.7        # tensor time x (1 + this / m_tiles): shared-memory fragment loads dominate
+EXP_PER_US = 4.2e+04            # exp2 + scaling + max/sum per element
+BIT_TESTS_PER_US = 1.43e+04      # PARTIAL-block bit tests (word loads and selects)
+TILE_BYTES_PER_US = 1.63e+05     # K/V tile bytes streamed from L2 into shared memory
+ITER_US = 0.0968                # fixed latency of one block iteration
+WS_ITER_US = 0.255             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
+EXPOSED_LOAD_US = 3.37e-05     # per KiB of K/V a one-stage kernel waits for
+CTA_FIXED_US = 0.137           # per CTA: Q tile load, output store, prologue
 PERSISTENT_TILE_US = 0.055     # per tile of a persistent CTA: set (not fitted) so a persistent point ranks just
                                # ahead of its one-CTA-per-tile twin, as measured on most points (docs/attention.md)
-LAUNCH_US = 4.8               # kernel launch, first wave ramp and tail
+LAUNCH_US = 6.69               # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
 SM_MAX_WARPS = 64
