@@ -24,13 +24,33 @@ CHUNK_ELEMENTS = 1 << 22
 def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int],
                      device: torch.device) -> BlockMask:
     """The BlockMask of `desc` on `grid`, with leading mask dims `dims` = (Bm, Hm), on `device`."""
+    classes, bits = _exact(desc, grid, dims, device, keep_bits=True)
+    classes, bits = _collapse(classes, bits)
+    return BlockMask.from_classes(
+        classes, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n
+    ).to(device)  # the CSR arrays follow the tiles (which are there already)
+
+
+def build_block_classes(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int]) -> torch.Tensor:
+    """`desc`'s exact class grid int8 [Bm, Hm, n_rb, n_cb] on the CPU, without the CSR arrays or
+    the PARTIAL blocks' tiles: what the cost model counts. A description whose analytic classes
+    are exact evaluates nothing."""
+    return _exact(desc, grid, dims, torch.device("cpu"), keep_bits=False)[0]
+
+
+def _exact(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int], device: torch.device,
+           keep_bits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The class grid with every maybe-PARTIAL block evaluated (unless the classes are exact
+    already) and, with ``keep_bits``, the PARTIAL blocks' tiles on `device` in row-major order."""
     classes = grid.classes(desc).expand(*dims, grid.n_rb, grid.n_cb)
+    exact = desc.exact_classes(grid)
+    if exact and not keep_bits:
+        return classes, None
     classes = classes.clone(memory_format=torch.contiguous_format)  # updated in place below
     maybe = (classes == PARTIAL).nonzero()  # row-major: (b, h, i, j) in CSR order
     flat = classes.view(-1)
     strides = torch.tensor(classes.stride())
     per_chunk = desc.tiles_per_chunk(grid) or max(1, len(maybe))
-    exact = desc.exact_classes(grid)
     kept = []
     for start in range(0, len(maybe), per_chunk):
         index = maybe[start : start + per_chunk]
@@ -44,13 +64,13 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
         position = (index * strides).sum(1)
         flat[position[full]] = FULL
         flat[position[empty]] = EMPTY
-        kept.append(bits[(~(full | empty)).to(device)])
+        if keep_bits:
+            kept.append(bits[(~(full | empty)).to(device)])
+    if not keep_bits:
+        return classes, None
     bits = kept[0] if len(kept) == 1 else torch.cat(kept) if kept else \
         torch.zeros(0, grid.words, dtype=torch.int32, device=device)
-    classes, bits = _collapse(classes, bits)
-    return BlockMask.from_classes(
-        classes, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n
-    ).to(device)  # the CSR arrays follow the tiles (which are there already)
+    return classes, bits
 
 
 def _collapse(classes: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

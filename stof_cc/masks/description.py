@@ -42,7 +42,8 @@ class MaskDescription:
 
     def __init__(self) -> None:
         self._device_memo: dict[tuple[object, str], torch.Tensor] = {}
-        self._built: dict[tuple, BlockMask] = {}  # block_mask's results, the latest BUILT_KEPT
+        self._built: dict[tuple, BlockMask | torch.Tensor] = {}  # block_mask's and block_classes' results, the
+        # latest BUILT_KEPT
 
     # -- what a subclass implements ------------------------------------------------------
 
@@ -228,6 +229,30 @@ class MaskDescription:
             if len(self._built) >= BUILT_KEPT:
                 self._built.pop(next(iter(self._built)))
             self._built[key] = build_block_mask(self, BlockGrid(ext, block_m, block_n), dims, device)
+        return self._built[key]
+
+    def block_classes(
+        self,
+        seq_q: int,
+        seq_k: int | None = None,
+        block_m: int = 64,
+        block_n: int = 64,
+        batch: int | None = None,
+        heads: int | None = None,
+    ) -> torch.Tensor:
+        """The exact class grid int8 [Bm, Hm, n_rb, n_cb] (EMPTY / PARTIAL / FULL) for these
+        sizes, on the CPU, without building the block mask (no CSR arrays, no tiles); kept like
+        `block_mask`'s results. The cost model counts blocks on it."""
+        from stof_cc.masks.build import build_block_classes
+
+        ext, dims = self._extent("block_classes", seq_q, seq_k, batch, heads)
+        block_m = check_int("block_classes", "block_m", block_m)
+        block_n = check_int("block_classes", "block_n", block_n)
+        key = ("classes", ext, dims, block_m, block_n)
+        if key not in self._built:
+            if len(self._built) >= BUILT_KEPT:
+                self._built.pop(next(iter(self._built)))
+            self._built[key] = build_block_classes(self, BlockGrid(ext, block_m, block_n), dims)
         return self._built[key]
 
     def __or__(self, other: object) -> MaskDescription:

@@ -20,7 +20,8 @@ import torch
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
-from stof_cc.masks.block_mask import BlockMask
+from stof_cc.masks.block_mask import BlockMask, coarse_counts
+from stof_cc.masks.geometry import EMPTY
 from stof_cc.passes.attention import attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
@@ -75,6 +76,7 @@ def as_description(mask: MaskDescription | torch.Tensor | None) -> MaskDescripti
 
 
 _FULL = full()
+FINE_BLOCK = 16  # the class grid the cost model counts every candidate's blocks on
 
 
 def candidates(problem: AttentionProblem,
@@ -96,24 +98,26 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
             raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
                                       f"{target_capability()} (the templates need sm_80 or newer, a batch of at "
                                       f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
-        # One 16 x 16 block mask prices every candidate shape (BlockMask.counts_at): the mask is
-        # evaluated once, not once per shape (a user mask at S = 32768 took 7 s the other way).
-        fine = cached_block_mask(description, problem, {"block_m": 16, "block_n": 16}, torch.device("cpu"))
-        heads_batches = problem.batch * problem.heads // (fine.batch * fine.heads)
-        counts: dict[tuple[int, int], tuple[list[int], int]] = {}
+        # One 16 x 16 class grid prices every candidate shape (`coarse_counts`): the mask is
+        # evaluated once, not once per shape (a user mask at S = 32768 took 7 s the other way), and
+        # no block mask is built for it (its CSR arrays and recounted classes were 60% of a first
+        # pick at S = 32768 on the H100).
+        fine = description.block_classes(problem.seq_q, problem.seq_k, FINE_BLOCK, FINE_BLOCK,
+                                         batch=problem.batch, heads=problem.heads)
+        slices = fine.shape[0] * fine.shape[1]
+        heads_batches = problem.batch * problem.heads // slices
+        shapes = sorted({(params["block_m"], params["block_n"]) for _, params in options})
+        counts = {shape: (rows.tolist(), partial) for shape, (rows, partial) in
+                  coarse_counts(fine, FINE_BLOCK, FINE_BLOCK, problem.seq_q, problem.seq_k, shapes).items()}
         for template, params in options:
-            shape = (params["block_m"], params["block_n"])
-            if shape not in counts:
-                rows, partial = fine.counts_at(*shape)
-                counts[shape] = rows.tolist(), partial
-            row_blocks, partial = counts[shape]
+            row_blocks, partial = counts[(params["block_m"], params["block_n"])]
             scored.append((estimate(params, problem.head_dim, heads_batches, row_blocks, partial,
                                     template.shared_bytes(problem, params), key[1],
                                     template.registers(problem, params), template.launch(problem, params)[1]),
                            template))
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
-        rule = stof_rule(int(fine.any_cols.numel()) // (fine.batch * fine.heads), fine.n_rb * fine.n_cb)
+        rule = stof_rule(int((fine != EMPTY).sum()) // slices, fine.shape[2] * fine.shape[3])
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
     return per_mask[key]
 
