@@ -55,3 +55,19 @@ def test_key_padding_and_bias_are_checked_and_converted_on_the_cpu():
     assert bias.shape == (2, 12, 128, 128) and bias.stride(0) == 0 and bias.dtype == torch.float16
     with pytest.raises(AttentionInputError, match=r"bias of shape \(3, 64, 64\) does not broadcast to \[2, 12, 128, 128\]"):
         bias_view(torch.randn(3, 64, 64), q, 128)
+
+
+def test_a_strided_split_is_taken_only_where_it_applies_and_pays():
+    """A dilated window splits into d sliding windows where the cost model prices that lower
+    (S = 8192 on the MHA grid); not where S is not a multiple of d, nor where B * d batch slots
+    would pass the grid's limit (the direct kernel still runs those)."""
+    from stof_cc import masks
+    from stof_cc.runtime.attention import split_pays
+    from stof_cc.templates.attention import AttentionProblem
+
+    mask = masks.dilated(512, 4)
+    assert split_pays(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), mask) == mask.strided_split()
+    assert split_pays(AttentionProblem(1, 12, 8190, 8190, 64, torch.float16), mask) is None
+    wide = AttentionProblem(20000, 1, 256, 256, 64, torch.float16)  # 80000 slots
+    assert split_pays(wide, masks.dilated(8, 4)) is None
+    assert split_pays(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), masks.causal()) is None

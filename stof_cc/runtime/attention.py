@@ -25,7 +25,12 @@ from stof_cc.backends.attention_launch import (
     launch_plan,
 )
 from stof_cc.masks import MaskDescription
-from stof_cc.templates.attention import AttentionInputError, AttentionProblem, problem_of
+from stof_cc.templates.attention import (
+    GRID_YZ_LIMIT,
+    AttentionInputError,
+    AttentionProblem,
+    problem_of,
+)
 from stof_cc.tune.attention import (
     as_description,
     cached_block_mask,
@@ -133,15 +138,23 @@ def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descriptio
     per_mask = _splits.setdefault(description, {})
     sizes = (q.shape, k.shape, v.shape, q.dtype, q.device)
     if sizes not in per_mask:
-        found = description.strided_split()
-        per_mask[sizes] = None
-        if found is not None and q.shape[2] == k.shape[2] and q.shape[2] % found[0] == 0:
-            d, sub = found
-            problem = problem_of(q, k, v)
-            direct_us = choose(problem, description).estimates[0].micros
-            split_us = choose(_residue_problem(problem, d), sub).estimates[0].micros
-            per_mask[sizes] = found if split_us < SPLIT_MARGIN * direct_us else None
+        per_mask[sizes] = split_pays(problem_of(q, k, v), description)
     return per_mask[sizes]
+
+
+def split_pays(problem: AttentionProblem, description: MaskDescription) -> tuple[int, MaskDescription] | None:
+    """`description.strided_split()` where it applies to ``problem`` (equal sequences that d
+    divides, B * d batch slots within the grid's limit) and the cost model prices the split
+    below SPLIT_MARGIN of the direct kernel; else None."""
+    found = description.strided_split()
+    if found is None:
+        return None
+    d, sub = found
+    if problem.seq_q != problem.seq_k or problem.seq_q % d or problem.batch * d > GRID_YZ_LIMIT:
+        return None
+    direct_us = choose(problem, description).estimates[0].micros
+    split_us = choose(_residue_problem(problem, d), sub).estimates[0].micros
+    return found if split_us < SPLIT_MARGIN * direct_us else None
 
 
 def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, MaskDescription],
