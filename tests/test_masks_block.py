@@ -13,6 +13,7 @@ from test_masks_zoo import FACTORIES, zoo_params
 
 from stof_cc import masks
 from stof_cc.masks import build, user
+from stof_cc.masks.block_mask import coarse_counts
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask
 
 BLOCKS = st.sampled_from([16, 32, 64, 128]) | st.integers(1, 40)  # kernels use the former
@@ -284,7 +285,7 @@ def test_grid_masks_at_8192_are_exact(name):
 
 @pytest.mark.parametrize("seq", (300, 1000, 2065))
 def test_counts_at_a_coarser_block_shape_equal_the_coarse_masks_counts(seq):
-    """The cost model prices every candidate block shape from one 16 x 16 mask: for every zoo
+    """The cost model prices every candidate block shape from one 16 x 16 class grid: for every zoo
     pattern, a per-head dense mask and a combined user mask, at ragged sizes, the counts match the
     block mask built at that shape."""
     w = max(8, seq // 16)
@@ -293,12 +294,18 @@ def test_counts_at_a_coarser_block_shape_equal_the_coarse_masks_counts(seq):
                     masks.bigbird(w, 3, 2, block=16, seed=1), masks.document([seq // 3, seq - seq // 3 - 7, 7]),
                     masks.key_padding([seq, 0]), masks.from_dense(dense), masks.strided(max(4, seq // 8)),
                     masks.longformer(37, 3) | masks.from_mask_mod(lambda b, h, q, k: (q - k) % 7 == h)]
+    shapes = [(16, 32), (64, 64), (128, 64), (128, 128), (192, 128)]
     for description in descriptions:
-        fine = description.block_mask(seq, seq, 16, 16, batch=2, heads=3)
-        for block_m, block_n in ((16, 32), (64, 64), (128, 64), (128, 128), (192, 128)):
-            coarse = description.block_mask(seq, seq, block_m, block_n, batch=2, heads=3)
-            rows, partial = fine.counts_at(block_m, block_n)
-            assert torch.equal(rows, (coarse.any_ptr[1:] - coarse.any_ptr[:-1]).long()), (description, block_m, block_n)
-            assert partial == coarse.part_cols.numel(), (description, block_m, block_n)
+        fine = description.block_classes(seq, seq, 16, 16, batch=2, heads=3)  # not collapsed: [Bm, Hm, ...]
+        counts = coarse_counts(fine, 16, 16, seq, seq, shapes)
+        slices = fine.shape[0] * fine.shape[1]
+        for block_m, block_n in shapes:
+            coarse = description.block_mask(seq, seq, block_m, block_n, batch=2, heads=3)  # collapsed where equal
+            rows, partial = counts[(block_m, block_n)]
+            want = (coarse.any_ptr[1:] - coarse.any_ptr[:-1]).long().view(coarse.batch, coarse.heads, -1)
+            assert torch.equal(rows.view(fine.shape[0], fine.shape[1], -1), want.expand(*fine.shape[:2], -1)), \
+                (description, block_m, block_n)
+            assert partial == coarse.part_cols.numel() * slices // (coarse.batch * coarse.heads), \
+                (description, block_m, block_n)
     with pytest.raises(ValueError, match="not a multiple"):
-        masks.causal().block_mask(seq, seq, 16, 16).counts_at(24, 32)
+        coarse_counts(masks.causal().block_classes(seq, seq, 16, 16), 16, 16, seq, seq, [(24, 32)])

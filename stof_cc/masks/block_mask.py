@@ -205,11 +205,6 @@ class BlockMask:
             classes[self._rows(ptr.cpu()) * self.n_cb + cols.cpu().long()] = code
         return classes.view(self.batch, self.heads, self.n_rb, self.n_cb)
 
-    def counts_at(self, block_m: int, block_n: int) -> tuple[torch.Tensor, int]:
-        """`coarse_counts` of this mask's classes at a coarser block shape."""
-        shape = (block_m, block_n)
-        return coarse_counts(self.block_classes(), self.block_m, self.block_n, self.seq_q, self.seq_k, [shape])[shape]
-
     def to_dense(self) -> torch.Tensor:
         """bool [Bm, Hm, seq_q, seq_k], True = attend (on the CPU)."""
         return self._dense(range(self.batch * self.heads)).view(self.shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -220,16 +220,9 @@ class MaskDescription:
         description does not change)."""
         from stof_cc.masks.build import build_block_mask
 
-        ext, dims = self._extent("block_mask", seq_q, seq_k, batch, heads)
-        block_m = check_int("block_mask", "block_m", block_m)
-        block_n = check_int("block_mask", "block_n", block_n)
         device = torch.device(device)
-        key = (ext, dims, block_m, block_n, str(device))
-        if key not in self._built:
-            if len(self._built) >= BUILT_KEPT:
-                self._built.pop(next(iter(self._built)))
-            self._built[key] = build_block_mask(self, BlockGrid(ext, block_m, block_n), dims, device)
-        return self._built[key]
+        return self._kept("block_mask", seq_q, seq_k, block_m, block_n, batch, heads, str(device),
+                          lambda grid, dims: build_block_mask(self, grid, dims, device))
 
     def block_classes(
         self,
@@ -245,14 +238,21 @@ class MaskDescription:
         `block_mask`'s results. The cost model counts blocks on it."""
         from stof_cc.masks.build import build_block_classes
 
-        ext, dims = self._extent("block_classes", seq_q, seq_k, batch, heads)
-        block_m = check_int("block_classes", "block_m", block_m)
-        block_n = check_int("block_classes", "block_n", block_n)
-        key = ("classes", ext, dims, block_m, block_n)
+        return self._kept("block_classes", seq_q, seq_k, block_m, block_n, batch, heads, "classes",
+                          lambda grid, dims: build_block_classes(self, grid, dims))
+
+    def _kept(self, fn: str, seq_q: int, seq_k: int | None, block_m: int, block_n: int, batch: int | None,
+              heads: int | None, kind: str, build: Callable[[BlockGrid, tuple[int, int]], Any]) -> Any:
+        """``build(grid, dims)`` for these sizes and block shape, checked as ``fn``'s arguments;
+        kept per (sizes, block shape, ``kind``), the latest BUILT_KEPT."""
+        ext, dims = self._extent(fn, seq_q, seq_k, batch, heads)
+        block_m = check_int(fn, "block_m", block_m)
+        block_n = check_int(fn, "block_n", block_n)
+        key = (ext, dims, block_m, block_n, kind)
         if key not in self._built:
             if len(self._built) >= BUILT_KEPT:
                 self._built.pop(next(iter(self._built)))
-            self._built[key] = build_block_classes(self, BlockGrid(ext, block_m, block_n), dims)
+            self._built[key] = build(BlockGrid(ext, block_m, block_n), dims)
         return self._built[key]
 
     def __or__(self, other: object) -> MaskDescription:
