@@ -53,8 +53,9 @@ class Resources:
     spill_stores: int
     spill_loads: int
     stack_bytes: int
-    # ptxas advisory C7515: it serialised the kernel's wgmma instructions (a wgmma issued under
-    # a branch, or accumulators written while one is in flight); costs 10-20% in attention
+    # ptxas advisories C7510-C7519 "wgmma.mma_async instructions are serialized": a wgmma issued
+    # under a branch (C7515), registers a wgmma reads written while one is in flight (C7513), ...;
+    # costs 10-20% in attention
     wgmma_serialized: bool = False
 
 
@@ -249,7 +250,8 @@ def _format_errors(source_path: Path, stderr: str) -> str:
 
 
 _FUNCTION = re.compile(r"Compiling entry function '(\w+)'")
-_SERIALIZED = re.compile(r"\(C7515\).*?in the function '(\w+)'")
+_SERIALIZED = re.compile(r"\(C751\d\) Potential Performance Loss: wgmma\.mma_async instructions are serialized.*?"
+                         r"in the function '(\w+)'")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
