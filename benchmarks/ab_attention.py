@@ -1,0 +1,112 @@
+"""A/B of the warp-specialised attention kernel in one process: the templates in a folder (a copy of
+`stof_cc/templates` from another commit, e.g. `git archive HEAD~1 stof_cc/templates | tar -x -C /tmp/old`)
+against the working tree's, at the cost model's two best ws points per case, each one CTA per tile
+and persistent, both orders, min of two medians; every launch's first call is checked against the
+fp32 reference, and cuDNN's causal time and the dense floor are printed beside them. Side-by-side
+evidence for a kernel change, where run-to-run noise on the H100 (2-7%) hides the difference
+between two separate `mha.py` runs.
+
+    python benchmarks/ab_attention.py --old /tmp/old/stof_cc/templates [--cases causal:8192:64,bigbird:8192:128]
+
+Cases are mask:S:D with D = 64 (fp16, H = 12) or 128 (bf16, H = 16), B = 4096 // S (1 at least,
+8 up to S = 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from stof_cc.masks.workloads import grid_batch  # noqa: E402
+from stof_cc.templates.attention import WarpSpecialisedWgmmaAttention  # noqa: E402
+
+DEFAULT_CASES = ("causal:512:64,causal:1024:64,causal:8192:64,sliding:8192:64,longformer:8192:64,bigbird:8192:64,"
+                 "document:8192:64,causal:1024:128,causal:4096:128,causal:8192:128,sliding:8192:128,"
+                 "longformer:8192:128,bigbird:8192:128")
+TOLERANCE = 1e-2
+
+
+def old_template(folder: str) -> WarpSpecialisedWgmmaAttention:
+    """The ws template read from ``folder`` (its kernels keep their names: a separate module)."""
+    if not (Path(folder) / WarpSpecialisedWgmmaAttention.source_file).is_file():
+        raise SystemExit(f"{folder} has no {WarpSpecialisedWgmmaAttention.source_file}")
+
+    class Old(WarpSpecialisedWgmmaAttention):
+        name = "attention_wgmma_ws_old"
+        template_dir = folder
+
+    return Old()
+
+
+def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
+    """Print one case's A/B; the number of wrong launches."""
+    from mha import DENSE_FLOORS, bench, under
+    from torch.nn.attention import SDPBackend
+
+    from stof_cc.backends.attention_launch import launch_plan
+    from stof_cc.ir.reference import masked_attention, relative_error
+    from stof_cc.masks.workloads import grid_mask
+    from stof_cc.templates.attention import WGMMA_WS, config_label, problem_of
+    from stof_cc.tune.attention import cached_block_mask, choose
+
+    name, seq, d = case.split(":")
+    seq, d = int(seq), int(d)
+    heads, dtype = (12, torch.float16) if d == 64 else (16, torch.bfloat16)
+    desc = grid_mask(name, seq)
+    q, k, v = (torch.randn(grid_batch(seq), heads, seq, d, device="cuda", dtype=dtype) for _ in range(3))
+    problem = problem_of(q, k, v)
+    ref = masked_attention(q, k, v, desc.to_dense(seq, seq).cuda()).float()
+    floor = min(bench(lambda fn=fn: fn(q, k, v)) for fn in DENSE_FLOORS.values()) \
+        * desc.block_mask(seq, seq, 128, 128).element_density
+    cudnn = bench(lambda: under(SDPBackend.CUDNN_ATTENTION, is_causal=True)(q, k, v)) if name == "causal" else math.nan
+    points = []
+    for estimate in choose(problem, desc).estimates:
+        base = {key: value for key, value in estimate.params.items() if key != "persistent"}
+        if estimate.params["strategy"] == "wgmma_ws" and base not in points:
+            points.append(base)
+        if len(points) == 2:
+            break
+    times: dict[tuple, list[float]] = {}
+    wrong = 0
+    for rep in range(2):
+        for base in points:
+            block_mask = cached_block_mask(desc, problem, base | {"persistent": False}, q.device)
+            for label, template in (("old", old), ("new", WGMMA_WS))[:: 1 if rep == 0 else -1]:
+                for persistent in (False, True):
+                    params = base | {"persistent": persistent}
+                    plan = launch_plan(q, k, v, problem, template, params, block_mask, None)
+                    if rep == 0:
+                        err = relative_error(plan.launch(q, k, v).float(), ref)
+                        if not err < TOLERANCE:
+                            wrong += 1
+                            print(f"  WRONG {label} {case} {config_label(params)}: relative error {err:.2e}", flush=True)
+                    times.setdefault((config_label(params), label), []).append(bench(lambda plan=plan: plan.launch(q, k, v)))
+    print(f"{case}: cuDNN causal {cudnn:.4f} ms, floor {floor:.4f} ms", flush=True)
+    for base in points:
+        for persistent in (False, True):
+            label = config_label(base | {"persistent": persistent})
+            before, after = min(times[(label, "old")]), min(times[(label, "new")])
+            print(f"  {label:40s} old {before:.4f}  new {after:.4f}  new/old {after / before:.3f}", flush=True)
+    return wrong
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--old", required=True, help="folder of the templates to compare against")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help="mask:S:D, comma separated")
+    args = parser.parse_args()
+    old = old_template(args.old)
+    wrong = sum(run_case(case, old) for case in args.cases.split(","))
+    print(f"{wrong} wrong launches")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
