@@ -12,8 +12,9 @@ the small test configs instead (a correctness run). Each model's fp16/bf16 outpu
 against its fp32 eager output on the real tokens before timing (relative error below 1e-2, or
 below 1.25x eager's own error in that dtype where that is larger: at S = 16384 eager fp16 itself
 is 1.1e-2 from fp32 on these random-weight models); then
-`stof_cc.compile` (CUDA graphs where the model allows), eager, `torch.compile` (default) and
-`torch.compile(mode="reduce-overhead")` are timed in this process: medians of
+`stof_cc.compile` (CUDA graphs where the model allows), the same model under
+`torch.compile(backend=stof_cc.backend(...))` (its own column, not a peer), eager, `torch.compile`
+(default) and `torch.compile(mode="reduce-overhead")` are timed in this process: medians of
 `triton.testing.do_bench` after warm-up. A peer that fails is reported with its error, never
 dropped. Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 """
@@ -156,6 +157,7 @@ def run_family(family: str, args, database: Path) -> dict:
             row.update(stof_err=math.inf, stof_ms=math.inf, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         print(f"  {family}: stof-cc {row['stof_ms']:.3f} ms, error {row['stof_err']:.1e}"
               + (f" ({row['error']})" if "error" in row else f", compile {row['compile_s']:.1f} s"), flush=True)
+        row.update(through_backend(half, kwargs, want, args, database))
         for label, fn in ready.items():
             row["peers"][label]["ms"] = bench(fn)
         for label, peer in row["peers"].items():
@@ -165,6 +167,42 @@ def run_family(family: str, args, database: Path) -> dict:
     row["best_peer_ms"] = min(correct) if correct else math.inf
     row["speedup"] = row["best_peer_ms"] / row["stof_ms"] if row["stof_err"] < tolerance else 0.0
     return row
+
+
+def through_backend(half, kwargs: dict, want: torch.Tensor, args, database: Path) -> dict:
+    """The same model under ``torch.compile(backend=stof_cc.backend(...))`` (issue 21): its error,
+    first-call time and median, and the warnings it gave (a graph on the fallback says why).
+    Decoders get ``use_cache=False``, as `stof_cc.compile`'s trace switches the cache off: with it
+    on, the graph dynamo hands over builds and returns the KV cache, as eager does."""
+    import inspect
+    import warnings
+
+    if "use_cache" in inspect.signature(half.forward).parameters:
+        kwargs = {**kwargs, "use_cache": False}
+    out = {}
+    started = time.perf_counter()
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    # nn.TransformerEncoderLayer's fused inference op hides the layer from stof-cc (the backend
+    # warns and says this): off, as a user following the warning would run it
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(half, dynamic=False,
+                                     backend=stof_cc.backend(tune=not args.no_tune, database=database))
+            run = lambda: compiled(**kwargs)  # noqa: E731
+            out["backend_err"] = relative_error(real_tokens(run(), kwargs), want)
+        out["backend_compile_s"] = time.perf_counter() - started
+        out["backend_ms"] = bench(run)
+        out["backend_warnings"] = sorted({str(w.message)[:300] for w in caught if "stof_cc backend" in str(w.message)})
+    except Exception as exc:  # reported, not hidden
+        out.update(backend_err=math.inf, backend_ms=math.inf, backend_error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    print(f"  backend: torch.compile(backend=stof_cc) {out['backend_ms']:.3f} ms, error {out['backend_err']:.1e}"
+          + "".join(f"\n    {w}" for w in out.get("backend_warnings", []))
+          + (f" ({out['backend_error']})" if "backend_error" in out else ""), flush=True)
+    return out
 
 
 def run_in_fresh_process(family: str, args, database: Path) -> dict:
@@ -216,12 +254,14 @@ def main() -> None:
     names = sorted({n for r in rows for n in r["peers"]})
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}")
-    print("| family | stof ms (error) | " + " | ".join(f"{n} ms" for n in names) + " | speedup |")
-    print("|" + "---|" * (len(names) + 3))
+    print("| family | stof ms (error) | backend=stof_cc ms (error) | " + " | ".join(f"{n} ms" for n in names)
+          + " | speedup |")
+    print("|" + "---|" * (len(names) + 4))
     for r in rows:
         cells = " | ".join(f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)")
                            if n in r["peers"] else "-" for n in names)
-        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {cells} | {r['speedup']:.2f}x |")
+        backend = f"{r.get('backend_ms', math.inf):.3f} ({r.get('backend_err', math.inf):.1e})"
+        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {backend} | {cells} | {r['speedup']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,185 @@
+"""torch.compile(model, backend="stof_cc"): registered by entry point, each dynamo graph down
+stof_cc.compile's road (on the CPU its groups run through torch), graph breaks, the fallbacks
+and their warnings, autograd left to the fallback."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import stof_cc
+from stof_cc.runtime import dynamo_backend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from gpt2_block import GPT2Block  # noqa: E402
+
+
+def capturing(**options):
+    """A stof_cc backend that keeps the graphs it made, for the tests to look into."""
+    made = []
+    inner = stof_cc.backend(**options)
+
+    def compile_graph(graph_module, example_inputs):
+        made.append(inner(graph_module, example_inputs))
+        return made[-1]
+
+    return compile_graph, made
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_the_backend_is_found_by_name_without_importing_stof_cc():
+    # pyproject's torch_dynamo_backends entry point (the editable install carries it)
+    assert torch._dynamo.lookup_backend("stof_cc") is dynamo_backend.stof_cc_backend
+    assert "stof_cc" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_a_decoder_block_goes_down_stof_cc_s_road_and_matches_eager():
+    torch.manual_seed(0)
+    model = GPT2Block().eval()
+    x = torch.randn(2, 16, 128)
+    backend, made = capturing(fallback="eager")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no graph on the fallback
+        got = compiled(x)
+        want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(made) == 1 and made[0].compiled is not None
+    # the lifted causal buffer was frozen into the graph: the attention is recognised as such
+    assert " attention " in made[0].compiled.explain()
+
+
+class WithGraphBreaks(torch.nn.Module):
+    """A print and a data-dependent branch in the forward: dynamo splits it into graphs."""
+
+    def __init__(self, hidden: int = 64) -> None:
+        super().__init__()
+        self.block = GPT2Block(hidden=hidden, heads=4, max_seq=32)
+        self.head = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(x)
+        print("between the graphs")
+        if h.sum() > 0:
+            return self.head(h)
+        return -self.head(h)
+
+
+@pytest.mark.parametrize("sign", (1.0, -1.0))
+def test_graph_breaks_just_work(sign, capsys):
+    torch.manual_seed(1)
+    model = WithGraphBreaks().eval()
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        model.head.bias.fill_(sign * 10.0)  # decides the branch
+        backend, made = capturing(fallback="eager")
+        got = torch.compile(model, backend=backend, dynamic=False)(x)
+        want = model(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(made) >= 2 and all(g.compiled is not None for g in made)
+    assert "between the graphs" in capsys.readouterr().out
+
+
+def test_symbolic_shapes_run_on_the_fallback_with_the_reason():
+    torch.manual_seed(2)
+    model = GPT2Block(hidden=64, heads=4, max_seq=64).eval()
+    backend, made = capturing(fallback="eager")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(2, 12, 64)
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs on eager, because .*dynamic=False"):
+        got = compiled(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-5)
+    assert made and all(g.compiled is None for g in made)
+
+
+def test_with_autograd_on_the_fallback_runs_and_gradients_flow():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+    x = torch.randn(4, 16)
+    backend, made = capturing(fallback="eager")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with pytest.warns(UserWarning, match="autograd is on"):
+        compiled(x).square().sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    for g, w in zip(got, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(g, w)
+    assert made[0].compiled is not None  # compiled for inference; this call took the fallback
+
+
+def test_pytorch_s_fused_encoder_layer_op_is_named_with_the_way_around_it():
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, activation="gelu")
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 16, 64)
+    padding = torch.zeros(2, 16, dtype=torch.bool)
+    padding[1, 12:] = True
+    with torch.no_grad():
+        want = encoder(x, src_key_padding_mask=padding)
+        with pytest.warns(UserWarning, match=r"_transformer_encoder_layer_fwd.*set_fastpath_enabled\(False\)"):
+            got = torch.compile(encoder, backend="stof_cc", dynamic=False)(x, src_key_padding_mask=padding)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        enabled = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            backend, made = capturing(fallback="eager")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                got = torch.compile(encoder, backend=backend, dynamic=False)(x, src_key_padding_mask=padding)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(enabled)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert made[0].compiled is not None and " attention " in made[0].compiled.explain()
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="fallback must be one of inductor, eager, got 'tensorrt'"):
+        stof_cc.backend(fallback="tensorrt")
+
+
+def test_a_huggingface_model_runs_under_the_backend():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(4)
+    model = transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                                           n_positions=64)).eval()
+    ids = torch.randint(0, 100, (2, 16))
+    backend, made = capturing(fallback="eager")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, use_cache=False).last_hidden_state
+        want = model(input_ids=ids, use_cache=False).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert made and all(g.compiled is not None for g in made), [g.reason for g in made]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_on_the_gpu_each_graph_runs_stof_cc_kernels_and_matches_eager(dtype):
+    torch.manual_seed(5)
+    model = WithGraphBreaks(hidden=128).eval().cuda().to(dtype)  # head dim 32: the kernels run it
+    x = torch.randn(2, 32, 128, device="cuda", dtype=dtype)
+    backend, made = capturing(fallback="eager", tune=False)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = compiled(x)
+        got_again = compiled(x)  # the second call replays the graph's CUDA graph
+        want = model(x)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_again, got)
+    # (group, its kind, how it ran) for every group of every graph
+    steps = [line.split()[:3] for g in made for line in g.compiled.explain().splitlines() if line.startswith("  g")]
+    assert ["attention", "attention"] in [step[1:] for step in steps], steps  # stof_cc.attention's kernel
+    assert sum(step[2] == "kernel" for step in steps) >= 3, steps  # the GEMM and norm groups
