@@ -254,14 +254,15 @@ def main() -> None:
     names = sorted({n for r in rows for n in r["peers"]})
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}")
-    print("| family | stof ms (error) | backend=stof_cc ms (error) | " + " | ".join(f"{n} ms" for n in names)
-          + " | speedup |")
+    print("| family | stof ms (error) | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
+          + "speedup |")
     print("|" + "---|" * (len(names) + 4))
     for r in rows:
-        cells = " | ".join(f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)")
-                           if n in r["peers"] else "-" for n in names)
+        cells = "".join((f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)")
+                         if n in r["peers"] else "-") + " | " for n in names)
         backend = f"{r.get('backend_ms', math.inf):.3f} ({r.get('backend_err', math.inf):.1e})"
-        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {backend} | {cells} | {r['speedup']:.2f}x |")
+        speedup = f"{r['speedup']:.2f}x" if math.isfinite(r["best_peer_ms"]) else "- (no peer)"
+        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {backend} | {cells}{speedup} |")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_the_backend_is_found_by_name_without_importing_stof_cc():
+def test_the_backend_is_found_by_name_through_its_entry_point():
     # pyproject's torch_dynamo_backends entry point (the editable install carries it)
     assert torch._dynamo.lookup_backend("stof_cc") is dynamo_backend.stof_cc_backend
     assert "stof_cc" in torch._dynamo.list_backends(exclude_tags=())
@@ -109,14 +109,72 @@ def test_with_autograd_on_the_fallback_runs_and_gradients_flow():
     x = torch.randn(4, 16)
     backend, made = capturing(fallback="eager")
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    with pytest.warns(UserWarning, match="autograd is on"):
+    with pytest.warns(UserWarning, match="runs on eager, because autograd is on"):
         compiled(x).square().sum().backward()
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model(x).square().sum().backward()
     for g, w in zip(got, (p.grad for p in model.parameters()), strict=True):
         torch.testing.assert_close(g, w)
-    assert made[0].compiled is not None  # compiled for inference; this call took the fallback
+    assert made[0].compiled is None  # dynamo guards on grad mode: an inference call gets its own graph
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert made[-1].compiled is not None
+
+
+def test_a_graph_reused_for_other_weights_runs_with_them():
+    """Dynamo hands one graph to every module whose tensors look alike (another instance, the
+    layers of a loop): each set of weights gets its own compiled module."""
+    torch.manual_seed(6)
+    blocks = torch.nn.ModuleList(GPT2Block(hidden=64, heads=4, max_seq=32) for _ in range(3)).eval()
+
+    def run(x):
+        for block in blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        return x
+
+    backend, made = capturing(fallback="eager")
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        got = torch.compile(run, backend=backend, dynamic=False)(x)
+        want = run(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert sum(len(g.compiled_for) for g in made) == 3
+
+
+def test_graphs_stof_cc_cannot_take_run_on_the_fallback_with_the_reason():
+    class Counts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)
+            return x * 2
+
+    model = Counts()
+    backend, _ = capturing(fallback="eager")
+    with torch.no_grad(), pytest.warns(UserWarning, match="updates its input .* in place"):
+        out = torch.compile(model, backend=backend, dynamic=False)(torch.ones(3))
+    assert model.calls.item() == 1 and out.tolist() == [2.0, 2.0, 2.0]  # the buffer counted the call
+
+    mixed = torch.nn.Linear(4, 4)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.warns(UserWarning, match="mix dtypes"):
+        out = torch.compile(lambda x, y: mixed(x) + y, backend=capturing(fallback="eager")[0],
+                            dynamic=False)(torch.randn(2, 4), torch.randn(2, 4, dtype=torch.float64))
+    assert out.dtype == torch.float64
+
+
+def test_the_default_fallback_is_inductor():
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs on inductor, because .*dynamic=False"):
+        got = torch.compile(model, backend="stof_cc", dynamic=True)(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x))
 
 
 def test_pytorch_s_fused_encoder_layer_op_is_named_with_the_way_around_it():
@@ -147,6 +205,8 @@ def test_pytorch_s_fused_encoder_layer_op_is_named_with_the_way_around_it():
 def test_options_are_checked():
     with pytest.raises(ValueError, match="fallback must be one of inductor, eager, got 'tensorrt'"):
         stof_cc.backend(fallback="tensorrt")
+    with pytest.raises(TypeError, match="mask must be a stof_cc.masks description, a bool tensor or None, got str"):
+        stof_cc.backend(mask="causal")
 
 
 def test_a_huggingface_model_runs_under_the_backend():

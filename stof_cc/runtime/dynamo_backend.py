@@ -5,26 +5,27 @@ point (pyproject.toml; no import needed); ``torch.compile(model, backend=stof_cc
 tune=...))`` takes options. Dynamo hands over one FX graph per region between graph breaks, and
 each goes down `stof_cc.compile`'s road (torch.export of the graph to ATen, the IR, fusion, kernels;
 on the GPU its attention and fused groups run on stof-cc kernels, the rest through torch), in the
-dtype of its floating inputs. Dynamo lifts the module's parameters into graph inputs; they are
-frozen into the compiled graph as the module's weights (what `stof_cc.compile` does with its copy
-of the model): an in-place update of a weight after the first call is not seen.
+dtype of its floating inputs. Dynamo lifts the module's parameters and buffers into graph inputs;
+they go back into the compiled graph as constants (the passes then see weights as weights and a
+causal buffer as causal), compiled once per set of weight tensors: replacing a parameter
+recompiles, an in-place update of one after its first call is not seen.
 
 A graph stof-cc cannot take runs on the fallback the user chose, ``"inductor"`` (the default:
 what ``torch.compile`` would have run) or ``"eager"`` (the graph as traced), with one warning
-naming the graph and the reason: symbolic shapes (compile with ``dynamic=False``), floating inputs
-of mixed dtypes, or an operator or structure the frontend refuses.
+naming the graph and the reason: symbolic shapes (compile with ``dynamic=False``), autograd on with
+an input that requires grad, floating inputs of mixed dtypes, an input updated in place, or
+anything `stof_cc.compile` refuses.
 """
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from stof_cc.ir.frontend import TraceError
-from stof_cc.ir.graph import GraphError
 from stof_cc.masks import MaskDescription
 from stof_cc.runtime.compiled import CompiledModule
 from stof_cc.runtime.compiled import compile as compile_module
@@ -37,103 +38,131 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class _FrozenWeights(torch.nn.Module):
-    """The graph module with the inputs dynamo lifted from the module (its parameters and buffers,
-    which dynamo marks as static inputs) held as this module's own: constants to the export, so
-    the IR sees weights and a causal buffer as such. Called with the graph's other inputs."""
+    """The graph module with the inputs dynamo lifted from the module's parameters and buffers held
+    as this module's own: constants to the export, so the IR sees weights and a causal buffer as
+    such. Called with the graph's other inputs. Copying it shares the tensors (`stof_cc.compile`
+    copies its model; here that would double the weights' memory)."""
 
-    def __init__(self, graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> None:
+    def __init__(self, graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int]) -> None:
         super().__init__()
-        self.graph_module = graph_module
-        self.weight_at = [i for i, x in enumerate(inputs) if _lifted_from_module(x)]
-        for i in self.weight_at:
+        self.graph_module, self.slots, self.arity = graph_module, set(slots), len(inputs)
+        for i in slots:
             if isinstance(inputs[i], torch.nn.Parameter):
                 self.register_parameter(f"input_{i}", inputs[i])
             else:
                 self.register_buffer(f"input_{i}", inputs[i], persistent=False)
-        self.arity = len(inputs)
+
+    def __deepcopy__(self, memo: dict) -> _FrozenWeights:
+        return self
 
     def forward(self, *args: Any) -> Any:
         given = iter(args)
-        return self.graph_module(*(getattr(self, f"input_{i}") if i in self.weight_at else next(given)
+        return self.graph_module(*(getattr(self, f"input_{i}") if i in self.slots else next(given)
                                    for i in range(self.arity)))
 
 
-def _lifted_from_module(x: Any) -> bool:
-    """A parameter or buffer of the compiled module, lifted into a graph input by dynamo."""
-    return isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None) is not None
+def _module_state_slots(graph_module: torch.fx.GraphModule) -> list[int]:
+    """The graph inputs dynamo lifted from a module's parameters or buffers (by their source,
+    L['self']._modules[...]._parameters['weight']; not tensors a user marked static, nor plain
+    tensor attributes, which may change between calls)."""
+    slots = []
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = source.name() if callable(getattr(source, "name", None)) else str(getattr(source, "name", ""))
+        if "._parameters[" in name or "._buffers[" in name:
+            slots.append(i)
+    return slots
 
 
 def _target_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
-def _why_not(inputs: Sequence[Any]) -> str | None:
-    """Why stof-cc cannot take a graph with these example inputs; None when it can."""
+def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> str | None:
+    """Why stof-cc cannot take this graph with these example inputs; None when it can."""
     if any(not isinstance(x, torch.Tensor) for x in inputs):
         kinds = sorted({type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)})
         return (f"it takes non-tensor inputs ({', '.join(kinds)}): symbolic shapes; compile with "
                 "dynamic=False for stof-cc to take it")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+        return ("autograd is on and an input requires grad (stof-cc's kernels record nothing for "
+                "backward); run inference under torch.no_grad() or torch.inference_mode()")
     floating = {x.dtype for x in inputs if x.is_floating_point()}
     if len(floating) > 1:
         return f"its floating inputs mix dtypes ({', '.join(sorted(str(d) for d in floating))})"
     if floating and next(iter(floating)) not in DTYPES:
         return f"its floating inputs are {next(iter(floating))} (stof-cc runs float16, bfloat16 and float32)"
+    placeholders = {n for n in graph_module.graph.nodes if n.op == "placeholder"}
+    for node in graph_module.graph.nodes:
+        name = node.target if node.op == "call_method" else _target_name(node)
+        if isinstance(name, str) and name.endswith("_") and not name.endswith("__") and node.args \
+                and node.args[0] in placeholders:
+            return f"it updates its input {node.args[0].name} in place ({name})"
     return None
 
 
 class _CompiledGraph:
-    """One dynamo graph: stof-cc's compiled module, or the fallback (with the reason). A call with
-    autograd on and an input that requires grad runs the fallback too (stof-cc's kernels are for
-    inference and record no graph for backward), with one warning."""
+    """One dynamo graph: stof-cc's compiled module per set of module weights (dynamo hands the
+    same graph to another module instance, or to the layers of a loop, when their tensors look
+    alike: the weights' identities pick the compiled module), or the fallback, with the reason."""
 
-    count = 0  # graphs seen in this process, for the warnings' names
+    names = itertools.count()  # graphs made in this process, for the warnings
 
     def __init__(self, graph_module: torch.fx.GraphModule, inputs: list[Any], options: dict[str, Any]) -> None:
-        self.name = f"graph {_CompiledGraph.count}"
-        _CompiledGraph.count += 1
-        self.graph_module, self.inputs, self.fallback = graph_module, inputs, options["fallback"]
-        self._fallback_run: Callable[..., Any] | None = None
-        self._warned_grad = False
-        self.reason = _why_not(inputs)
-        self.compiled: CompiledModule | None = None
+        self.name = f"graph {next(_CompiledGraph.names)}"
+        self.graph_module, self.options = graph_module, options
+        self.compiled_for: dict[tuple[int, ...], CompiledModule] = {}
+        self.fallback_run: Callable[..., Any] | None = None
+        self.slots = _module_state_slots(graph_module)
+        self.reason = _why_not(graph_module, inputs)
         if self.reason is None:
-            frozen = _FrozenWeights(graph_module, inputs)
-            dtype = next((x.dtype for x in inputs if x.is_floating_point()), torch.float32)
-            self.weight_at = set(frozen.weight_at)
-            self.weights_need_grad = any(p.requires_grad for p in frozen.parameters())
-            args = [x for i, x in enumerate(inputs) if i not in self.weight_at]
-            try:
-                self.compiled = compile_module(frozen, tuple(args), dtype=dtype, **options["compile"])
-            except (TraceError, GraphError, NotImplementedError) as exc:
-                self.reason = f"stof-cc could not lower it: {exc}"
-        if self.compiled is None:
-            warnings.warn(f"stof_cc backend: {self.name} runs on {self.fallback}, because {self.reason}",
-                          stacklevel=3)
+            self.reason = self._compile(inputs)
+        else:
+            self._fall_back(inputs, self.reason)
         fused = sorted({_target_name(n) for n in graph_module.graph.nodes if _target_name(n) in FUSED_LAYER_OPS})
         if fused:
             warnings.warn(f"stof_cc backend: {self.name} calls PyTorch's fused layer kernel ({', '.join(fused)}: "
                           "the inference fast path of nn.TransformerEncoderLayer / nn.MultiheadAttention), which "
                           "runs as it is; call torch.backends.mha.set_fastpath_enabled(False) before the first "
-                          "call for stof-cc to fuse the layer", stacklevel=3)
+                          "call for stof-cc to fuse the layer", stacklevel=2)
+
+    @property
+    def compiled(self) -> CompiledModule | None:
+        """The compiled module of the first weights seen (None on the fallback)."""
+        return next(iter(self.compiled_for.values()), None)
+
+    def _compile(self, inputs: Sequence[Any]) -> str | None:
+        """Compile for these inputs' weights; on failure, the fallback and the reason."""
+        frozen = _FrozenWeights(self.graph_module, inputs, self.slots)
+        dtype = next((x.dtype for x in inputs if x.is_floating_point()), torch.float32)
+        args = tuple(x for i, x in enumerate(inputs) if i not in frozen.slots)
+        try:
+            self.compiled_for[self._weights_key(inputs)] = compile_module(frozen, args, dtype=dtype,
+                                                                          **self.options["compile"])
+            return None
+        except Exception as exc:  # any refusal: the graph keeps its meaning on the fallback
+            reason = f"stof-cc could not compile it ({type(exc).__name__}: {exc})"
+        self._fall_back(inputs, reason)
+        return reason
+
+    def _fall_back(self, inputs: Sequence[Any], reason: str) -> None:
+        warnings.warn(f"stof_cc backend: {self.name} runs on {self.options['fallback']}, because {reason}",
+                      stacklevel=3)
+        self.fallback_run = _fallback(self.graph_module, list(inputs), self.options["fallback"])
+
+    def _weights_key(self, args: Sequence[Any]) -> tuple[int, ...]:
+        return tuple(id(args[i]) for i in self.slots)
 
     def __call__(self, *args: Any) -> Any:
-        if self.compiled is None:
-            return self._run_fallback(args)
-        if torch.is_grad_enabled() and (self.weights_need_grad or any(
-                isinstance(x, torch.Tensor) and x.requires_grad for x in args)):
-            if not self._warned_grad:
-                self._warned_grad = True
-                warnings.warn(f"stof_cc backend: {self.name} runs on {self.fallback} while autograd is on "
-                              "and an input requires grad; run inference under torch.no_grad() or "
-                              "torch.inference_mode() for stof-cc's kernels", stacklevel=2)
-            return self._run_fallback(args)
-        out = self.compiled(*(x for i, x in enumerate(args) if i not in self.weight_at))
-        return out if isinstance(out, (tuple, list)) else (out,)
-
-    def _run_fallback(self, args: tuple[Any, ...]) -> Any:
-        if self._fallback_run is None:
-            self._fallback_run = _fallback(self.graph_module, self.inputs, self.fallback)
-        return self._fallback_run(*args)
+        if self.fallback_run is not None:
+            return self.fallback_run(*args)
+        compiled = self.compiled_for.get(self._weights_key(args))
+        if compiled is None:  # another module's weights in the same graph: compiled for them too
+            if self._compile(args) is not None:
+                return self.fallback_run(*args)
+            compiled = self.compiled_for[self._weights_key(args)]
+        return compiled(*(x for i, x in enumerate(args) if i not in self.slots))
 
 
 def _fallback(graph_module: torch.fx.GraphModule, inputs: list[Any], name: str) -> Callable[..., Any]:
@@ -152,6 +181,9 @@ def backend(mask: MaskDescription | torch.Tensor | None = None, tune: bool = Tru
     ``fallback`` ("inductor" or "eager") runs the graphs stof-cc cannot take."""
     if fallback not in FALLBACKS:
         raise ValueError(f"stof_cc.backend: fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    if mask is not None and not isinstance(mask, (MaskDescription, torch.Tensor)):
+        raise TypeError(f"stof_cc.backend: mask must be a stof_cc.masks description, a bool tensor or None, "
+                        f"got {type(mask).__name__}")
     options = {"fallback": fallback,
                "compile": {"mask": mask, "tune": tune, "cuda_graphs": cuda_graphs, "database": database,
                            "build_dir": build_dir}}
