@@ -9,12 +9,17 @@ Streams: PyCUDA cannot wrap a foreign stream handle, so it launches on the legac
 stream, torch's current stream unless the caller switched streams. Under any other current
 stream (a user stream, CUDA graph capture) the same cubin is launched on that stream through
 the driver API instead (`stream_launch.DriverKernel`), so the work is ordered with torch's.
+
+Devices: a kernel launches on torch's current device (callers make the inputs' device current:
+`runtime.attention`, `CompiledModule`). PyCUDA's function belongs to the device that was current
+when the kernel was loaded; on any other device the driver-API launcher loads the cubin into
+that device's primary context (the one torch uses) once, and launches there.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,13 +42,19 @@ def _driver():
     return drv
 
 
-def _current_raw_stream() -> int:
-    """torch's current stream handle on the current device (the private getter costs well
-    under a microsecond; the public `current_stream()` builds a Stream object)."""
+def current_device() -> int:
+    """torch's current CUDA device (the private getter skips `current_device()`'s lazy-init checks)."""
+    getter = getattr(torch._C, "_cuda_getDevice", None)
+    return getter() if getter is not None else torch.cuda.current_device()
+
+
+def _current_raw_stream(device: int) -> int:
+    """torch's current stream handle on ``device`` (the private getter costs well under a
+    microsecond; the public `current_stream()` builds a Stream object)."""
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if getter is None:
-        return torch.cuda.current_stream().cuda_stream
-    return getter(torch.cuda.current_device())
+        return torch.cuda.current_stream(device).cuda_stream
+    return getter(device)
 
 
 def device_arch(device: torch.device | None = None) -> str:
@@ -63,7 +74,10 @@ class Kernel:
     cubin: bytes = b""
     arg_format: str = ""
     _max_dynamic_smem: int = 48 * 1024
-    _on_streams: DriverKernel | None = None  # the same kernel for launches off the default stream
+    loaded_on: int = 0  # the device whose context holds _function
+    # the same kernel through the driver API, per device: launches off the default stream, with
+    # by-value blobs, or on a device other than loaded_on
+    _on_devices: dict[int, DriverKernel] = field(default_factory=dict)
     waits_for_producers: bool = False  # may be launched with PDL (see `stream_launch`)
 
     @property
@@ -73,13 +87,15 @@ class Kernel:
         return "s" in self.arg_format
 
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, *args: object) -> None:
-        """Launch on torch's current stream; pointers are passed as ints (``tensor.data_ptr()``)."""
-        stream = _current_raw_stream()
-        if stream != 0 or self.by_value_structs:
-            if self._on_streams is None:
-                self._on_streams = DriverKernel(self.cubin, self.name, self.arg_format,
-                                                waits_for_producers=self.waits_for_producers)
-            self._on_streams.launch(grid, threads, shared_bytes, stream, *args)
+        """Launch on torch's current device and stream; pointers are passed as ints (``tensor.data_ptr()``)."""
+        device = current_device()
+        stream = _current_raw_stream(device)
+        if stream != 0 or self.by_value_structs or device != self.loaded_on:
+            on_device = self._on_devices.get(device)
+            if on_device is None:  # cuModuleLoadData into the current context: this device's primary one
+                on_device = self._on_devices[device] = DriverKernel(self.cubin, self.name, self.arg_format,
+                                                                    waits_for_producers=self.waits_for_producers)
+            on_device.launch(grid, threads, shared_bytes, stream, *args)
             return
         if shared_bytes > self._max_dynamic_smem:
             drv = _driver()
@@ -101,8 +117,9 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     torch.cuda.init()
     arch = device_arch() + arch_features
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
-    kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
-    kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
+    device = current_device()
+    kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name), device)
+    kernel.cubin, kernel.arg_format, kernel.loaded_on = compiled.cubin, arg_format, device
     kernel.waits_for_producers = waits_for_producers and torch.cuda.get_device_capability() >= (9, 0)
     if not kernel.by_value_structs:
         kernel._function.prepare(arg_format)
@@ -110,12 +127,13 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
 
 
 @functools.lru_cache(maxsize=512)
-def _load_module(cubin: bytes):
+def _load_module(cubin: bytes, device: int):
+    """The cubin loaded into the current context (``device``'s: a module belongs to one)."""
     return _driver().module_from_buffer(cubin)
 
 
-def _load(cubin: bytes, name: str, source_path: str, resources: Resources | None) -> Kernel:
-    module = _load_module(cubin)
+def _load(cubin: bytes, name: str, source_path: str, resources: Resources | None, device: int) -> Kernel:
+    module = _load_module(cubin, device)
     try:
         function = module.get_function(name)
     except Exception as exc:  # pycuda.driver.LogicError

@@ -24,6 +24,7 @@ from stof_cc.backends.attention_launch import (
     key_padding_on_device,
     launch_plan,
 )
+from stof_cc.backends.pycuda_backend import current_device
 from stof_cc.masks import MaskDescription
 from stof_cc.templates.attention import (
     GRID_YZ_LIMIT,
@@ -72,6 +73,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise AttentionInputError("stof_cc.attention is inference-only (no backward): call it under "
                                   "torch.no_grad() or pass tensors that do not require grad")
+    if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
+        with torch.cuda.device(q.device):
+            return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out)
     split = _strided_split(q, k, v, description, key_padding, bias, params)
     if split is not None:
         return _run_split(q, k, v, split, scale, key_padding, out)

@@ -21,6 +21,7 @@ a warning.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import warnings
@@ -105,6 +106,10 @@ class CompiledModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating((args, kwargs), self.dtype)
+        with _on_inputs_device((args, kwargs)):
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         key = _signature((args, kwargs))
         if key not in self.variants:  # a new input shape: compile a variant for it
             self.variants[key] = self._compile(args, kwargs)
@@ -299,7 +304,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
                               database if gpu else None, tune, cuda_graphs)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
-    compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
+    with _on_inputs_device((args, kwargs)):
+        compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
     return compiled
 
 
@@ -353,6 +359,13 @@ def _signature(tree: Any) -> tuple:
 
 def _on_gpu(tree: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
+
+
+def _on_inputs_device(tree: Any) -> contextlib.AbstractContextManager:
+    """The first CUDA input's device made current (kernels load, launch and capture on the current
+    device: a model on cuda:1 runs there), or nothing for CPU inputs."""
+    device = next((t.device for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
 
 
 def _load_kernels(steps: list[Step]) -> None:
