@@ -4,13 +4,15 @@ with stof-cc, every rank's stage 2 measuring on its own GPU into one shared tuni
     torchrun --nproc-per-node 2 examples/multi_gpu.py [--database /shared/tuning.sqlite]
                                                        [--layers 4] [--batch 4] [--seq 1024] [--no-peer]
 
-Each rank takes GPU ``LOCAL_RANK`` (ranks beyond the GPU count share them, round robin: the
-database sharing can be tried on one GPU, the throughput cannot), builds the same GPT-2-style
+Each rank takes GPU ``LOCAL_RANK`` (ranks beyond the node's GPU count share them, round robin:
+the database sharing can be tried on one GPU, the throughput cannot), builds the same GPT-2-style
 decoder (seed 0, fp16), compiles it with `stof_cc.compile(tune=True, database=...)` (SQLite with
-WAL: concurrent writers wait for the lock, nothing is lost), checks its output against eager on
-its GPU, and times it beside `torch.compile` (default mode). Rank 0 prints one line per rank and
-the node's tokens per second. Run it twice with the same database: the second launch compiles
-warm, measuring nothing on any rank ("groups measured: 0").
+WAL: concurrent writers wait for the lock, nothing is lost; the file must be on a disk local to
+the node, since SQLite's WAL does not work over a network file system: one database per node),
+checks its output against eager on its GPU, and times it beside `torch.compile` (default mode),
+all ranks timing at once. Rank 0 prints one line per rank and the ranks' total tokens per second.
+Run it twice with the same database: the second launch compiles warm, measuring nothing on any
+rank ("groups measured: 0").
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def median_ms(fn, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def run_rank(args, rank: int, local_rank: int) -> dict:
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -65,13 +74,20 @@ def run_rank(args, rank: int, local_rank: int) -> dict:
         compiled = stof_cc.compile(model, (x,), tune=True, database=args.database)
     row = {"rank": rank, "device": str(device), "compile_s": time.perf_counter() - started,
            "measured": log.getvalue().count("stof_cc.compile: tuned")}
+    other = [line for line in log.getvalue().splitlines() if line.strip() and not line.startswith(("stof_cc.compile: tuned", "   "))]
+    if other:  # warnings (a kernel that did not compile, ...) stay visible
+        print("\n".join(f"rank {rank}: {line}" for line in other), file=sys.stderr)
     with torch.no_grad():
         got = compiled(x)
         row["error"] = float((got.float() - want).norm() / want.norm())
-        row["stof_ms"] = median_ms(lambda: compiled(x))
+        peer = None
         if not args.no_peer:
             peer = torch.compile(model)
             peer(x)
+        barrier()  # every rank compiled: the ranks time together
+        row["stof_ms"] = median_ms(lambda: compiled(x))
+        if peer is not None:
+            barrier()
             row["torch_compile_ms"] = median_ms(lambda: peer(x))
     row["tokens"] = args.batch * args.seq
     return row
@@ -80,7 +96,7 @@ def run_rank(args, rank: int, local_rank: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--database", default=str(Path(tempfile.gettempdir()) / "stof-multi-gpu.sqlite"),
-                        help="the tuning database every rank shares (a path all ranks can reach)")
+                        help="the tuning database the node's ranks share (on a local disk)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
@@ -91,23 +107,32 @@ def main() -> int:
         return 2
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    row = run_rank(args, rank, local_rank)
-    rows = [row]
-    if world > 1:  # every rank's row to rank 0 (gloo: plain Python objects, no GPU collectives needed)
+    if world > 1:  # gloo: barriers and plain Python objects, no GPU collectives needed
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
+    try:
+        row = run_rank(args, rank, local_rank)
+    except Exception as exc:  # reported by rank 0; the other ranks are not left waiting
+        row = {"rank": rank, "device": "?", "failed": f"{type(exc).__name__}: {exc}"}
+    rows = [row]
+    if world > 1:
         rows = [None] * world
         dist.all_gather_object(rows, row)
         dist.destroy_process_group()
     if rank == 0:
-        shared = world > torch.cuda.device_count()
+        failed = [r for r in rows if "failed" in r]
+        for r in failed:
+            print(f"rank {r['rank']} failed: {r['failed']}", file=sys.stderr)
+        if failed:
+            return 1
+        shared = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > torch.cuda.device_count()
         for r in rows:
             peer = f", torch.compile {r['torch_compile_ms']:.3f} ms" if "torch_compile_ms" in r else ""
             print(f"rank {r['rank']} on {r['device']}: compile {r['compile_s']:.1f} s, groups measured: "
                   f"{r['measured']}, relative error {r['error']:.1e}, stof-cc {r['stof_ms']:.3f} ms{peer}")
         stof = sum(r["tokens"] / r["stof_ms"] * 1e3 for r in rows)
-        line = f"node: stof-cc {stof:,.0f} tokens/s"
+        line = f"all ranks: stof-cc {stof:,.0f} tokens/s"
         if all("torch_compile_ms" in r for r in rows):
             line += f", torch.compile {sum(r['tokens'] / r['torch_compile_ms'] * 1e3 for r in rows):,.0f} tokens/s"
         print(line + (" (ranks share GPUs: not a throughput)" if shared else ""))

@@ -102,3 +102,26 @@ def test_one_process_holds_compiled_modules_on_two_devices():
             want = model.to(device).half()(inputs[device])
         assert got.device == torch.device(device)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_a_fresh_process_whose_first_call_is_on_the_second_gpu():
+    """PyCUDA's import retains (and makes current) one device's context: the first stof-cc call of
+    a process on cuda:1 must leave cuda:1 current and compute there."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, stof_cc\n"
+        "from stof_cc import masks\n"
+        "from stof_cc.ir.reference import masked_attention, relative_error\n"
+        "torch.cuda.set_device(1)\n"
+        "q, k, v = (torch.randn(2, 4, 256, 64, device='cuda:1', dtype=torch.float16) for _ in range(3))\n"
+        "out = stof_cc.attention(q, k, v, masks.causal())\n"
+        "assert torch.cuda.current_device() == 1, torch.cuda.current_device()\n"
+        "want = masked_attention(q, k, v, masks.causal().to_dense(256, 256).to('cuda:1'))\n"
+        "assert out.device == q.device and relative_error(out, want) < 1e-2\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]

@@ -11,9 +11,9 @@ stream (a user stream, CUDA graph capture) the same cubin is launched on that st
 the driver API instead (`stream_launch.DriverKernel`), so the work is ordered with torch's.
 
 Devices: a kernel launches on torch's current device (callers make the inputs' device current:
-`runtime.attention`, `CompiledModule`). PyCUDA's function belongs to the device that was current
-when the kernel was loaded; on any other device the driver-API launcher loads the cubin into
-that device's primary context (the one torch uses) once, and launches there.
+`runtime.attention`, `CompiledModule`). PyCUDA serves the device whose primary context it
+retained (its bookkeeping knows that context only); on any other device the driver-API launcher
+loads the cubin into that device's primary context (the one torch uses) once, and launches there.
 """
 
 from __future__ import annotations
@@ -33,13 +33,19 @@ class BackendError(RuntimeError):
 
 
 @functools.cache
-def _driver():
+def _pycuda() -> tuple:
+    """PyCUDA's driver module and the device of the primary context it retained (PyCUDA's own:
+    its module loads and prepared calls belong there). Importing ``pycuda.autoprimaryctx`` pushes
+    that context, which makes its device current: the caller's device is made current again."""
+    before = current_device()
     try:
-        import pycuda.autoprimaryctx  # noqa: F401  (retains torch's primary context)
+        import pycuda.autoprimaryctx  # noqa: F401  (retains a device's primary context: torch's too)
         import pycuda.driver as drv
     except ImportError as exc:
         raise BackendError("PyCUDA is not installed: pip install 'stof-cc[gpu]'") from exc
-    return drv
+    own = current_device()
+    torch.cuda.set_device(before)
+    return drv, own
 
 
 def current_device() -> int:
@@ -70,11 +76,11 @@ class Kernel:
     name: str
     source_path: Path
     resources: Resources | None
-    _function: object
+    _function: object  # PyCUDA's function, or None where PyCUDA serves another device
     cubin: bytes = b""
     arg_format: str = ""
     _max_dynamic_smem: int = 48 * 1024
-    loaded_on: int = 0  # the device whose context holds _function
+    loaded_on: int = 0  # the device whose context holds _function (PyCUDA's), -1 for none
     # the same kernel through the driver API, per device: launches off the default stream, with
     # by-value blobs, or on a device other than loaded_on
     _on_devices: dict[int, DriverKernel] = field(default_factory=dict)
@@ -98,7 +104,7 @@ class Kernel:
             on_device.launch(grid, threads, shared_bytes, stream, *args)
             return
         if shared_bytes > self._max_dynamic_smem:
-            drv = _driver()
+            drv = _pycuda()[0]
             self._function.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
             self._max_dynamic_smem = shared_bytes
         self._function.prepared_call(grid, (threads, 1, 1), *args, shared_size=shared_bytes)
@@ -117,23 +123,26 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     torch.cuda.init()
     arch = device_arch() + arch_features
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
-    device = current_device()
-    kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name), device)
-    kernel.cubin, kernel.arg_format, kernel.loaded_on = compiled.cubin, arg_format, device
+    _, pycuda_device = _pycuda()
+    if current_device() == pycuda_device:
+        kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
+        kernel.loaded_on = pycuda_device
+    else:  # PyCUDA's context is another device's: the driver-API launcher serves this one
+        kernel = Kernel(name, compiled.source_path, compiled.resources.get(name), None, loaded_on=-1)
+    kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
     kernel.waits_for_producers = waits_for_producers and torch.cuda.get_device_capability() >= (9, 0)
-    if not kernel.by_value_structs:
+    if kernel._function is not None and not kernel.by_value_structs:
         kernel._function.prepare(arg_format)
     return kernel
 
 
 @functools.lru_cache(maxsize=512)
-def _load_module(cubin: bytes, device: int):
-    """The cubin loaded into the current context (``device``'s: a module belongs to one)."""
-    return _driver().module_from_buffer(cubin)
+def _load_module(cubin: bytes):
+    return _pycuda()[0].module_from_buffer(cubin)
 
 
-def _load(cubin: bytes, name: str, source_path: str, resources: Resources | None, device: int) -> Kernel:
-    module = _load_module(cubin, device)
+def _load(cubin: bytes, name: str, source_path: str, resources: Resources | None) -> Kernel:
+    module = _load_module(cubin)
     try:
         function = module.get_function(name)
     except Exception as exc:  # pycuda.driver.LogicError

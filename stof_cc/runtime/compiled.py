@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from stof_cc.backends.attention_launch import KeyPadding, key_padding_on_device
 from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
-from stof_cc.backends.pycuda_backend import device_arch
+from stof_cc.backends.pycuda_backend import current_device, device_arch
 from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
@@ -353,7 +353,7 @@ def _gpu_kernels_available() -> bool:
 
 def _signature(tree: Any) -> tuple:
     flat, spec = pytree.tree_flatten(tree)
-    return (str(spec),) + tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+    return (str(spec),) + tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
                                 for t in flat)
 
 
@@ -365,7 +365,9 @@ def _on_inputs_device(tree: Any) -> contextlib.AbstractContextManager:
     """The first CUDA input's device made current (kernels load, launch and capture on the current
     device: a model on cuda:1 runs there), or nothing for CPU inputs."""
     device = next((t.device for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_cuda), None)
-    return torch.cuda.device(device) if device is not None else contextlib.nullcontext()
+    if device is None or device.index == current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _load_kernels(steps: list[Step]) -> None:
