@@ -106,11 +106,11 @@ class CompiledModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_floating((args, kwargs), self.dtype)
-        with _on_inputs_device((args, kwargs)):
-            return self._call(args, kwargs)
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        with _on_device_of(flat):
+            return self._call(args, kwargs, _signature(flat, spec))
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        key = _signature((args, kwargs))
+    def _call(self, args: tuple, kwargs: dict, key: tuple) -> Any:
         if key not in self.variants:  # a new input shape: compile a variant for it
             self.variants[key] = self._compile(args, kwargs)
         variant = self.variants[key]
@@ -304,8 +304,9 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
                               database if gpu else None, tune, cuda_graphs)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
-    with _on_inputs_device((args, kwargs)):
-        compiled.variants[_signature((args, kwargs))] = compiled._compile(args, kwargs)  # the example's, now
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    with _on_device_of(flat):
+        compiled.variants[_signature(flat, spec)] = compiled._compile(args, kwargs)  # the example's, now
     return compiled
 
 
@@ -351,8 +352,9 @@ def _gpu_kernels_available() -> bool:
     return True
 
 
-def _signature(tree: Any) -> tuple:
-    flat, spec = pytree.tree_flatten(tree)
+def _signature(flat: list[Any], spec: Any) -> tuple:
+    """A call's variant key from its flattened arguments: structure, and each tensor's shape,
+    dtype and device (cuda:0 and cuda:1 are different variants)."""
     return (str(spec),) + tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
                                 for t in flat)
 
@@ -361,10 +363,10 @@ def _on_gpu(tree: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
 
 
-def _on_inputs_device(tree: Any) -> contextlib.AbstractContextManager:
+def _on_device_of(flat: list[Any]) -> contextlib.AbstractContextManager:
     """The first CUDA input's device made current (kernels load, launch and capture on the current
-    device: a model on cuda:1 runs there), or nothing for CPU inputs."""
-    device = next((t.device for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    device: a model on cuda:1 runs there), or nothing for CPU inputs or an already current one."""
+    device = next((t.device for t in flat if isinstance(t, torch.Tensor) and t.is_cuda), None)
     if device is None or device.index == current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
