@@ -1,14 +1,17 @@
 """Real models end to end (issue 20): HuggingFace families from configs with random weights.
 
     python benchmarks/models.py [--families bert,gpt2,...] [--dtype float16] [--batch 4] [--seq 1024]
-                                [--layers 4] [--tiny] [--no-tune] [--no-peers] [--json out.json]
+                                [--layers 4] [--tiny] [--serving] [--no-tune] [--no-peers] [--json out.json]
 
 WORKLOADS.md's "Real models": hidden 768, 12 heads (decoders 12 query / 4 key-value heads),
 ``--layers`` layers, batch and sequence as given; encoders get right padding (the last quarter
 of the second half of the batch), decoders an all-ones ``attention_mask``. ``encoder_layer`` is
 torch.nn's ``TransformerEncoder`` of ``TransformerEncoderLayer`` (batch first, GELU) with a
 ``src_key_padding_mask``. ``--tiny`` builds
-the small test configs instead (a correctness run). Each model's fp16/bf16 output is checked
+the small test configs instead (a correctness run). ``--serving`` is the serving row: hidden
+1024, 16 heads, every eighth sequence entirely padding (``attention_mask`` all 0: each
+implementation gives those rows the model's own value, uniform attention in HF's masks), the
+whole output compared, padded positions included (use with ``--batch 64 --seq 128``). Each model's fp16/bf16 output is checked
 against its fp32 eager output on the real tokens before timing (relative error below 1e-2, or
 below 1.25x eager's own error in that dtype where that is larger: at S = 16384 eager fp16 itself
 is 1.1e-2 from fp32 on these random-weight models); then
@@ -44,12 +47,14 @@ TOLERANCE = 1e-2
 ENCODERS = ("bert", "roberta", "distilbert", "vit", "t5", "encoder_layer")
 
 
-def build(family: str, layers: int, tiny: bool):
+def build(family: str, layers: int, tiny: bool, serving: bool = False):
     """(model, kwargs maker) for one family; the maker takes (batch, seq, device)."""
     import transformers as T
 
     if tiny:
         hidden, heads, kv, ffn, layers = 128, 4, 2, 256, 2  # head dim 32: the kernels run it
+    elif serving:
+        hidden, heads, kv, ffn = 1024, 16, 4, 4096
     else:
         hidden, heads, kv, ffn = 768, 12, 4, 3072
     common = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
@@ -90,6 +95,8 @@ def build(family: str, layers: int, tiny: bool):
         padding = torch.ones(batch, seq, dtype=torch.long, device=device)
         if family in ENCODERS:
             padding[batch // 2:, seq - seq // 4:] = 0  # right padding in half the batch
+        if serving:
+            padding[::8] = 0  # every eighth sequence is all padding
         return {"input_ids": ids, "attention_mask": padding}
     return model, inputs
 
@@ -100,10 +107,16 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
+SERVING = False  # --serving: the whole output is compared, padded positions included
+
+
 def real_tokens(out, kwargs: dict) -> torch.Tensor:
-    """The hidden states of real tokens only (padded positions are undefined in every
-    implementation); ``out`` is a HF output (its ``last_hidden_state``) or a tensor."""
+    """The hidden states of real tokens only (padded positions are the model's own business,
+    except in the serving row, which compares them too: a fully padded sequence must get what
+    the model gives it); ``out`` is a HF output (its ``last_hidden_state``) or a tensor."""
     out = getattr(out, "last_hidden_state", out)
+    if SERVING:
+        return out
     if kwargs.get("attention_mask") is not None:
         return out[kwargs["attention_mask"].bool()]
     if kwargs.get("src_key_padding_mask") is not None:
@@ -118,7 +131,7 @@ def run_family(family: str, args, database: Path) -> dict:
     work, failed with 'source code string cannot contain null bytes' in every run of a
     session, while the same imports in a process that had not run stof-cc read clean."""
     dtype = getattr(torch, args.dtype)
-    model, make = build(family, args.layers, args.tiny)
+    model, make = build(family, args.layers, args.tiny, args.serving)
     model = model.cuda()
     kwargs = make(args.batch, args.seq, "cuda")
     with torch.no_grad():
@@ -210,8 +223,8 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
     once when its import of torch.compile's modules hit the lent machine's intermittent
     'source code string cannot contain null bytes' (a fresh process reads the files clean)."""
     argv = ["--dtype", args.dtype, "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers)]
-    argv += [flag for flag, on in (("--tiny", args.tiny), ("--no-tune", args.no_tune), ("--no-peers", args.no_peers))
-             if on]
+    argv += [flag for flag, on in (("--tiny", args.tiny), ("--serving", args.serving), ("--no-tune", args.no_tune),
+                                   ("--no-peers", args.no_peers)) if on]
     for attempt in range(2):
         proc = subprocess.run([sys.executable, __file__, *argv, "--families", family, "--child", str(database)],
                               capture_output=True, text=True)
@@ -237,11 +250,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tiny", action="store_true", help="the small test configs: a correctness run")
+    parser.add_argument("--serving", action="store_true",
+                        help="hidden 1024, every eighth sequence all padding, whole outputs compared")
     parser.add_argument("--no-tune", action="store_true", help="compile with tune=False (stage 1's picks)")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the tuning database of a one-family run
     args = parser.parse_args()
+    global SERVING
+    SERVING = args.serving
     if args.child:
         print(json.dumps(run_family(args.families, args, Path(args.child))))
         return
@@ -253,7 +270,8 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     names = sorted({n for r in rows for n in r["peers"]})
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
-          f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}")
+          f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}"
+          f"{' (serving: every eighth sequence all padding)' if args.serving else ''}")
     print("| family | stof ms (error) | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
           + "speedup |")
     print("|" + "---|" * (len(names) + 4))

@@ -68,7 +68,8 @@ def test_runtime_hidden_mask_is_negated():
     graph = canonicalize(trace(_Chain(), args))
     result = recognise_attention(graph)
     (node,) = _attention_nodes(result)
-    assert node.kwargs == {"scale": 1 / 8.0, "is_causal": False}
+    # masked_fill(-inf) then softmax: a row with every key hidden is NaN in the model, and stays so
+    assert node.kwargs == {"scale": 1 / 8.0, "is_causal": False, "empty_rows": "nan"}
     assert result.node(node.args[3].name).op == "logical_not"
     with torch.no_grad():
         assert _close(interpret(result, *args), _Chain()(*args))
@@ -114,7 +115,7 @@ def test_before_expected_chain_with_a_runtime_hidden_mask():
     expected.add_node(Node("allowed", "logical_not", "aten.logical_not.default", (Ref("hidden"),),
                            spec=TensorSpec((2, 1, 16, 16), torch.bool)))
     expected.add_node(Node("out", "attention", None, (Ref("q"), Ref("k"), Ref("v"), Ref("allowed")),
-                           {"scale": 0.125, "is_causal": False}, _QKV))
+                           {"scale": 0.125, "is_causal": False, "empty_rows": "nan"}, _QKV))
     expected.outputs = [Ref("out")]
     assert_structural_equal(recognise_attention(before), expected)
 

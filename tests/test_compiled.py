@@ -368,3 +368,44 @@ def test_stof_cc_tune_records_what_compile_looks_up(fake_gpu, example_path):
     module, args, kwargs = load_factory(example_path("encoder_layer"))
     stof_cc.compile(module, args, kwargs, tune=False)  # the default dtype, fp16
     assert looked_up and set(looked_up) <= tuned
+
+
+class _Biased(torch.nn.Module):
+    """Attention with an additive position bias (a float mask), as T5 and ALiBi models have."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.randn(1, 2, 8, 8))
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+def test_mask_override_and_a_bias_both_hold():
+    """compile(mask=causal) on attention with a float bias: the causal mask restricts the keys
+    and the bias is still added (it was dropped before: the output was the bias alone)."""
+    from stof_cc import masks
+    from stof_cc.ir.reference import masked_attention
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    module = _Biased().eval()
+    compiled = stof_cc.compile(module, (q, k, v), mask=masks.causal(), dtype=torch.float32)
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    want = masked_attention(q, k, v, causal, bias=module.bias)
+    torch.testing.assert_close(compiled(q, k, v), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_padding_values_and_fully_padded_rows_mean_what_they_mean_in_the_model(attention, example_path):
+    """BERT's padding test is ``attention_mask.bool()`` (2 and -1 are tokens) and a sequence that
+    is all padding gets what the model's attention gives it (eager: the mean of V, HF's finfo.min
+    mask; sdpa on the CPU: 0): the compiled model answers the same."""
+    module, args, kwargs = load_factory(example_path("tiny_bert"))
+    module.config._attn_implementation = attention
+    compiled = stof_cc.compile(module, args, kwargs, dtype=torch.float32)
+    for mask in ([[1] * 32, [0] * 32], [[2] * 16 + [-1] * 16, [1] * 8 + [0] * 24]):
+        mask = torch.tensor(mask)
+        with torch.no_grad():
+            want = module(*args, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(compiled(*args, attention_mask=mask).last_hidden_state, want,
+                                   rtol=1e-5, atol=1e-5)

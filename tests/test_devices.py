@@ -87,19 +87,21 @@ def test_one_process_holds_compiled_modules_on_two_devices():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
     from gpt2_block import GPT2Block
 
+    import copy
+
     torch.manual_seed(8)
     model = GPT2Block().eval()
     devices = ["cuda:0"] + (["cuda:1"] if _two_gpus() else [])
-    compiled, inputs = {}, {}
-    for device in devices:
-        on_device = model.to(device).half()
+    compiled, inputs, models = {}, {}, {}
+    for device in devices:  # one copy of the model per device (.to() moves a module in place)
+        models[device] = copy.deepcopy(model).to(device).half()
         inputs[device] = torch.randn(2, 128, 128, device=device, dtype=torch.float16)
         with torch.cuda.device(0):
-            compiled[device] = stof_cc.compile(on_device, (inputs[device],), tune=False)
+            compiled[device] = stof_cc.compile(models[device], (inputs[device],), tune=False)
     for device in devices:  # both held, called alternately
         with torch.no_grad(), torch.cuda.device(0):
             got = compiled[device](inputs[device])
-            want = model.to(device).half()(inputs[device])
+            want = models[device](inputs[device])
         assert got.device == torch.device(device)
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 

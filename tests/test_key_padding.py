@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import networkx as nx
 import pytest
 import torch
 
@@ -27,12 +28,30 @@ def test_bert_attention_mask_becomes_key_padding(example_path):
     reports = PassReports()
     graph = run_passes(original, reports)
     report = reports.padding
-    assert set(report.rewritten.values()) == {"attention_mask"} and len(report.rewritten) == 2
+    assert len(report.rewritten) == 2 and len(set(report.rewritten.values())) == 1
     attention = [n for n in graph.nodes() if n.op == "attention"]
-    assert all(n.args[3] is None and n.kwargs["key_padding"].name == "attention_mask" for n in attention)
-    assert len(graph) < len(recognise_attention(canonicalize(original)))  # the mask subgraph is gone
+    # key_padding reads the model's own test of attention_mask (a boolean per key), computed every call
+    assert all(n.args[3] is None and nx.has_path(graph.nx_graph, "attention_mask", n.kwargs["key_padding"].name)
+               and graph.node(n.kwargs["key_padding"].name).spec.shape == (2, 32) for n in attention)
+    assert len(graph) < len(recognise_attention(canonicalize(original)))  # the [B, 1, S, S] mask is gone
     want, got = interpret(original, *args, **kwargs), interpret(graph, *args, **kwargs)
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
+def test_bert_padding_keeps_the_models_meaning_for_any_mask_values_and_fully_padded_rows(example_path):
+    """HF's eager BERT adds finfo.min at padded keys: a sequence that is all padding attends
+    every key uniformly there (the mean of V), and attention_mask's values other than 0 and 1
+    mean what the model's own ``.bool()`` says. The described graph gives the same."""
+    module, args, kwargs = load_factory(example_path("tiny_bert"))
+    graph = run_passes(trace(module, args, kwargs))
+    (node, *_) = [n for n in graph.nodes() if n.op == "attention"]
+    assert node.kwargs.get("empty_rows") == "mean"
+    for values in ([[1] * 32, [0] * 32], [[2] * 16 + [-1] * 16, [1] * 8 + [0] * 24]):
+        mask = torch.tensor(values)
+        with torch.no_grad():
+            want = module(*args, attention_mask=mask).last_hidden_state
+        got = interpret(graph, *args, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 class MaskedAttention(torch.nn.Module):
@@ -41,10 +60,13 @@ class MaskedAttention(torch.nn.Module):
         self.how = how
 
     def forward(self, q, k, v, padding):
+        position_bias = torch.arange(q.shape[-2]).float()[None, None, None, :] * 0.5
         if self.how == "padding":
             mask = padding[:, None, None, :].bool()
         elif self.how == "bias":  # ALiBi-like: a bias, not a mask
-            mask = (1.0 - padding[:, None, None, :].float()) * -1e9 + torch.arange(q.shape[-2]).float()[None, None, None, :] * 0.5
+            mask = (1.0 - padding[:, None, None, :].float()) * -1e9 + position_bias
+        elif self.how == "boolean bias":  # T5's: the bias where attended, finfo.min elsewhere
+            mask = torch.where(padding[:, None, None, :].bool(), position_bias, torch.finfo(torch.float32).min)
         else:  # depends on the query too: not key padding
             mask = padding[:, None, :, None].bool() & padding[:, None, None, :].bool()
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -65,14 +87,64 @@ def test_boolean_padding_mask_is_recognised_and_equal():
     torch.testing.assert_close(interpret(graph, *args), interpret(original, *args), rtol=1e-5, atol=1e-5)
 
 
-def test_a_bias_with_padding_becomes_key_padding_and_the_bias_alone():
-    """ALiBi-like: a position bias plus -1e9 at padded keys. The node keeps the bias (one
-    constant, batch dim cut to 1) and reads the padding as key padding; same values."""
+def test_a_bias_from_integer_padding_stays_the_models_tensor():
+    """ALiBi-like: a position bias plus (1 - padding) * -1e9, the padding an integer input.
+    At padding = 2 that adds +1e9: no key-padding description is exact for every value, so the
+    node keeps the model's mask tensor (a bias the kernels add) and gives eager's answer."""
     report, original, graph, args = _run("bias")
+    assert not report.rewritten and "one boolean per [batch, key]" in next(iter(report.refused.values()))
+    q, k, v, _ = args
+    for padding in (torch.tensor([[1] * 8, [1] * 5 + [0] * 3]), torch.tensor([[2] * 8, [1] * 7 + [0]])):
+        torch.testing.assert_close(interpret(graph, q, k, v, padding), interpret(original, q, k, v, padding),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_bias_with_boolean_padding_becomes_key_padding_and_the_bias_alone():
+    """T5's form: a position bias where attended, finfo.min at padded keys, from a boolean per
+    key. The node keeps the bias (one constant, batch dim cut to 1) and reads the padding as
+    key padding; same values."""
+    report, original, graph, args = _run("boolean bias")
     (node,) = [n for n in graph.nodes() if n.op == "attention"]
-    assert report.rewritten == {node.name: "padding"} and "a bias [1, 1, 8, 8]" in report.structure[node.name]
+    assert report.rewritten and "a bias [1, 1, 8, 8]" in report.structure[node.name]
     assert graph.constants[node.args[3].name].shape == (1, 1, 8, 8)
     torch.testing.assert_close(interpret(graph, *args), interpret(original, *args), rtol=1e-5, atol=1e-5)
+
+
+class ModelsOwnTest(torch.nn.Module):
+    """Padding tests that agree on 0 and 1 and differ elsewhere, and attention forms that give a
+    query with no key 0 (SDPA's boolean mask here), the mean of V (a finite additive mask) or
+    NaN (the chain's masked_fill with -inf)."""
+
+    def __init__(self, test: str, form: str) -> None:
+        super().__init__()
+        self.test, self.form = test, form
+
+    def forward(self, q, k, v, padding):
+        keep = {"== 1": padding == 1, "> 0": padding > 0, "!= 0": padding != 0}[self.test][:, None, None, :]
+        if self.form == "sdpa":
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        scores = q @ k.transpose(-2, -1) / 4.0
+        if self.form == "additive":
+            scores = scores + torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+        else:
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("form", ["sdpa", "additive", "masked_fill"])
+@pytest.mark.parametrize("test", ["== 1", "> 0", "!= 0"])
+def test_key_padding_is_the_models_own_test_for_every_value(test, form):
+    q, k, v = (torch.randn(3, 2, 8, 16) for _ in range(3))
+    module = ModelsOwnTest(test, form)
+    reports = PassReports()
+    graph = run_passes(trace(module, (q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 8]))), reports)
+    (node,) = [n for n in graph.nodes() if n.op == "attention"]
+    assert node.args[3] is None and node.kwargs["key_padding"] is not None, reports.padding
+    assert node.kwargs.get("empty_rows", "zero") == {"sdpa": "zero", "additive": "mean", "masked_fill": "nan"}[form]
+    for padding in ([[2, 2, 1, 1, -1, 0, 0, 3], [1] * 5 + [0] * 3, [0] * 8], [[-1] * 8, [2] * 8, [5, 0] * 4]):
+        padding = torch.tensor(padding)
+        torch.testing.assert_close(interpret(graph, q, k, v, padding), module(q, k, v, padding),
+                                   rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
 class PaddingDependentBias(torch.nn.Module):
@@ -83,12 +155,12 @@ class PaddingDependentBias(torch.nn.Module):
 
 def test_query_dependent_masks_and_padding_dependent_biases_stay_tensors():
     report, *_ = _run("query")
-    assert not report.rewritten and "not key padding and one static mask" in next(iter(report.refused.values()))
+    assert not report.rewritten and "one boolean per [batch, key]" in next(iter(report.refused.values()))
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
     reports = PassReports()
     run_passes(trace(PaddingDependentBias(), (q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0] * 3]))), reports)
     assert not reports.padding.rewritten
-    assert "the bias changes with the padding input" in next(iter(reports.padding.refused.values()))
+    assert "one boolean per [batch, key]" in next(iter(reports.padding.refused.values()))
 
 
 def test_from_padding_uses_lengths_for_right_padding():
@@ -129,9 +201,19 @@ def test_before_expected_padding_mask_becomes_the_key_padding_operand(module, st
     expected.in_spec, expected.out_spec = before.in_spec, before.out_spec
     for name in ("q", "k", "v"):
         expected.add_input(name, _QKV)
-    expected.add_input("padding", TensorSpec((2, 8), torch.int64))  # the mask subgraph is gone
+    expected.add_input("padding", TensorSpec((2, 8), torch.int64))
+    # the model's own test of the padding stays (here .bool()), viewed as [batch, keys]; the
+    # [B, 1, S, S] mask is gone
+    expected.add_node(Node("u1", "unsqueeze", "aten.unsqueeze.default", (Ref("padding"), 1), {},
+                           TensorSpec((2, 1, 8), torch.int64)))
+    expected.add_node(Node("u2", "unsqueeze", "aten.unsqueeze.default", (Ref("u1"), 2), {},
+                           TensorSpec((2, 1, 1, 8), torch.int64)))
+    expected.add_node(Node("keep", "cast", "aten.to.dtype", (Ref("u2"), torch.bool), {},
+                           TensorSpec((2, 1, 1, 8), torch.bool)))
+    expected.add_node(Node("keys", "view", "aten.reshape.default", (Ref("keep"), [2, 8]), {},
+                           TensorSpec((2, 8), torch.bool)))
     expected.add_node(Node("out", "attention", None, (Ref("q"), Ref("k"), Ref("v"), None),
-                           {"scale": 1.0 / math.sqrt(16), **structure, "key_padding": Ref("padding")}, _QKV))
+                           {"scale": 1.0 / math.sqrt(16), **structure, "key_padding": Ref("keys")}, _QKV))
     expected.outputs = [Ref("out")]
     assert_structural_equal(describe_key_padding(before), expected)
 
@@ -157,13 +239,11 @@ class Probed(torch.nn.Module):
             mask = padding[:, None, None, :].bool() & (causal | (padding.sum() < padding.numel()))
         elif self.how == "first key decides a bias":  # left padding changes the scores
             mask = hidden * -1e9 + (1.0 - padding[:, :1].float())[:, None, None, :] * 0.5
-        else:  # token ids against a pad id: not a padding mask of either convention
-            mask = padding[:, None, None, :] != 1
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 @pytest.mark.parametrize("how", ["bias only with padding", "causal only without padding",
-                                 "first key decides a bias", "ids against a pad id"])
+                                 "first key decides a bias"])
 def test_masks_that_differ_from_key_padding_somewhere_stay_tensors(how):
     q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
     reports = PassReports()

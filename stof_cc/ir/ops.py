@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, Spec, TensorSpec, map_refs
+from stof_cc.ir.reference import fill_empty_rows
 
 PATTERN_KINDS = ("elementwise", "broadcast", "injective", "reduction", "gemm", "attention", "opaque")
 OPAQUE = "opaque"
@@ -188,16 +189,19 @@ _ops("attention", "masked multi-head attention", {
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                         *, scale: float, is_causal: bool = False, window: int | None = None,
-                        key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                        key_padding: torch.Tensor | None = None, empty_rows: str | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [causal]) v: what the
     recognised `attention` node computes, with SDPA's conventions for ``mask``. ``window``
     (with ``is_causal``) keeps keys with 0 <= q - k <= window. With ``key_padding`` [B, S_k]
     (nonzero = a real token) keys are attended only where it is nonzero; a float ``mask`` is
-    then a bias added where attended (T5's relative positions). Under either, a query
-    that can attend no key gives 0, as stof-cc's kernels do. K and V may have fewer heads than
-    q (grouped-query attention: query head h reads key/value head h // (H / H_kv))."""
+    then a bias added where attended (T5's relative positions). ``empty_rows`` is what a query
+    that can attend no key gives, as the model's own attention gave it (`reference.EMPTY_ROWS`;
+    `passes/key_padding.py` records it when it replaces the model's mask): 0 when unset under
+    key padding or a window, as stof-cc's kernels give; with neither and unset, SDPA's own. K
+    and V may have fewer heads than q (grouped-query attention: query head h reads key/value
+    head h // (H / H_kv))."""
     gqa = k.shape[-3] != q.shape[-3]
-    if key_padding is None and window is None:
+    if key_padding is None and window is None and empty_rows is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                                 scale=scale, enable_gqa=gqa)
     distance = torch.arange(q.shape[-2], device=q.device)[:, None] - torch.arange(k.shape[-2], device=q.device)
@@ -212,7 +216,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         allowed = allowed & mask
     given = allowed if mask is None or mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=scale, enable_gqa=gqa)
-    return out.masked_fill(~allowed.any(-1, keepdim=True), 0)
+    empty = ~allowed.any(-1, keepdim=True)
+    return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows)
 
 
 register_op(OpDef("attention", "attention", reference=attention_reference,

@@ -8,10 +8,11 @@ import torch
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v in fp32, returned in q's dtype.
+                     scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale [+ bias], masked) v in fp32, returned in q's dtype.
 
-    ``mask`` is boolean (True = attend), broadcastable to [B, H, S_q, S_k]. A query row
+    ``mask`` is boolean (True = attend), broadcastable to [B, H, S_q, S_k], as is the additive
+    ``bias``. A query row
     with no allowed key returns 0 (FlexAttention's convention; SDPA would give NaN). K and V
     may have fewer heads than q (grouped-query: query head h reads K/V head h // (H / H_kv)).
     """
@@ -19,10 +20,53 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
     if mask is not None:
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
     return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+EMPTY_ROWS = ("zero", "mean", "nan")  # what a query row with no allowed key gives (an attention node's empty_rows)
+
+
+def fill_empty_rows(out: torch.Tensor, v: torch.Tensor, empty: torch.Tensor, how: str | None) -> torch.Tensor:
+    """``out`` [B, H, S_q, D] with the query rows where ``empty`` (broadcast to [B, H, S_q, 1]) is
+    True replaced by what the model's own attention gives there: ``"zero"`` (stof-cc's kernels,
+    FlexAttention, SDPA's math backend), ``"mean"`` (the mean of V over every key: what softmax
+    gives when every score got the same finite -huge mask value, HF's additive masks) or
+    ``"nan"`` (softmax over a row of -inf). None and ``"zero"`` leave ``out`` as it is (the
+    kernels already write 0 there). V may have fewer heads than ``out`` (grouped-query)."""
+    if how in (None, "zero"):
+        return out
+    if how == "nan":
+        fill = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
+    elif how == "mean":
+        fill = v.float().mean(-2, keepdim=True).to(out.dtype)
+        if fill.shape[-3] != out.shape[-3]:
+            fill = fill.repeat_interleave(out.shape[-3] // fill.shape[-3], dim=-3)
+    else:
+        raise ValueError(f"empty_rows must be one of {', '.join(EMPTY_ROWS)}, got {how!r}")
+    return torch.where(empty, fill, out)
+
+
+def empty_query_rows(valid: torch.Tensor, s_q: int, is_causal: bool = False,
+                     window: int | None = None) -> torch.Tensor:
+    """[B, 1, S_q, 1] bool: the query rows that no key may attend, from the keys' validity
+    ``valid`` [B, S_k] (key padding) and a static part: none, causal (key k <= query q) or a
+    causal window (q - window <= k <= q). O(B x S) work, no S_q x S_k mask: the compiled model
+    runs it every call."""
+    batch, s_k = valid.shape
+    if not is_causal:
+        return (~valid.any(1)).view(batch, 1, 1, 1).expand(batch, 1, s_q, 1)
+    seen = torch.cumsum(valid.to(torch.int32), 1)  # seen[:, k]: valid keys among 0..k
+    seen = torch.cat((torch.zeros(batch, 1, dtype=seen.dtype, device=seen.device), seen), 1)
+    q = torch.arange(s_q, device=valid.device)
+    last = (q + 1).clamp(max=s_k)  # keys 0..q (those that exist)
+    first = (q - window).clamp(min=0, max=s_k) if window is not None else torch.zeros_like(q)
+    first = torch.minimum(first, last)
+    return ((seen[:, last] - seen[:, first]) == 0).view(batch, 1, s_q, 1)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -20,8 +20,9 @@ The new node keeps the name of the node it replaces (the SDPA call or the final 
 so its readers are untouched: ``attention(q, k, v, mask, scale=..., is_causal=...)`` with
 SDPA's conventions for ``mask`` (boolean: True = attend; floating: added to the scores).
 A hidden-positions mask becomes its negation (a folded constant when the mask is one, else
-a ``logical_not`` node); a constant lower triangle becomes ``is_causal=True`` with no mask
-operand. Other masks stay tensor operands: turning them into `stof_cc.masks` descriptions
+a ``logical_not`` node), with ``empty_rows="nan"``: the chain's softmax over a row whose keys
+are all -inf is NaN, and the node must keep that meaning (`ir.ops.attention_reference`); a
+constant lower triangle becomes ``is_causal=True`` with no mask operand. Other masks stay tensor operands: turning them into `stof_cc.masks` descriptions
 (key padding from an ``attention_mask`` input) is not done yet. Pure: the input graph is
 never modified.
 """
@@ -85,8 +86,10 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
         if node.name in matches:
             m = matches[node.name]
             mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
+            # masked_fill(-inf) then softmax: a row with every key hidden is NaN in the model
+            empty = {"empty_rows": "nan"} if m.mask_hides and mask is not None else {}
             return Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
-                        {"scale": m.scale, "is_causal": is_causal}, node.spec)
+                        {"scale": m.scale, "is_causal": is_causal} | empty, node.spec)
         return None if node.name in covered else node
 
     return remove_dead_nodes(graph.rebuild(rewrite))  # e.g. a hidden-positions constant replaced by its negation
@@ -109,17 +112,6 @@ def is_bias(graph: Graph, mask: Any) -> bool:
         return False
     spec = graph.node(mask.name).spec
     return isinstance(spec, TensorSpec) and spec.dtype.is_floating_point
-
-
-def mask_is_replaceable(graph: Graph, node: Node) -> bool:
-    """Whether ``compile(mask=...)`` may replace this attention node's own mask: it has none, or
-    a boolean one (what to attend). A floating mask is an additive bias (T5's relative
-    positions, ALiBi) that a replacement would drop, so it is kept."""
-    mask = attention_arguments(node).get("attn_mask")
-    if not isinstance(mask, Ref):
-        return True
-    spec = graph.node(mask.name).spec
-    return isinstance(spec, TensorSpec) and spec.dtype == torch.bool
 
 
 def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:

@@ -45,10 +45,12 @@ import torch
 
 from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec
 from stof_cc.ir.interpret import evaluate_node
+from stof_cc.ir.ops import attention_reference
 from stof_cc.passes.attention import attention_arguments
 from stof_cc.passes.canonicalize import remove_dead_nodes
 
 PROBES = 4
+CPU = torch.device("cpu")
 HIDDEN_BELOW = -1e4  # an additive mask hides a key by adding less than this
 
 
@@ -72,6 +74,7 @@ def describe_key_padding(graph: Graph, report: KeyPaddingReport | None = None) -
     ``key_padding`` operand, a causal or windowed structure as ``is_causal`` / ``window``."""
     report = report if report is not None else KeyPaddingReport()
     described: dict[str, Described] = {}
+    shapes: dict[str, tuple[int, int]] = {}  # key vector -> (batch, keys)
     for node in graph.nodes():
         mask = attention_arguments(node).get("attn_mask") if node.op == "attention" else None
         if not isinstance(mask, Ref):
@@ -83,32 +86,47 @@ def describe_key_padding(graph: Graph, report: KeyPaddingReport | None = None) -
             continue  # a constant bias and nothing else: already what the kernels read
         else:
             described[node.name] = found
+            if found.source:
+                k_spec = graph.node(attention_arguments(node)["key"].name).spec
+                shapes[found.source] = (k_spec.shape[0], k_spec.shape[-2])
             report.rewritten[node.name] = (f"{found.source} (True = padding)" if found.marks_padding
                                            else found.source) or ""
             report.structure[node.name] = _label(found.structure) + (
-                "" if found.bias is None else f", a bias {list(found.bias.shape)}")
+                "" if found.bias is None else f", a bias {list(found.bias.shape)}") + (
+                f", a query with no key gives {found.empty_rows}" if found.empty_rows not in (None, "zero") else "")
     if not described:
         return graph.copy()
 
     biases: list[Ref] = []  # one constant per distinct bias (T5's layers share theirs)
-    tokens: dict[str, Ref] = {}  # a padding marker input -> its negation (what key_padding reads)
+    padding_of: dict[tuple[str, bool], Ref] = {}  # (key vector, marks padding) -> what key_padding reads
+
+    def key_padding(found: Described, out: Graph) -> Ref:
+        """The key vector as [batch, keys], True = attend (a view and a negation as needed, once)."""
+        slot = (found.source, found.marks_padding)
+        if slot not in padding_of:
+            ref, spec = Ref(found.source), graph.node(found.source).spec
+            batch, seq_k = shapes[found.source]
+            if tuple(spec.shape) != (batch, seq_k):
+                ref = Ref(out.add_node(Node(out.fresh_name(f"{found.source}_keys"), "view", "aten.reshape.default",
+                                            (ref, [batch, seq_k]), {}, TensorSpec((batch, seq_k), torch.bool))).name)
+            if found.marks_padding:
+                ref = Ref(out.add_node(Node(out.fresh_name(f"{found.source}_tokens"), "logical_not",
+                                            "aten.logical_not.default", (ref,), {},
+                                            TensorSpec((batch, seq_k), torch.bool))).name)
+            padding_of[slot] = ref
+        return padding_of[slot]
 
     def rewrite(node: Node, out: Graph) -> Node:
         if node.name not in described:
             return node
-        source, bias = described[node.name].source, described[node.name].bias
-        padding = Ref(source) if source else None
-        if source and described[node.name].marks_padding:
-            if source not in tokens:
-                tokens[source] = Ref(out.fresh_name(f"{source}_tokens"))
-                spec = graph.node(source).spec
-                out.add_node(Node(tokens[source].name, "logical_not", "aten.logical_not.default", (Ref(source),), {},
-                                  TensorSpec(spec.shape, torch.bool)))
-            padding = tokens[source]
-        kwargs = {**node.kwargs, **described[node.name].structure} | ({"key_padding": padding} if padding else {})
+        found = described[node.name]
+        extra = {"key_padding": key_padding(found, out)} if found.source else {}
+        if found.empty_rows not in (None, "zero"):
+            extra["empty_rows"] = found.empty_rows
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "empty_rows"} | found.structure | extra
         mask = None
-        if bias is not None:
-            bias = bias.to(_constant_device(graph, attention_arguments(node)["attn_mask"]))
+        if found.bias is not None:
+            bias = found.bias.to(_constant_device(graph, attention_arguments(node)["attn_mask"]))
             mask = next((r for r in biases if out.constants[r.name].dtype == bias.dtype
                          and out.constants[r.name].device == bias.device
                          and torch.equal(out.constants[r.name], bias)), None)
@@ -129,14 +147,15 @@ def _label(structure: dict[str, object]) -> str:
 
 @dataclass(frozen=True)
 class Described:
-    """An attention mask as the kernels read it: the padding input (None: none), whether it
+    """An attention mask as the kernels read it: the key vector (None: none), whether it
     marks padding (True = hidden, torch.nn's ``key_padding_mask``) rather than tokens, the
     static structure's kwargs, and the bias (None: none)."""
 
-    source: str | None
+    source: str | None  # the boolean [batch, key] node the kernels read (`_key_vector`)
     marks_padding: bool
     structure: dict[str, object]
     bias: torch.Tensor | None
+    empty_rows: str | None = None  # what a query with no allowed key gives in the model
 
 
 def _describe(graph: Graph, node: Node, mask: Ref) -> Described | str:
@@ -147,38 +166,102 @@ def _describe(graph: Graph, node: Node, mask: Ref) -> Described | str:
     inputs = [n for n in upstream if graph.node(n).op == INPUT]
     if len(inputs) > 1:
         return f"the mask depends on {len(inputs)} inputs ({', '.join(sorted(inputs))}), not one"
-    source = inputs[0] if inputs else None
     q_spec, k_spec = (graph.node(attention_arguments(node)[n].name).spec for n in ("query", "key"))
     batch, seq_k = k_spec.shape[0], k_spec.shape[-2]
-    if source is not None and tuple(graph.node(source).spec.shape) != (batch, seq_k):
-        return f"its input %{source} is {graph.node(source).spec}, not [batch, keys] = [{batch}, {seq_k}]"
-    order = [n.name for n in graph.nodes() if n.name in upstream and n.name != source]
+    keys = None
+    if inputs:
+        keys = _key_vector(graph, dag, upstream, inputs[0], mask.name, batch, seq_k)
+        if keys is None:
+            return (f"its input %{inputs[0]} does not become one boolean per [batch, key] = [{batch}, {seq_k}] "
+                    "before it meets the queries: probing other values cannot be exact, so the mask stays a tensor")
+    # evaluate the mask from the key vector (the nodes that compute it from the input stay in the
+    # graph, run every call on the device: the model's own test, `== 1` or `> 0`, is kept as written)
+    feeding = set() if keys is None else \
+        (nx.ancestors(dag, keys) & (nx.descendants(dag, inputs[0]) | {inputs[0]})) | {keys}
+    order = [n.name for n in graph.nodes() if n.name in upstream and n.name not in feeding]
     shape = (batch, q_spec.shape[1], q_spec.shape[-2], seq_k)
+    device = _constant_device(graph, mask)
 
-    def evaluate(given: torch.Tensor | None) -> torch.Tensor | str:
-        env = {} if source is None else {source: given.to(graph.node(source).spec.dtype)}
+    def evaluate(given: torch.Tensor | None, on: torch.device = CPU) -> torch.Tensor | str:
+        env = {} if keys is None else {keys: given.to(on).reshape(graph.node(keys).spec.shape)}
         try:
             for name in order:
-                env[name] = evaluate_node(graph, graph.node(name), env, torch.device("cpu"))
-        except Exception as exc:  # the subgraph cannot run on the CPU probe: leave the mask as it is
+                env[name] = evaluate_node(graph, graph.node(name), env, on)
+        except Exception as exc:  # the subgraph cannot run on the probe: leave the mask as it is
             return f"probing the mask failed ({exc})"
         try:
             return env[mask.name].expand(shape)
         except RuntimeError:
             return f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
 
-    found = _probe(evaluate, batch, seq_k, source is not None, marks_padding=False)
-    if isinstance(found, str) and source is not None and graph.node(source).spec.dtype == torch.bool:
-        # torch.nn's key_padding_mask (True = padding) is boolean; an integer input in that role
-        # could be token ids compared with a pad id, which 0/1 probes cannot tell apart
+    found = _probe(evaluate, batch, seq_k, keys is not None, marks_padding=False)
+    if isinstance(found, str) and keys is not None:  # torch.nn's convention: True = padding
         inverted = _probe(evaluate, batch, seq_k, True, marks_padding=True)
         found = inverted if not isinstance(inverted, str) else found
     if isinstance(found, str):
         return found
     structure, bias, marks_padding = found
-    if source is None and not structure and bias is None:
+    if keys is None and not structure and bias is None:
         return Described(None, False, {}, None)  # attends everything: no mask at all
-    return Described(source, marks_padding, structure, bias)
+    empty_rows = None
+    if keys is not None:
+        empty_rows = _empty_rows(graph, node, evaluate, batch, seq_k, marks_padding, device)
+        if empty_rows is None:
+            return ("a query whose keys are all padding gets neither 0, the mean of V nor NaN from the model's "
+                    "attention, so the mask stays a tensor")
+    return Described(keys, marks_padding, structure, bias, empty_rows)
+
+
+def _key_vector(graph: Graph, dag: nx.DiGraph, upstream: set[str], source: str, mask: str,
+                batch: int, seq_k: int) -> str | None:
+    """The first boolean node, on every path from the input ``source`` to the mask, that holds one
+    value per (batch, key): the point where the model has decided which keys count. Probing
+    from there (two values) is exact whatever the input holds; probing the input itself with
+    0 and 1 would not be (``attention_mask == 1`` and ``!= 0`` differ at 2)."""
+    wanted = [d for d in (batch, seq_k) if d != 1]
+    below = nx.descendants(dag, source) | {source}
+    for name in [n.name for n in graph.nodes() if n.name in upstream and n.name in below]:
+        spec = graph.node(name).spec
+        if not isinstance(spec, TensorSpec) or spec.dtype != torch.bool or spec.numel != batch * seq_k \
+                or [d for d in spec.shape if d != 1] != wanted:
+            continue
+        rest = dag.subgraph(upstream - {name})
+        if name in (source, mask) or not nx.has_path(rest, source, mask):
+            return name
+    return None
+
+
+def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, marks_padding: bool,
+                device: torch.device) -> str | None:
+    """What the model's attention gives a query whose keys are all padding, found by running the
+    node as the model wrote it (its mask tensor, SDPA or the recognised chain) on the model's
+    device, where the answer is decided (SDPA's backends differ): "zero", "mean" (of V over
+    every key), "nan", or None for anything else."""
+    keep = torch.ones(batch, seq_k, dtype=torch.bool)
+    keep[0] = False
+    value = evaluate(~keep if marks_padding else keep, device)
+    if isinstance(value, str):
+        return None
+    given = attention_arguments(node)
+    q_spec, k_spec = (graph.node(given[n].name).spec for n in ("query", "key"))
+    dtype, rows, head_dim = q_spec.dtype, min(4, q_spec.shape[-2]), q_spec.shape[-1]
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, rows, head_dim, generator=generator).to(device, dtype)
+    k = torch.randn(1, 1, seq_k, head_dim, generator=generator).to(device, dtype)
+    v = (torch.randn(1, 1, seq_k, head_dim, generator=generator) + 1).to(device, dtype)  # mean far from 0
+    kwargs = {name: given[name] for name in ("scale", "is_causal", "empty_rows") if name in given}
+    try:
+        out = attention_reference(q, k, v, value[:1, :1, :rows], **kwargs).float()
+    except Exception:  # noqa: BLE001 - a probe the op refuses: keep the mask as it is
+        return None
+    if bool(torch.isnan(out).all()):
+        return "nan"
+    tolerance = 2e-2 * (1 + v.float().abs().mean())
+    if bool((out.abs() <= tolerance).all()):
+        return "zero"
+    if bool(((out - v.float().mean(-2, keepdim=True)).abs() <= tolerance).all()):
+        return "mean"
+    return None
 
 
 def _probe(evaluate, batch: int, seq_k: int, has_input: bool, marks_padding: bool) \

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import Graph
-from stof_cc.passes.attention import AttentionReport, mask_is_replaceable, recognise_attention
+from stof_cc.passes.attention import AttentionReport, recognise_attention
 from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize
 from stof_cc.passes.fusion import FusionPlan, partition
 from stof_cc.passes.gemm_forms import GemmFormsReport, canonical_gemms
@@ -124,16 +124,12 @@ def dump_to(folder: str | Path) -> Instrument:
 
 
 def _warn_if_mask_applies_nowhere(graph: Graph) -> None:
-    """``compile(mask=...)`` replaces the masks of recognised attention nodes; warn when a graph
-    has none, or keeps SDPA calls the passes could not recognise (they run with their own
-    mask), so a mask that changes nothing never passes unnoticed."""
+    """``compile(mask=...)`` replaces the masks of recognised attention nodes (a float mask, a
+    bias, is kept and added under it); warn when a graph has none, or keeps SDPA calls the
+    passes could not recognise (they run with their own mask), so a mask that changes nothing
+    never passes unnoticed."""
     recognised = [n for n in graph.nodes() if n.op == "attention"]
     left = [n.name for n in graph.nodes() if n.op == "scaled_dot_product_attention"]
-    biased = [n.name for n in recognised if not mask_is_replaceable(graph, n)]
-    if biased:
-        warnings.warn(f"stof_cc.compile: mask= does not replace the additive bias of "
-                      f"{', '.join('%' + n for n in biased)} (a float attention mask, e.g. a position bias): "
-                      "those nodes keep it (the attention kernels add it)", stacklevel=4)
     if left:
         warnings.warn(f"stof_cc.compile: mask= does not apply to {', '.join('%' + n for n in left)}: "
                       "attention the passes did not recognise runs with the model's own mask "

@@ -22,7 +22,6 @@ a warning.
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -40,13 +39,14 @@ from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
-from stof_cc.ir.reference import masked_attention
+from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, from_dense
 from stof_cc.passes import cast_floating, lower
-from stof_cc.passes.attention import attention_arguments, is_bias, mask_is_replaceable
+from stof_cc.passes.attention import attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups
+from stof_cc.runtime.weights import WeightWatch, eval_mode, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.tune.attention import attention_kernel, node_mask
@@ -69,6 +69,7 @@ class Step:
     mask: MaskDescription | None = None  # attention steps; torch steps of attention groups: compile's mask=
     rotary: tuple[str, ...] = ()  # attention steps: the group's rotary nodes, run by the rotary kernel
     bias: str | None = None  # attention steps: the value the kernel adds to the scores (a float mask)
+    empty_rows: str | None = None  # attention steps: what a query with no allowed key gives, if not 0
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
 
 
@@ -95,20 +96,37 @@ class Variant:
 class CompiledModule:
     """Callable like the module it was compiled from (same arguments, same output structure)."""
 
-    def __init__(self, module: torch.nn.Module, dtype: torch.dtype, mask: MaskDescription | None,
+    def __init__(self, source: torch.nn.Module, dtype: torch.dtype, mask: MaskDescription | None,
                  use_gpu_kernels: bool, build_dir: Path | None, database: TuningDatabase | None = None,
                  tune: bool = False, cuda_graphs: bool = True) -> None:
-        self.module, self.dtype, self.mask, self.cuda_graphs = module, dtype, mask, cuda_graphs
+        self.source, self.dtype, self.mask, self.cuda_graphs = source, dtype, mask, cuda_graphs
         self.use_gpu_kernels, self.build_dir = use_gpu_kernels, build_dir
         self.database, self.tune = database, tune
+        self.module = weights_to_compile(source, dtype)  # the user's module itself, or a converted copy
+        self._watch = WeightWatch(source)
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        changed = self._watch.changed()
+        if changed is not None:  # never a stale answer: compile again from the module as it is now
+            warnings.warn(f"stof_cc: {changed} of the compiled model changed since it was compiled (replaced, "
+                          "moved, cast or written in place); compiling it again", stacklevel=2)
+            self.refresh()
         args, kwargs = cast_floating((args, kwargs), self.dtype)
         flat, spec = pytree.tree_flatten((args, kwargs))
         with _on_device_of(flat):
             return self._call(args, kwargs, _signature(flat, spec))
+
+    def refresh(self) -> None:
+        """Read the source module's weights again and drop every compiled variant (each input
+        shape compiles again on its next call; kernels and tuning records are cached). Called
+        on its own when a weight changed in a way PyTorch tracks; call it yourself after a write
+        through ``param.data``, which PyTorch does not track (runtime/weights.py)."""
+        self.module = weights_to_compile(self.source, self.dtype)
+        self.variants.clear()
+        self._dense_masks.clear()
+        self._watch.reset()
 
     def _call(self, args: tuple, kwargs: dict, key: tuple) -> Any:
         if key not in self.variants:  # a new input shape: compile a variant for it
@@ -171,7 +189,8 @@ class CompiledModule:
 
     # -- compiling one variant ------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
-        graph, plan = lower(self.module, args, kwargs, dtype=self.dtype, mask=self.mask)
+        with eval_mode(self.module):
+            graph, plan = lower(self.module, args, kwargs, dtype=self.dtype, mask=self.mask)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
         gpu = self.use_gpu_kernels and _on_gpu((args, kwargs))
         if gpu and self.database is not None:
@@ -203,10 +222,11 @@ class CompiledModule:
 
     def _attention_step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
         """stof_cc.attention for the anchor, or torch with the reason; ``mask=`` holds in both
-        (in torch through the reference, `_reference_attention`) unless the node has a bias."""
+        (in torch through the reference, `_reference_attention`): it replaces the node's own
+        static or boolean mask, and a float mask (a bias) is added under it."""
         anchor = graph.node(group.anchor)
         given = attention_arguments(anchor)
-        override = self.mask if mask_is_replaceable(graph, anchor) else None
+        override = self.mask
         if not gpu:
             return Step(group, "torch", NO_GPU, mask=override)
         bias = is_bias(graph, given.get("attn_mask"))
@@ -219,11 +239,14 @@ class CompiledModule:
             return Step(group, "torch", str(why), mask=override)
         rotary, why_not = _generated_rotary(graph, group)
         note = "stof_cc.attention for the anchor" + (", adding its float mask as a bias" if bias else "") \
-            + (" (mask= does not replace a bias)" if bias and self.mask is not None else "") \
+            + (" under mask=" if bias and self.mask is not None else "") \
             + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
             + "".join(f", %{name} in torch ({why})" for name, why in why_not.items()) + ", views in torch"
+        # a query whose keys are all padding gets what the model's own attention gave it (the
+        # kernels write 0); under mask= the mask is the user's, and such a query gets 0
+        empty_rows = given.get("empty_rows") if override is None and given.get("key_padding") is not None else None
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
-                    bias=given["attn_mask"].name if bias else None)
+                    bias=given["attn_mask"].name if bias else None, empty_rows=empty_rows)
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
         """The tuning database's winner for this group when it has one (and it is still a legal
@@ -262,12 +285,18 @@ class CompiledModule:
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
         bias = env[step.bias] if step.bias is not None else None
-        return attention(q, k, v, step.mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
-                         out=out).to(dtype)
+        out = attention(q, k, v, step.mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
+                        out=out)
+        if step.empty_rows is not None:
+            empty = empty_query_rows(env[given["key_padding"].name] != 0, s, bool(given.get("is_causal")),
+                                     given.get("window"))
+            out = fill_empty_rows(out, v, empty, step.empty_rows)
+        return out.to(dtype)
 
     def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:
         """An attention node run in torch under ``compile(mask=...)``: the mask replaces the
-        node's own, as on the kernel path, and a row with no allowed key gives 0 there too."""
+        node's own static or boolean mask and keeps its bias, as on the kernel path, and a row
+        with no allowed key gives 0 there too."""
         given = attention_arguments(node)
         q, k, v = (env[given[n].name] for n in ("query", "key", "value"))
         key = (tuple(q.shape), k.shape[-2], q.device)
@@ -277,7 +306,9 @@ class CompiledModule:
         dense = self._dense_masks[key]
         if given.get("key_padding") is not None:  # the model's padding holds under mask= as well
             dense = dense & (env[given["key_padding"].name] != 0)[:, None, None, :]
-        return masked_attention(q, k, v, dense, given.get("scale"))
+        bias = given.get("attn_mask")
+        bias = env[bias.name] if isinstance(bias, Ref) and env[bias.name].is_floating_point() else None
+        return masked_attention(q, k, v, dense, given.get("scale"), bias=bias)
 
 
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
@@ -294,13 +325,15 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     ``tune=False`` reads the database and otherwise takes stage 1's picks.
     ``cuda_graphs`` (default on) replays each input shape as one CUDA graph (key padding too:
     the kernels read it on the device; a failed capture warns and runs uncaptured). ``mask``
-    replaces a node's own static mask (causal, window, a boolean tensor), never its key padding."""
+    replaces a node's own static mask (causal, window, a boolean tensor), never its key padding.
+    The compiled module reads ``model``'s weights (shared when already in ``dtype``) and compiles
+    again when they change (runtime/weights.py says what it notices)."""
     mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype)
-    module = copy.deepcopy(model).to(dtype).eval()
+    _say_what_changes(model, dtype)
     gpu = _gpu_kernels_available()
     if gpu and not isinstance(database, TuningDatabase):
         database = TuningDatabase(database)
-    compiled = CompiledModule(module, dtype, mask, gpu, Path(build_dir) if build_dir else None,
+    compiled = CompiledModule(model, dtype, mask, gpu, Path(build_dir) if build_dir else None,
                               database if gpu else None, tune, cuda_graphs)
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     args, kwargs = cast_floating((args, dict(example_kwargs or {})), dtype)
@@ -332,6 +365,20 @@ def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: An
         raise TypeError(f"stof_cc.compile: mask must be a stof_cc.masks description, a bool tensor or "
                         f"None, got {type(mask).__name__}")
     return mask
+
+
+def _say_what_changes(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """One warning each when the compiled model will not run as the model does now: weights in
+    another floating dtype (it runs in ``dtype``), or training mode (it is compiled for inference:
+    dropout off)."""
+    others = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())
+                     if t.is_floating_point() and t.dtype != dtype})
+    if others:
+        warnings.warn(f"stof_cc.compile: the model's weights are {', '.join(others)}; the compiled model runs in "
+                      f"{dtype} (a converted copy of them): pass dtype= to choose", stacklevel=3)
+    if model.training:
+        warnings.warn("stof_cc.compile: the model is in training mode; it is compiled for inference, as in eval "
+                      "mode (dropout off)", stacklevel=3)
 
 
 def _report_measured(item: Any) -> None:

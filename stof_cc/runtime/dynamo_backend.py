@@ -8,7 +8,7 @@ on the GPU its attention and fused groups run on stof-cc kernels, the rest throu
 dtype of its floating inputs. Dynamo lifts the module's parameters and buffers into graph inputs;
 they go back into the compiled graph as constants (the passes then see weights as weights and a
 causal buffer as causal), compiled once per set of weight tensors: replacing a parameter
-recompiles, an in-place update of one after its first call is not seen.
+recompiles, and so does an in-place update of one (`runtime/weights.py`: what is noticed).
 
 A graph stof-cc cannot take runs on the fallback the user chose, ``"inductor"`` (the default:
 what ``torch.compile`` would have run) or ``"eager"`` (the graph as traced), with one warning
@@ -40,20 +40,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class _FrozenWeights(torch.nn.Module):
     """The graph module with the inputs dynamo lifted from the module's parameters and buffers held
     as this module's own: constants to the export, so the IR sees weights and a causal buffer as
-    such. Called with the graph's other inputs. Copying it shares the tensors (`stof_cc.compile`
-    copies its model; here that would double the weights' memory)."""
+    such. Called with the graph's other inputs. `stof_cc.compile` shares these tensors (they are
+    in the compile dtype) and watches them: an in-place update compiles the graph again."""
 
     def __init__(self, graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int]) -> None:
         super().__init__()
         self.graph_module, self.slots, self.arity = graph_module, set(slots), len(inputs)
+        self.eval()  # dynamo traced the model in its own mode already: this wrapper's mode means nothing
         for i in slots:
             if isinstance(inputs[i], torch.nn.Parameter):
                 self.register_parameter(f"input_{i}", inputs[i])
             else:
                 self.register_buffer(f"input_{i}", inputs[i], persistent=False)
-
-    def __deepcopy__(self, memo: dict) -> _FrozenWeights:
-        return self
 
     def forward(self, *args: Any) -> Any:
         given = iter(args)

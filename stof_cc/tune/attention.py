@@ -201,7 +201,8 @@ def attention_kernel(graph: Graph, node: Node,
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
     attn_mask = given.get("attn_mask")
-    if attn_mask is not None and not ignore_mask and not is_bias(graph, attn_mask):  # (ignored: `compile(mask=)` replaces it)
+    bias = is_bias(graph, attn_mask)  # a float mask: the kernel variant that adds it (kept under mask=)
+    if attn_mask is not None and not ignore_mask and not bias:  # (ignored: `compile(mask=)` replaces it)
         raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
                          "(pass mask= to stof_cc.compile)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
@@ -211,6 +212,5 @@ def attention_kernel(graph: Graph, node: Node,
     mask = node_mask(given, None)
     choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
     kv_heads = k.shape[1] if k.shape[1] != h else None  # grouped-query: the kernel reads K/V head h // group
-    bias = attn_mask is not None and not ignore_mask  # a float mask: the kernel variant that adds it
     return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads, bias), choice.params,
             choice.estimates[0].micros)

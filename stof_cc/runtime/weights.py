@@ -1,0 +1,97 @@
+"""The contract between a compiled module and the weights of the module it was compiled from.
+
+A compiled module reads the parameters and buffers of the user's module as they are when it is
+compiled: shared, not copied, when they are already in the compile dtype (constants derived from
+them, such as the merged Q/K/V weight, are computed then), a converted copy otherwise. Before
+every call, `WeightWatch.changed` checks that they are still those tensors: the same parameter
+and buffer objects under the same submodules, the same data pointers, dtypes, devices and
+version counters. PyTorch bumps a tensor's version counter on every in-place write through it
+(`load_state_dict`, ``param.copy_()``, an optimizer step, ``with torch.no_grad(): p.mul_(2)``),
+and ``.to()``, ``.half()`` or ``p.data = ...`` change the data pointer. On a change the compiled
+module warns, naming the first changed tensor, and compiles again from the module as it is now
+(kernels and tuning records are cached, so this costs a trace, not a tuning).
+
+What it cannot see: a write through ``p.data`` (``p.data.mul_(2)``) goes around the version
+counter, as it goes around autograd. After one, call ``compiled.refresh()``
+(docs/troubleshooting.md#changed-weights).
+
+The check walks every tensor and submodule once per call in Python (about 0.1 us each: some
+25 us for a 12-layer BERT).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class WeightWatch:
+    """The parameters, buffers and submodules of ``module`` as they were when watched."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.reset()
+
+    def reset(self) -> None:
+        """Take the module's tensors as they are now as the ones compiled."""
+        self._modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
+        self._tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
+        self._walk(self.module, "")
+        self._seen = [_identity(store[name]) for store, name, _ in self._tensors]
+
+    def _walk(self, module: torch.nn.Module, prefix: str) -> None:
+        for store in (module._parameters, module._buffers):
+            self._tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
+        for name, child in module._modules.items():
+            self._modules.append((module._modules, name, child, prefix + name))
+            if child is not None:
+                self._walk(child, f"{prefix}{name}.")
+
+    def changed(self) -> str | None:
+        """The qualified name of the first submodule or tensor that is not the one compiled
+        (replaced, moved, cast or written in place), or None when all are."""
+        for parent, name, child, path in self._modules:
+            if parent.get(name) is not child:
+                return f"submodule {path!r}"
+        for (store, name, path), seen in zip(self._tensors, self._seen, strict=True):
+            tensor = store.get(name)
+            if tensor is not seen[0] or tensor._version != seen[1] or tensor.data_ptr() != seen[2] \
+                    or tensor.dtype != seen[3] or tensor.device != seen[4]:
+                return repr(path)
+        return None
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    return tensor, tensor._version, tensor.data_ptr(), tensor.dtype, tensor.device
+
+
+def weights_to_compile(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The module whose tensors a compiled module reads: ``module`` itself when its floating
+    parameters and buffers are already in ``dtype`` (shared: no second copy of the weights),
+    else a copy converted to ``dtype`` (the user's module is never changed)."""
+    if all(t.dtype == dtype for t in _floating(module)):
+        return module
+    return copy.deepcopy(module).to(dtype)
+
+
+def _floating(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            yield tensor
+
+
+@contextlib.contextmanager
+def eval_mode(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for a trace, its own mode restored after (dropout off: stof-cc
+    compiles inference)."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

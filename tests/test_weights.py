@@ -1,0 +1,123 @@
+"""A compiled module never answers with weights the model no longer has: it shares the model's
+tensors where it can, and compiles again when PyTorch's own bookkeeping (version counters, data
+pointers, identities) says a parameter, buffer or submodule changed (runtime/weights.py)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import stof_cc
+from stof_cc.loading import load_factory
+
+
+def _block(example_path):
+    module, (x,), _ = load_factory(example_path("gpt2_block"))
+    return module, x
+
+
+def _changes():
+    """In-place and structural changes a user makes after compiling, each one PyTorch tracks."""
+    def in_place(m):
+        with torch.no_grad():
+            m.mlp[0].weight.mul_(2)
+
+    def load_state_dict(m):
+        fresh = copy.deepcopy(m)
+        for p in fresh.parameters():
+            torch.nn.init.normal_(p, std=0.05)
+        m.load_state_dict(fresh.state_dict())
+
+    def new_parameter(m):
+        m.mlp[2].weight = torch.nn.Parameter(torch.randn_like(m.mlp[2].weight))
+
+    def new_submodule(m):
+        m.mlp[0] = torch.nn.Linear(m.mlp[0].in_features, m.mlp[0].out_features)
+
+    def data_assignment(m):
+        m.ln_1.weight.data = torch.randn_like(m.ln_1.weight)
+
+    def buffer_in_place(m):
+        m.attn.causal.logical_not_().logical_not_()  # written in place, same values: still noticed
+        with torch.no_grad():
+            m.ln_2.bias.add_(1.0)
+
+    return {f.__name__: f for f in (in_place, load_state_dict, new_parameter, new_submodule, data_assignment,
+                                     buffer_in_place)}
+
+
+@pytest.mark.parametrize("change", sorted(_changes()))
+def test_a_change_after_compiling_compiles_again_and_says_so(change, example_path):
+    module, x = _block(example_path)
+    compiled = stof_cc.compile(module, (x,), dtype=torch.float32)
+    compiled(x)
+    _changes()[change](module)
+    with pytest.warns(UserWarning, match="changed since it was compiled"):
+        got = compiled(x)
+    with torch.no_grad():
+        torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing changed since: no second compile
+        compiled(x)
+
+
+def test_weights_in_the_compile_dtype_are_shared_not_copied(example_path):
+    module, x = _block(example_path)
+    compiled = stof_cc.compile(module, (x,), dtype=torch.float32)
+    assert compiled.module is module  # no second copy of the weights
+    compiled(x)
+    module.mlp[2].weight.data.mul_(3)  # a .data write is not tracked, but a shared weight is read live
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_refresh_reads_weights_written_through_data(example_path):
+    """A write through ``.data`` goes around the version counter: ``refresh()`` is the way."""
+    module, x = _block(example_path)
+    with pytest.warns(UserWarning, match="float32; the compiled model runs in torch.bfloat16"):
+        compiled = stof_cc.compile(module, (x,), dtype=torch.bfloat16)  # a converted copy
+    module.mlp[0].weight.data.mul_(2)
+    compiled.refresh()
+    with torch.no_grad():
+        want = module(x)
+    assert stof_cc.ir.reference.relative_error(compiled(x), want) < 1e-2
+
+
+def test_moving_the_model_compiles_again_from_where_it_is(example_path):
+    module, x = _block(example_path)
+    compiled = stof_cc.compile(module, (x,), dtype=torch.float32)
+    module.double()
+    with pytest.warns(UserWarning, match="changed since it was compiled"):
+        got = compiled(x)
+    assert got.dtype == torch.float32  # compile's dtype is the contract; the weights are the model's now
+    with torch.no_grad():
+        torch.testing.assert_close(got.double(), module(x.double()), rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_in_training_mode_is_compiled_for_inference_with_a_warning(example_path):
+    module, x = _block(example_path)
+    module.train()
+    with pytest.warns(UserWarning, match="training mode"):
+        compiled = stof_cc.compile(module, (x,), dtype=torch.float32)
+    assert module.training and all(m.training for m in module.modules())  # the model's own mode is kept
+    module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_backend_sees_an_in_place_update_after_the_first_call(example_path):
+    """Under torch.compile the lifted weights are shared; the merged Q/K/V weight is derived
+    from them at compile time, so an update must compile again, never mix old and new."""
+    torch._dynamo.reset()
+    module, x = _block(example_path)
+    compiled = torch.compile(module, backend=stof_cc.backend(fallback="eager"), dynamic=False)
+    with torch.no_grad():
+        compiled(x)
+        for p in module.attn.parameters():
+            p.mul_(1.5)
+        with pytest.warns(UserWarning, match="changed since it was compiled"):
+            got = compiled(x)
+        torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
