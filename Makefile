@@ -1,9 +1,12 @@
 # Two commands that work on a fresh machine: `make demo` and `make test`.
 # Each creates (once) and reuses .venv with stof-cc installed in editable mode.
-# `pip install torch==2.13.0` takes the CPU wheel these machines keep on disk;
-# on a GPU machine install the CUDA build of torch and the `gpu` extra instead.
+# torch: `pip install torch==2.13.0` takes a CPU wheel where pip's configuration points at one
+# (the development machines keep one on disk); elsewhere it downloads the CUDA build (several GB).
+# For the CPU build from PyTorch's own index: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# On a GPU machine install the CUDA build of torch and the `gpu` extra instead (README).
 
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stof-installed
@@ -12,7 +15,8 @@ STAMP  := $(VENV)/.stof-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	@echo "installing torch 2.13.0 into $(VENV) (a CPU wheel where pip finds one, else the CUDA build: several GB)"
+	$(PY) -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,hf]"
 	touch $(STAMP)
 

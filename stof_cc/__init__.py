@@ -9,7 +9,7 @@ from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.compiled import CompiledModule, compile  # noqa: A004 (stof_cc.compile, like torch.compile)
-from stof_cc.runtime.dynamo_backend import backend
+from stof_cc.runtime.dynamo_backend import backend, register_name
 from stof_cc.templates.attention import AttentionInputError
 from stof_cc.templates.group import GroupProblem, GroupTemplate, KernelOperand  # noqa: E402
 from stof_cc.templates.registry import (  # noqa: E402
@@ -20,6 +20,8 @@ from stof_cc.templates.registry import (  # noqa: E402
 from stof_cc.tune.attention import explain_attention
 
 __version__ = "0.1.0"
+
+register_name()  # torch.compile(model, backend="stof_cc") from a checkout too, not only where pip-installed
 
 __all__ = [
     "AttentionInputError",

@@ -28,6 +28,7 @@ def test_compiled_module_equals_eager_on_the_cpu(example, example_path, tmp_path
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     explained = compiled.explain()
     assert "torch" in explained and "no GPU kernels here" in explained  # honest about the CPU path
+    assert explained.startswith("inputs %") and "TreeSpec" not in explained  # input shapes, not pytree specs
     assert list((tmp_path).rglob("*.cu"))  # the generated sources are written all the same
 
 

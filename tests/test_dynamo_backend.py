@@ -43,6 +43,24 @@ def test_the_backend_is_found_by_name_through_its_entry_point():
     assert "stof_cc" in torch._dynamo.list_backends(exclude_tags=())
 
 
+def test_import_stof_cc_registers_the_backend_name_without_the_entry_point():
+    """From a checkout on PYTHONPATH there is no entry point: ``import stof_cc`` registers the
+    name when dynamo's registry loads (and does not import dynamo itself)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.metadata as md, sys\n"
+        "found = md.entry_points\n"
+        "md.entry_points = lambda **kw: [] if kw.get('group') == 'torch_dynamo_backends' else found(**kw)\n"
+        "import stof_cc\n"
+        "assert 'torch._dynamo' not in sys.modules\n"
+        "import torch\n"
+        "assert torch._dynamo.lookup_backend('stof_cc') is stof_cc.runtime.dynamo_backend.stof_cc_backend\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_a_decoder_block_goes_down_stof_cc_s_road_and_matches_eager():
     torch.manual_seed(0)
     model = GPT2Block().eval()

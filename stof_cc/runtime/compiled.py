@@ -180,10 +180,12 @@ class CompiledModule:
         return outputs
 
     def explain(self) -> str:
-        """Per variant: every group, how it runs and why."""
+        """Per variant (one per input signature): every group, how it runs and why."""
         lines = []
         for key, variant in self.variants.items():
-            lines.append(f"variant {key}:")
+            devices = sorted({entry[2] for entry in key[1:] if isinstance(entry, tuple)})
+            inputs = ", ".join(f"%{n.name} {n.spec}" for n in variant.graph.inputs)
+            lines.append(f"inputs {inputs} on {', '.join(devices) or 'no device'}:")
             lines += [f"  {s.group.name:<5} {s.group.kind:<11} {s.kind:<9} {s.note}" for s in variant.steps]
         return "\n".join(lines)
 

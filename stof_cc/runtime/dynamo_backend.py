@@ -1,8 +1,9 @@
 """stof-cc as a torch.compile backend.
 
 ``torch.compile(model, backend="stof_cc")`` finds it through the ``torch_dynamo_backends`` entry
-point (pyproject.toml; no import needed); ``torch.compile(model, backend=stof_cc.backend(mask=...,
-tune=...))`` takes options. Dynamo hands over one FX graph per region between graph breaks, and
+point (pyproject.toml; no import needed where stof-cc is pip-installed) or, from a checkout on
+the path, once ``import stof_cc`` ran (`register_name`); ``torch.compile(model,
+backend=stof_cc.backend(mask=..., tune=...))`` takes options. Dynamo hands over one FX graph per region between graph breaks, and
 each goes down `stof_cc.compile`'s road (torch.export of the graph to ATen, the IR, fusion, kernels;
 on the GPU its attention and fused groups run on stof-cc kernels, the rest through torch), in the
 dtype of its floating inputs. Dynamo lifts the module's parameters and buffers into graph inputs;
@@ -19,7 +20,10 @@ anything `stof_cc.compile` refuses.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -193,3 +197,42 @@ def backend(mask: MaskDescription | torch.Tensor | None = None, tune: bool = Tru
 
 
 stof_cc_backend = backend()  # the entry point's: torch.compile(model, backend="stof_cc")
+
+
+REGISTRY = "torch._dynamo.backends.registry"
+
+
+def register_name() -> None:
+    """Register ``"stof_cc"`` with dynamo's backend registry, now if it is loaded, else when it
+    loads (`import stof_cc` calls this: importing dynamo here would cost every import of
+    stof_cc about 2 s). Where stof-cc is pip-installed the entry point serves as well."""
+    if REGISTRY in sys.modules:
+        _register(sys.modules[REGISTRY])
+    elif not any(isinstance(finder, _RegisterWhenLoaded) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenLoaded())
+
+
+def _register(registry: Any) -> None:
+    if "stof_cc" not in registry._COMPILER_FNS:
+        registry.register_backend(compiler_fn=stof_cc_backend, name="stof_cc")
+
+
+class _RegisterWhenLoaded(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when dynamo's registry module is imported it has the normal finders
+    locate it, and registers stof-cc's backend right after the module has run."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != REGISTRY:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _register(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
