@@ -85,9 +85,9 @@ def test_one_process_holds_compiled_modules_on_two_devices():
     import stof_cc
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from gpt2_block import GPT2Block
-
     import copy
+
+    from gpt2_block import GPT2Block
 
     torch.manual_seed(8)
     model = GPT2Block().eval()
