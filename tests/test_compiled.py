@@ -337,6 +337,28 @@ def test_compile_names_a_bad_argument(change, message):
         stof_cc.compile(arguments.pop("model"), arguments.pop("example_inputs"), **arguments)
 
 
+def _named_model(name: str) -> torch.nn.Module:
+    """A linear layer and a ReLU (one generated group) in a class called ``name``."""
+    def init(self):
+        torch.nn.Module.__init__(self)
+        self.lin = torch.nn.Linear(64, 64)
+
+    return type(name, (torch.nn.Module,), {"__init__": init, "forward": lambda self, x: torch.relu(self.lin(x))})()
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "x" * 300, "/abs", "..", "a b:c*?<>\\"],
+                         ids=["parents", "300-characters", "absolute", "dot-dot", "odd-characters"])
+def test_a_model_name_never_leads_outside_the_build_dir(name, tmp_path):
+    """A class named ``../../../escaped`` wrote its .cu files beside the build folder's parents;
+    one of 300 characters ended in OSError errno 36 (issue 32, item 5)."""
+    build = tmp_path / "x" / "y" / "bd"
+    stof_cc.compile(_named_model(name).eval(), (torch.randn(16, 64),), build_dir=build)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and all(p.is_relative_to(build) for p in written), written
+    (folder,) = build.iterdir()
+    assert len(folder.name.encode()) <= 96 and not folder.name.startswith(".")
+
+
 @pytest.mark.nvcc
 def test_stof_cc_tune_records_what_compile_looks_up(fake_gpu, example_path):
     """`stof-cc tune` and `stof_cc.compile` lower the same way (one `lower`, one dtype), so every

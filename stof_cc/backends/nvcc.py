@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from stof_cc.ir.paths import blocking_file
+
 DEFAULT_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo")
 
 
@@ -92,7 +94,7 @@ def cache_dir() -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         name = f"STOF_CC_CACHE={env}" if env else str(root)
-        blocker = next((p for p in (path, *path.parents) if os.path.isfile(p)), None)
+        blocker = blocking_file(path)
         problem = (f"{name} is a file, not a folder" if blocker == root
                    else f"{name}: {blocker} is a file, not a folder" if blocker
                    else f"{name}: cannot create {path} ({exc.strerror or exc})")

@@ -5,7 +5,8 @@ sm_90, with a table of every group.
 Each group's file holds the kernel a compile would start from: attention groups the cost
 model's pick for their anchor (and the rotary kernel of their rotary nodes), other groups the first applicable template
 (`applicable_templates`) at its default point. Groups no template covers (and opaque ops)
-run through torch; the table says so, with the reason.
+run through torch; the table says so, with the reason. File names are the names made path
+components (`ir/paths.py`), checked to stay inside the folder.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from stof_cc.backends.nvcc import Resources, compile_cubin
 from stof_cc.backends.rotary_launch import rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
+from stof_cc.ir.paths import path_in
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_header
 from stof_cc.templates.pricing import H100, H100_SM_COUNT
@@ -53,7 +55,7 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
         except NotFusable as why:
             builds.append(GroupBuild(group, None, None, None, f"torch: {why}"))
             continue
-        path = out_dir / f"{group.name}.cu"
+        path = path_in(out_dir, f"{group.name}.cu")
         path.write_text(source)
         resources = None
         if compile_kernels:
