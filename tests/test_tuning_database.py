@@ -301,3 +301,22 @@ def test_an_unreadable_read_only_file_is_left_in_place(tmp_path: Path, monkeypat
     with pytest.warns(TuningDatabaseWarning, match="is read-only|is unreadable"):
         db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
     assert path.read_bytes() == b"this is not sqlite at all" * 100 and not _corrupt_files(tmp_path)
+
+
+def test_a_path_of_the_wrong_type_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="tuning database must be a file path or None, got int"):
+        TuningDatabase(12345)
+
+
+def test_the_database_argument_is_checked_without_touching_the_disk(tmp_path: Path):
+    from stof_cc.tune.database import check_database_argument
+
+    (tmp_path / "notes.txt").write_text("mine")
+    for fine in (None, tmp_path / "new" / "deeper" / "t.sqlite", str(tmp_path / "notes.txt")):
+        check_database_argument(fine, "database")
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "notes.txt"]  # no folder made
+    with pytest.raises(TypeError, match="^database must be a TuningDatabase, a file path or None, got float$"):
+        check_database_argument(1.5, "database")
+    with pytest.raises(TuningDatabaseError, match="^database: the path is empty"):
+        check_database_argument("", "database")
+

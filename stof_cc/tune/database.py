@@ -13,8 +13,9 @@ The database is a cache: trouble with it costs a re-measurement, never a compile
 a good record. Writes are single SQLite transactions (atomic), and WAL journaling lets
 processes read while one writes. What can go wrong, and what happens then:
 
-* a path that cannot hold a database (a directory, ``''``, a folder that cannot be created)
-  raises `TuningDatabaseError`; nothing there is touched;
+* a path that cannot hold a database (a directory, ``''``, under a file, a folder that cannot be
+  created) raises `TuningDatabaseError`, and an argument that is no path at all a TypeError;
+  nothing there is touched (`check_database_argument` checks the same before anything is opened);
 * busy: another process holding the write lock makes a write wait up to ``timeout``
   (`BUSY_TIMEOUT`); past it the write is skipped with a `TuningDatabaseWarning` (the record is
   measured again next time). A lock is never taken for damage: nothing busy is moved;
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stof_cc.ir.paths import blocking_file
 from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 SCHEMA_VERSION = 1
@@ -136,12 +138,35 @@ def default_path() -> Path:
     return Path(cache) / "stof-cc" / "tuning.sqlite"
 
 
+def check_database_argument(database: object, argument: str) -> None:
+    """Refuse a ``database`` argument (`stof_cc.compile`, `stof_cc.backend`) that can never name a
+    tuning database, touching nothing: where no GPU runs it is never opened, and a wrong one would
+    pass unnoticed. Each error message begins with ``argument``."""
+    if database is not None and not isinstance(database, TuningDatabase):
+        _database_path(database, argument, "a TuningDatabase, a file path or None")
+
+
+def _database_path(path: object, culprit: str, expected: str) -> Path:
+    """``path`` as a Path, checked without touching the disk: TypeError when it is no path (says
+    it should be ``expected``), `TuningDatabaseError` when it is empty, something other than a
+    regular file, or under a file; each message starts with ``culprit``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{culprit} must be {expected}, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise TuningDatabaseError(f"{culprit}: the path is empty; {_HOW}")
+    path = Path(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise TuningDatabaseError(f"{culprit} {path} is {kind}; {_HOW}")
+    blocker = blocking_file(path.parent)
+    if blocker is not None:
+        raise TuningDatabaseError(f"{culprit} {path}: {blocker} is a file, not a folder; {_HOW}")
+    return path
+
+
 def _read_only(path: Path) -> bool:
-    """Whether the database at ``path`` can only be read; `TuningDatabaseError` when it cannot be
-    used at all. Checked before SQLite opens it, so that nothing but a regular file is touched."""
-    if path.exists() and not path.is_file():
-        kind = "a directory" if path.is_dir() else "not a regular file"
-        raise TuningDatabaseError(f"tuning database {path} is {kind}; {_HOW}")
+    """Whether the database at ``path`` (a `_database_path`) can only be read, creating its folder
+    when missing; `TuningDatabaseError` when it cannot be used at all."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -198,9 +223,8 @@ class TuningDatabase:
     what happens when the file is busy, read-only or corrupt."""
 
     def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT) -> None:
-        if path is not None and not str(path):
-            raise TuningDatabaseError(f"the tuning database path is empty; {_HOW}")
-        self.path = Path(path) if path is not None else default_path()
+        self.path = _database_path(default_path() if path is None else path, "tuning database",
+                                   "a file path or None")
         self.timeout = timeout
         self.read_only = _read_only(self.path)
         self._connect()
