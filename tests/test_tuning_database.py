@@ -303,6 +303,35 @@ def test_an_unreadable_read_only_file_is_left_in_place(tmp_path: Path, monkeypat
     assert path.read_bytes() == b"this is not sqlite at all" * 100 and not _corrupt_files(tmp_path)
 
 
+def test_a_database_deleted_while_open_is_reopened_with_a_warning(tmp_path: Path):
+    """Records stored after the file was deleted went into the unlinked file, lost to every later
+    open, without a word (issue 32, item 4)."""
+    path = tmp_path / "t.sqlite"
+    db = TuningDatabase(path)
+    db.store(ELEMENTWISE, "before", H100, {"threads": 128, "vec": 1}, 1.0)
+    path.unlink()  # as `rm`: the -wal and -shm stay behind
+    with pytest.warns(TuningDatabaseWarning, match=f"{path} was deleted or moved away while open; reopening"):
+        db.store(ELEMENTWISE, "after", H100, {"threads": 128, "vec": 1}, 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reopened once: quiet from then on
+        db.store(ELEMENTWISE, "later", H100, {"threads": 128, "vec": 1}, 3.0)
+        assert [r.signature for r in TuningDatabase(path).records()] == ["after", "later"]
+
+
+def test_a_database_replaced_while_open_is_reopened_with_a_warning(tmp_path: Path):
+    path, other = tmp_path / "t.sqlite", tmp_path / "other.sqlite"
+    db = TuningDatabase(path)
+    db.store(ELEMENTWISE, "mine", H100, {"threads": 128, "vec": 1}, 1.0)
+    theirs = TuningDatabase(other)
+    theirs.store(ELEMENTWISE, "theirs", H100, {"threads": 256, "vec": 2}, 2.0)
+    theirs.close()
+    os.replace(other, path)
+    with pytest.warns(TuningDatabaseWarning, match=f"{path} was replaced by another file while open; reopening"):
+        assert db.lookup(ELEMENTWISE, "theirs", H100).micros == 2.0
+    db.store(ELEMENTWISE, "new", H100, {"threads": 128, "vec": 1}, 3.0)
+    assert [r.signature for r in TuningDatabase(path).records()] == ["new", "theirs"]
+
+
 def test_a_path_of_the_wrong_type_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match="tuning database must be a file path or None, got int"):
         TuningDatabase(12345)

@@ -16,6 +16,9 @@ processes read while one writes. What can go wrong, and what happens then:
 * a path that cannot hold a database (a directory, ``''``, under a file, a folder that cannot be
   created) raises `TuningDatabaseError`, and an argument that is no path at all a TypeError;
   nothing there is touched (`check_database_argument` checks the same before anything is opened);
+* the file deleted or replaced while open (another process moved it aside, a user removed it):
+  noticed before every read and write by its identity (st_dev, st_ino), and the path reopened
+  with a warning, so that no record goes into a file no later open can find;
 * busy: another process holding the write lock makes a write wait up to ``timeout``
   (`BUSY_TIMEOUT`); past it the write is skipped with a `TuningDatabaseWarning` (the record is
   measured again next time). A lock is never taken for damage: nothing busy is moved;
@@ -220,12 +223,16 @@ def _record(row: tuple) -> Record:
 class TuningDatabase:
     """Best parameters per (template digest, group signature, device). ``timeout``: seconds a
     write waits for another process's lock (`BUSY_TIMEOUT`). See the module docstring for
-    what happens when the file is busy, read-only or corrupt."""
+    what happens when the file is busy, read-only, corrupt or replaced."""
 
     def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT) -> None:
-        self.path = _database_path(default_path() if path is None else path, "tuning database",
-                                   "a file path or None")
         self.timeout = timeout
+        self._open(default_path() if path is None else path)
+
+    def _open(self, path: object) -> None:
+        """Connect to the file at ``path`` (checked by `_database_path`) and make it ready: its
+        folder and table created where it can be written."""
+        self.path = _database_path(path, "tuning database", "a file path or None")
         self.read_only = _read_only(self.path)
         self._connect()
         self._safely(self._prepare, None, "records may be neither found nor saved")
@@ -240,7 +247,9 @@ class TuningDatabase:
             self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
         except sqlite3.Error as exc:
             raise TuningDatabaseError(f"tuning database {self.path} cannot be opened ({exc}); {_HOW}") from None
-        self._opened = os.stat(self.path)  # `_move_aside` moves this file only, never one put in its place
+        # the file's identity: `_move_aside` moves this file only, never one put in its place, and
+        # `_reopen_if_replaced` notices when the path leads elsewhere
+        self._opened = os.stat(self.path)
 
     def _prepare(self) -> None:
         """WAL journaling and the table (when writable), and a check that a ``records`` table is
@@ -253,12 +262,38 @@ class TuningDatabase:
         if columns and columns != _COLUMNS:
             raise sqlite3.DatabaseError(f"a records table of another layout: {', '.join(columns)}")
 
-    def _safely(self, action: Callable[[], _T], fallback: _T, consequence: str, retry: bool = True) -> _T:
-        """``action()``; on SQLite trouble (`_trouble`) ``fallback`` with a warning that ends with
-        ``consequence``, except that a corrupt, writable file is moved aside and the action
-        retried once on a fresh one, and a missing table simply gives ``fallback``."""
+    def _reopen_if_replaced(self) -> None:
+        """Reopen the path, with a warning, when the file there is no longer the one opened
+        (deleted, replaced, or moved aside by another process): records written into a file no
+        path leads to are lost to every later open. One stat per read or write."""
         try:
+            if os.path.samestat(os.stat(self.path), self._opened):
+                return
+            change = "replaced by another file"
+        except OSError:
+            change = "deleted or moved away"
+        warnings.warn(f"tuning database {self.path} was {change} while open; reopening the path",
+                      TuningDatabaseWarning, stacklevel=4)
+        # Empty the WAL this connection holds (its own file's, left at the path or moved along with
+        # it) into that file before closing: SQLite does not checkpoint a moved or deleted file on
+        # close, and would apply a -wal left at the path to whatever file is there now.
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+        self._open(self.path)
+
+    def _safely(self, action: Callable[[], _T], fallback: _T, consequence: str, retry: bool = True) -> _T:
+        """``action()`` on the file at the path (`_reopen_if_replaced`); on SQLite trouble
+        (`_trouble`) ``fallback`` with a warning that ends with ``consequence``, except that a
+        corrupt, writable file is moved aside and the action retried once on a fresh one, and a
+        missing table simply gives ``fallback``. A path that can no longer be opened gives
+        ``fallback`` with a warning too."""
+        try:
+            self._reopen_if_replaced()
             return action()
+        except TuningDatabaseError as exc:
+            warnings.warn(f"{exc}; {consequence}", TuningDatabaseWarning, stacklevel=3)
+            return fallback
         except sqlite3.Error as exc:
             trouble = _trouble(exc)
             if trouble == "empty":
