@@ -190,10 +190,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
-    db = TuningDatabase(args.db)
     if args.action == "clear":
+        db = TuningDatabase(args.db)
         print(f"{db.path}: removed {db.clear()} record(s)")
         return 0
+    db = TuningDatabase(args.db, read_only=True)  # a listing creates, moves and writes nothing
     records = db.records()
     print(f"{db.path}: {len(records)} record(s)")
     for r in records:

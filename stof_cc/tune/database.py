@@ -30,6 +30,9 @@ processes read while one writes. What can go wrong, and what happens then:
   moved aside (the regular file we opened, with its -wal and -shm, to
   ``<name>.corrupt-<time>-<pid>``) with a warning, and a fresh one started; read-only, it is
   left in place and not used.
+
+``TuningDatabase(path, read_only=True)`` (`stof-cc cache list`) only reads: a missing file or one
+that is not a tuning database is a `TuningDatabaseError`, and nothing is created, moved or written.
 """
 
 from __future__ import annotations
@@ -222,27 +225,39 @@ def _record(row: tuple) -> Record:
 
 class TuningDatabase:
     """Best parameters per (template digest, group signature, device). ``timeout``: seconds a
-    write waits for another process's lock (`BUSY_TIMEOUT`). See the module docstring for
-    what happens when the file is busy, read-only, corrupt or replaced."""
+    write waits for another process's lock (`BUSY_TIMEOUT`); ``read_only``: only read an existing
+    tuning database (`stof-cc cache list`). See the module docstring for what happens when the
+    file is busy, read-only, corrupt or replaced."""
 
-    def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT) -> None:
+    def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT,
+                 read_only: bool = False) -> None:
         self.timeout = timeout
+        self._only_reading = read_only
         self._open(default_path() if path is None else path)
 
     def _open(self, path: object) -> None:
         """Connect to the file at ``path`` (checked by `_database_path`) and make it ready: its
-        folder and table created where it can be written."""
+        folder and table created where it can be written. Only reading, the file must exist and be
+        a tuning database: nothing is created, and nothing else is worth listing."""
         self.path = _database_path(path, "tuning database", "a file path or None")
-        self.read_only = _read_only(self.path)
+        if self._only_reading and not os.path.isfile(self.path):
+            raise TuningDatabaseError(f"tuning database {self.path} does not exist")
+        self.read_only = self._only_reading or _read_only(self.path)
         self._connect()
-        self._safely(self._prepare, None, "records may be neither found nor saved")
+        if self._only_reading:
+            self._check_ours()
+        else:
+            self._safely(self._prepare, None, "records may be neither found nor saved")
 
     def _connect(self) -> None:
-        """Open the file: read-only with ``mode=ro``, and immutable when its folder is read-only
-        too (a WAL reader needs an index file, -shm, that SQLite could not create there)."""
+        """Open the file: read-only with ``mode=ro``, and immutable where SQLite would otherwise
+        create the WAL's index (-shm) and log beside it: a read-only folder, where it cannot, and
+        only reading a file no writer has open (no -wal, -shm), where it must not."""
         uri = self.path.absolute().as_uri()
         if self.read_only:
-            uri += "?mode=ro" if os.access(self.path.parent, os.W_OK) else "?mode=ro&immutable=1"
+            writer_open = all(os.path.exists(f"{self.path}{suffix}") for suffix in ("-wal", "-shm"))
+            shared = os.access(self.path.parent, os.W_OK) and (writer_open or not self._only_reading)
+            uri += "?mode=ro" if shared else "?mode=ro&immutable=1"
         try:
             self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
         except sqlite3.Error as exc:
@@ -252,15 +267,31 @@ class TuningDatabase:
         self._opened = os.stat(self.path)
 
     def _prepare(self) -> None:
-        """WAL journaling and the table (when writable), and a check that a ``records`` table is
-        ours: another tool's table is a foreign file, never read or written into. Runs before
-        every write too, since opening a busy file may have left it unprepared."""
+        """WAL journaling and the table (when writable), and `_columns`' check that a ``records``
+        table is ours. Runs before every write too, since opening a busy file may have left it
+        unprepared."""
         if not self.read_only:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(_CREATE)
+        self._columns()
+
+    def _columns(self) -> tuple[str, ...]:
+        """The ``records`` table's columns (none: no table yet); sqlite3.DatabaseError for another
+        tool's table: a foreign file, never read or written into."""
         columns = tuple(row[1] for row in self._db.execute("PRAGMA table_info(records)"))
         if columns and columns != _COLUMNS:
             raise sqlite3.DatabaseError(f"a records table of another layout: {', '.join(columns)}")
+        return columns
+
+    def _check_ours(self) -> None:
+        """Only reading: `TuningDatabaseError` unless the file holds our ``records`` table."""
+        try:
+            ours = bool(self._columns())
+        except sqlite3.Error as exc:
+            what = "is not a tuning database" if _trouble(exc) == "corrupt" else "cannot be read"
+            raise TuningDatabaseError(f"{self.path} {what} ({exc})") from None
+        if not ours:
+            raise TuningDatabaseError(f"{self.path} is not a tuning database (it has no records table)")
 
     def _reopen_if_replaced(self) -> None:
         """Reopen the path, with a warning, when the file there is no longer the one opened
