@@ -126,6 +126,28 @@ def test_a_database_path_that_cannot_hold_one_is_a_clear_error(where, tmp_path, 
     assert folder.is_dir() and not list(tmp_path.glob("*.corrupt-*"))  # nothing moved aside
 
 
+@pytest.mark.parametrize(("source", "cause"), [
+    ("import torch\ndef factory(:\n    pass\n", "{file} does not load: SyntaxError: invalid syntax (line 2)"),
+    ("import torch\nimport no_such_module_for_stof\n",
+     "{file} does not load: ModuleNotFoundError: No module named 'no_such_module_for_stof' (line 2)"),
+    ("import torch\nraise RuntimeError('the model zoo is offline')\n",
+     "{file} does not load: RuntimeError: the model zoo is offline (line 2)"),
+    ("import json\n\ndef factory():\n    return json.loads('{not json')\n",  # the line is the user's, not json's
+     "{file}:factory raised JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 "
+     "(char 1) (line 4)"),
+], ids=["syntax error", "failed import", "raises on import", "factory raises"])
+def test_a_factory_file_that_fails_is_one_error_line(source, cause, tmp_path, capsys):
+    """A raw traceback before (issue 32, item 13): now one line naming the file, the line and the cause."""
+    script = tmp_path / "model.py"
+    script.write_text(source)
+    for command in ("inspect", "compile", "tune"):
+        assert main([command, f"{script}:factory"]) == 2
+        err = capsys.readouterr().err
+        if command == "tune" and "no CUDA device" in err:  # tune refuses before loading where no GPU runs
+            continue
+        assert err == f"stof-cc: error: {cause.format(file=script)}\n"
+
+
 def _write_escaping_factory(folder: Path) -> Path:
     """A model file whose factory is named ``../../../escape`` (a module attribute, not a def)."""
     script = folder / "f.py"
