@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from stof_cc.ir.frontend import TraceError
 from stof_cc.ir.graph import Graph, GraphError
 from stof_cc.ir.interpret import interpret
 from stof_cc.ir.ops import OPAQUE, pattern_kind
+from stof_cc.ir.paths import PathError, blocking_file, path_in
 from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskError
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
-            BackendError, TuningDatabaseError) as exc:
+            BackendError, TuningDatabaseError, PathError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
@@ -106,11 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def describe_os_error(exc: OSError) -> str:
-    """What went wrong writing a path, naming the file in the way when a folder was expected."""
-    if exc.filename is None:
+    """What went wrong writing a path, naming the file in the way when a folder was expected.
+    Never raises: the path may be one no stat can reach (no access, a name too long)."""
+    if not isinstance(exc.filename, (str, bytes, os.PathLike)):
         return str(exc)
-    path = Path(exc.filename)
-    in_the_way = next((p for p in (path, *path.parents) if p.is_file()), None)
+    path = Path(os.fsdecode(exc.filename))
+    in_the_way = blocking_file(path)
     if in_the_way is not None and isinstance(exc, (FileExistsError, NotADirectoryError)):
         return f"cannot write {path}: {in_the_way} is a file, not a folder"
     return f"cannot write {path}: {exc.strerror or exc}"
@@ -138,7 +141,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for node in opaque:
         print(f"  %{node.name}: {node.target}")
     _print_attention_choices(graph)
-    dot_path = Path(args.build_dir) / graph.name / "graph.dot"
+    dot_path = path_in(Path(args.build_dir), graph.name, "graph.dot")
     dot_path.parent.mkdir(parents=True, exist_ok=True)
     dot_path.write_text(graph.to_dot())
     print(f"\nwrote {dot_path}")
@@ -155,7 +158,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
                         name=_model_name(args.model))
     plan = choose_scheme(graph, plan)
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
-    out_dir = Path(args.build_dir) / graph.name
+    out_dir = path_in(Path(args.build_dir), graph.name)
     builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
     print(format_builds(builds, plan))
     report = write_report(graph, plan, builds, out_dir)
@@ -187,10 +190,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
-    db = TuningDatabase(args.db)
     if args.action == "clear":
+        db = TuningDatabase(args.db)
         print(f"{db.path}: removed {db.clear()} record(s)")
         return 0
+    db = TuningDatabase(args.db, read_only=True)  # a listing creates, moves and writes nothing
     records = db.records()
     print(f"{db.path}: {len(records)} record(s)")
     for r in records:
@@ -215,7 +219,7 @@ def _cmd_attention(args: argparse.Namespace) -> int:
 def _write_and_compile(choice, problem: AttentionProblem, build_dir: Path) -> None:
     """The chosen kernel's source under build_dir/attention/, and ptxas's verdict on it."""
     name = choice.template.kernel_name(problem, choice.params)
-    source_path = build_dir / "attention" / f"{name}.cu"
+    source_path = path_in(build_dir, "attention", f"{name}.cu")
     source_path.parent.mkdir(parents=True, exist_ok=True)
     source = choice.template.render(problem, choice.params)
     source_path.write_text(source)

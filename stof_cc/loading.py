@@ -1,13 +1,17 @@
 """Load a user's example: ``path/to/file.py:factory`` -> (module, args, kwargs).
 
 A factory returns ``(module, example_args)`` or ``(module, example_args, example_kwargs)``;
-every command that takes a model (inspect, and later compile and tune) reads it this way.
+every command that takes a model (inspect, compile, tune) reads it this way. A file that does not
+load (a syntax error, a failed import, an exception) or a factory that raises is a `FactoryError`
+naming the file, the line and the cause in one line, chained to the original exception.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +34,36 @@ def load_factory(reference: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict
         raise FactoryError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(spec.name, None)
+        raise FactoryError(f"{path} does not load: {_cause(exc, path)}") from exc
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise FactoryError(f"{path} has no function {factory_name!r}")
-    return _unpack(reference, factory())
+    try:
+        result = factory()
+    except Exception as exc:
+        raise FactoryError(f"{reference} raised {_cause(exc, path)}") from exc
+    return _unpack(reference, result)
+
+
+def _cause(exc: Exception, path: Path) -> str:
+    """``exc`` in one line, with the line it came from: a syntax error's own (in whichever file it
+    is), else the innermost frame in ``path`` (the user's code, not the library it called)."""
+    if isinstance(exc, SyntaxError):
+        text, file, line = exc.msg, exc.filename, exc.lineno
+    else:
+        text = str(exc).strip().split("\n")[0]
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if _same_file(f.filename, path)]
+        file, line = path, frames[-1].lineno if frames else None
+    where = "" if not line else f" (line {line})" if _same_file(file, path) else f" ({file}, line {line})"
+    return f"{type(exc).__name__}{': ' if text else ''}{text}{where}"
+
+
+def _same_file(name: str | Path | None, path: Path) -> bool:
+    return name is not None and os.path.abspath(name) == os.path.abspath(path)
 
 
 def _unpack(reference: str, result: Any) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:

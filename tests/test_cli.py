@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +124,73 @@ def test_a_database_path_that_cannot_hold_one_is_a_clear_error(where, tmp_path, 
         err = capsys.readouterr().err
         assert err.startswith("stof-cc: error: ") and "Traceback" not in err and "STOF_CC_TUNING_DB" in err
     assert folder.is_dir() and not list(tmp_path.glob("*.corrupt-*"))  # nothing moved aside
+
+
+@pytest.mark.parametrize(("source", "cause"), [
+    ("import torch\ndef factory(:\n    pass\n", "{file} does not load: SyntaxError: invalid syntax (line 2)"),
+    ("import torch\nimport no_such_module_for_stof\n",
+     "{file} does not load: ModuleNotFoundError: No module named 'no_such_module_for_stof' (line 2)"),
+    ("import torch\nraise RuntimeError('the model zoo is offline')\n",
+     "{file} does not load: RuntimeError: the model zoo is offline (line 2)"),
+    ("import json\n\ndef factory():\n    return json.loads('{not json')\n",  # the line is the user's, not json's
+     "{file}:factory raised JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 "
+     "(char 1) (line 4)"),
+], ids=["syntax error", "failed import", "raises on import", "factory raises"])
+def test_a_factory_file_that_fails_is_one_error_line(source, cause, tmp_path, capsys):
+    """A raw traceback before (issue 32, item 13): now one line naming the file, the line and the cause."""
+    script = tmp_path / "model.py"
+    script.write_text(source)
+    for command in ("inspect", "compile", "tune"):
+        assert main([command, f"{script}:factory"]) == 2
+        err = capsys.readouterr().err
+        if command == "tune" and "no CUDA device" in err:  # tune refuses before loading where no GPU runs
+            continue
+        assert err == f"stof-cc: error: {cause.format(file=script)}\n"
+
+
+def _write_escaping_factory(folder: Path) -> Path:
+    """A model file whose factory is named ``../../../escape`` (a module attribute, not a def)."""
+    script = folder / "f.py"
+    script.write_text("import torch\n\n"
+                      "def factory():\n"
+                      "    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()), (torch.randn(16, 64),)\n\n"
+                      "globals()['../../../escape'] = factory\n")
+    return script
+
+
+def test_a_factory_name_never_leads_outside_the_build_dir(tmp_path, capsys):
+    """`stof-cc compile 'f.py:../../../escape' --build-dir x/y/bd` wrote the .cu files, index.html
+    and fusion.* beside the build folder's parents (issue 32, item 5)."""
+    script = _write_escaping_factory(tmp_path)
+    build = tmp_path / "x" / "y" / "bd"
+    assert main(["compile", f"{script}:../../../escape", "--no-nvcc", "--build-dir", str(build)]) == 0
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p != script]
+    names = {p.name for p in written}
+    assert {"g0.cu", "index.html", "fusion.svg"} <= names and all(p.is_relative_to(build) for p in written), written
+    assert main(["inspect", f"{script}:../../../escape", "--quiet-graph", "--build-dir", str(build)]) == 0
+    assert all(p.is_relative_to(build) for p in tmp_path.rglob("*") if p.is_file() and p != script)
+
+
+def test_a_build_dir_name_too_long_is_a_clear_error(tmp_path, capsys):
+    """The OS error handler itself raised (Path.is_file on a name too long): a raw traceback."""
+    script = _write_escaping_factory(tmp_path)
+    build = tmp_path / ("b" * 300)
+    assert main(["compile", f"{script}:factory", "--no-nvcc", "--build-dir", str(build)]) == 2
+    assert capsys.readouterr().err == f"stof-cc: error: cannot write {build / 'f'}: File name too long\n"
+
+
+@pytest.mark.parametrize("error", [errno.ENAMETOOLONG, errno.EACCES])
+def test_describing_an_os_error_never_raises(error, tmp_path, monkeypatch):
+    from stof_cc.cli import describe_os_error
+
+    path = tmp_path / ("n" * 300 if error == errno.ENAMETOOLONG else "locked") / "out.png"
+    real_stat = os.stat
+
+    def stat(target, *args, **kwargs):  # root reads through chmod: refuse as a locked folder would
+        if error == errno.EACCES and "locked" in str(target):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(target))
+        return real_stat(target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    exc = OSError(error, os.strerror(error), str(path))
+    assert describe_os_error(exc) == f"cannot write {path}: {os.strerror(error)}"

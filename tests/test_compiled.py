@@ -4,6 +4,7 @@ the GPU the generated kernels against eager."""
 from __future__ import annotations
 
 import copy
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -336,6 +337,54 @@ def test_compile_names_a_bad_argument(change, message):
     arguments = {"model": _SDPA(), "example_inputs": (q, q, q)} | change
     with pytest.raises(TypeError, match=message):
         stof_cc.compile(arguments.pop("model"), arguments.pop("example_inputs"), **arguments)
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ({"database": 12345}, TypeError, "stof_cc.compile: database must be a TuningDatabase, a file path or None, got int"),
+    ({"database": "{folder}"}, "TuningDatabaseError", "stof_cc.compile: database {folder} is a directory; give a "
+                                                      "file path"),
+    ({"database": "{file}/t.sqlite"}, "TuningDatabaseError", "stof_cc.compile: database {file}/t.sqlite: {file} is "
+                                                             "a file, not a folder"),
+    ({"build_dir": 3}, TypeError, "stof_cc.compile: build_dir must be a folder path or None, got int"),
+    ({"build_dir": "{file}"}, ValueError, "stof_cc.compile: build_dir {file} is a file, not a folder"),
+    ({"build_dir": "{file}/bd"}, ValueError, "stof_cc.compile: build_dir {file}/bd: {file} is a file, not a folder"),
+], ids=["database-int", "database-folder", "database-under-file", "build_dir-int", "build_dir-file",
+        "build_dir-under-file"])
+def test_compile_checks_database_and_build_dir_up_front(change, error, message, tmp_path):
+    """Before the fix these passed silently where no GPU runs (database: it is never opened) or
+    ended in a raw NotADirectoryError (build_dir) (issue 32, items 9 and 10)."""
+    from stof_cc.tune.database import TuningDatabaseError
+
+    (tmp_path / "notes.txt").write_text("mine")
+    names = {"folder": tmp_path, "file": tmp_path / "notes.txt"}
+    change = {k: v.format(**names) if isinstance(v, str) else v for k, v in change.items()}
+    error = TuningDatabaseError if error == "TuningDatabaseError" else error
+    q = torch.randn(1, 1, 16, 32)
+    with pytest.raises(error, match=re.escape(message.format(**names))):
+        stof_cc.compile(_SDPA(), (q, q, q), dtype=torch.float32, **change)
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def _named_model(name: str) -> torch.nn.Module:
+    """A linear layer and a ReLU (one generated group) in a class called ``name``."""
+    def init(self):
+        torch.nn.Module.__init__(self)
+        self.lin = torch.nn.Linear(64, 64)
+
+    return type(name, (torch.nn.Module,), {"__init__": init, "forward": lambda self, x: torch.relu(self.lin(x))})()
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "x" * 300, "/abs", "..", "a b:c*?<>\\"],
+                         ids=["parents", "300-characters", "absolute", "dot-dot", "odd-characters"])
+def test_a_model_name_never_leads_outside_the_build_dir(name, tmp_path):
+    """A class named ``../../../escaped`` wrote its .cu files beside the build folder's parents;
+    one of 300 characters ended in OSError errno 36 (issue 32, item 5)."""
+    build = tmp_path / "x" / "y" / "bd"
+    stof_cc.compile(_named_model(name).eval(), (torch.randn(16, 64),), build_dir=build)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and all(p.is_relative_to(build) for p in written), written
+    (folder,) = build.iterdir()
+    assert len(folder.name.encode()) <= 96 and not folder.name.startswith(".")
 
 
 @pytest.mark.nvcc

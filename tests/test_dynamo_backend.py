@@ -227,6 +227,21 @@ def test_options_are_checked():
         stof_cc.backend(mask="causal")
 
 
+def test_database_and_build_dir_are_checked_when_the_backend_is_made(tmp_path):
+    """Not at the first call, and not only where a GPU runs (issue 32, items 9 and 10)."""
+    from stof_cc.tune.database import TuningDatabaseError
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(TypeError, match="stof_cc.backend: database must be a TuningDatabase, a file path or None, "
+                                        "got int"):
+        stof_cc.backend(database=12345)
+    with pytest.raises(TuningDatabaseError, match=f"stof_cc.backend: database {tmp_path} is a directory"):
+        stof_cc.backend(database=tmp_path)
+    with pytest.raises(ValueError, match=f"stof_cc.backend: build_dir {tmp_path / 'notes.txt'} is a file, not a "
+                                         "folder"):
+        stof_cc.backend(build_dir=tmp_path / "notes.txt")
+
+
 def test_a_huggingface_model_runs_under_the_backend():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(4)

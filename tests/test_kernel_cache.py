@@ -1,6 +1,7 @@
 """The cubin cache of `backends/nvcc.py` under damage and hostile settings: damaged entries are
-rebuilt, a read-only folder compiles uncached with one warning, a file in the way is a clear
-error, files follow the umask, and concurrent compiles of one source leave one valid entry."""
+rebuilt (a cubin that no longer matches its recorded sha256 with a warning), a read-only folder
+compiles uncached with one warning, a file in the way is a clear error, files follow the umask,
+and concurrent compiles of one source leave one valid entry."""
 
 from __future__ import annotations
 
@@ -82,17 +83,35 @@ def _only(cache: Path, suffix: str) -> Path:
     lambda b: b"",
     lambda b: b"garbage " * 100,
     lambda b: b"\x7fELF\x02\x01" + bytes(len(b) - 6),  # the magic, then zeros: no sections
-], ids=["truncated", "header-only", "empty", "garbage", "magic-then-zeros"])
-def test_damaged_cubin_is_rebuilt(cache, nvcc_runs, damage):
+    # 8 bytes flipped mid-file: a whole, valid ELF, served as a hit before the sha256 (issue 32, item 12)
+    lambda b: b[:len(b) // 2] + bytes(x ^ 0xFF for x in b[len(b) // 2:len(b) // 2 + 8]) + b[len(b) // 2 + 8:],
+], ids=["truncated", "header-only", "empty", "garbage", "magic-then-zeros", "bytes-flipped"])
+def test_damaged_cubin_is_rebuilt_with_a_warning(cache, nvcc_runs, damage):
     first = compile_cubin(KERNEL)
     cubin_path = _only(cache, ".cubin")
     cubin_path.write_bytes(damage(first.cubin))
-    again = compile_cubin(KERNEL)
+    with pytest.warns(KernelCacheWarning, match=f"kernel cache entry {cubin_path} does not match the sha256 "
+                                                r"recorded in \w+\.ptxas\.txt: damaged, compiling it again"):
+        again = compile_cubin(KERNEL)
     assert len(nvcc_runs) == 2
     assert again.cubin == first.cubin == cubin_path.read_bytes()
     assert again.resources["k"].registers > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compile_cubin(KERNEL)
+    assert len(nvcc_runs) == 2, "a valid entry is a quiet hit: no nvcc"
+
+
+@pytest.mark.nvcc
+def test_an_entry_without_a_recorded_sha256_is_rebuilt_quietly(cache, nvcc_runs):
+    """An entry written before stof-cc recorded the cubin's hash cannot be trusted, nor is it damage."""
     compile_cubin(KERNEL)
-    assert len(nvcc_runs) == 2, "a valid entry is a hit: no nvcc"
+    report = _only(cache, ".ptxas.txt")
+    report.write_text(report.read_text().split("\n", 1)[1])  # ptxas's report alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compile_cubin(KERNEL).resources["k"].registers > 0
+    assert len(nvcc_runs) == 2 and report.read_text().startswith("stof-cc: sha256 of the cubin: ")
 
 
 @pytest.mark.nvcc

@@ -215,9 +215,11 @@ def test_cache_command_survives_a_malformed_file(tmp_path: Path, capsys):
     path = tmp_path / "t.sqlite"
     _filled(path)
     _malform(path)
+    data = path.read_bytes()
     with pytest.warns(TuningDatabaseWarning, match="unreadable"):
         assert main(["cache", "list", "--db", str(path)]) == 0
     assert "0 record(s)" in capsys.readouterr().out
+    assert sorted(tmp_path.iterdir()) == [path] and path.read_bytes() == data  # a listing moves nothing
     path.unlink()
     _filled(path)
     _malform(path)
@@ -301,3 +303,100 @@ def test_an_unreadable_read_only_file_is_left_in_place(tmp_path: Path, monkeypat
     with pytest.warns(TuningDatabaseWarning, match="is read-only|is unreadable"):
         db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
     assert path.read_bytes() == b"this is not sqlite at all" * 100 and not _corrupt_files(tmp_path)
+
+
+def test_a_database_deleted_while_open_is_reopened_with_a_warning(tmp_path: Path):
+    """Records stored after the file was deleted went into the unlinked file, lost to every later
+    open, without a word (issue 32, item 4)."""
+    path = tmp_path / "t.sqlite"
+    db = TuningDatabase(path)
+    db.store(ELEMENTWISE, "before", H100, {"threads": 128, "vec": 1}, 1.0)
+    path.unlink()  # as `rm`: the -wal and -shm stay behind
+    with pytest.warns(TuningDatabaseWarning, match=f"{path} was deleted or moved away while open; reopening"):
+        db.store(ELEMENTWISE, "after", H100, {"threads": 128, "vec": 1}, 2.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reopened once: quiet from then on
+        db.store(ELEMENTWISE, "later", H100, {"threads": 128, "vec": 1}, 3.0)
+        assert [r.signature for r in TuningDatabase(path).records()] == ["after", "later"]
+
+
+def test_a_database_replaced_while_open_is_reopened_with_a_warning(tmp_path: Path):
+    path, other = tmp_path / "t.sqlite", tmp_path / "other.sqlite"
+    db = TuningDatabase(path)
+    db.store(ELEMENTWISE, "mine", H100, {"threads": 128, "vec": 1}, 1.0)
+    theirs = TuningDatabase(other)
+    theirs.store(ELEMENTWISE, "theirs", H100, {"threads": 256, "vec": 2}, 2.0)
+    theirs.close()
+    os.replace(other, path)
+    with pytest.warns(TuningDatabaseWarning, match=f"{path} was replaced by another file while open; reopening"):
+        assert db.lookup(ELEMENTWISE, "theirs", H100).micros == 2.0
+    db.store(ELEMENTWISE, "new", H100, {"threads": 128, "vec": 1}, 3.0)
+    assert [r.signature for r in TuningDatabase(path).records()] == ["new", "theirs"]
+
+
+def test_a_path_of_the_wrong_type_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="tuning database must be a file path or None, got int"):
+        TuningDatabase(12345)
+
+
+def test_the_database_argument_is_checked_without_touching_the_disk(tmp_path: Path):
+    from stof_cc.tune.database import check_database_argument
+
+    (tmp_path / "notes.txt").write_text("mine")
+    for fine in (None, tmp_path / "new" / "deeper" / "t.sqlite", str(tmp_path / "notes.txt")):
+        check_database_argument(fine, "database")
+    assert sorted(tmp_path.iterdir()) == [tmp_path / "notes.txt"]  # no folder made
+    with pytest.raises(TypeError, match="^database must be a TuningDatabase, a file path or None, got float$"):
+        check_database_argument(1.5, "database")
+    with pytest.raises(TuningDatabaseError, match="^database: the path is empty"):
+        check_database_argument("", "database")
+
+
+def _listing_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Paths `cache list` must refuse, each with the error it gives."""
+    (tmp_path / "notes.txt").write_text("my notes, not a database\n" * 200)
+    other = sqlite3.connect(tmp_path / "other.sqlite")
+    other.execute("CREATE TABLE things (x)")
+    other.commit()
+    other.close()
+    foreign = tmp_path / "foreign.sqlite"
+    _filled(foreign)
+    _foreign(foreign)
+    missing = tmp_path / "no" / "such" / "dir" / "t.sqlite"
+    return {"missing": (missing, f"tuning database {missing} does not exist"),
+            "not sqlite": (tmp_path / "notes.txt",
+                           f"{tmp_path / 'notes.txt'} is not a tuning database (file is not a database)"),
+            "another tool's": (tmp_path / "other.sqlite",
+                               f"{tmp_path / 'other.sqlite'} is not a tuning database (it has no records table)"),
+            "foreign layout": (foreign, f"{foreign} is not a tuning database (a records table of another layout: "
+                                        "id, name)")}
+
+
+@pytest.mark.parametrize("case", ["missing", "not sqlite", "another tool's", "foreign layout"])
+def test_cache_list_refuses_what_is_not_a_tuning_database_and_changes_nothing(tmp_path: Path, capsys, case: str):
+    """`cache list --db no/such/dir/t.sqlite` made the folders and an empty database, and
+    `--db notes.txt` renamed the user's file aside (issue 32, item 11)."""
+    from stof_cc.cli import main
+
+    path, message = _listing_cases(tmp_path)[case]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["cache", "list", "--db", str(path)]) == 2
+    assert capsys.readouterr().err == f"stof-cc: error: {message}\n"
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*")} == before
+
+
+def test_cache_list_reads_a_database_in_use_and_creates_nothing(tmp_path: Path, capsys):
+    from stof_cc.cli import main
+
+    path = tmp_path / "t.sqlite"
+    _filled(path)  # closed: no -wal, no -shm
+    assert main(["cache", "list", "--db", str(path)]) == 0
+    assert "100 record(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.sqlite"]
+    writer = TuningDatabase(path)  # open, with a record only in its WAL: the listing reads it there
+    writer.store(ELEMENTWISE, "in the wal", H100, {"threads": 128, "vec": 1}, 1.0)
+    assert main(["cache", "list", "--db", str(path)]) == 0
+    assert "101 record(s)" in capsys.readouterr().out
+

@@ -4,10 +4,12 @@ Used two ways: offline (CI, no GPU: does every template instantiation compile fo
 and with how many registers and how much shared memory?) and at run time, where the
 PyCUDA backend loads the cubin this produces. Cubins are cached on disk by a hash of
 (source, arch, flags, nvcc version), so a second compile of the same kernel is a file read.
-A damaged entry (a cubin that is not a whole ELF file, a report naming no kernel) is rebuilt;
-a cache folder that cannot be written still serves its entries and compiles the rest uncached,
-with one `KernelCacheWarning`. Entries are written atomically, with the umask's permissions,
-so threads, processes and users can share one cache.
+The report beside each cubin records the cubin's sha256 on its first line: a cubin that no longer
+matches it (damaged on disk, even inside a valid ELF) is rebuilt with a `KernelCacheWarning`
+naming the file; a report without it (damaged, or written by an older stof-cc) or naming no kernel
+is rebuilt quietly. A cache folder that cannot be written still serves its entries and compiles
+the rest uncached, with one `KernelCacheWarning`. Entries are written atomically, with the
+umask's permissions, so threads, processes and users can share one cache.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import os
 import re
 import shutil
-import struct
 import subprocess
 import tempfile
 import threading
@@ -27,6 +28,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from stof_cc.ir.paths import blocking_file
 
 DEFAULT_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo")
 
@@ -40,7 +43,8 @@ class KernelCacheError(CompileError):
 
 
 class KernelCacheWarning(UserWarning):
-    """The cubin cache folder cannot be written: kernels still compile, but are not cached."""
+    """The cubin cache folder cannot be written (kernels still compile, but are not cached), or an
+    entry is damaged (it is compiled again)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ def cache_dir() -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         name = f"STOF_CC_CACHE={env}" if env else str(root)
-        blocker = next((p for p in (path, *path.parents) if os.path.isfile(p)), None)
+        blocker = blocking_file(path)
         problem = (f"{name} is a file, not a folder" if blocker == root
                    else f"{name}: {blocker} is a file, not a folder" if blocker
                    else f"{name}: cannot create {path} ({exc.strerror or exc})")
@@ -108,7 +112,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
     ``source_path`` is where the user can read the source (the build folder); errors
     name it. Without one, the source is written next to the cache entry, or, when the cache
     folder cannot be written, to a temporary folder kept for this process. A cache entry
-    that fails its checks (`_read_entry`) is silently rebuilt; one that cannot be stored is
+    that fails its checks (`_read_entry`) is rebuilt; one that cannot be stored is
     returned uncached, with a KernelCacheWarning (once per folder).
     """
     key = hashlib.sha256("\0".join([source, arch, *flags, nvcc_version()]).encode()).hexdigest()[:24]
@@ -134,7 +138,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
         cubin = out.read_bytes()
     try:
         _atomic_write(cubin_path, cubin)
-        _atomic_write(report_path, proc.stderr.encode())
+        _atomic_write(report_path, f"{_DIGEST_LINE}{hashlib.sha256(cubin).hexdigest()}\n{proc.stderr}".encode())
     except OSError as exc:
         _warn_uncached(folder, exc)
     return Compiled(cubin, arch, parse_ptxas(proc.stderr), source_path)
@@ -167,6 +171,7 @@ def _require_nvcc() -> str:
     return exe
 
 
+_DIGEST_LINE = "stof-cc: sha256 of the cubin: "  # the report's first line, before ptxas's own
 _lock = threading.Lock()  # compile_many calls compile_cubin from several threads
 _scratch: Path | None = None
 _warned: set[Path] = set()
@@ -174,19 +179,22 @@ _warned: set[Path] = set()
 
 def _read_entry(cubin_path: Path, report_path: Path) -> tuple[bytes, dict[str, Resources]] | None:
     """A cache entry's cubin and parsed report, or None (a miss) when either is missing or
-    damaged: the cubin must be a whole ELF64 file (header, and program and section header
-    tables inside it; checked on the bytes already read, no subprocess), and the report must
-    name at least one kernel, since callers index ``resources`` by kernel name."""
+    damaged: the report's first line must hold a sha256 and the cubin must match it (a
+    mismatch warns, naming the cubin: bytes flipped inside a valid ELF pass every structural
+    check), and the report must name at least one kernel, since callers index ``resources``
+    by kernel name."""
     try:
         cubin, report = cubin_path.read_bytes(), report_path.read_bytes().decode(errors="replace")
     except OSError:
         return None
-    if len(cubin) < 64 or not cubin.startswith(b"\x7fELF\x02\x01"):  # ELF64 little-endian header
+    first, _, ptxas = report.partition("\n")
+    if not first.startswith(_DIGEST_LINE):
         return None
-    phoff, shoff, _, _, phentsize, phnum, shentsize, shnum = struct.unpack_from("<QQIHHHHH", cubin, 32)
-    if shnum == 0 or shoff + shentsize * shnum > len(cubin) or phoff + phentsize * phnum > len(cubin):
+    if hashlib.sha256(cubin).hexdigest() != first.removeprefix(_DIGEST_LINE):
+        warnings.warn(KernelCacheWarning(f"kernel cache entry {cubin_path} does not match the sha256 recorded in "
+                                         f"{report_path.name}: damaged, compiling it again"), stacklevel=3)
         return None
-    resources = parse_ptxas(report)
+    resources = parse_ptxas(ptxas)
     return (cubin, resources) if resources else None
 
 

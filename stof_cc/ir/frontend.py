@@ -24,6 +24,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.ir.ops import canonical_op, spec_of_value
+from stof_cc.ir.paths import path_component
 
 
 class TraceError(RuntimeError):
@@ -121,8 +122,9 @@ def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
 
 
 def from_exported(exported: ExportedProgram, name: str = "graph") -> Graph:
-    """Convert an ExportedProgram (ATen graph) into a Graph."""
-    graph = Graph(name)
+    """Convert an ExportedProgram (ATen graph) into a Graph named ``name`` made a path component:
+    the name names the model's build folder, and it comes from users (a class name, FILE:FACTORY)."""
+    graph = Graph(path_component(name))
     _inline_regions(exported.graph_module)
     signature = exported.graph_signature
     placeholder_kind = {spec.arg.name: spec for spec in signature.input_specs}

@@ -5,11 +5,13 @@ sm_90, with a table of every group.
 Each group's file holds the kernel a compile would start from: attention groups the cost
 model's pick for their anchor (and the rotary kernel of their rotary nodes), other groups the first applicable template
 (`applicable_templates`) at its default point. Groups no template covers (and opaque ops)
-run through torch; the table says so, with the reason.
+run through torch; the table says so, with the reason. File names are the names made path
+components (`ir/paths.py`), checked to stay inside the folder.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +21,7 @@ from stof_cc.backends.nvcc import Resources, compile_cubin
 from stof_cc.backends.rotary_launch import rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
+from stof_cc.ir.paths import blocking_file, path_in
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_header
 from stof_cc.templates.pricing import H100, H100_SM_COUNT
@@ -53,7 +56,7 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
         except NotFusable as why:
             builds.append(GroupBuild(group, None, None, None, f"torch: {why}"))
             continue
-        path = out_dir / f"{group.name}.cu"
+        path = path_in(out_dir, f"{group.name}.cu")
         path.write_text(source)
         resources = None
         if compile_kernels:
@@ -62,6 +65,22 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
         builds.append(GroupBuild(group, template.name, params, path, note, resources, estimate_us,
                                  measured(template, group) if measured else None))
     return builds
+
+
+def check_build_dir(build_dir: object, argument: str) -> None:
+    """Refuse up front a ``build_dir`` that can never be a folder (not a path: TypeError; a file,
+    or under one: ValueError), naming ``argument``, rather than meet a bare NotADirectoryError
+    deep in the first compile (`stof_cc.compile`; the torch.compile backend's first call)."""
+    if build_dir is None:
+        return
+    if not isinstance(build_dir, (str, os.PathLike)):
+        raise TypeError(f"{argument} must be a folder path or None, got {type(build_dir).__name__}")
+    path = Path(build_dir)
+    blocker = blocking_file(path)
+    if blocker == path:
+        raise ValueError(f"{argument} {path} is a file, not a folder")
+    if blocker is not None:
+        raise ValueError(f"{argument} {path}: {blocker} is a file, not a folder")
 
 
 def _rotary_sources(graph: Graph, group: FusionGroup) -> tuple[list[str], list[str]]:

@@ -45,12 +45,12 @@ from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
-from stof_cc.runtime.build import build_groups
+from stof_cc.runtime.build import build_groups, check_build_dir
 from stof_cc.runtime.weights import WeightWatch, eval_mode, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.tune.attention import attention_kernel, node_mask
-from stof_cc.tune.database import Device, TuningDatabase
+from stof_cc.tune.database import Device, TuningDatabase, check_database_argument
 from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
@@ -330,7 +330,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     replaces a node's own static mask (causal, window, a boolean tensor), never its key padding.
     The compiled module reads ``model``'s weights (shared when already in ``dtype``) and compiles
     again when they change (runtime/weights.py says what it notices)."""
-    mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype)
+    mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype, build_dir, database)
     _say_what_changes(model, dtype)
     gpu = _gpu_kernels_available()
     if gpu and not isinstance(database, TuningDatabase):
@@ -346,9 +346,10 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
 
 
 def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Any, mask: Any,
-                             dtype: Any) -> MaskDescription | None:
-    """`compile`'s arguments checked up front, each error naming the argument; a bool tensor
-    mask becomes its `from_dense` description."""
+                             dtype: Any, build_dir: Any, database: Any) -> MaskDescription | None:
+    """`compile`'s arguments checked up front, each error naming the argument (``build_dir`` and
+    ``database`` too, which are otherwise used only later, or never where no GPU runs); a bool
+    tensor mask becomes its `from_dense` description."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"stof_cc.compile: model must be a torch.nn.Module, got {type(model).__name__} "
                         "(wrap a function in a torch.nn.Module)")
@@ -361,6 +362,8 @@ def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: An
     if dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"stof_cc.compile: dtype must be torch.float16, torch.bfloat16 or torch.float32, "
                         f"got {dtype!r}")
+    check_build_dir(build_dir, "stof_cc.compile: build_dir")
+    check_database_argument(database, "stof_cc.compile: database")
     if isinstance(mask, torch.Tensor):
         return from_dense(mask)
     if mask is not None and not isinstance(mask, MaskDescription):

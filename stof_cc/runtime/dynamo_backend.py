@@ -31,8 +31,10 @@ from typing import Any
 import torch
 
 from stof_cc.masks import MaskDescription
+from stof_cc.runtime.build import check_build_dir
 from stof_cc.runtime.compiled import CompiledModule
 from stof_cc.runtime.compiled import compile as compile_module
+from stof_cc.tune.database import check_database_argument
 
 FALLBACKS = ("inductor", "eager")
 # PyTorch's inference fast path for nn.TransformerEncoderLayer and nn.MultiheadAttention: one op per
@@ -186,6 +188,8 @@ def backend(mask: MaskDescription | torch.Tensor | None = None, tune: bool = Tru
     if mask is not None and not isinstance(mask, (MaskDescription, torch.Tensor)):
         raise TypeError(f"stof_cc.backend: mask must be a stof_cc.masks description, a bool tensor or None, "
                         f"got {type(mask).__name__}")
+    check_database_argument(database, "stof_cc.backend: database")
+    check_build_dir(build_dir, "stof_cc.backend: build_dir")
     options = {"fallback": fallback,
                "compile": {"mask": mask, "tune": tune, "cuda_graphs": cuda_graphs, "database": database,
                            "build_dir": build_dir}}

@@ -13,8 +13,12 @@ The database is a cache: trouble with it costs a re-measurement, never a compile
 a good record. Writes are single SQLite transactions (atomic), and WAL journaling lets
 processes read while one writes. What can go wrong, and what happens then:
 
-* a path that cannot hold a database (a directory, ``''``, a folder that cannot be created)
-  raises `TuningDatabaseError`; nothing there is touched;
+* a path that cannot hold a database (a directory, ``''``, under a file, a folder that cannot be
+  created) raises `TuningDatabaseError`, and an argument that is no path at all a TypeError;
+  nothing there is touched (`check_database_argument` checks the same before anything is opened);
+* the file deleted or replaced while open (another process moved it aside, a user removed it):
+  noticed before every read and write by its identity (st_dev, st_ino), and the path reopened
+  with a warning, so that no record goes into a file no later open can find;
 * busy: another process holding the write lock makes a write wait up to ``timeout``
   (`BUSY_TIMEOUT`); past it the write is skipped with a `TuningDatabaseWarning` (the record is
   measured again next time). A lock is never taken for damage: nothing busy is moved;
@@ -26,6 +30,9 @@ processes read while one writes. What can go wrong, and what happens then:
   moved aside (the regular file we opened, with its -wal and -shm, to
   ``<name>.corrupt-<time>-<pid>``) with a warning, and a fresh one started; read-only, it is
   left in place and not used.
+
+``TuningDatabase(path, read_only=True)`` (`stof-cc cache list`) only reads: a missing file or one
+that is not a tuning database is a `TuningDatabaseError`, and nothing is created, moved or written.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from stof_cc.ir.paths import blocking_file
 from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 SCHEMA_VERSION = 1
@@ -136,12 +144,35 @@ def default_path() -> Path:
     return Path(cache) / "stof-cc" / "tuning.sqlite"
 
 
+def check_database_argument(database: object, argument: str) -> None:
+    """Refuse a ``database`` argument (`stof_cc.compile`, `stof_cc.backend`) that can never name a
+    tuning database, touching nothing: where no GPU runs it is never opened, and a wrong one would
+    pass unnoticed. Each error message begins with ``argument``."""
+    if database is not None and not isinstance(database, TuningDatabase):
+        _database_path(database, argument, "a TuningDatabase, a file path or None")
+
+
+def _database_path(path: object, culprit: str, expected: str) -> Path:
+    """``path`` as a Path, checked without touching the disk: TypeError when it is no path (says
+    it should be ``expected``), `TuningDatabaseError` when it is empty, something other than a
+    regular file, or under a file; each message starts with ``culprit``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{culprit} must be {expected}, got {type(path).__name__}")
+    if not os.fspath(path):
+        raise TuningDatabaseError(f"{culprit}: the path is empty; {_HOW}")
+    path = Path(path)
+    if os.path.exists(path) and not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise TuningDatabaseError(f"{culprit} {path} is {kind}; {_HOW}")
+    blocker = blocking_file(path.parent)
+    if blocker is not None:
+        raise TuningDatabaseError(f"{culprit} {path}: {blocker} is a file, not a folder; {_HOW}")
+    return path
+
+
 def _read_only(path: Path) -> bool:
-    """Whether the database at ``path`` can only be read; `TuningDatabaseError` when it cannot be
-    used at all. Checked before SQLite opens it, so that nothing but a regular file is touched."""
-    if path.exists() and not path.is_file():
-        kind = "a directory" if path.is_dir() else "not a regular file"
-        raise TuningDatabaseError(f"tuning database {path} is {kind}; {_HOW}")
+    """Whether the database at ``path`` (a `_database_path`) can only be read, creating its folder
+    when missing; `TuningDatabaseError` when it cannot be used at all."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -194,47 +225,106 @@ def _record(row: tuple) -> Record:
 
 class TuningDatabase:
     """Best parameters per (template digest, group signature, device). ``timeout``: seconds a
-    write waits for another process's lock (`BUSY_TIMEOUT`). See the module docstring for
-    what happens when the file is busy, read-only or corrupt."""
+    write waits for another process's lock (`BUSY_TIMEOUT`); ``read_only``: only read an existing
+    tuning database (`stof-cc cache list`). See the module docstring for what happens when the
+    file is busy, read-only, corrupt or replaced."""
 
-    def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT) -> None:
-        if path is not None and not str(path):
-            raise TuningDatabaseError(f"the tuning database path is empty; {_HOW}")
-        self.path = Path(path) if path is not None else default_path()
+    def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT,
+                 read_only: bool = False) -> None:
         self.timeout = timeout
-        self.read_only = _read_only(self.path)
+        self._only_reading = read_only
+        self._open(default_path() if path is None else path)
+
+    def _open(self, path: object) -> None:
+        """Connect to the file at ``path`` (checked by `_database_path`) and make it ready: its
+        folder and table created where it can be written. Only reading, the file must exist and be
+        a tuning database: nothing is created, and nothing else is worth listing."""
+        self.path = _database_path(path, "tuning database", "a file path or None")
+        if self._only_reading and not os.path.isfile(self.path):
+            raise TuningDatabaseError(f"tuning database {self.path} does not exist")
+        self.read_only = self._only_reading or _read_only(self.path)
         self._connect()
-        self._safely(self._prepare, None, "records may be neither found nor saved")
+        if self._only_reading:
+            self._check_ours()
+        else:
+            self._safely(self._prepare, None, "records may be neither found nor saved")
 
     def _connect(self) -> None:
-        """Open the file: read-only with ``mode=ro``, and immutable when its folder is read-only
-        too (a WAL reader needs an index file, -shm, that SQLite could not create there)."""
+        """Open the file: read-only with ``mode=ro``, and immutable where SQLite would otherwise
+        create the WAL's index (-shm) and log beside it: a read-only folder, where it cannot, and
+        only reading a file no writer has open (no -wal, -shm), where it must not."""
         uri = self.path.absolute().as_uri()
         if self.read_only:
-            uri += "?mode=ro" if os.access(self.path.parent, os.W_OK) else "?mode=ro&immutable=1"
+            writer_open = all(os.path.exists(f"{self.path}{suffix}") for suffix in ("-wal", "-shm"))
+            shared = os.access(self.path.parent, os.W_OK) and (writer_open or not self._only_reading)
+            uri += "?mode=ro" if shared else "?mode=ro&immutable=1"
         try:
             self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
         except sqlite3.Error as exc:
             raise TuningDatabaseError(f"tuning database {self.path} cannot be opened ({exc}); {_HOW}") from None
-        self._opened = os.stat(self.path)  # `_move_aside` moves this file only, never one put in its place
+        # the file's identity: `_move_aside` moves this file only, never one put in its place, and
+        # `_reopen_if_replaced` notices when the path leads elsewhere
+        self._opened = os.stat(self.path)
 
     def _prepare(self) -> None:
-        """WAL journaling and the table (when writable), and a check that a ``records`` table is
-        ours: another tool's table is a foreign file, never read or written into. Runs before
-        every write too, since opening a busy file may have left it unprepared."""
+        """WAL journaling and the table (when writable), and `_columns`' check that a ``records``
+        table is ours. Runs before every write too, since opening a busy file may have left it
+        unprepared."""
         if not self.read_only:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(_CREATE)
+        self._columns()
+
+    def _columns(self) -> tuple[str, ...]:
+        """The ``records`` table's columns (none: no table yet); sqlite3.DatabaseError for another
+        tool's table: a foreign file, never read or written into."""
         columns = tuple(row[1] for row in self._db.execute("PRAGMA table_info(records)"))
         if columns and columns != _COLUMNS:
             raise sqlite3.DatabaseError(f"a records table of another layout: {', '.join(columns)}")
+        return columns
+
+    def _check_ours(self) -> None:
+        """Only reading: `TuningDatabaseError` unless the file holds our ``records`` table."""
+        try:
+            ours = bool(self._columns())
+        except sqlite3.Error as exc:
+            what = "is not a tuning database" if _trouble(exc) == "corrupt" else "cannot be read"
+            raise TuningDatabaseError(f"{self.path} {what} ({exc})") from None
+        if not ours:
+            raise TuningDatabaseError(f"{self.path} is not a tuning database (it has no records table)")
+
+    def _reopen_if_replaced(self) -> None:
+        """Reopen the path, with a warning, when the file there is no longer the one opened
+        (deleted, replaced, or moved aside by another process): records written into a file no
+        path leads to are lost to every later open. One stat per read or write."""
+        try:
+            if os.path.samestat(os.stat(self.path), self._opened):
+                return
+            change = "replaced by another file"
+        except OSError:
+            change = "deleted or moved away"
+        warnings.warn(f"tuning database {self.path} was {change} while open; reopening the path",
+                      TuningDatabaseWarning, stacklevel=4)
+        # Empty the WAL this connection holds (its own file's, left at the path or moved along with
+        # it) into that file before closing: SQLite does not checkpoint a moved or deleted file on
+        # close, and would apply a -wal left at the path to whatever file is there now.
+        with contextlib.suppress(sqlite3.Error):
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self._db.close()
+        self._open(self.path)
 
     def _safely(self, action: Callable[[], _T], fallback: _T, consequence: str, retry: bool = True) -> _T:
-        """``action()``; on SQLite trouble (`_trouble`) ``fallback`` with a warning that ends with
-        ``consequence``, except that a corrupt, writable file is moved aside and the action
-        retried once on a fresh one, and a missing table simply gives ``fallback``."""
+        """``action()`` on the file at the path (`_reopen_if_replaced`); on SQLite trouble
+        (`_trouble`) ``fallback`` with a warning that ends with ``consequence``, except that a
+        corrupt, writable file is moved aside and the action retried once on a fresh one, and a
+        missing table simply gives ``fallback``. A path that can no longer be opened gives
+        ``fallback`` with a warning too."""
         try:
+            self._reopen_if_replaced()
             return action()
+        except TuningDatabaseError as exc:
+            warnings.warn(f"{exc}; {consequence}", TuningDatabaseWarning, stacklevel=3)
+            return fallback
         except sqlite3.Error as exc:
             trouble = _trouble(exc)
             if trouble == "empty":

@@ -1,0 +1,52 @@
+"""Names made into paths, and files in the way of a folder: what every stage that writes files needs.
+
+A model's name (its class name, or the CLI's FILE_FACTORY), a group's and a kernel's name become
+file and folder names in the build folder. Names come from users, so each becomes one bounded path
+component (`path_component`) and the joined path must stay inside its folder (`path_in`): a class
+named ``../../x`` once wrote outside the build folder, and a 300-character one failed with
+ENAMETOOLONG. This lives with the IR because the frontend names the graph, and the graph's name
+names its build folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+MAX_COMPONENT_BYTES = 96  # well under NAME_MAX (255), leaving room for suffixes such as ".cu"
+_UNSAFE = re.compile(r"[^\w.-]")
+
+
+class PathError(ValueError):
+    """A file stof-cc would write resolves outside the folder it belongs in (a symbolic link)."""
+
+
+def path_component(name: str) -> str:
+    """``name`` as one readable file or folder name: characters other than letters, digits, ``.``,
+    ``_`` and ``-`` become ``_``, as does a leading dot (never ``.``, ``..`` or hidden); past
+    `MAX_COMPONENT_BYTES` it is cut and ends in a short hash of the whole name, so that long
+    names stay distinct."""
+    safe = _UNSAFE.sub("_", name)
+    safe = "_" + safe[1:] if safe.startswith(".") else safe or "_"
+    encoded = safe.encode()
+    if len(encoded) <= MAX_COMPONENT_BYTES:
+        return safe
+    digest = hashlib.sha256(name.encode(errors="surrogatepass")).hexdigest()[:10]
+    return encoded[:MAX_COMPONENT_BYTES - len(digest) - 1].decode(errors="ignore") + "-" + digest
+
+
+def path_in(folder: Path, *names: str) -> Path:
+    """``folder / name / ...``, each name made a `path_component`; `PathError` when the result
+    resolves outside ``folder`` (a symbolic link inside it pointing elsewhere), naming both."""
+    path = folder.joinpath(*map(path_component, names))
+    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder)):  # realpath: no raising
+        raise PathError(f"{path} leads outside {folder} (through a symbolic link): not written there")
+    return path
+
+
+def blocking_file(path: Path) -> Path | None:
+    """The file standing where ``path`` or one of its parents should be a folder, or None.
+    Never raises (`os.path.isfile` answers False where a stat fails: no access, a name too long)."""
+    return next((p for p in (path, *path.parents) if os.path.isfile(p)), None)
