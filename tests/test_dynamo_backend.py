@@ -59,6 +59,12 @@ def test_import_stof_cc_registers_the_backend_name_without_the_entry_point():
         "assert torch._dynamo.lookup_backend('stof_cc') is stof_cc.runtime.dynamo_backend.stof_cc_backend\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+    # and with the entry point, stof_cc not imported first: the entry point's import registers nothing twice
+    code = ("import torch\n"
+            "compiled = torch.compile(torch.nn.Linear(4, 4), backend='stof_cc', dynamic=False)\n"
+            "compiled(torch.randn(2, 4))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_decoder_block_goes_down_stof_cc_s_road_and_matches_eager():

@@ -31,6 +31,11 @@ from pathlib import Path
 
 from stof_cc.ir.paths import blocking_file
 
+try:
+    import fcntl
+except ImportError:  # not on Linux: entries are written without the cross-process lock
+    fcntl = None
+
 DEFAULT_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo")
 
 
@@ -125,7 +130,9 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
             source_path = _write_source(folder / f"{key}.cu", source)
         except OSError:
             source_path = _write_source(_scratch_dir() / f"{key}.cu", source)
-    if (entry := _read_entry(cubin_path, report_path)) is not None:
+    with _entry_lock(folder, fcntl.LOCK_SH if fcntl else 0):
+        entry = _read_entry(cubin_path, report_path)
+    if entry is not None:
         return Compiled(entry[0], arch, entry[1], source_path)
 
     with tempfile.TemporaryDirectory(prefix="stof-nvcc-") as tmp:
@@ -137,8 +144,9 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
             raise CompileError(_format_errors(source_path, proc.stderr))
         cubin = out.read_bytes()
     try:
-        _atomic_write(cubin_path, cubin)
-        _atomic_write(report_path, f"{_DIGEST_LINE}{hashlib.sha256(cubin).hexdigest()}\n{proc.stderr}".encode())
+        with _entry_lock(folder, fcntl.LOCK_EX if fcntl else 0):  # another process may write this entry too
+            _atomic_write(cubin_path, cubin)
+            _atomic_write(report_path, f"{_DIGEST_LINE}{hashlib.sha256(cubin).hexdigest()}\n{proc.stderr}".encode())
     except OSError as exc:
         _warn_uncached(folder, exc)
     return Compiled(cubin, arch, parse_ptxas(proc.stderr), source_path)
@@ -207,6 +215,26 @@ def _write_source(path: Path, source: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(path, data)  # another process may be compiling the same source
     return path
+
+
+@contextlib.contextmanager
+def _entry_lock(folder: Path, mode: int):
+    """A lock on the cache folder itself (no lock file), shared for reading an entry's two files
+    and exclusive for writing them, so that processes compiling the same kernel at once
+    (parallel test workers, ranks) never pair one's cubin with the other's report. No lock where
+    fcntl is missing or the folder cannot be opened."""
+    try:
+        handle = os.open(folder, os.O_RDONLY) if mode else None
+    except OSError:
+        handle = None
+    if handle is None:
+        yield
+        return
+    try:
+        fcntl.flock(handle, mode)
+        yield
+    finally:
+        os.close(handle)  # closing releases the lock
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

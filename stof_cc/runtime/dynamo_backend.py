@@ -217,7 +217,9 @@ def register_name() -> None:
 
 
 def _register(registry: Any) -> None:
-    if "stof_cc" not in registry._COMPILER_FNS:
+    """Register the name unless it is registered, or its entry point is being loaded right now
+    (dynamo registers what the entry point gives once this import returns)."""
+    if "stof_cc" not in registry._COMPILER_FNS and registry._BACKENDS.get("stof_cc") is None:
         registry.register_backend(compiler_fn=stof_cc_backend, name="stof_cc")
 
 
