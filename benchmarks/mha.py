@@ -1,4 +1,4 @@
-"""The MHA grid of shared/bench/WORKLOADS.md: stof-cc's attention beside its peers, in one process.
+"""The MHA grid of benchmarks/WORKLOADS.md: stof-cc's attention beside its peers, in one process.
 
 Per case (mask, S): B = 8 for S <= 512 else 4096 // S (at least 1), H = 12, D = 64, fp16,
 random normal inputs (`--heads`, `--head-dim`, `--dtype`, `--batch` change them: the D = 128 grid

@@ -1,5 +1,5 @@
 """User masks built on the device (issue 23, item 4): `stof_cc.masks.from_mask_mod` with the
-mask_mods a FlexAttention user writes (shared/bench/WORKLOADS.md), `from_dense` and a union,
+mask_mods a FlexAttention user writes (benchmarks/WORKLOADS.md), `from_dense` and a union,
 against FlexAttention's `create_block_mask` on the same mask_mod.
 
     python benchmarks/user_mask_build.py [--seqs 8192,32768] [--device cuda]

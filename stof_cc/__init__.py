@@ -1,7 +1,7 @@
 """stof-cc: a compiler for masked (sparse) transformer inference on NVIDIA GPUs.
 
 The public entry points live here; each stage of the pipeline (ir, masks, passes,
-templates, tune, backends, runtime) is a subpackage with one job. See DESIGN.md.
+templates, tune, backends, runtime) is a subpackage with one job. See docs/architecture.md.
 """
 
 from stof_cc.ir.frontend import TraceError, trace

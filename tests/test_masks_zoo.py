@@ -136,7 +136,7 @@ def test_every_pattern_matches_its_written_definition(case, seq_q, seq_k):
 
 
 def _grid_definition(name: str, seq: int) -> torch.Tensor:
-    """WORKLOADS.md, table 'Masked multi-head attention', transcribed."""
+    """benchmarks/WORKLOADS.md, table 'Masked multi-head attention', transcribed."""
     q, k = _qk(seq, seq)
     w = max(64, seq // 16)
     longformer = ((q - k).abs() <= w) | (q < 32) | (k < 32)
@@ -396,8 +396,8 @@ def test_bigbird_mask_mod_works_under_flex_vmap():
 
 @pytest.mark.parametrize("seq", [256, 1000, 2048])
 def test_the_user_written_mask_mods_are_the_grid_masks(seq):
-    """benchmarks' FlexAttention peer runs the mask_mods a user writes (WORKLOADS.md): they
-    attend exactly what the grid's descriptions do."""
+    """benchmarks' FlexAttention peer runs the mask_mods a user writes (benchmarks/WORKLOADS.md):
+    they attend exactly what the grid's descriptions do."""
     from stof_cc.masks.workloads import GRID_MASKS, grid_mask, user_mask_mod
 
     for name in GRID_MASKS:

@@ -74,7 +74,7 @@ def show_command(args: argparse.Namespace) -> int:
 
 def list_command(args: argparse.Namespace) -> int:
     rows = [(p.syntax(), p.summary) for p in PATTERNS.values()]
-    rows.append((GRID_SYNTAX, "a WORKLOADS.md benchmark mask at --seq"))
+    rows.append((GRID_SYNTAX, "a benchmark grid mask (benchmarks/WORKLOADS.md) at --seq"))
     width = max(len(syntax) for syntax, _ in rows)
     for syntax, summary in rows:
         print(f"{syntax:<{width}}  {summary}")

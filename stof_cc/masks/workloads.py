@@ -1,4 +1,4 @@
-"""The six masks of the standard MHA benchmark grid (shared/bench/WORKLOADS.md), exactly as
+"""The six masks of the standard MHA benchmark grid (benchmarks/WORKLOADS.md), exactly as
 defined there, so that stof-cc and every peer are measured on the same masks."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def grid_mask(name: str, seq: int) -> MaskDescription:
 
 
 def user_mask_mod(name: str, seq: int, device: torch.device | str = "cpu"):
-    """The grid mask `name` as a FlexAttention user writes its mask_mod (WORKLOADS.md): plain
-    index arithmetic, BigBird's random blocks and the document ids as tables on ``device``.
+    """The grid mask `name` as a FlexAttention user writes its mask_mod (benchmarks/WORKLOADS.md):
+    plain index arithmetic, BigBird's random blocks and the document ids as tables on ``device``.
     What the FlexAttention peer and the user-mask benchmarks run (not `mask_mod_for`'s table
     lookups, which make FlexAttention slower than it is for its users)."""
     seq = check_int("user_mask_mod", "seq", seq)

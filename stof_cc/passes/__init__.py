@@ -1,6 +1,7 @@
-"""Graph -> Graph passes, run in this order: canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
-recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary; then `partition` groups the result. `lower` runs
-the whole road from a module (`lower.py`)."""
+"""Graph -> Graph passes, run in this order (`run_passes`): canonicalize, canonical_gemms,
+recognise_rms_norm, merge_parallel_linears, recognise_attention, describe_key_padding,
+read_kv_heads_directly, recognise_rotary, recognise_overflow_clamp, simplify_gemm_layouts; then
+`partition` groups the result. `lower` runs the whole road from a module (`lower.py`)."""
 
 from stof_cc.passes.attention import AttentionReport, recognise_attention
 from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize

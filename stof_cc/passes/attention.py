@@ -22,9 +22,9 @@ SDPA's conventions for ``mask`` (boolean: True = attend; floating: added to the 
 A hidden-positions mask becomes its negation (a folded constant when the mask is one, else
 a ``logical_not`` node), with ``empty_rows="nan"``: the chain's softmax over a row whose keys
 are all -inf is NaN, and the node must keep that meaning (`ir.ops.attention_reference`); a
-constant lower triangle becomes ``is_causal=True`` with no mask operand. Other masks stay tensor operands: turning them into `stof_cc.masks` descriptions
-(key padding from an ``attention_mask`` input) is not done yet. Pure: the input graph is
-never modified.
+constant lower triangle becomes ``is_causal=True`` with no mask operand. Other masks stay tensor
+operands here; `describe_key_padding` (key_padding.py) then turns those built from an
+``attention_mask`` input into key padding. Pure: the input graph is never modified.
 """
 
 from __future__ import annotations

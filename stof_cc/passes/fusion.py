@@ -1,7 +1,7 @@
 """Fusion partition: group a graph's nodes around anchors, by pattern kind only.
 
-Reads the pattern kinds of ``ir/ops.py`` and the graph's edges, never op names (DESIGN.md,
-"Pattern kinds drive fusion"). Run after `canonicalize` and `recognise_attention`.
+Reads the pattern kinds of ``ir/ops.py`` and the graph's edges, never op names
+(docs/architecture.md, "Pattern kinds drive fusion"). Run after the passes (`run_passes`).
 
 * Every ``gemm``, ``attention`` and ``reduction`` node anchors a group of its own; two
   anchors never share a group in the default scheme.

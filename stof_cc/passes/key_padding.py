@@ -32,8 +32,11 @@ a boolean input: an integer input in that role could be token ids compared with 
 which 0/1 probes cannot tell from padding. Every probe keeps one random key per row, so the
 first key is probed as padding as well (left padding).
 
-One semantic difference, documented: a batch element whose keys are all padding now gives 0
-(stof-cc's kernels, and the op's reference), where the additive original gave the mean of V.
+A query whose keys are all padding gets what the model's own attention gives it: the pass runs
+the node as the model wrote it on a fully padded probe, on the model's device, and records the
+answer (0, the mean of V, or NaN) as the node's ``empty_rows``, which the compiled step writes
+after the kernel (the kernels themselves give 0). A mask whose answer is none of these stays a
+tensor.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     module + example inputs -> cast to dtype -> trace -> canonicalize -> canonical_gemms
     -> recognise_rms_norm -> merge_parallel_linears
     -> recognise_attention -> describe_key_padding -> read_kv_heads_directly -> recognise_rotary
-    -> partition
+    -> recognise_overflow_clamp -> simplify_gemm_layouts -> partition
 
 `stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
 all see the same graph for the same model (before, `stof-cc tune` skipped the cast that
