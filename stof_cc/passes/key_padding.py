@@ -4,20 +4,26 @@ read, a ``key_padding`` operand and a static structure (run after `recognise_att
 transformers builds BERT's mask from ``attention_mask`` [B, S] (1 = token, 0 = padding)
 through casts, unsqueezes, expands and arithmetic into a [B, 1, S, S] boolean or additive
 tensor. This pass does not pattern-match those spellings (they change between versions): it
-*probes* the mask subgraph. When the attention node's mask depends on exactly one graph
-input ``p`` of shape [B, S_k] (and on constants), the subgraph is evaluated for random 0/1
-values of ``p`` (every row keeping at least one key) and for all ones; if every time the
-attended positions are exactly ``p[b, k] != 0`` for every head and query (a boolean mask, or
-an additive one that is 0 where attended and below -1e4 elsewhere, i.e. no bias), the node
-becomes ``attention(q, k, v, None, scale=..., is_causal=..., key_padding=p)`` and the mask
-subgraph goes away unless something else reads it.
+*probes* the mask subgraph. When the attention node's mask depends on exactly one graph input,
+the pass finds the *key vector*: the first boolean node with one value per (batch, key) on
+every path from that input to the mask (`_key_vector`: where the model has decided which keys
+count, ``attention_mask.bool()``, ``== 1`` or ``> 0`` as the model wrote it). The subgraph is
+evaluated from there for random values of the key vector (every row keeping at least one key)
+and for all true; if every time the attended positions are exactly the key vector's true ones
+for every head and query (a boolean mask, or an additive one that is 0 where attended and
+below -1e4 elsewhere, i.e. no bias), the node becomes ``attention(q, k, v, None, scale=...,
+is_causal=..., key_padding=<key vector as [B, S_k]>)``. The nodes computing the key vector stay
+in the graph and run every call, so the description is exact whatever values the input holds;
+the [B, 1, S, S] mask goes away unless something else reads it. A mask whose input does not
+become such a boolean (``(1 - attention_mask) * -1e9`` on an integer input: at 2 it adds
++1e9) stays a tensor, added by the kernels as a bias.
 
 The same probe recognises a static part: decoders build causal (or sliding-window) masks,
 alone or and-ed with the padding. When the attended positions are ``keep[b, k] & static[q, k]``
-(``keep`` all ones when the mask depends on no input) and ``static`` is every position, the
-causal triangle, or a causal band ``0 <= q - k <= w`` (Mistral's window, in its own convention:
-``w`` is read off the mask), the node gets ``is_causal=True`` and ``window=w`` as needed and
-loses its mask operand. Other static masks stay tensors.
+and ``static`` is every position, the causal triangle, or a causal band ``0 <= q - k <= w``
+(Mistral's window, in its own convention: ``w`` is read off the mask), the node gets
+``is_causal=True`` and ``window=w`` as needed and loses its mask operand. Other static masks
+stay tensors.
 
 A bias rides along: T5 writes ``where(padding_mask, position_bias, finfo.min)``, an additive
 mask that is a bias where attended. When the probes show the attended values are one tensor
@@ -27,15 +33,14 @@ tensor as its float mask, broadcast dims reduced to 1 ([1, H, S, S] for T5, not 
 rebuilt every layer), and gets ``key_padding`` as above. The kernels add the bias and read the
 padding on the device.
 
-torch.nn's convention (a boolean ``key_padding_mask``, True = padding) is probed too, only for
-a boolean input: an integer input in that role could be token ids compared with a pad id,
-which 0/1 probes cannot tell from padding. Every probe keeps one random key per row, so the
-first key is probed as padding as well (left padding).
+torch.nn's convention (a boolean ``key_padding_mask``, True = padding) is probed too: the key
+vector then marks padding and the node reads its negation.
 
-A query whose keys are all padding gets what the model's own attention gives it: the pass runs
-the node as the model wrote it on a fully padded probe, on the model's device, and records the
-answer (0, the mean of V, or NaN) as the node's ``empty_rows``, which the compiled step writes
-after the kernel (the kernels themselves give 0). A mask whose answer is none of these stays a
+A query whose keys are all padding: the kernels give 0 there, the model's own attention may
+not (HF's ``finfo.min`` masks give the mean of V, ``masked_fill(-inf)`` NaN, SDPA's backends
+differ). The pass runs the node as the model wrote it on a fully padded probe, on the model's
+device, and records the answer as ``empty_rows`` ("mean" or "nan"; 0 needs nothing), which
+the compiled step writes after the kernel; an answer that is none of these keeps the mask a
 tensor.
 """
 
