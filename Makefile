@@ -30,7 +30,11 @@ demo: $(STAMP)
 	$(PY) -m stof_cc.cli attention --mask longformer:w=128,g=32 --seq 2048 --batch 2 --build-dir stof_build --check
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	@echo "make test 1/2: the CPU suite (GPU tests skip without a GPU), on every core"
+	$(PY) -m pytest -q -n auto -m "not slow"
+	@echo "make test 2/2: the slow tests: every kernel template rendered and compiled for sm_90 by nvcc"
+	@echo "  (minutes on 2 cores the first time; the cubins are kept in $${STOF_CC_CACHE:-~/.cache/stof-cc}, so later runs are quick)"
+	$(PY) -m pytest -q -n auto -m slow --durations=5
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check stof_cc tests examples benchmarks

@@ -39,6 +39,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_nvcc = pytest.mark.skip(reason="needs nvcc on PATH")
     has_gpu, has_nvcc = _gpu_available(), shutil.which("nvcc") is not None
     for item in items:
+        if "nvcc" in item.keywords:  # nvcc takes seconds a kernel: make test runs these in its second phase
+            item.add_marker(pytest.mark.slow)
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
         if "nvcc" in item.keywords and not has_nvcc:
