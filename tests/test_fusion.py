@@ -90,10 +90,13 @@ def test_stage_one_merges_layernorm_into_the_gemm_only_where_a_template_generate
     # fp32: no GEMM template (wgmma takes fp16/bf16), so nothing is merged and the reason says so
     single = _passes("encoder_layer")
     plan = choose_scheme(single, partition(single), H100)
-    assert plan.scheme.groups == plan.default.groups
-    assert all("kept apart (no template generates it)" in line for line in plan.choices)
-    # a GPU the templates do not run on keeps the default too
-    assert choose_scheme(half, partition(half), (8, 0)).scheme.groups == partition(half).default.groups
+
+    def merges(graph, scheme):
+        return [g for g in scheme.groups if {graph.node(n).op for n in g.nodes} >= {"linear", "layer_norm"}]
+    assert not merges(single, plan.scheme)
+    assert all("kept apart (no template generates it)" in line for line in plan.choices if "+" in line)
+    # a GPU the GEMM templates do not run on merges nothing either
+    assert not merges(half, choose_scheme(half, partition(half), (8, 0)).scheme)
 
 
 def test_measured_times_decide_a_merge_where_both_sides_were_measured():
@@ -280,3 +283,34 @@ def test_an_epilogue_that_reads_the_gemm_value_several_times_joins_the_gemm():
     assert {graph.node(n).op for n in fc1.nodes} >= {"tanh", "pow", "mul", "add"}
     assert fc2.nodes == (fc2.anchor,)
     assert fc1.nodes[-1] in {r.name for r in graph.node(fc2.anchor).refs()}  # the region's one value, last
+
+
+class _EpilogueWithAnUnknownOp(torch.nn.Module):
+    """A GEMM whose epilogue holds tanh between two ops the chains generate; the test takes
+    tanh's code generator away, as if it had none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        return torch.relu(torch.tanh(self.lin(x) * 2.0))
+
+
+def test_a_refusal_ends_the_group_at_the_op_not_the_whole_group(monkeypatch):
+    from stof_cc.codegen import chain
+    from stof_cc.templates.group import applicable_templates
+    from stof_cc.templates.pricing import H100
+    from stof_cc.tune.scheme import choose_scheme
+
+    monkeypatch.delitem(chain.EMITTERS, "tanh")
+    graph = canonicalize(trace(_EpilogueWithAnUnknownOp().half(), (torch.randn(32, 64, dtype=torch.float16),)))
+    plan = choose_scheme(graph, partition(graph), H100)
+    (default,) = [g for g in plan.default.groups if g.kind == "gemm"]
+    assert [graph.node(n).op for n in default.nodes] == ["linear", "mul", "tanh", "relu"]
+    generated = {g.name: bool(applicable_templates(graph, g, H100)[0]) for g in plan.scheme.groups}
+    ops = {g.name: [graph.node(n).op for n in g.nodes] for g in plan.scheme.groups}
+    assert sorted(ops.values()) == [["linear", "mul"], ["relu"], ["tanh"]]  # the GEMM keeps what it can
+    assert [generated[name] for name in sorted(ops, key=lambda n: ops[n])] == [True, True, False]
+    assert any("no template generates it whole; split into" in line for line in plan.choices)
+    assert nx.is_directed_acyclic_graph(_quotient(graph, plan.scheme))

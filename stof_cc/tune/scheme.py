@@ -6,6 +6,13 @@ sides: stage 2 over schemes), else by stage 1's estimates.
 
 Merges are independent of each other (each folds one reduction group into the GEMM group
 that alone feeds it), so they are judged one at a time and applied together.
+
+Then every group that no template generates whole is split (`split_refused`): a refusal ends
+the group at the op a template cannot take, it does not send the whole group to torch. The
+largest run of the group's nodes, in graph order and holding its anchor, that a template
+generates becomes the group; what is left before and after it is split the same way (an
+elementwise run, or a single op that then runs in torch). Cutting a group at a point of its
+graph order never makes a cycle: no path leaves the group and comes back.
 """
 
 from __future__ import annotations
@@ -15,7 +22,15 @@ import math
 from collections.abc import Callable
 
 from stof_cc.ir.graph import Graph
-from stof_cc.passes.fusion import FusionGroup, FusionPlan, FusionScheme, in_dependency_order
+from stof_cc.ir.ops import pattern_kind
+from stof_cc.passes.fusion import (
+    ANCHOR_KINDS,
+    FOLDABLE_KINDS,
+    FusionGroup,
+    FusionPlan,
+    FusionScheme,
+    in_dependency_order,
+)
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 
@@ -55,5 +70,63 @@ def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | 
         else:
             why = "no template generates it" if math.isinf(fused_us) else f"{fused_us:.1f} us {how} against {apart_us:.1f}"
             choices.append(f"{label}: kept apart ({why})")
-    # the merged group may read later ones: dependency order
-    return dataclasses.replace(plan, chosen=FusionScheme(in_dependency_order(graph, groups)), choices=choices)
+    groups, splits = split_refused(graph, groups, capability)
+    # a merged or split group may read later ones: dependency order
+    return dataclasses.replace(plan, chosen=FusionScheme(in_dependency_order(graph, groups)), choices=choices + splits)
+
+
+def split_refused(graph: Graph, groups: list[FusionGroup],
+                  capability: tuple[int, int]) -> tuple[list[FusionGroup], list[str]]:
+    """``groups`` with each one no template generates whole split into the largest generated
+    part and the rest (module docstring), and a line per split saying what became of it."""
+    out, notes = [], []
+    for group in groups:
+        pieces = _split(graph, group, capability)
+        if len(pieces) > 1:
+            made = ", ".join(f"{p.name} [{' '.join(graph.node(n).op for n in p.nodes)}]" for p in pieces)
+            notes.append(f"{group.name}: no template generates it whole; split into {made}")
+        out += pieces
+    return out, notes
+
+
+def _split(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> list[FusionGroup]:
+    """``group`` itself when a template generates it whole or no part of it is generated either
+    (torch runs it the same), else its pieces."""
+    nodes = group.nodes
+    if group.kind in ("attention", "opaque") or len(nodes) == 1 or _generated(graph, group, capability):
+        return [group]
+    anchor = nodes.index(group.anchor) if group.anchor is not None else None
+    spans = [(i, j) for i in range(len(nodes)) for j in range(i + 1, len(nodes) + 1)
+             if (i, j) != (0, len(nodes)) and (anchor is None or i <= anchor < j)]
+    spans.sort(key=lambda span: (span[0] - span[1], span[0]))  # largest first, then earliest
+    for i, j in spans:
+        core = _piece(graph, group, nodes[i:j], "b")
+        if _generated(graph, core, capability):
+            break
+    else:  # nothing with the anchor is generated: the anchor (or the first op) alone, the rest split
+        i = anchor if anchor is not None else 0
+        j = i + 1
+        core = _piece(graph, group, nodes[i:j], "b")
+    before = _split(graph, _piece(graph, group, nodes[:i], "a"), capability) if i else []
+    after = _split(graph, _piece(graph, group, nodes[j:], "c"), capability) if j < len(nodes) else []
+    pieces = before + [core] + after
+    return pieces if any(_generated(graph, p, capability) for p in pieces) else [group]
+
+
+def _piece(graph: Graph, group: FusionGroup, nodes: tuple[str, ...], suffix: str) -> FusionGroup:
+    """``nodes`` of ``group`` as a group of their own: anchored by the group's anchor or by the
+    first anchor-kind op among them, else an elementwise run (or one opaque op)."""
+    name = f"{group.name}{suffix}"
+    if group.anchor in nodes:
+        return FusionGroup(name, group.kind, group.anchor, nodes)
+    kinds = {n: pattern_kind(graph.node(n).op) for n in nodes}
+    anchor = next((n for n in nodes if kinds[n] in ANCHOR_KINDS), None)
+    if anchor is not None:
+        return FusionGroup(name, kinds[anchor], anchor, nodes)
+    kind = "elementwise" if all(k in FOLDABLE_KINDS for k in kinds.values()) else "opaque"
+    return FusionGroup(name, kind, None, nodes)
+
+
+def _generated(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> bool:
+    found, _ = applicable_templates(graph, group, capability)
+    return bool(found)
