@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
+import stof_cc
+from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path, nvcc_version
 from stof_cc.backends.pycuda_backend import BackendError
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.frontend import TraceError
@@ -44,7 +46,22 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
+            BackendError, TuningDatabaseError, PathError) as exc:
+        print(f"stof-cc: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
+        print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option, each with its help; a command's handler is its ``run`` default."""
     parser = argparse.ArgumentParser(prog="stof-cc", description="Compiler for masked transformer inference.")
+    parser.add_argument("--version", action=_PrintVersions, help="print the versions of stof-cc, torch and nvcc")
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect = sub.add_parser("inspect", help="trace a model and show its graph, op kinds and opaque ops")
@@ -61,10 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
     attention.add_argument("--mask", default="full", help="mask spec as in `masks show` (default: %(default)s)")
     attention.add_argument("--seq", type=int, required=True, help="sequence length (queries and keys)")
-    attention.add_argument("--batch", type=int, default=1)
-    attention.add_argument("--heads", type=int, default=12)
-    attention.add_argument("--head-dim", type=int, default=64)
-    attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
+    attention.add_argument("--batch", type=int, default=1, help="batch size (default: %(default)s)")
+    attention.add_argument("--heads", type=int, default=12, help="attention heads (default: %(default)s)")
+    attention.add_argument("--head-dim", type=int, default=64,
+                           help="size of one head: 32, 64 or 128 (default: %(default)s)")
+    attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16",
+                           help="dtype of q, k and v (default: %(default)s)")
     attention.add_argument("--build-dir", help="write the chosen kernel's .cu here and compile it with nvcc")
     attention.add_argument("--check", action="store_true",
                            help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
@@ -89,22 +108,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.set_defaults(run=_cmd_tune)
 
     cache = sub.add_parser("cache", help="list or clear the tuning database")
-    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument("action", choices=("list", "clear"), help="list the records, or remove them all")
     cache.add_argument("--db", help="database file (default: $STOF_CC_TUNING_DB or the user cache directory)")
     cache.set_defaults(run=_cmd_cache)
 
     add_masks_command(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+class _PrintVersions(argparse.Action):
+    """``--version``: asks nvcc only when given, then exits, as argparse's own version action does."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(versions())
+        parser.exit()
+
+
+def versions() -> str:
+    """stof-cc's version, torch's (and the CUDA it was built for), nvcc's where one is found."""
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
     try:
-        return args.run(args)
-    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
-            BackendError, TuningDatabaseError, PathError) as exc:
-        print(f"stof-cc: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
-        print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
-        return 2
+        nvcc = f"nvcc {nvcc_version()} ({nvcc_path()})" if nvcc_path() else "nvcc not found"
+    except (OSError, subprocess.CalledProcessError, CompileError) as exc:  # a CUDA_HOME without a working nvcc
+        nvcc = f"nvcc at {nvcc_path()} does not run: {exc}"
+    return f"stof-cc {stof_cc.__version__}\ntorch {torch.__version__} ({cuda})\n{nvcc}"
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from stof_cc.cli import main
+import stof_cc
+import stof_cc.cli
+from stof_cc.cli import build_parser, main
 
 
 def test_inspect_tiny_bert(example_path, tmp_path, capsys):
@@ -194,3 +198,37 @@ def test_describing_an_os_error_never_raises(error, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "stat", stat)
     exc = OSError(error, os.strerror(error), str(path))
     assert describe_os_error(exc) == f"cannot write {path}: {os.strerror(error)}"
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "stof-cc"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {command}")
+
+
+def test_every_command_and_option_has_help():
+    """`stof-cc attention --batch/--heads/--head-dim` had none."""
+    missing = []
+    for name, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {choice.dest for choice in action._choices_actions if choice.help}
+                missing += [f"{name} {command}" for command in action.choices if command not in helped]
+            elif not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, f"no help text: {missing}"
+    assert {"stof-cc attention", "stof-cc masks show"} <= {name for name, _ in _parsers(build_parser())}
+
+
+@pytest.mark.parametrize("nvcc", ["/opt/cuda/bin/nvcc", None])
+def test_version_names_stof_cc_torch_and_nvcc(nvcc, monkeypatch, capsys):
+    monkeypatch.setattr(stof_cc.cli, "nvcc_path", lambda: nvcc)
+    monkeypatch.setattr(stof_cc.cli, "nvcc_version", lambda: "12.9")
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    lines = capsys.readouterr().out.splitlines()
+    assert exited.value.code == 0 and lines[:2] == [f"stof-cc {stof_cc.__version__}", f"torch {torch.__version__} "
+                                                    f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU only'})"]
+    assert lines[2] == ("nvcc 12.9 (/opt/cuda/bin/nvcc)" if nvcc else "nvcc not found")
