@@ -37,6 +37,7 @@ from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, format_builds
 from stof_cc.runtime.report import write_report
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem, config_label
+from stof_cc.templates.pricing import H100, H100_SM_COUNT
 from stof_cc.tune.attention import attention_kernel, explain_attention
 from stof_cc.tune.database import TuningDatabase, TuningDatabaseError
 from stof_cc.tune.model import tune_model
@@ -183,6 +184,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    _say_assumed_gpu("generating")
     module, example_args, example_kwargs = load_factory(args.model)
     graph, plan = lower(module, example_args, example_kwargs, dtype=getattr(torch, args.dtype),
                         name=_model_name(args.model))
@@ -235,6 +237,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 def _cmd_attention(args: argparse.Namespace) -> int:
     mask = parse_spec(args.mask, seq=args.seq)
+    _say_assumed_gpu("choosing the kernel")
     choice = explain_attention(args.batch, args.heads, args.seq, args.seq, args.head_dim, mask, _DTYPES[args.dtype])
     print(f"attention B={args.batch} H={args.heads} S={args.seq} D={args.head_dim} {args.dtype}, mask {mask!r}")
     print(choice.explain())
@@ -281,15 +284,24 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
 def _print_attention_choices(graph: Graph) -> None:
     """For each SDPA or recognised attention node: the kernel the cost model would pick (its
     own mask: causal when it says so, none when it has none), or why there is none."""
-    for node in graph.nodes():
-        if node.op not in ("scaled_dot_product_attention", "attention"):
-            continue
+    nodes = [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
+    if nodes and not torch.cuda.is_available():
+        print()
+        _say_assumed_gpu("choosing attention kernels")
+    for node in nodes:
         try:
             template, problem, params, _ = attention_kernel(graph, node)
         except NotFusable as why:
             print(f"\n{why}")
             continue
         print(f"\n%{node.name}: attention kernel {config_label(params)} ({template.kernel_name(problem, params)})")
+
+
+def _say_assumed_gpu(doing: str) -> None:
+    """Say which GPU a command targets when none is visible: the H100, whose constants the
+    cost model and templates hold (`templates/pricing.py`)."""
+    if not torch.cuda.is_available():
+        print(f"no GPU visible: {doing} for sm_{H100[0]}{H100[1]} (H100, {H100_SM_COUNT} SMs)")
 
 
 def format_histogram(graph: Graph) -> str:

@@ -232,3 +232,17 @@ def test_version_names_stof_cc_torch_and_nvcc(nvcc, monkeypatch, capsys):
     assert exited.value.code == 0 and lines[:2] == [f"stof-cc {stof_cc.__version__}", f"torch {torch.__version__} "
                                                     f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU only'})"]
     assert lines[2] == ("nvcc 12.9 (/opt/cuda/bin/nvcc)" if nvcc else "nvcc not found")
+
+
+@pytest.mark.parametrize(("command", "line"), [
+    (["compile", "{tiny_bert}", "--no-nvcc"], "no GPU visible: generating for sm_90 (H100, 132 SMs)"),
+    (["attention", "--mask", "causal", "--seq", "512"], "no GPU visible: choosing the kernel for sm_90 (H100, 132 SMs)"),
+    (["inspect", "{tiny_bert}", "--quiet-graph", "--passes"],
+     "no GPU visible: choosing attention kernels for sm_90 (H100, 132 SMs)"),
+])
+def test_without_a_gpu_the_assumed_one_is_said_once(command, line, example_path, tmp_path, monkeypatch, capsys):
+    """`stof-cc compile` assumed sm_90 silently where no GPU is visible."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    build = ["--build-dir", str(tmp_path)] if command[0] != "attention" else []
+    assert main([part.format(tiny_bert=example_path("tiny_bert")) for part in command] + build) == 0
+    assert capsys.readouterr().out.splitlines().count(line) == 1
