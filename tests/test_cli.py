@@ -246,3 +246,19 @@ def test_without_a_gpu_the_assumed_one_is_said_once(command, line, example_path,
     build = ["--build-dir", str(tmp_path)] if command[0] != "attention" else []
     assert main([part.format(tiny_bert=example_path("tiny_bert")) for part in command] + build) == 0
     assert capsys.readouterr().out.splitlines().count(line) == 1
+
+
+def test_attention_says_why_its_pick_differs_from_stofs_rule(monkeypatch, capsys):
+    """It printed "STOF's rule ... -> blockwise" and then chose a wgmma_ws kernel without a word."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the H100's candidates and SM count
+    assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096"]) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"chosen: attention_wgmma_ws (wgmma_ws m\d+ n\d+ w\d+ s\d+[a-z ]*),", out).group(1)
+    ours = re.search(rf"  {chosen}: ([\d.]+) us est", out).group(1)
+    best_blockwise = re.search(r"  (blockwise m\d+ n\d+ w\d+ s\d+): ([\d.]+) us est", out)
+    assert ("STOF's density rule suggests blockwise (rho=0.1248 >= tau=0.0156); the cost model picks wgmma_ws "
+            f"instead:\n  estimated {ours} us against {best_blockwise.group(2)} us for the best blockwise point "
+            f"({best_blockwise.group(1)})\n") in out
+    assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096", "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out  # no wgmma candidates at D = 32: the model agrees with the rule
+    assert "chosen: attention_blockwise" in out and "tau=0.0156): the chosen strategy too\n" in out
