@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
     compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                           help="the model and its floating inputs are cast to this before tracing (%(default)s)")
+    compile_.add_argument("--why", action="store_true",
+                          help="under each group torch runs, every template's reason, not only the one that matters")
     compile_.set_defaults(run=_cmd_compile)
 
     tune = sub.add_parser("tune", help="measure the best kernel parameters of every generated group on the GPU "
@@ -192,9 +194,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
     out_dir = path_in(Path(args.build_dir), graph.name)
     builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
-    print(format_builds(builds, plan))
+    print(format_builds(builds, plan, why=args.why))
     report = write_report(graph, plan, builds, out_dir)
-    print(f"\nwrote {', '.join(str(p) for p in report)}")
+    print(f"\nwrote {out_dir}/: the .cu files above, {', '.join(p.name for p in report)}")
     written = [b for b in builds if b.path]
     print(f"\n{len(written)} of {len(builds)} groups generated"
           + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))

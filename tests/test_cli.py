@@ -262,3 +262,20 @@ def test_attention_says_why_its_pick_differs_from_stofs_rule(monkeypatch, capsys
     assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096", "--head-dim", "32"]) == 0
     out = capsys.readouterr().out  # no wgmma candidates at D = 32: the model agrees with the rule
     assert "chosen: attention_blockwise" in out and "tau=0.0156): the chosen strategy too\n" in out
+
+
+def test_compile_output_fits_120_columns(example_path, tmp_path, monkeypatch, capsys):
+    """`stof-cc compile examples/tiny_bert.py:factory` printed lines of up to 410 characters: the
+    attention groups' fused ops twice, and refusals from templates that never could apply."""
+    monkeypatch.chdir(tmp_path)  # the default build folder, as a user runs it
+    assert main(["compile", example_path("tiny_bert")]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    assert out.count("reshape_permute") == 1 and out.count("the other fused ops stay torch views") == 2
+    assert "torch: row_reduce: %embedding: op embedding (aten.embedding.default) has no elementwise" in out
+    assert "not an overflow_clamp" not in out and "(--why adds 2 more template refusal(s)" in out
+    assert main(["compile", example_path("tiny_bert"), "--why"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    assert "\n              overflow_clamp: %layer_norm: layer_norm is not an overflow_clamp\n" in out
+    assert "--why adds" not in out
