@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path
+import stof_cc
+from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path, nvcc_version
 from stof_cc.backends.pycuda_backend import BackendError
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.frontend import TraceError
@@ -35,6 +37,7 @@ from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, format_builds
 from stof_cc.runtime.report import write_report
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem, config_label
+from stof_cc.templates.pricing import H100, H100_SM_COUNT
 from stof_cc.tune.attention import attention_kernel, explain_attention
 from stof_cc.tune.database import TuningDatabase, TuningDatabaseError
 from stof_cc.tune.model import tune_model
@@ -44,7 +47,22 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
+            BackendError, TuningDatabaseError, PathError) as exc:
+        print(f"stof-cc: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
+        print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and option, each with its help; a command's handler is its ``run`` default."""
     parser = argparse.ArgumentParser(prog="stof-cc", description="Compiler for masked transformer inference.")
+    parser.add_argument("--version", action=_PrintVersions, help="print the versions of stof-cc, torch and nvcc")
     sub = parser.add_subparsers(dest="command", required=True)
 
     inspect = sub.add_parser("inspect", help="trace a model and show its graph, op kinds and opaque ops")
@@ -61,10 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
     attention.add_argument("--mask", default="full", help="mask spec as in `masks show` (default: %(default)s)")
     attention.add_argument("--seq", type=int, required=True, help="sequence length (queries and keys)")
-    attention.add_argument("--batch", type=int, default=1)
-    attention.add_argument("--heads", type=int, default=12)
-    attention.add_argument("--head-dim", type=int, default=64)
-    attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16")
+    attention.add_argument("--batch", type=int, default=1, help="batch size (default: %(default)s)")
+    attention.add_argument("--heads", type=int, default=12, help="attention heads (default: %(default)s)")
+    attention.add_argument("--head-dim", type=int, default=64,
+                           help="size of one head: 32, 64 or 128 (default: %(default)s)")
+    attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16",
+                           help="dtype of q, k and v (default: %(default)s)")
     attention.add_argument("--build-dir", help="write the chosen kernel's .cu here and compile it with nvcc")
     attention.add_argument("--check", action="store_true",
                            help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
@@ -77,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
     compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                           help="the model and its floating inputs are cast to this before tracing (%(default)s)")
+    compile_.add_argument("--why", action="store_true",
+                          help="under each group torch runs, every template's reason, not only the one that matters")
     compile_.set_defaults(run=_cmd_compile)
 
     tune = sub.add_parser("tune", help="measure the best kernel parameters of every generated group on the GPU "
@@ -89,22 +111,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.set_defaults(run=_cmd_tune)
 
     cache = sub.add_parser("cache", help="list or clear the tuning database")
-    cache.add_argument("action", choices=("list", "clear"))
+    cache.add_argument("action", choices=("list", "clear"), help="list the records, or remove them all")
     cache.add_argument("--db", help="database file (default: $STOF_CC_TUNING_DB or the user cache directory)")
     cache.set_defaults(run=_cmd_cache)
 
     add_masks_command(sub)
+    return parser
 
-    args = parser.parse_args(argv)
+
+class _PrintVersions(argparse.Action):
+    """``--version``: asks nvcc only when given, then exits, as argparse's own version action does."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(versions())
+        parser.exit()
+
+
+def versions() -> str:
+    """stof-cc's version, torch's (and the CUDA it was built for), nvcc's where one is found."""
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
     try:
-        return args.run(args)
-    except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
-            BackendError, TuningDatabaseError, PathError) as exc:
-        print(f"stof-cc: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
-        print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
-        return 2
+        nvcc = f"nvcc {nvcc_version()} ({nvcc_path()})" if nvcc_path() else "nvcc not found"
+    except (OSError, subprocess.CalledProcessError, CompileError) as exc:  # a CUDA_HOME without a working nvcc
+        nvcc = f"nvcc at {nvcc_path()} does not run: {exc}"
+    return f"stof-cc {stof_cc.__version__}\ntorch {torch.__version__} ({cuda})\n{nvcc}"
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -153,6 +186,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    _say_assumed_gpu("generating")
     module, example_args, example_kwargs = load_factory(args.model)
     graph, plan = lower(module, example_args, example_kwargs, dtype=getattr(torch, args.dtype),
                         name=_model_name(args.model))
@@ -160,9 +194,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
     out_dir = path_in(Path(args.build_dir), graph.name)
     builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
-    print(format_builds(builds, plan))
+    print(format_builds(builds, plan, why=args.why))
     report = write_report(graph, plan, builds, out_dir)
-    print(f"\nwrote {', '.join(str(p) for p in report)}")
+    print(f"\nwrote {out_dir}/: the .cu files above, {', '.join(p.name for p in report)}")
     written = [b for b in builds if b.path]
     print(f"\n{len(written)} of {len(builds)} groups generated"
           + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))
@@ -205,6 +239,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 
 def _cmd_attention(args: argparse.Namespace) -> int:
     mask = parse_spec(args.mask, seq=args.seq)
+    _say_assumed_gpu("choosing the kernel")
     choice = explain_attention(args.batch, args.heads, args.seq, args.seq, args.head_dim, mask, _DTYPES[args.dtype])
     print(f"attention B={args.batch} H={args.heads} S={args.seq} D={args.head_dim} {args.dtype}, mask {mask!r}")
     print(choice.explain())
@@ -251,15 +286,24 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
 def _print_attention_choices(graph: Graph) -> None:
     """For each SDPA or recognised attention node: the kernel the cost model would pick (its
     own mask: causal when it says so, none when it has none), or why there is none."""
-    for node in graph.nodes():
-        if node.op not in ("scaled_dot_product_attention", "attention"):
-            continue
+    nodes = [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
+    if nodes and not torch.cuda.is_available():
+        print()
+        _say_assumed_gpu("choosing attention kernels")
+    for node in nodes:
         try:
             template, problem, params, _ = attention_kernel(graph, node)
         except NotFusable as why:
             print(f"\n{why}")
             continue
         print(f"\n%{node.name}: attention kernel {config_label(params)} ({template.kernel_name(problem, params)})")
+
+
+def _say_assumed_gpu(doing: str) -> None:
+    """Say which GPU a command targets when none is visible: the H100, whose constants the
+    cost model and templates hold (`templates/pricing.py`)."""
+    if not torch.cuda.is_available():
+        print(f"no GPU visible: {doing} for sm_{H100[0]}{H100[1]} (H100, {H100_SM_COUNT} SMs)")
 
 
 def format_histogram(graph: Graph) -> str:

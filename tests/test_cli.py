@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from stof_cc.cli import main
+import stof_cc
+import stof_cc.cli
+from stof_cc.cli import build_parser, main
 
 
 def test_inspect_tiny_bert(example_path, tmp_path, capsys):
@@ -194,3 +198,83 @@ def test_describing_an_os_error_never_raises(error, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "stat", stat)
     exc = OSError(error, os.strerror(error), str(path))
     assert describe_os_error(exc) == f"cannot write {path}: {os.strerror(error)}"
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str = "stof-cc"):
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {command}")
+
+
+def test_every_command_and_option_has_help():
+    """`stof-cc attention --batch/--heads/--head-dim` had none."""
+    missing = []
+    for name, parser in _parsers(build_parser()):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {choice.dest for choice in action._choices_actions if choice.help}
+                missing += [f"{name} {command}" for command in action.choices if command not in helped]
+            elif not action.help:
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, f"no help text: {missing}"
+    assert {"stof-cc attention", "stof-cc masks show"} <= {name for name, _ in _parsers(build_parser())}
+
+
+@pytest.mark.parametrize("nvcc", ["/opt/cuda/bin/nvcc", None])
+def test_version_names_stof_cc_torch_and_nvcc(nvcc, monkeypatch, capsys):
+    monkeypatch.setattr(stof_cc.cli, "nvcc_path", lambda: nvcc)
+    monkeypatch.setattr(stof_cc.cli, "nvcc_version", lambda: "12.9")
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    lines = capsys.readouterr().out.splitlines()
+    assert exited.value.code == 0 and lines[:2] == [f"stof-cc {stof_cc.__version__}", f"torch {torch.__version__} "
+                                                    f"({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU only'})"]
+    assert lines[2] == ("nvcc 12.9 (/opt/cuda/bin/nvcc)" if nvcc else "nvcc not found")
+
+
+@pytest.mark.parametrize(("command", "line"), [
+    (["compile", "{tiny_bert}", "--no-nvcc"], "no GPU visible: generating for sm_90 (H100, 132 SMs)"),
+    (["attention", "--mask", "causal", "--seq", "512"], "no GPU visible: choosing the kernel for sm_90 (H100, 132 SMs)"),
+    (["inspect", "{tiny_bert}", "--quiet-graph", "--passes"],
+     "no GPU visible: choosing attention kernels for sm_90 (H100, 132 SMs)"),
+])
+def test_without_a_gpu_the_assumed_one_is_said_once(command, line, example_path, tmp_path, monkeypatch, capsys):
+    """`stof-cc compile` assumed sm_90 silently where no GPU is visible."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    build = ["--build-dir", str(tmp_path)] if command[0] != "attention" else []
+    assert main([part.format(tiny_bert=example_path("tiny_bert")) for part in command] + build) == 0
+    assert capsys.readouterr().out.splitlines().count(line) == 1
+
+
+def test_attention_says_why_its_pick_differs_from_stofs_rule(monkeypatch, capsys):
+    """It printed "STOF's rule ... -> blockwise" and then chose a wgmma_ws kernel without a word."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the H100's candidates and SM count
+    assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096"]) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"chosen: attention_wgmma_ws (wgmma_ws m\d+ n\d+ w\d+ s\d+[a-z ]*),", out).group(1)
+    ours = re.search(rf"  {chosen}: ([\d.]+) us est", out).group(1)
+    best_blockwise = re.search(r"  (blockwise m\d+ n\d+ w\d+ s\d+): ([\d.]+) us est", out)
+    assert ("STOF's density rule suggests blockwise (rho=0.1248 >= tau=0.0156); the cost model picks wgmma_ws "
+            f"instead:\n  estimated {ours} us against {best_blockwise.group(2)} us for the best blockwise point "
+            f"({best_blockwise.group(1)})\n") in out
+    assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096", "--head-dim", "32"]) == 0
+    out = capsys.readouterr().out  # no wgmma candidates at D = 32: the model agrees with the rule
+    assert "chosen: attention_blockwise" in out and "tau=0.0156): the chosen strategy too\n" in out
+
+
+def test_compile_output_fits_120_columns(example_path, tmp_path, monkeypatch, capsys):
+    """`stof-cc compile examples/tiny_bert.py:factory` printed lines of up to 410 characters: the
+    attention groups' fused ops twice, and refusals from templates that never could apply."""
+    monkeypatch.chdir(tmp_path)  # the default build folder, as a user runs it
+    assert main(["compile", example_path("tiny_bert")]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    assert out.count("reshape_permute") == 1 and out.count("the other fused ops stay torch views") == 2
+    assert "torch: elementwise: %embedding: op embedding (aten.embedding.default) has no elementwise" in out
+    assert "not an overflow_clamp" not in out
+    assert main(["compile", example_path("tiny_bert"), "--why"]) == 0
+    out = capsys.readouterr().out
+    assert max(map(len, out.splitlines())) <= 120, out
+    assert "--why adds" not in out

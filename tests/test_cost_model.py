@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,7 +58,17 @@ def test_explain_lists_every_candidate_best_first():
     assert choice.params == choice.estimates[0].params
     text = choice.explain()
     assert text.startswith(f"chosen: {choice.template.name} {config_label(choice.params)}")
-    assert "STOF's rule" in text
+    assert "STOF's density rule suggests" in text
+
+
+def test_explain_says_who_overrode_stofs_rule(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the H100's candidates
+    choice = explain_attention(1, 12, 4096, 4096, 64, masks.sliding_window(256))
+    assert choice.stof_rule[2] == "blockwise" and choice.params["strategy"] != "blockwise"
+    assert "; the cost model picks wgmma" in choice.explain()
+    measured = dataclasses.replace(choice, measured_us=12.5)  # as `adopt_choice` records a stage 2 winner
+    assert "measured 12.5 us (stage 2 of the search)" in measured.explain()
+    assert "; stage 2 of the search picks wgmma" in measured.explain()
 
 
 def test_sparser_masks_are_estimated_cheaper():

@@ -149,6 +149,17 @@ def test_show_writes_png_and_prints_statistics(tmp_path, capsys):
     assert (width, height) == (2 * 1024 + GAP, 1024)
 
 
+def test_show_writes_under_the_build_folder_by_default(tmp_path, monkeypatch, capsys):
+    """The README's `stof-cc masks show SPEC --seq N` wrote its PNG into the current directory."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["show", "longformer:w=128,g=32", "--seq", "256"]) == 0
+    expected = Path("stof_build", "masks", "mask-longformer-w-128-g-32-256.png")
+    assert f"wrote     {expected} " in capsys.readouterr().out
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()] == [expected]
+    assert main(["show", "causal", "--seq", "64", "--build-dir", "elsewhere"]) == 0
+    assert (tmp_path / "elsewhere" / "masks" / "mask-causal-64.png").is_file()
+
+
 def test_show_reports_bad_specs(capsys):
     assert main(["show", "sliding:w=-1", "--seq", "64"]) == 2
     assert "sliding_window: w must be a positive int, got -1" in capsys.readouterr().err

@@ -32,6 +32,11 @@ class NotFusable(Exception):
     """A node the chain generator cannot express; the message names it and says why."""
 
 
+class NotItsPattern(NotFusable):
+    """A template's refusal of a group it is not written for at all (another anchor op, no norm
+    after the GEMM): when another template got further, that one's reason is the one to show."""
+
+
 @dataclass(frozen=True)
 class Operand:
     """A tensor the chain reads from outside: its graph value, C name and access pattern."""

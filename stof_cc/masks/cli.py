@@ -11,6 +11,7 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from stof_cc.masks.errors import MaskError
 from stof_cc.masks.picture import render, write_png
@@ -41,8 +42,10 @@ def add_masks_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     show.add_argument("--seq", type=int, required=True, help="query sequence length")
     show.add_argument("--seq-k", type=int, help="key sequence length (default: --seq)")
     show.add_argument("--block", type=_block_size, default=(64, 64), help="N or MxN (default 64)")
-    show.add_argument("--max-px", type=int, default=1024, help="largest panel side in pixels")
-    show.add_argument("--out", help="PNG path (default: mask-<spec>-<seq>.png)")
+    show.add_argument("--max-px", type=int, default=1024, help="largest panel side in pixels (default: %(default)s)")
+    show.add_argument("--build-dir", default="stof_build",
+                      help="the PNG goes to <build-dir>/masks/ unless --out says (default: %(default)s)")
+    show.add_argument("--out", help="PNG path (default: <build-dir>/masks/mask-<spec>-<seq>.png)")
     show.set_defaults(run=show_command)
 
     listing = commands.add_parser("list", help="list the mask zoo with its spec syntax")
@@ -60,7 +63,7 @@ def show_command(args: argparse.Namespace) -> int:
         print(f"stof-cc masks show: error: {error}", file=sys.stderr)
         return 2
     slug = re.sub(r"[^A-Za-z0-9]+", "-", args.spec).strip("-")
-    path = write_png(args.out or f"mask-{slug}-{args.seq}.png", image)
+    path = write_png(args.out or Path(args.build_dir, "masks", f"mask-{slug}-{args.seq}.png"), image)
     print(f"mask      {desc!r}")
     print(f"storage   {mask!r}")
     print(f"blocks    {mask.n_full} full, {mask.n_partial} partial, {mask.n_empty} empty")

@@ -12,6 +12,7 @@ components (`ir/paths.py`), checked to stay inside the folder.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,15 @@ class GroupBuild:
     resources: Resources | None = None
     estimate_us: float | None = None  # stage 1 of the search
     measured_us: float | None = None  # from the tuning database, when it has a record
+    refused: tuple[str, ...] = ()  # a group torch runs: every template's reason, the one that matters first
+
+
+class _NoTemplate(NotFusable):
+    """Every group template refused the group (`applicable_templates`' reasons, kept apart)."""
+
+    def __init__(self, refused: list[str]) -> None:
+        super().__init__("; ".join(refused))
+        self.refused = tuple(refused)
 
 
 def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels: bool = True,
@@ -54,7 +64,8 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
         try:
             template, source, params, note, estimate_us = _generate(graph, group)
         except NotFusable as why:
-            builds.append(GroupBuild(group, None, None, None, f"torch: {why}"))
+            refused = why.refused if isinstance(why, _NoTemplate) else (str(why),)
+            builds.append(GroupBuild(group, None, None, None, f"torch: {why}", refused=refused))
             continue
         path = path_in(out_dir, f"{group.name}.cu")
         path.write_text(source)
@@ -95,12 +106,12 @@ def _rotary_sources(graph: Graph, group: FusionGroup) -> tuple[list[str], list[s
         x, table = (graph.node(r.name).spec for r in node.args[:2])
         why = rotary_unsupported(x, table)
         if why is not None:
-            notes.append(f", %{name} in torch ({why})")
+            notes.append(f"%{name} in torch ({why})")
             continue
         problem = RotaryProblem(*x.shape, x.dtype)
         params = ROTARY.space(problem)[0]
         sources.setdefault(ROTARY.kernel_name(problem, params), ROTARY.render(problem, params))
-        notes.append(f", %{name} by {ROTARY.kernel_name(problem, params)}")
+        notes.append(f"%{name} by {ROTARY.kernel_name(problem, params)}")
     return list(sources.values()), notes
 
 
@@ -109,30 +120,50 @@ def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, di
         template, problem, params, estimate_us = attention_kernel(graph, graph.node(group.anchor))
         header = group_header(graph, group, template.name, params)
         rotary, rotary_notes = _rotary_sources(graph, group)
-        others = [n for n in group.nodes if n != group.anchor and graph.node(n).op != "rotary"]
-        note = "anchor" + "".join(rotary_notes) + "; " \
-            + (f"{', '.join(others)} stay torch views" if others else "nothing else")
+        views = any(n != group.anchor and graph.node(n).op != "rotary" for n in group.nodes)
+        note = "; ".join([*rotary_notes, *(["the other fused ops stay torch views"] if views else [])])
         return template, "\n".join([header, template.render(problem, params), *rotary]), params, note, estimate_us
     found, refused = applicable_templates(graph, group, H100)
     if not found:
-        raise NotFusable("; ".join(refused))
+        raise _NoTemplate(refused)
     template, problem = found[0].template, found[0].problem
     params = template.default_params(problem)
     header = group_header(graph, group, template.name, params)
-    return (template, f"{header}\n{template.render(problem, params)}", params, "fused",
+    return (template, f"{header}\n{template.render(problem, params)}", params, "",
             template.estimate(problem, params, H100_SM_COUNT))
 
 
-def format_builds(builds: list[GroupBuild], plan: FusionPlan) -> str:
-    """The partition as a table: group, kind, anchor, fused ops, template, file or reason."""
-    rows = [("group", "kind", "anchor", "fused ops", "template", "file / note")]
-    for b in builds:
+TABLE_WIDTH = 120  # columns `format_builds` keeps within, where names allow
+
+
+def format_builds(builds: list[GroupBuild], plan: FusionPlan, why: bool = False) -> str:
+    """The partition as a table: group, kind, anchor, template, file and the fused ops (wrapped).
+    Under a group torch runs, the reason that matters (with ``why``, every template's reason); under
+    an attention group, what its kernel leaves to torch. Then the schemes stage 1 weighed."""
+    head = ("group", "kind", "anchor", "template", "file")
+    rows = [(b.group.name, b.group.kind, b.group.anchor or "-", b.template or "torch", b.path.name if b.path else "-")
+            for b in builds]
+    widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head))]
+    fused_at = sum(widths) + 2 * len(widths)
+    fused_width = max(TABLE_WIDTH - fused_at, 30)
+
+    def cells(row: tuple[str, ...]) -> str:
+        return "".join(cell.ljust(width + 2) for cell, width in zip(row, widths, strict=True))
+
+    lines = [cells(head) + "fused ops", cells(tuple("-" * w for w in widths)) + "-" * fused_width]
+    hidden = 0
+    for b, row in zip(builds, rows, strict=True):
         fused = ", ".join(n for n in b.group.nodes if n != b.group.anchor) or "-"
-        where = f"{b.path} ({b.note})" if b.path else b.note
-        rows.append((b.group.name, b.group.kind, b.group.anchor or "-", fused, b.template or "torch", where))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r[:5], widths, strict=True)) + "  " + r[5] for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 11)
+        first, *more = textwrap.wrap(fused, fused_width, break_long_words=False, break_on_hyphens=False)
+        lines += [cells(row) + first, *(" " * fused_at + line for line in more)]
+        shown = b.refused if why else b.refused[:1]
+        hidden += len(b.refused) - len(shown)
+        notes = [("torch: " if i == 0 else " " * 7) + reason for i, reason in enumerate(shown)]
+        for note in notes or ([b.note] if b.note else []):
+            lines += textwrap.wrap(note, TABLE_WIDTH, initial_indent=" " * 7, subsequent_indent=" " * 16,
+                                   break_long_words=False, break_on_hyphens=False)
+    if hidden:
+        lines.append(f"(--why adds {hidden} more template refusal(s) under the groups torch runs)")
     lines.append(f"scheme: {'chosen' if plan.chosen else 'default'} ({len(plan.scheme.groups)} groups); "
                  f"{len(plan.alternatives)} alternative(s):")
     lines += [f"  {line}" for line in plan.choices or [label for label, _ in plan.alternatives]]

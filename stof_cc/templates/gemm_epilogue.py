@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable
+from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
@@ -181,7 +181,7 @@ def gemm_anchor(graph: Graph, group: FusionGroup) -> tuple[Node, tuple[str, ...]
     nodes after it."""
     anchor = graph.node(group.anchor)
     if anchor.op != "linear":
-        raise NotFusable(f"%{anchor.name}: {anchor.op} is not generated yet (only linear: x W^T + b)")
+        raise NotItsPattern(f"%{anchor.name}: {anchor.op} is not generated yet (only linear: x W^T + b)")
     position = group.nodes.index(anchor.name)
     if position:
         raise NotFusable(f"%{anchor.name}: prologue {list(group.nodes[:position])} is not generated yet")

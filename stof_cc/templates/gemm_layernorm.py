@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable
+from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.gemm_epilogue import (
@@ -67,8 +67,9 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
         anchor, tail = gemm_anchor(graph, group)
         norms = [name for name in tail if graph.node(name).op in NORMS]
         if len(norms) != 1:
-            raise NotFusable(f"%{anchor.name}: gemm_layernorm needs one LayerNorm or RMSNorm after the GEMM, "
-                             f"found {len(norms)}")
+            refusal = NotFusable if norms else NotItsPattern
+            raise refusal(f"%{anchor.name}: gemm_layernorm needs one LayerNorm or RMSNorm after the GEMM, "
+                          f"found {len(norms)}")
         at = tail.index(norms[0])
         norm = graph.node(norms[0])
         kind, source, weight, bias, eps = reduction_inputs(graph, norm, problem.shape)

@@ -18,7 +18,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable
+from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.passes.lower import lower
@@ -286,17 +286,18 @@ class Applicable:
 def applicable_templates(graph: Graph, group: FusionGroup,
                          capability: tuple[int, int]) -> tuple[list[Applicable], list[str]]:
     """The templates that generate ``group`` for a GPU of ``capability`` (registration order:
-    the first is the default choice), and why each other one does not. The one place a group
-    template is chosen: compile, stage 1 and 2 of the search and the build folder all ask here."""
+    the first is the default choice), and why each other one does not: the reasons that matter
+    first, those of templates written for another pattern (`NotItsPattern`) last. The one place a
+    group template is chosen: compile, stage 1 and 2 of the search and the build folder all ask here."""
     templates = group_templates(group.kind)
     if not templates:
         return [], [f"no template serves {group.kind} groups"]
-    found, refused = [], []
+    found, refused, not_its_pattern = [], [], []
     for template in templates:
         try:
             problem = template.match(graph, group)
         except NotFusable as why:
-            refused.append(f"{template.name}: {why}")
+            (not_its_pattern if isinstance(why, NotItsPattern) else refused).append(f"{template.name}: {why}")
             continue
         if not template.runs_on(capability):
             refused.append(f"{template.name}: not for compute capability {capability[0]}.{capability[1]}")
@@ -306,7 +307,7 @@ def applicable_templates(graph: Graph, group: FusionGroup,
             refused.append(f"{template.name}: no parameter point fits this group")
             continue
         found.append(Applicable(template, problem, tuple(space)))
-    return found, refused
+    return found, refused + not_its_pattern
 
 
 def group_templates(kind: str) -> list[GroupTemplate]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable
+from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
@@ -54,7 +54,7 @@ class OverflowClampTemplate(GroupTemplate[OverflowClampDetails]):
     def match(self, graph: Graph, group: FusionGroup) -> Problem:
         anchor = graph.node(group.anchor)
         if anchor.op != "overflow_clamp":
-            raise NotFusable(f"%{anchor.name}: {anchor.op} is not an overflow_clamp")
+            raise NotItsPattern(f"%{anchor.name}: {anchor.op} is not an overflow_clamp")
         problem = output_problem(graph, group)
         x = anchor.args[0]
         if not isinstance(x, Ref) or tuple(graph.node(x.name).spec.shape) != problem.shape:

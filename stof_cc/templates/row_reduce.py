@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable
+from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
@@ -180,7 +180,7 @@ def reduction_inputs(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[
             eps = args[3] if len(args) > 3 else node.kwargs.get("eps")
             eps = torch.finfo(in_spec.dtype).eps if eps is None else eps
         return node.op, source, weight, bias, float(eps)
-    raise NotFusable(f"%{node.name}: reduction {node.op} has no row_reduce form (softmax, layer_norm, rms_norm)")
+    raise NotItsPattern(f"%{node.name}: reduction {node.op} has no row_reduce form (softmax, layer_norm, rms_norm)")
 
 
 ROW_REDUCE = register_template(RowReduceTemplate(), validate=False)  # validated in tests/test_register_template.py

@@ -49,13 +49,27 @@ class AttentionChoice:
     measured_us: float | None = None  # set when stage 2 of the search picked it
 
     def explain(self) -> str:
-        rho, tau, pick = self.stof_rule
+        """The pick, STOF's rule beside it (and, where they differ, the two estimates), then
+        every candidate."""
         how = (f"measured {self.measured_us:.1f} us (stage 2 of the search)" if self.measured_us is not None
                else "the cost model's first choice")
-        lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}",
-                 f"STOF's rule: rho={rho:.4f} tau={tau:.4f} -> {pick}", "candidates (best first):"]
+        lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}", self._against_stof_rule(),
+                 "candidates (best first):"]
         lines += [f"  {e.describe()}" for e in self.estimates]
         return "\n".join(lines)
+
+    def _against_stof_rule(self) -> str:
+        rho, tau, suggested = self.stof_rule
+        rule = f"STOF's density rule suggests {suggested} (rho={rho:.4f} {'>=' if rho >= tau else '<'} tau={tau:.4f})"
+        strategy = self.params["strategy"]
+        if strategy == suggested:
+            return f"{rule}: the chosen strategy too"
+        ours = next((e.micros for e in self.estimates if e.params == self.params), float("nan"))
+        theirs = next((e for e in self.estimates if e.params["strategy"] == suggested), None)
+        who = "the cost model" if self.measured_us is None else "stage 2 of the search"
+        why = (f"estimated {ours:.1f} us against {theirs.micros:.1f} us for the best {suggested} point "
+               f"({config_label(theirs.params)})" if theirs else f"no {suggested} point runs this problem")
+        return f"{rule}; {who} picks {strategy} instead:\n  {why}"
 
 
 # mask description -> {(seq_q, seq_k, bm, bn, batch, heads, device): BlockMask}
