@@ -121,3 +121,22 @@ def test_the_backend_sees_an_in_place_update_after_the_first_call(example_path):
         with pytest.warns(UserWarning, match="changed since it was compiled"):
             got = compiled(x)
         torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_an_update_is_seen_through_the_captured_graph(example_path):
+    """On the GPU the compiled module replays a CUDA graph whose kernels read the weights: an
+    in-place update compiles and captures again, and the answer is the updated model's."""
+    module, x = _block(example_path)
+    module = module.cuda().half()
+    x = x.cuda().half()
+    compiled = stof_cc.compile(module, (x,), tune=False)
+    for _ in range(2):  # the second call replays the captured graph
+        compiled(x)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(0.9)
+        with pytest.warns(UserWarning, match="changed since it was compiled"):
+            got = compiled(x)
+        want = module.float()(x.float())
+    assert stof_cc.ir.reference.relative_error(got, want) < 1e-2

@@ -35,6 +35,9 @@ from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, TensorSpe
 from stof_cc.ir.ops import pattern_kind
 
 ANCHOR_KINDS = ("gemm", "attention", "reduction")
+# layout ops torch makes as views of their input (no kernel, no copy): a group of nothing else
+# needs no kernel of its own
+VIEW_OPS = frozenset({"view", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select", "split", "getitem"})
 FOLDABLE_KINDS = ("elementwise", "broadcast", "injective")
 MAX_EPILOGUE = 32  # nodes an epilogue region may grow through before it must have closed
 
@@ -216,6 +219,11 @@ def _scheme(members: dict[str, list[str]], kind: dict[str, str], order: dict[str
             group_kind, anchor = "opaque", None
         groups.append(FusionGroup(f"g{len(groups)}", group_kind, anchor, tuple(sorted(nodes, key=order.get))))
     return FusionScheme(tuple(groups))
+
+
+def is_views(graph: Graph, group: FusionGroup) -> bool:
+    """Whether ``group`` holds only ops torch makes as views (`VIEW_OPS`)."""
+    return all(graph.node(n).op in VIEW_OPS for n in group.nodes)
 
 
 def in_dependency_order(graph: Graph, groups: tuple[FusionGroup, ...] | list[FusionGroup]) -> tuple[FusionGroup, ...]:

@@ -67,7 +67,7 @@ class Step:
     tuned: bool = False  # kernel steps: params are a measured winner (else stage 1's default point)
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps; torch steps of attention groups: compile's mask=
-    rotary: tuple[str, ...] = ()  # attention steps: the group's rotary nodes, run by the rotary kernel
+    rotary: tuple[str, ...] = ()  # attention and torch steps: the group's rotary nodes, run by the rotary kernel
     bias: str | None = None  # attention steps: the value the kernel adds to the scores (a float mask)
     empty_rows: str | None = None  # attention steps: what a query with no allowed key gives, if not 0
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
@@ -215,8 +215,10 @@ class CompiledModule:
         if not gpu:
             return Step(group, "torch", NO_GPU)
         found, refused = applicable_templates(graph, group, target_capability())
-        if not found:
-            return Step(group, "torch", "; ".join(refused))
+        if not found:  # its rotary nodes still run in the rotary kernel (a per-head norm's epilogue, say)
+            rotary, _ = _generated_rotary(graph, group)
+            note = "; ".join(refused) + (f"; {len(rotary)} rotary kernel(s)" if rotary else "")
+            return Step(group, "torch", note, rotary=rotary)
         template, problem = found[0].template, found[0].problem
         params, how = self._params(template, problem, graph, group)
         return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),

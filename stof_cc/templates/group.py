@@ -20,7 +20,7 @@ import torch
 
 from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, TensorSpec
-from stof_cc.passes.fusion import FusionGroup
+from stof_cc.passes.fusion import FusionGroup, is_views
 from stof_cc.passes.lower import lower
 from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import (
@@ -289,6 +289,8 @@ def applicable_templates(graph: Graph, group: FusionGroup,
     the first is the default choice), and why each other one does not: the reasons that matter
     first, those of templates written for another pattern (`NotItsPattern`) last. The one place a
     group template is chosen: compile, stage 1 and 2 of the search and the build folder all ask here."""
+    if is_views(graph, group):
+        return [], ["views only: torch makes them without a kernel or a copy"]
     templates = group_templates(group.kind)
     if not templates:
         return [], [f"no template serves {group.kind} groups"]

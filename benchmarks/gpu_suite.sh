@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU test suite (`pytest -m gpu`) split over the visible GPUs: each GPU runs its own share of
+# the test files in its own process (CUDA_VISIBLE_DEVICES), then the tests that need every GPU
+# (tests/test_devices.py) run once with all of them. Logs go to LOGS (default: gpu-logs/); the
+# last lines printed are each share's pytest summary.
+#
+#     bash benchmarks/gpu_suite.sh [LOGS]
+set -u
+cd "$(dirname "$0")/.."
+logs=${1:-gpu-logs}
+mkdir -p "$logs"
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+files=$(python3 -m pytest --collect-only -q -m gpu tests/ 2>/dev/null | grep '::' | cut -d: -f1 \
+        | grep -v test_devices.py | sort | uniq -c | sort -rn | awk '{print $2}')
+declare -a share
+i=0
+for f in $files; do  # the largest files first, dealt round-robin
+  share[$((i % gpus))]+=" $f"
+  i=$((i + 1))
+done
+pids=()
+for g in $(seq 0 $((gpus - 1))); do
+  [ -n "${share[$g]:-}" ] || continue
+  CUDA_VISIBLE_DEVICES=$g python3 -m pytest -q -m gpu -p no:cacheprovider ${share[$g]} >"$logs/gpu$g.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p"; done
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_devices.py >"$logs/devices.log" 2>&1
+for log in "$logs"/gpu*.log "$logs/devices.log"; do
+  echo "== $log: $(grep -E '^(FAILED|ERROR)' "$log" | head -5 | tr '\n' ' ')"
+  tail -1 "$log"
+done
