@@ -6,7 +6,8 @@ captures; one that captures CPU tensors on the CPU), in row chunks (never an S x
 once), into row-packed bits [Bm, Hm, S_q, ceil(S_k / 32)] int32. Every block shape's classes
 and tiles are views of those bits, so the kernel's block mask, the cost model's candidates and
 `explain_attention` share one evaluation. Above PACKED_BUDGET bytes (long contexts) the bits
-are not kept: every block is classified PARTIAL and its tile evaluated, in chunks, as before.
+are not kept: every block is classified PARTIAL and its tile evaluated, in chunks, within the
+builder's EVALUATION_BUDGET.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch import Tensor
 
 from stof_cc.masks.bits import pack_last
 from stof_cc.masks.description import MaskDescription, MaskMod
-from stof_cc.masks.errors import MaskError, MaskTypeError
+from stof_cc.masks.errors import MaskError, MaskTypeError, check_values
 from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_from
+from stof_cc.masks.runs import ClassRuns
 from stof_cc.masks.zoo import key_padding
 
 PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept per extent (S = 32768 with Bm = Hm = 1: 128 MiB)
@@ -89,12 +91,12 @@ class _Evaluated(MaskDescription):
         self._tiles = {key: tiles}  # the latest block shape only: the cost model walks the shapes in turn
         return tiles
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
         tiles = self._grid_tiles(grid)
         if tiles is None:
-            return torch.full((1, 1, grid.n_rb, grid.n_cb), PARTIAL, dtype=torch.int8)
+            return ClassRuns.filled(grid.shape(), PARTIAL)
         valid = grid.valid_grid(tiles.device)
-        return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu()
+        return ClassRuns.from_dense(classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu())
 
     def exact_classes(self, grid: BlockGrid) -> bool:
         return self._grid_tiles(grid) is not None  # read off the evaluated bits
@@ -229,6 +231,7 @@ def from_dense(mask: Tensor) -> MaskDescription:
             f"from_dense: mask must have shape [S_q, S_k] or [B|1, H|1, S_q, S_k] with no empty "
             f"dim, got {tuple(mask.shape)}"
         )
+    check_values("from_dense", "mask", mask)
     return _Dense((mask if mask.dim() == 4 else mask[None, None]).cpu().contiguous())
 
 
@@ -242,20 +245,25 @@ def from_mask_mod(
     Its batch/head dependence is read from how its result broadcasts over b and h; slices
     that come out equal are collapsed when the mask is built. ``fn`` runs on ``device``,
     by default the device of the tensors it captures (closure cells, defaults, globals it
-    names), else wherever its index tensors are. Block masks evaluate it on int32 indices, as
-    FlexAttention does: index arithmetic must stay within int32 (`to_dense` passes int64)."""
+    names), else wherever its index tensors are; a meta device is refused (its tensors hold no
+    values). Block masks evaluate it on int32 indices, as FlexAttention does: index
+    arithmetic must stay within int32 (`to_dense` passes int64)."""
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
+    name = name or getattr(fn, "__name__", type(fn).__name__)
     if device is None:
         device = captured_device(fn)
-    return _MaskMod(fn, name or getattr(fn, "__name__", type(fn).__name__),
-                    None if device is None else torch.device(device))
+    if device is not None and torch.device(device).type == "meta":
+        raise MaskError(f"from_mask_mod: {name} would run on the meta device (the tensors it captures, or "
+                        "device=, are meta tensors, which hold no values); give it CPU or CUDA tensors")
+    return _MaskMod(fn, name, None if device is None else torch.device(device))
 
 
 def captured_device(fn: Callable) -> torch.device | None:
     """The device of the tensors ``fn`` captures (through its closure, default arguments, the
     globals it names, and for a functools.partial its bound arguments): the one GPU they are
-    on, the CPU when all are CPU tensors, None when it captures none or several GPUs."""
+    on, the CPU when all are CPU tensors, None when it captures none or several GPUs; meta
+    when any is a meta tensor."""
     seen = []
     while isinstance(fn, functools.partial):
         seen += [*fn.args, *fn.keywords.values()]
@@ -266,6 +274,8 @@ def captured_device(fn: Callable) -> torch.device | None:
         seen += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
         seen += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
     devices = {t.device for t in seen if isinstance(t, Tensor)}
+    if torch.device("meta") in devices:  # no values to evaluate with: `from_mask_mod` says so
+        return torch.device("meta")
     gpus = devices - {torch.device("cpu")}
     if len(gpus) == 1:
         return gpus.pop()
