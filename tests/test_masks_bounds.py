@@ -1,7 +1,8 @@
-"""Mask parameters at their limits (issue 32, item 6): a length past every position means
-'unbounded' and works (also on FlexAttention's int32 indices), nothing is allocated in
-proportion to a parameter's value, and what cannot be honoured is a MaskError naming the
-argument."""
+"""Mask parameters at their limits (issue 32, item 6) and user masks evaluated once (item 14):
+a length past every position means 'unbounded' and works (also on FlexAttention's int32
+indices), nothing is allocated in proportion to a parameter's value, what cannot be honoured
+is a MaskError naming the argument, and a mask_mod whose answers change between calls still
+gives one mask to `to_dense`, every block shape and every combination."""
 
 from __future__ import annotations
 
@@ -121,3 +122,27 @@ def test_show_takes_a_huge_window_and_names_a_huge_length(tmp_path, capsys):
     assert "1 full, 0 partial, 0 empty" in capsys.readouterr().out
     assert main(["show", "causal", "--seq", str(10**12), "--out", str(tmp_path / "s.png")]) == 2
     assert "seq_q must be at most 2147483647" in capsys.readouterr().err
+
+
+def test_a_mask_mod_that_changes_its_answers_is_evaluated_once():
+    """Item 14: to_dense, every block shape (the kernel's and the cost model's), and
+    combinations all read one evaluation per extent, so they agree even for a mask_mod that
+    draws random numbers; several extents are kept side by side."""
+    calls = []
+
+    def coin(b, h, q, k):
+        calls.append(tuple(q.shape))
+        return torch.rand(torch.broadcast_shapes(q.shape, k.shape)) < 0.5
+
+    desc = masks.from_mask_mod(coin)
+    dense = desc.to_dense(100, 90)
+    small = desc.to_dense(50)
+    for block in ((16, 16), (32, 32), (64, 128), (7, 5)):
+        assert torch.equal(desc.block_mask(100, 90, *block).to_dense(), dense), block
+    assert torch.equal(desc.block_classes(100, 90, 16, 16), masks.from_dense(dense[0, 0]).block_classes(100, 90, 16, 16))
+    causal = masks.causal().to_dense(100, 90)
+    for combined, want in ((desc | masks.causal(), dense | causal), (desc & ~masks.causal(), dense & ~causal)):
+        assert torch.equal(combined.to_dense(100, 90), want)
+        assert torch.equal(combined.block_mask(100, 90, 32, 64).to_dense(), want)
+    assert torch.equal(desc.to_dense(50), small) and torch.equal(desc.to_dense(100, 90), dense)
+    assert torch.equal(desc.block_mask(50, block_m=16, block_n=16).to_dense(), small)

@@ -168,9 +168,8 @@ class MaskDescription:
     ) -> MaskMod:
         """A mask_mod bound to these sizes: works for every description, BigBird included."""
         ext, _ = self._extent("mask_mod_for", seq_q, seq_k, batch, heads)
-        if self.size_dependent:  # build the lookup tables now: FlexAttention calls us under vmap
-            index = torch.zeros(1, dtype=torch.long)
-            self._eval(ext, index, index, index, index)
+        index = torch.zeros(1, dtype=torch.long)  # build lookup tables (and evaluate a user mask)
+        self._eval(ext, index, index, index, index)  # now: FlexAttention calls us under vmap
         return self._bound_mask_mod(ext)
 
     def _bound_mask_mod(self, ext) -> MaskMod:

@@ -4,10 +4,12 @@ Neither has structure to classify blocks analytically, so each is evaluated over
 once per extent: on a GPU when there is one (a mask_mod on the device of the tensors it
 captures; one that captures CPU tensors on the CPU), in row chunks (never an S x S tensor at
 once), into row-packed bits [Bm, Hm, S_q, ceil(S_k / 32)] int32. Every block shape's classes
-and tiles are views of those bits, so the kernel's block mask, the cost model's candidates and
-`explain_attention` share one evaluation. Above PACKED_BUDGET bytes (long contexts) the bits
-are not kept: every block is classified PARTIAL and its tile evaluated, in chunks, within the
-builder's EVALUATION_BUDGET.
+and tiles are views of those bits, and a mask_mod's `to_dense` and its part in combinations
+read them too, so the kernel's block mask, the cost model's candidates, `explain_attention`
+and `to_dense` share one evaluation (a mask_mod whose answers change from call to call still
+gives one mask). Above PACKED_BUDGET bytes (long contexts) the bits are not kept: every
+block is classified PARTIAL and its tile evaluated, in chunks, within the builder's
+EVALUATION_BUDGET.
 """
 
 from __future__ import annotations
@@ -25,19 +27,32 @@ from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_fr
 from stof_cc.masks.runs import ClassRuns
 from stof_cc.masks.zoo import key_padding
 
-PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept per extent (S = 32768 with Bm = Hm = 1: 128 MiB)
+PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept, all extents together (S = 32768 with Bm = Hm = 1: 128 MiB)
 ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
 
 
 class _Evaluated(MaskDescription):
-    """A mask classified by evaluating it: row-packed bits of the latest extent, on the
-    evaluation device, kept while they fit PACKED_BUDGET; `_classify` and `tile_bits` read them for block_n a multiple of 32
-    or 16 (the cost model's fine grid)."""
+    """A mask classified by evaluating it: row-packed bits of the latest extents, on the
+    evaluation device, kept while they fit PACKED_BUDGET together; `_classify` and `tile_bits`
+    read them for block_n a multiple of 32 or 16 (the cost model's fine grid). A subclass
+    implements `_evaluate`, the mask itself."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._bits: dict[Extent, torch.Tensor] = {}
+        self._bits: dict[Extent, torch.Tensor] = {}  # oldest first
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
+
+    def _evaluate(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        """The mask at these indices, evaluated afresh (what `_eval` is, unless a subclass
+        reads a kept evaluation instead)."""
+        raise NotImplementedError
+
+    def _eval(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        return self._evaluate(ext, b, h, q, k)
 
     def _evaluation_device(self) -> torch.device:
         """Where to evaluate: a GPU when there is one, unless the mask needs the CPU."""
@@ -45,12 +60,18 @@ class _Evaluated(MaskDescription):
 
     def packed_bits(self, ext: Extent) -> Tensor | None:
         """bool mask over every (q, k) of ``ext``, row-packed: int32 [Bm, Hm, S_q, ceil(S_k / 32)]
-        on the evaluation device; None above PACKED_BUDGET."""
+        on the evaluation device; None above PACKED_BUDGET. Kept with the latest other
+        extents' while all fit PACKED_BUDGET together."""
         if ext not in self._bits:
             batch, heads = self._dims(ext)
             words = -(-ext.seq_k // 32)
-            if batch * heads * ext.seq_q * words * 4 > PACKED_BUDGET:
+            size = batch * heads * ext.seq_q * words * 4
+            if size > PACKED_BUDGET:
                 return None
+            while sum(kept.numel() * 4 for kept in self._bits.values()) + size > PACKED_BUDGET:
+                evicted = next(iter(self._bits))
+                del self._bits[evicted]
+                self._tiles = {key: tiles for key, tiles in self._tiles.items() if key[0] != evicted}
             device = self._evaluation_device()
             bits = torch.empty(batch, heads, ext.seq_q, words, dtype=torch.int32, device=device)
             rows = max(1, ROW_CHUNK_ELEMENTS.get(device.type, 1 << 23) // (batch * heads * ext.seq_k))
@@ -60,9 +81,9 @@ class _Evaluated(MaskDescription):
             k = torch.arange(ext.seq_k, **index).view(1, 1, 1, -1)
             for start in range(0, ext.seq_q, rows):
                 q = torch.arange(start, min(start + rows, ext.seq_q), **index).view(1, 1, -1, 1)
-                mask = self._eval(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k)
+                mask = self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k)
                 bits[:, :, start:start + q.shape[2]] = pack_last(mask)
-            self._bits = {ext: bits}  # the latest extent only: it can be hundreds of MB
+            self._bits[ext] = bits
         return self._bits[ext]
 
     def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
@@ -153,7 +174,7 @@ class _Dense(_Evaluated):
                 raise MaskError(f"from_dense: the mask has {name} dim {have}, but {name}={want}")
         return batch, heads
 
-    def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         mask = self._on("mask", q.device, lambda: self.mask)
         batch, heads = mask.shape[:2]
         return mask[b.clamp(max=batch - 1), h.clamp(max=heads - 1), q, k]
@@ -162,7 +183,9 @@ class _Dense(_Evaluated):
 class _MaskMod(_Evaluated):
     """A user mask_mod, evaluated on every block and checked on every call. It runs on the
     device of the tensors it captures (FlexAttention users index CUDA tables in their
-    mask_mods): index tensors go there and the result comes back to the caller's device."""
+    mask_mods): index tensors go there and the result comes back to the caller's device.
+    Wherever sizes are known, its values are read from the kept evaluation (`packed_bits`),
+    so a function whose answers change between calls still gives one mask everywhere."""
 
     def __init__(self, fn: MaskMod, name: str, device: torch.device | None) -> None:
         super().__init__()
@@ -177,11 +200,20 @@ class _MaskMod(_Evaluated):
         b = torch.arange(ext.batch).view(-1, 1, 1, 1)
         h = torch.arange(ext.heads).view(1, -1, 1, 1)
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-        shape = self._eval(ext, b, h, zero, zero).shape
+        shape = self._evaluate(ext, b, h, zero, zero).shape
         shape = (1,) * (4 - len(shape)) + tuple(shape)
         return shape[0], shape[1]
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        bits = None if ext is None else self.packed_bits(ext)
+        if bits is None:
+            return self._evaluate(ext, b, h, q, k)
+        home = q.device
+        b, h, q, k = (t.to(bits.device) for t in (b, h, q, k))
+        word = bits[b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q, k // 32]
+        return ((word >> (k % 32)) & 1).bool().to(home)
+
+    def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         home = q.device
         if self.device is not None and self.device != home:
             b, h, q, k = (t.to(self.device) for t in (b, h, q, k))
@@ -245,9 +277,10 @@ def from_mask_mod(
     Its batch/head dependence is read from how its result broadcasts over b and h; slices
     that come out equal are collapsed when the mask is built. ``fn`` runs on ``device``,
     by default the device of the tensors it captures (closure cells, defaults, globals it
-    names), else wherever its index tensors are; a meta device is refused (its tensors hold no
-    values). Block masks evaluate it on int32 indices, as FlexAttention does: index
-    arithmetic must stay within int32 (`to_dense` passes int64)."""
+    names), else wherever its index tensors are. It is evaluated once per extent on int32
+    indices, as FlexAttention does (index arithmetic must stay within int32), and block masks,
+    `to_dense` and combinations all read that evaluation (`_MaskMod`); a meta device is
+    refused (its tensors hold no values)."""
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
     name = name or getattr(fn, "__name__", type(fn).__name__)
