@@ -104,11 +104,12 @@ class MaskDescription:
 
     def tiles_per_chunk(self, grid: BlockGrid) -> int | None:
         """How many PARTIAL tiles the builder hands `tile_bits` at once (None: all): chunks of
-        CHUNK_ELEMENTS elements bound an evaluation's temporaries (a translation-invariant
-        mask evaluates one tile per block offset of the chunk)."""
+        CHUNK_ELEMENTS elements bound an evaluation's temporaries. A translation-invariant
+        mask evaluates one tile per distinct block offset of the chunk (a band has a few), so
+        its chunks are bounded by the words they gather instead: 32 x as many tiles."""
         from stof_cc.masks.build import CHUNK_ELEMENTS
 
-        return max(1, CHUNK_ELEMENTS // (grid.block_m * grid.block_n))
+        return max(1, CHUNK_ELEMENTS // (grid.words if self.invariant else grid.block_m * grid.block_n))
 
     def evaluates_on(self, device: torch.device) -> bool:
         """Whether the tiles are evaluated on ``device`` (a user mask on the GPU): a block

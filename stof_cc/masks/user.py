@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from stof_cc.masks.bits import pack_last
+from stof_cc.masks.bits import bit_at, pack_last
 from stof_cc.masks.description import MaskDescription, MaskMod
 from stof_cc.masks.errors import MaskError, MaskTypeError, check_values
 from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_from
@@ -208,10 +208,7 @@ class _MaskMod(_Evaluated):
         bits = None if ext is None else self.packed_bits(ext)
         if bits is None:
             return self._evaluate(ext, b, h, q, k)
-        home = q.device
-        b, h, q, k = (t.to(bits.device) for t in (b, h, q, k))
-        word = bits[b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q, k // 32]
-        return ((word >> (k % 32)) & 1).bool().to(home)
+        return bit_at(bits, (b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q), k).to(q.device)
 
     def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         home = q.device

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from stof_cc.masks.bits import bit_at, pack_last
 from stof_cc.masks.description import MaskDescription, Union
 from stof_cc.masks.errors import MaskError, MaskTypeError, check_int, check_int_list, check_values
 from stof_cc.masks.geometry import FULL, MAX_SEQ, PARTIAL, BlockGrid, Extent, classes_from
@@ -212,6 +213,8 @@ class _GlobalTokens(_Labelled):
     def _contains(self, x: Tensor) -> Tensor:
         if not len(self.starts):
             return torch.zeros_like(x, dtype=torch.bool)
+        if len(self.starts) == 1:  # a count of tokens, or neighbouring positions: no search
+            return (x >= int(self.starts[0])) & (x < int(self.stops[0]))
         starts = self._on("starts", x.device, lambda: self.starts)
         stops = self._on("stops", x.device, lambda: self.stops)
         t = torch.searchsorted(starts, x, right=True) - 1
@@ -243,26 +246,35 @@ class _RandomBlocks(_Labelled):
 
     size_dependent = True
     SLAB = 1 << 22  # random draws per slab of cell rows
+    TABLE_CELLS = 1 << 26  # up to this many cells they are looked up in a bool table, past it in bits
 
     def __init__(self, random_blocks: int, block: int, seed: int, label: str) -> None:
         super().__init__(label)
         self.random_blocks, self.block, self.seed = _span(random_blocks), _span(block), seed
+        self._draws: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # per (seq_q, seq_k), on the CPU
 
     def _shape(self, seq_q: int, seq_k: int) -> tuple[int, int]:
         return -(-seq_q // self.block), -(-seq_k // self.block)
 
-    def on_cells(self, seq_q: int, seq_k: int) -> Tensor:
-        """The cells that are on, as ascending int64 keys row * n_cols + col: the draws of `cells`
-        made a slab of rows at a time, so that only the cells that are on are kept."""
+    def _draw(self, seq_q: int, seq_k: int) -> tuple[Tensor, Tensor]:
+        """(on, lookup): the cells that are on as ascending int64 keys row * n_cols + col, and
+        every cell as a bool table [n_rows, n_cols] (up to TABLE_CELLS) or row-packed bits
+        [n_rows, ceil(n_cols / 32)] past it. Drawn a slab of rows at a time, as one
+        torch.rand(n_rows, n_cols) would draw them: no larger tensor per cell is made."""
         rows, cols = self._shape(seq_q, seq_k)
         generator = torch.Generator().manual_seed(self.seed)
         per_slab = max(1, self.SLAB // cols)
-        found = []
+        on, lookup = [], []
         for first in range(0, rows, per_slab):
             slab = torch.rand(min(per_slab, rows - first), cols, generator=generator) < self.random_blocks / cols
             row, col = slab.nonzero(as_tuple=True)
-            found.append((row + first) * cols + col)
-        return torch.cat(found)
+            on.append((row + first) * cols + col)
+            lookup.append(slab if rows * cols <= self.TABLE_CELLS else pack_last(slab))
+        return torch.cat(on), torch.cat(lookup)
+
+    def on_cells(self, seq_q: int, seq_k: int) -> Tensor:
+        """The cells that are on, as ascending int64 keys row * n_cols + col."""
+        return self._drawn(Extent(seq_q, seq_k), torch.device("cpu"))[0]
 
     def cells(self, seq_q: int, seq_k: int) -> Tensor:
         """The on/off cell grid [ceil(seq_q/block), ceil(seq_k/block)]: deterministic."""
@@ -271,21 +283,23 @@ class _RandomBlocks(_Labelled):
         grid[self.on_cells(seq_q, seq_k)] = True
         return grid.view(rows, cols)
 
-    def _keys(self, ext: Extent, device: torch.device) -> Tensor:
-        """`on_cells`, closed by a key larger than any (a lookup never runs off the end)."""
-        return self._on(("cells", ext.seq_q, ext.seq_k), device, lambda: torch.cat(
-            [self.on_cells(ext.seq_q, ext.seq_k), torch.tensor([torch.iinfo(torch.long).max])]))
+    def _drawn(self, ext: Extent, device: torch.device) -> tuple[Tensor, Tensor]:
+        """`_draw` for these sizes, made once and kept on each device it is used on."""
+        sizes = (ext.seq_q, ext.seq_k)
+        if sizes not in self._draws:
+            self._draws[sizes] = self._draw(*sizes)
+        on, lookup = self._draws[sizes]
+        return on, self._on(("cells", *sizes), device, lambda: lookup)
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         assert ext is not None, "size-dependent masks are evaluated with their extent"
-        keys = self._keys(ext, q.device)
-        cell = (q // self.block).long() * self._shape(ext.seq_q, ext.seq_k)[1] + (k // self.block).long()
-        return keys[torch.searchsorted(keys, cell)] == cell
+        lookup, row, col = self._drawn(ext, q.device)[1], q // self.block, k // self.block
+        return lookup[row, col] if lookup.dtype == torch.bool else bit_at(lookup, (row,), col)
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         ext, size = grid.ext, self.block
         n_rows, n_cols = self._shape(ext.seq_q, ext.seq_k)
-        keys = self._keys(ext, torch.device("cpu"))[:-1]
+        keys = self.on_cells(ext.seq_q, ext.seq_k)
         opens = torch.ones(len(keys), dtype=torch.bool)  # runs of neighbouring on cells in a cell row
         opens[1:] = (keys[1:] != keys[:-1] + 1) | (keys[1:] // n_cols != keys[:-1] // n_cols)
         first, last = (keys[t] for t in stretches(opens))
