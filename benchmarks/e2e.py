@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 from sparse_bert import SparseBert  # noqa: E402
+from work_log import append_to_work_log  # noqa: E402  (benchmarks/, the script's folder)
 
 import stof_cc  # noqa: E402
 from stof_cc.backends.stream_launch import dependent_launches  # noqa: E402
@@ -184,8 +185,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(f"\n## End to end (issue 7)\n\nCommand: `python benchmarks/e2e.py`\n\n{table}\n")
+        append_to_work_log(f"\n## End to end\n\nCommand: `python benchmarks/e2e.py`\n\n{table}\n")
 
 
 if __name__ == "__main__":

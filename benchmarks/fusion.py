@@ -34,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from work_log import append_to_work_log  # noqa: E402  (benchmarks/, the script's folder)
+
 from stof_cc.backends.group_launch import GroupLaunch, precompile  # noqa: E402
 from stof_cc.codegen import NotFusable  # noqa: E402
 from stof_cc.ir.frontend import trace  # noqa: E402
@@ -162,7 +164,7 @@ def run_case(name: str, module_type, k: int, n: int, chosen: bool = True) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--append", action="store_true", help="append the table to the work log, benchmarks/history/")
     args = parser.parse_args()
     rows = []
     for k, n in SHAPES:
@@ -190,8 +192,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.append:
-        with open(Path(__file__).parent / "RESULTS.md", "a") as f:
-            f.write(f"\n## Fused GEMM groups (issue 5)\n\n{table}\n")
+        append_to_work_log(f"\n## Fused GEMM groups\n\n{table}\n")
 
 
 if __name__ == "__main__":

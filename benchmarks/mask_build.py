@@ -5,7 +5,7 @@ sits on the first call's path, so it must stay far below a kernel compile: the t
 well under 100 ms at S = 8192. Each timing covers the whole user-visible step
 (`grid_mask(name, S).block_mask(S, block_m=b, block_n=b)`, a fresh description each run so
 no memo is reused), median of --repeats runs after one warm-up. Prints a table and appends
-it to benchmarks/RESULTS.md (section "Mask build times") with date, CPU and torch version.
+it to the work log, benchmarks/history/ (section "Mask build times"), with date, CPU and torch version.
 
     python benchmarks/mask_build.py [--seqs 2048,8192] [--blocks 64,128] [--repeats 9] [--no-append]
 """
@@ -26,9 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from work_log import append_to_work_log  # noqa: E402  (benchmarks/, the script's folder)
+
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 HEADER = "| mask | S | block | ms (median) | block density | partial share | non-empty blocks | BlockMask bytes |"
 
 
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--seqs", default="2048,8192", help="comma-separated sequence lengths")
     parser.add_argument("--blocks", default="64,128", help="comma-separated square block sizes")
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per case")
-    parser.add_argument("--no-append", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="do not append to the work log")
     args = parser.parse_args()
     seqs = [int(s) for s in args.seqs.split(",")]
     blocks = [int(b) for b in args.blocks.split(",")]
@@ -80,14 +81,8 @@ def main() -> None:
                 rows.append(measure(name, seq, block, args.repeats))
                 print(rows[-1], flush=True)
     if not args.no_append:
-        if not RESULTS.exists():
-            RESULTS.write_text("# stof-cc benchmark results\n")
-        with RESULTS.open("a") as f:
-            f.write(
-                f"\n## Mask build times\n\n{environment()}. `python benchmarks/mask_build.py`\n\n"
-            )
-            f.write("\n".join(rows) + "\n")
-        print(f"appended to {RESULTS}")
+        append_to_work_log(f"\n## Mask build times\n\n{environment()}. `python benchmarks/mask_build.py`\n\n"
+                           + "\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ the cuDNN backends (causal), and `torch.compile(flex_attention)` with the mask_m
 mask under the flash and cuDNN backends) times the mask's density; each row reports stof-cc's
 fraction of it. Times are medians of `triton.testing.do_bench` after warm-up (stof-cc's kernel is
 compiled and its mask converted before timing, as a user's second call would find them). Prints
-one row per case, then the geomean; `--append` adds the table to benchmarks/RESULTS.md with date,
+one row per case, then the geomean; `--append` adds the table to the work log (benchmarks/history/) with date,
 GPU and versions. Long context: `--seqs 32768,131072 --masks causal,sliding,document`.
 
 `--tune` runs stage 2 of the search first (it measures the survivors of stage 1: 8 of 41 here). `--sweep` measures every
@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fit_cost_model import spearman  # noqa: E402
+from work_log import append_to_work_log  # noqa: E402  (benchmarks/, the script's folder)
 
 from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
 from stof_cc.masks.workloads import (  # noqa: E402
@@ -294,7 +295,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--batch", type=int, help="instead of 4096 tokens per call")
     parser.add_argument("--json", help="write every measurement here")
-    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--append", action="store_true", help="append the table to the work log, benchmarks/history/")
     args = parser.parse_args()
 
     _warm_gpu()
@@ -318,9 +319,8 @@ def main() -> None:
     table, text = format_table(rows), summary(rows)
     print("\n" + environment() + "\n" + table + "\n" + text)
     if args.append:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write(f"\n## MHA grid ({environment()})\n\nCommand: `python benchmarks/mha.py"
-                    f"{' --sweep' if args.sweep else ''}{' --tune' if args.tune else ''}`\n\n{table}\n\n{text}\n")
+        append_to_work_log(f"\n## MHA grid ({environment()})\n\nCommand: `python benchmarks/mha.py"
+                           f"{' --sweep' if args.sweep else ''}{' --tune' if args.tune else ''}`\n\n{table}\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -235,7 +235,8 @@ def test_beyond_the_packed_budget_only_partial_blocks_are_evaluated(monkeypatch)
 def test_a_user_mask_is_evaluated_once_in_row_chunks_for_every_block_shape(monkeypatch):
     """from_mask_mod and from_dense: one evaluation over all (q, k), rows in chunks bounded by
     ROW_CHUNK_ELEMENTS; every block shape (16 for the cost model's fine grid, 32, 64, 128,
-    ragged ends) is read from it and equals the mask, alone and combined with |, & and ~."""
+    ragged ends) and to_dense are read from it and equal the mask, alone and combined with |,
+    & and ~."""
     monkeypatch.setitem(user.ROW_CHUNK_ELEMENTS, "cpu", 3 * 300)
     calls: list[tuple[int, ...]] = []
 
@@ -247,8 +248,8 @@ def test_a_user_mask_is_evaluated_once_in_row_chunks_for_every_block_shape(monke
     mod = masks.from_mask_mod(spy)
     dense = masks.from_dense(torch.rand(seq_q, seq_k) < 0.3)
     descs = (mod, dense, mod | masks.causal(), mod & masks.sliding_window(50), ~dense)
-    wants = [desc.to_dense(seq_q, seq_k) for desc in descs]
     calls.clear()
+    wants = [desc.to_dense(seq_q, seq_k) for desc in descs]  # to_dense reads the same evaluation
     for desc, want in zip(descs, wants, strict=True):
         for block_m, block_n in ((16, 16), (32, 32), (64, 64), (128, 64), (64, 128)):
             got = desc.block_mask(seq_q, seq_k, block_m=block_m, block_n=block_n).to_dense()

@@ -42,6 +42,14 @@ def pack_last(bits: torch.Tensor) -> torch.Tensor:
     return octets.sum(-1, dtype=torch.uint8).view(torch.int32)  # four bytes per word, little-endian
 
 
+def bit_at(words: torch.Tensor, rows: tuple[torch.Tensor, ...], col: torch.Tensor) -> torch.Tensor:
+    """Bits of row-packed words [..., ceil(n / 32)] (as `pack_last` makes them) at leading
+    indices ``rows`` and column ``col``, broadcast together: bool, on the words' device."""
+    col = col.to(words.device)
+    bit = (1 << (col % 32)).to(words.dtype)  # on the columns' shape, before the gather broadcasts
+    return words[(*(r.to(words.device) for r in rows), col // 32)] & bit != 0
+
+
 def unpack(words: torch.Tensor, m: int, n: int) -> torch.Tensor:
     """int32 or uint32 [N, W] -> bool [N, m, n]; the inverse of `pack`."""
     raw = words.view(torch.int32).numpy().astype("<i4", copy=False).view(np.uint8)

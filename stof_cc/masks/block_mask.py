@@ -8,9 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from stof_cc.masks.bits import n_words, popcount, unpack
-from stof_cc.masks.errors import check_int
+from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+from stof_cc.masks.runs import MAX, ClassRuns, spread
 
+INT32_MAX = 2**31 - 1
+RUNS_CHUNK = 1 << 22  # stored blocks read at once by `block_runs`
 _TENSORS = (
     "full_ptr",
     "full_cols",
@@ -78,27 +81,42 @@ class BlockMask:
     ) -> BlockMask:
         """Assemble the CSR arrays from an exact class grid [Bm, Hm, n_rb, n_cb] and the tiles
         of its PARTIAL blocks in row-major order (int32 [n_part, words])."""
-        batch, heads, n_rb, n_cb = classes.shape
-        grid = classes.reshape(-1, n_cb)
+        return cls.from_runs(ClassRuns.from_dense(classes), bits, seq_q, seq_k, block_m, block_n)
 
-        def csr(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            counts = selected.sum(1)
-            ptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-            return ptr, selected.nonzero()[:, 1].to(torch.int32)
-
-        full_ptr, full_cols = csr(grid == FULL)
-        part_ptr, part_cols = csr(grid == PARTIAL)
-        nonempty = grid != EMPTY
-        any_ptr, any_cols = csr(nonempty)
-        is_part = grid[nonempty] == PARTIAL
-        any_tile = torch.where(is_part, is_part.long().cumsum(0) - 1, -1).to(torch.int32)
+    @classmethod
+    def from_runs(
+        cls,
+        runs: ClassRuns,
+        bits: torch.Tensor,
+        seq_q: int,
+        seq_k: int,
+        block_m: int,
+        block_n: int,
+    ) -> BlockMask:
+        """Assemble the CSR arrays from exact classes as runs and the tiles of the PARTIAL
+        blocks in row-major order (int32 [n_part, words]); the work and memory are those of
+        the blocks stored."""
+        nonempty = runs.total(FULL, PARTIAL)
+        if nonempty > INT32_MAX:
+            raise MaskError(
+                f"block_mask: {nonempty} non-empty blocks of {block_m} x {block_n} at {seq_q} x {seq_k} "
+                f"are past the format's int32 offsets ({INT32_MAX}); use larger blocks")
+        full_ptr, full_cols = runs.csr(FULL)
+        part_ptr, part_cols = runs.csr(PARTIAL)
+        any_ptr, any_cols = runs.csr(FULL, PARTIAL)
+        stored = runs.cls != EMPTY
+        length, partial = runs.length[stored], runs.cls[stored] == PARTIAL
+        owner, offset = spread(length[partial])  # the PARTIAL blocks' places in the any_* list
+        places = (length.cumsum(0) - length)[partial][owner] + offset
+        any_tile = torch.full((nonempty,), -1, dtype=torch.int32)
+        any_tile[places] = torch.arange(len(places), dtype=torch.int32)
         return cls(
             seq_q,
             seq_k,
             block_m,
             block_n,
-            batch,
-            heads,
+            runs.batch,
+            runs.heads,
             full_ptr,
             full_cols,
             part_ptr,
@@ -151,10 +169,15 @@ class BlockMask:
 
     @property
     def n_attended(self) -> int:
-        """Number of True elements over all slices."""
-        rows = self._rows(self.full_ptr.cpu()) % self.n_rb
-        height = (self.seq_q - rows * self.block_m).clamp(max=self.block_m)
-        width = (self.seq_k - self.full_cols.cpu().long() * self.block_n).clamp(max=self.block_n)
+        """Number of True elements over all slices: per block row, its height times the width of
+        its FULL blocks (only a row's last column can be ragged), plus the PARTIAL tiles' bits."""
+        ptr = self.full_ptr.cpu().long()
+        counts = ptr[1:] - ptr[:-1]
+        ends_at_edge = torch.zeros_like(counts, dtype=torch.bool)
+        stored = counts > 0
+        ends_at_edge[stored] = self.full_cols.cpu()[ptr[1:][stored] - 1] == self.n_cb - 1
+        width = counts * self.block_n - ends_at_edge * (self.n_cb * self.block_n - self.seq_k)
+        height = (self.seq_q - torch.arange(len(counts)) % self.n_rb * self.block_m).clamp(max=self.block_m)
         return int((height * width).sum()) + popcount(self.part_bits.cpu())
 
     @property
@@ -193,17 +216,29 @@ class BlockMask:
             self, **{name: getattr(self, name).to(device) for name in _TENSORS}
         )
 
+    def block_runs(self) -> ClassRuns:
+        """The block map as runs per block row, read off the merged list (any_*) a chunk at a
+        time: the work is that of the blocks stored, and no tensor over every block of the grid
+        (nor a temporary over every stored one) is made."""
+        shape = (self.batch, self.heads, self.n_rb, self.n_cb)
+        cols, tile = self.any_cols.cpu(), self.any_tile.cpu()
+        ptr, stored = self.any_ptr.cpu().long(), len(cols)
+        if not stored:
+            return ClassRuns.filled(shape, EMPTY)
+        firsts = [ptr[:-1][ptr[:-1] < stored]]  # runs open at a row's first block,
+        for start in range(1, stored, RUNS_CHUNK):  # at a gap and at a change of class
+            near, partial = cols[start - 1 : start + RUNS_CHUNK], tile[start - 1 : start + RUNS_CHUNK] >= 0
+            opens = (near[1:] != near[:-1] + 1) | (partial[1:] != partial[:-1])
+            firsts.append(opens.nonzero().squeeze(1) + start)
+        first = torch.unique(torch.cat(firsts))
+        last = torch.cat([first[1:], first.new_tensor([stored])]) - 1
+        row = torch.searchsorted(ptr, first, right=True) - 1
+        code = torch.where(tile[first] >= 0, PARTIAL, FULL)
+        return ClassRuns.paint(shape, row, cols[first].long(), cols[last].long() + 1, code, MAX)
+
     def block_classes(self) -> torch.Tensor:
         """int8 [Bm, Hm, n_rb, n_cb] of EMPTY / PARTIAL / FULL (the block map)."""
-        classes = torch.full(
-            (self.batch * self.heads * self.n_rb * self.n_cb,), EMPTY, dtype=torch.int8
-        )
-        for code, ptr, cols in (
-            (FULL, self.full_ptr, self.full_cols),
-            (PARTIAL, self.part_ptr, self.part_cols),
-        ):
-            classes[self._rows(ptr.cpu()) * self.n_cb + cols.cpu().long()] = code
-        return classes.view(self.batch, self.heads, self.n_rb, self.n_cb)
+        return self.block_runs().to_dense()
 
     def to_dense(self) -> torch.Tensor:
         """bool [Bm, Hm, seq_q, seq_k], True = attend (on the CPU)."""
@@ -239,33 +274,22 @@ class BlockMask:
         return [getattr(self, name) for name in _TENSORS]
 
 
-def coarse_counts(classes: torch.Tensor, block_m: int, block_n: int, seq_q: int, seq_k: int,
+def coarse_counts(classes: ClassRuns | torch.Tensor, block_m: int, block_n: int, seq_q: int, seq_k: int,
                   shapes: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[torch.Tensor, int]]:
-    """The block counts a mask with class grid ``classes`` (int8 [Bm, Hm, n_rb, n_cb] at
-    block_m x block_n) would have at each coarser block shape of ``shapes`` (multiples of it),
+    """The block counts a mask with these classes (runs, or a dense int8 [Bm, Hm, n_rb, n_cb]) at
+    block_m x block_n would have at each coarser block shape of ``shapes`` (multiples of it),
     without building it: per shape, int64 [Bm * Hm * ceil(seq_q / coarse_m)] non-empty blocks
     per block row (BlockMask row order) and the number of PARTIAL blocks. A coarse block is
     EMPTY when all its fine blocks are, FULL when all its in-range fine blocks are FULL; the
     fine blocks past the matrix edge count as neither. The cost model prices every candidate
-    shape from one fine class grid this way, instead of evaluating the mask once per shape;
-    the columns are reduced once per block width (a third of the time at S = 32768)."""
-    batch, heads, fine_rb, fine_cb = classes.shape
-    nonempty, full = classes != EMPTY, classes == FULL
-    by_width: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    shape from one fine classification this way, instead of evaluating the mask once per shape;
+    on runs the cost follows the runs, not the blocks."""
+    runs = classes if isinstance(classes, ClassRuns) else ClassRuns.from_dense(classes)
+    assert (runs.n_rb, runs.n_cb) == (-(-seq_q // block_m), -(-seq_k // block_n))
     out = {}
     for coarse_m, coarse_n in shapes:
         if coarse_m % block_m or coarse_n % block_n:
             raise ValueError(f"block {coarse_m} x {coarse_n} is not a multiple of this mask's {block_m} x {block_n}")
-        fm, fn = coarse_m // block_m, coarse_n // block_n
-        n_rb, n_cb = -(-seq_q // coarse_m), -(-seq_k // coarse_n)
-        if fn not in by_width:  # columns first: [Bm, Hm, fine_rb, n_cb]
-            pad = (0, n_cb * fn - fine_cb)
-            by_width[fn] = (torch.nn.functional.pad(nonempty, pad, value=False).view(batch, heads, fine_rb, n_cb, fn).any(4),
-                            torch.nn.functional.pad(full, pad, value=True).view(batch, heads, fine_rb, n_cb, fn).all(4))
-        any_cols, all_cols = by_width[fn]
-        pad = (0, 0, 0, n_rb * fm - fine_rb)
-        shape = (batch, heads, n_rb, fm, n_cb)
-        coarse_nonempty = torch.nn.functional.pad(any_cols, pad, value=False).view(shape).any(3)
-        coarse_full = torch.nn.functional.pad(all_cols, pad, value=True).view(shape).all(3)
-        out[(coarse_m, coarse_n)] = coarse_nonempty.sum(-1).reshape(-1), int((coarse_nonempty & ~coarse_full).sum())
+        coarse = runs.coarsen(coarse_m // block_m, coarse_n // block_n)
+        out[(coarse_m, coarse_n)] = coarse.per_row(FULL, PARTIAL), coarse.total(PARTIAL)
     return out

@@ -2,9 +2,10 @@
 
 A description has `mask_mod(b, h, q, k) -> bool` semantics (FlexAttention's convention:
 broadcastable integer index tensors in, a bool tensor out, True = attend), and it can
-classify blocks of a grid as EMPTY / FULL / PARTIAL from the blocks' index ranges alone.
-That classification is what keeps building a BlockMask proportional to the number of
-non-empty blocks: only blocks that may be partial get their elements evaluated.
+classify blocks of a grid as EMPTY / FULL / PARTIAL from the blocks' index ranges alone, as
+runs per block row (ClassRuns). That classification is what keeps planning and building a
+BlockMask proportional to the blocks that exist: only blocks that may be partial get their
+elements evaluated, and no step holds a class per block of the grid.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 
 from stof_cc.masks.bits import pack
 from stof_cc.masks.errors import MaskError, check_int
-from stof_cc.masks.geometry import FULL, PARTIAL, BlockGrid, Extent, Tiles
+from stof_cc.masks.geometry import MAX_BLOCK, MAX_SEQ, PARTIAL, BlockGrid, Extent, Tiles
+from stof_cc.masks.runs import MAX, MIN, ClassRuns, Rule
 
 if TYPE_CHECKING:
     from stof_cc.masks.block_mask import BlockMask
@@ -42,7 +44,7 @@ class MaskDescription:
 
     def __init__(self) -> None:
         self._device_memo: dict[tuple[object, str], torch.Tensor] = {}
-        self._built: dict[tuple, BlockMask | torch.Tensor] = {}  # block_mask's and block_classes' results, the
+        self._built: dict[tuple, BlockMask | ClassRuns] = {}  # block_mask's and block_runs' results, the
         # latest BUILT_KEPT
 
     # -- what a subclass implements ------------------------------------------------------
@@ -54,9 +56,9 @@ class MaskDescription:
         description is not size-dependent)."""
         raise NotImplementedError
 
-    def _classify(self, grid: BlockGrid) -> torch.Tensor:
-        """int8 classes broadcastable to [B|1, H|1, n_rb, n_cb]: EMPTY or FULL only where
-        certain, PARTIAL otherwise."""
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        """Classes on the grid, with dims (B|1, H|1): EMPTY or FULL only where certain, PARTIAL
+        otherwise."""
         raise NotImplementedError
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
@@ -102,11 +104,12 @@ class MaskDescription:
 
     def tiles_per_chunk(self, grid: BlockGrid) -> int | None:
         """How many PARTIAL tiles the builder hands `tile_bits` at once (None: all): chunks of
-        CHUNK_ELEMENTS elements bound an evaluation's temporaries; a translation-invariant
-        mask evaluates one tile per block offset, so one chunk avoids re-evaluating offsets."""
+        CHUNK_ELEMENTS elements bound an evaluation's temporaries. A translation-invariant
+        mask evaluates one tile per distinct block offset of the chunk (a band has a few), so
+        its chunks are bounded by the words they gather instead: 32 x as many tiles."""
         from stof_cc.masks.build import CHUNK_ELEMENTS
 
-        return None if self.invariant else max(1, CHUNK_ELEMENTS // (grid.block_m * grid.block_n))
+        return max(1, CHUNK_ELEMENTS // (grid.words if self.invariant else grid.block_m * grid.block_n))
 
     def evaluates_on(self, device: torch.device) -> bool:
         """Whether the tiles are evaluated on ``device`` (a user mask on the GPU): a block
@@ -135,8 +138,9 @@ class MaskDescription:
     def _extent(
         self, fn: str, seq_q: int, seq_k: int | None, batch: int | None, heads: int | None
     ) -> tuple[Extent, tuple[int, int]]:
-        seq_q = check_int(fn, "seq_q", seq_q)
-        seq_k = seq_q if seq_k is None else check_int(fn, "seq_k", seq_k)
+        limit = (MAX_SEQ, "positions are int32 indices")
+        seq_q = check_int(fn, "seq_q", seq_q, limit=limit)
+        seq_k = seq_q if seq_k is None else check_int(fn, "seq_k", seq_k, limit=limit)
         fixed_batch, fixed_heads = self._fixed()
         batch = (fixed_batch or 1) if batch is None else check_int(fn, "batch", batch)
         heads = (fixed_heads or 1) if heads is None else check_int(fn, "heads", heads)
@@ -165,9 +169,8 @@ class MaskDescription:
     ) -> MaskMod:
         """A mask_mod bound to these sizes: works for every description, BigBird included."""
         ext, _ = self._extent("mask_mod_for", seq_q, seq_k, batch, heads)
-        if self.size_dependent:  # build the lookup tables now: FlexAttention calls us under vmap
-            index = torch.zeros(1, dtype=torch.long)
-            self._eval(ext, index, index, index, index)
+        index = torch.zeros(1, dtype=torch.long)  # build lookup tables (and evaluate a user mask)
+        self._eval(ext, index, index, index, index)  # now: FlexAttention calls us under vmap
         return self._bound_mask_mod(ext)
 
     def _bound_mask_mod(self, ext) -> MaskMod:
@@ -224,6 +227,24 @@ class MaskDescription:
         return self._kept("block_mask", seq_q, seq_k, block_m, block_n, batch, heads, str(device),
                           lambda grid, dims: build_block_mask(self, grid, dims, device))
 
+    def block_runs(
+        self,
+        seq_q: int,
+        seq_k: int | None = None,
+        block_m: int = 64,
+        block_n: int = 64,
+        batch: int | None = None,
+        heads: int | None = None,
+    ) -> ClassRuns:
+        """The exact classes (EMPTY / PARTIAL / FULL) of the blocks for these sizes, run-length
+        encoded per block row (dims [Bm, Hm] as `mask_dims`, not collapsed), without building
+        the block mask (no CSR arrays, no tiles); kept like `block_mask`'s results. The cost
+        model counts blocks on them: memory follows the runs, not the n_rb x n_cb grid."""
+        from stof_cc.masks.build import build_block_runs
+
+        return self._kept("block_runs", seq_q, seq_k, block_m, block_n, batch, heads, "runs",
+                          lambda grid, dims: build_block_runs(self, grid, dims))
+
     def block_classes(
         self,
         seq_q: int,
@@ -233,21 +254,17 @@ class MaskDescription:
         batch: int | None = None,
         heads: int | None = None,
     ) -> torch.Tensor:
-        """The exact class grid int8 [Bm, Hm, n_rb, n_cb] (EMPTY / PARTIAL / FULL) for these
-        sizes, on the CPU, without building the block mask (no CSR arrays, no tiles); kept like
-        `block_mask`'s results. The cost model counts blocks on it."""
-        from stof_cc.masks.build import build_block_classes
-
-        return self._kept("block_classes", seq_q, seq_k, block_m, block_n, batch, heads, "classes",
-                          lambda grid, dims: build_block_classes(self, grid, dims))
+        """`block_runs` as the dense class grid int8 [Bm, Hm, n_rb, n_cb] (a byte per block)."""
+        return self.block_runs(seq_q, seq_k, block_m, block_n, batch, heads).to_dense()
 
     def _kept(self, fn: str, seq_q: int, seq_k: int | None, block_m: int, block_n: int, batch: int | None,
               heads: int | None, kind: str, build: Callable[[BlockGrid, tuple[int, int]], Any]) -> Any:
         """``build(grid, dims)`` for these sizes and block shape, checked as ``fn``'s arguments;
         kept per (sizes, block shape, ``kind``), the latest BUILT_KEPT."""
         ext, dims = self._extent(fn, seq_q, seq_k, batch, heads)
-        block_m = check_int(fn, "block_m", block_m)
-        block_n = check_int(fn, "block_n", block_n)
+        limit = (MAX_BLOCK, "a tile is block_m x block_n bits")
+        block_m = check_int(fn, "block_m", block_m, limit=limit)
+        block_n = check_int(fn, "block_n", block_n, limit=limit)
         key = (ext, dims, block_m, block_n, kind)
         if key not in self._built:
             if len(self._built) >= BUILT_KEPT:
@@ -280,7 +297,7 @@ class _Combination(MaskDescription):
     neutral class (EMPTY for OR, FULL for AND): only the PARTIAL parts need evaluating."""
 
     symbol: str
-    reduce_classes: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    rule: Rule
     combine: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
     def __init__(self, parts: tuple[MaskDescription, ...], label: str | None = None) -> None:
@@ -310,8 +327,8 @@ class _Combination(MaskDescription):
         heads = next((f[1] for f in fixed if f[1] is not None), None)
         return batch, heads
 
-    def _classify(self, grid: BlockGrid) -> torch.Tensor:
-        return functools.reduce(type(self).reduce_classes, [grid.classes(p) for p in self.parts])
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        return ClassRuns.combine([grid.classes(p) for p in self.parts], type(self).rule)
 
     def _eval(
         self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -321,7 +338,7 @@ class _Combination(MaskDescription):
     def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
         acc = self._neutral(grid, tiles)
         for part in self.parts:
-            sub = (tiles.gather(grid.classes(part)) == PARTIAL).nonzero().squeeze(1)
+            sub = (grid.classes(part).at(tiles.b, tiles.h, tiles.i, tiles.j) == PARTIAL).nonzero().squeeze(1)
             if len(sub):
                 acc[sub] = type(self).combine(acc[sub], part.tile_bits(grid, tiles.select(sub)))
         return acc
@@ -331,7 +348,7 @@ class Union(_Combination):
     """Attend where any part attends (`a | b`)."""
 
     symbol = "|"
-    reduce_classes = torch.maximum
+    rule = MAX
     combine = operator.or_
 
     def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
@@ -342,7 +359,7 @@ class Intersection(_Combination):
     """Attend where every part attends (`a & b`)."""
 
     symbol = "&"
-    reduce_classes = torch.minimum
+    rule = MIN
     combine = operator.and_
 
     def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
@@ -367,8 +384,8 @@ class Complement(MaskDescription):
     def _fixed(self) -> tuple[int | None, int | None]:
         return self.part._fixed()
 
-    def _classify(self, grid: BlockGrid) -> torch.Tensor:
-        return FULL - grid.classes(self.part)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        return grid.classes(self.part).invert()
 
     def _eval(
         self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -27,9 +27,12 @@ def _bound(minimum: int, maximum: int | None) -> str:
 
 
 def check_int(
-    fn: str, arg: str, value: object, minimum: int = 1, maximum: int | None = None
+    fn: str, arg: str, value: object, minimum: int = 1, maximum: int | None = None,
+    limit: tuple[int, str] | None = None,
 ) -> int:
-    """`value` as a Python int in [minimum, maximum]; bools and floats are refused."""
+    """`value` as a Python int in [minimum, maximum]; bools and floats are refused. ``limit``
+    (largest, why) is a bound of the machinery rather than of the meaning, named only when
+    it is passed."""
     bound = _bound(minimum, maximum)
     try:
         if isinstance(value, bool):
@@ -39,11 +42,19 @@ def check_int(
         raise MaskTypeError(f"{fn}: {arg} must be {bound}, got {value!r}") from None
     if number < minimum or (maximum is not None and number > maximum):
         raise MaskError(f"{fn}: {arg} must be {bound}, got {number}")
+    if limit is not None and number > limit[0]:
+        raise MaskError(f"{fn}: {arg} must be at most {limit[0]} ({limit[1]}), got {number}")
     return number
 
 
-def check_int_list(fn: str, arg: str, values: object, minimum: int) -> torch.Tensor:
-    """A non-empty list (or 1-D integer tensor) of ints >= minimum, as an int64 tensor."""
+def check_values(fn: str, arg: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor that holds no values (on the meta device): there is no mask to read."""
+    if tensor.is_meta:
+        raise MaskError(f"{fn}: {arg} is on the meta device and holds no values; pass a CPU or CUDA tensor")
+
+
+def check_int_list(fn: str, arg: str, values: object, minimum: int) -> list[int]:
+    """A non-empty list (or 1-D integer tensor) of ints >= minimum, as Python ints."""
     what = f"a non-empty list of {_bound(minimum, None)}s or a 1-D integer tensor"
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
@@ -51,8 +62,8 @@ def check_int_list(fn: str, arg: str, values: object, minimum: int) -> torch.Ten
                 f"{fn}: {arg} must be {what}, got a {values.dtype} tensor of shape "
                 f"{tuple(values.shape)}"
             )
+        check_values(fn, arg, values)
         values = values.tolist()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
         raise MaskTypeError(f"{fn}: {arg} must be {what}, got {values!r}")
-    checked = [check_int(fn, f"{arg}[{n}]", v, minimum) for n, v in enumerate(values)]
-    return torch.tensor(checked, dtype=torch.long)
+    return [check_int(fn, f"{arg}[{n}]", v, minimum) for n, v in enumerate(values)]

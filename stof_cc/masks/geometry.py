@@ -1,8 +1,8 @@
 """Sizes and block geometry: the extent of one attention call, the block grid laid over it,
 the set of tiles being evaluated, and the three block classes.
 
-Every mask pattern classifies blocks from the same few tensors (each block row's query
-range, each block column's key range), so they are computed once here.
+Every mask pattern classifies blocks from the same few facts (each block row's query range,
+which block columns hold a given range of keys), so they are computed here.
 """
 
 from __future__ import annotations
@@ -16,11 +16,19 @@ from stof_cc.masks.bits import n_words, pack
 
 if TYPE_CHECKING:
     from stof_cc.masks.description import MaskDescription
+    from stof_cc.masks.runs import ClassRuns
 
 #: Block classes, as int8 codes. Before a block's elements are evaluated, PARTIAL means
 #: "maybe partial"; the builder turns all-ones tiles into FULL and all-zeros into EMPTY.
 #: The order matters: a union of masks takes the maximum class, an intersection the minimum.
 EMPTY, PARTIAL, FULL = 0, 1, 2
+
+#: The longest sequence a mask is built for: positions and their differences fit int32, as
+#: FlexAttention's and the kernels' indices do. A mask parameter at least this long (a window,
+#: a stride, a length) reaches past every position and is stored as this value.
+MAX_SEQ = 2**31 - 1
+#: The largest block side: a PARTIAL tile is block_m x block_n bits (8 MiB at this size).
+MAX_BLOCK = 8192
 
 
 @dataclass(frozen=True)
@@ -48,12 +56,6 @@ class Tiles:
     def select(self, index: torch.Tensor) -> Tiles:
         return Tiles(self.b[index], self.h[index], self.i[index], self.j[index])
 
-    def gather(self, classes: torch.Tensor) -> torch.Tensor:
-        """The entries of a [B|1, H|1, n_rb, n_cb] class grid at these tiles."""
-        b = self.b * int(classes.shape[0] > 1)
-        h = self.h * int(classes.shape[1] > 1)
-        return classes[b, h, self.i, self.j]
-
 
 def classes_from(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
     """Class grid from two boolean conditions, promoted to 4-D [B|1, H|1, n_rb, n_cb]."""
@@ -64,34 +66,50 @@ def classes_from(full: torch.Tensor, empty: torch.Tensor) -> torch.Tensor:
 
 
 class BlockGrid:
-    """The block_m x block_n grid over an extent: per block row the (clipped, inclusive) query
-    range q_lo..q_hi as [n_rb, 1], per block column the key range k_lo..k_hi as [1, n_cb]."""
+    """The block_m x block_n grid over an extent: per block row i (``rows``) the (clipped,
+    inclusive) query range q_lo[i]..q_hi[i], and which block columns hold given keys
+    (`touching`, `inside`). Everything here is O(n_rb): a pattern classifies a block row by the
+    column ranges its keys fall in, never by a tensor over all blocks."""
 
     def __init__(self, ext: Extent, block_m: int, block_n: int) -> None:
         self.ext, self.block_m, self.block_n = ext, block_m, block_n
         self.n_rb = -(-ext.seq_q // block_m)
         self.n_cb = -(-ext.seq_k // block_n)
         self.words = n_words(block_m, block_n)
-        rows = torch.arange(self.n_rb) * block_m
-        cols = torch.arange(self.n_cb) * block_n
-        self.q_lo = rows[:, None]
-        self.q_hi = (rows + block_m).clamp(max=ext.seq_q)[:, None] - 1
-        self.k_lo = cols[None, :]
-        self.k_hi = (cols + block_n).clamp(max=ext.seq_k)[None, :] - 1
-        self._classes: dict[int, torch.Tensor] = {}
+        self.rows = torch.arange(self.n_rb)
+        self.q_lo = self.rows * block_m
+        self.q_hi = (self.q_lo + block_m).clamp(max=ext.seq_q) - 1
+        self._classes: dict[int, ClassRuns] = {}
         self._valid = self._valid_patterns()
         self._aligned = ext.seq_q % block_m == 0 and ext.seq_k % block_n == 0
 
-    def diagonals(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Smallest and largest q - k inside each block, [n_rb, n_cb] each."""
-        return self.q_lo - self.k_hi, self.q_hi - self.k_lo
+    def shape(self, batch: int = 1, heads: int = 1) -> tuple[int, int, int, int]:
+        """(batch, heads, n_rb, n_cb): the shape of a class grid on this grid."""
+        return batch, heads, self.n_rb, self.n_cb
 
-    def classes(self, desc: MaskDescription) -> torch.Tensor:
-        """`desc`'s class grid [B|1, H|1, n_rb, n_cb] on this grid, computed once."""
+    def touching(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block columns [first, stop) holding some key in lo..hi (none where hi < lo)."""
+        first = self._reaching(lo)
+        stop = self._from(hi + 1)
+        return first, torch.where(hi >= lo, stop, first)
+
+    def inside(self, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block columns [first, stop) whose in-range keys all lie in lo..hi."""
+        return self._from(lo), self._reaching(hi + 1)
+
+    def _from(self, x: torch.Tensor) -> torch.Tensor:
+        """The first block column whose first key is >= x (n_cb if none)."""
+        return (-(-x // self.block_n)).clamp(0, self.n_cb)
+
+    def _reaching(self, x: torch.Tensor) -> torch.Tensor:
+        """The first block column whose last in-range key is >= x (n_cb if none)."""
+        return torch.where(x >= self.ext.seq_k, self.n_cb, (x // self.block_n).clamp(0, self.n_cb))
+
+    def classes(self, desc: MaskDescription) -> ClassRuns:
+        """`desc`'s classes on this grid (dims 1 or the mask's batch / heads), computed once."""
         key = id(desc)
         if key not in self._classes:
-            classes = desc._classify(self)
-            self._classes[key] = classes.expand(-1, -1, self.n_rb, self.n_cb)
+            self._classes[key] = desc._classify(self)
         return self._classes[key]
 
     def positions(self, tiles: Tiles) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,13 @@ from stof_cc.masks.bits import unpack
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.masks.errors import check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+from stof_cc.masks.runs import ClassRuns, spread
 
 PAPER = (255, 255, 255)  # masked element
 INK = (31, 78, 140)  # attended element
 BLOCK_COLOURS = {EMPTY: (232, 232, 232), PARTIAL: (240, 150, 40), FULL: (40, 125, 75)}
 GAP = 16  # pixels between the two panels
+MAX_PX = 8192  # the largest panel side: the canvas is built in floats, 12 bytes a pixel
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -57,27 +59,30 @@ def render(mask: BlockMask, b: int = 0, h: int = 0, max_px: int = 1024) -> np.nd
     """uint8 [rows, 2 * cols + GAP, 3]: slice (b, h) of the mask beside its block map, each
     panel at most max_px on a side (f x f elements per pixel, f = ceil(S / max_px)).
 
-    Drawn from the block lists, never from a dense seq_q x seq_k tensor: memory is the
-    picture plus a chunk of partial tiles, whatever the sequence length."""
-    max_px = check_int("render", "max_px", max_px)
+    Drawn from the block map as runs and the partial tiles, never from a dense seq_q x seq_k
+    tensor nor a class per block: a FULL run is one rectangle however long, so the work is the
+    picture, the runs and the partial tiles, whatever the sequence length."""
+    max_px = check_int("render", "max_px", max_px, limit=(MAX_PX, "a panel side in pixels"))
     b = check_int("render", "b", b, 0, mask.batch - 1)
     h = check_int("render", "h", h, 0, mask.heads - 1)
     f = max(1, -(-max(mask.seq_q, mask.seq_k) // max_px))
     rows, cols = -(-mask.seq_q // f), -(-mask.seq_k // f)
-    full, part, bits = _slice_blocks(mask, b * mask.heads + h)
+    index = b * mask.heads + h
+    runs = mask.block_runs().take_rows(index * mask.n_rb + torch.arange(mask.n_rb), 1, 1, mask.n_rb)
 
-    count = torch.zeros(rows * cols, dtype=torch.float64)
-    _add_full_blocks(count, mask, full, f, cols)
-    _add_partial_blocks(count, mask, part, bits, f, cols)
+    count = torch.zeros(rows, cols, dtype=torch.float64)
+    _add_full_runs(count, mask, runs, f)
+    _add_partial_blocks(count, mask, *_partial_tiles(mask, index), f)
     pixel_h = (torch.arange(1, rows + 1) * f).clamp(max=mask.seq_q) - torch.arange(rows) * f
     pixel_w = (torch.arange(1, cols + 1) * f).clamp(max=mask.seq_k) - torch.arange(cols) * f
-    density = (count.view(rows, cols) / (pixel_h[:, None] * pixel_w[None, :])).float()
+    density = (count / (pixel_h[:, None] * pixel_w[None, :])).float()
     paper, ink = torch.tensor(PAPER, dtype=torch.float), torch.tensor(INK, dtype=torch.float)
     left = paper + (ink - paper) * density[..., None]
 
     y = torch.arange(rows) * f  # first element under each pixel
     x = torch.arange(cols) * f
-    classes = _classes_at(mask, full, part, y // mask.block_m, x // mask.block_n)
+    zero = torch.zeros((), dtype=torch.long)
+    classes = runs.at(zero, zero, (y // mask.block_m)[:, None], (x // mask.block_n)[None, :]).long()
     palette = torch.zeros(3, 3)
     for code, colour in BLOCK_COLOURS.items():
         palette[code] = torch.tensor(colour, dtype=torch.float)
@@ -92,70 +97,51 @@ def render(mask: BlockMask, b: int = 0, h: int = 0, max_px: int = 1024) -> np.nd
     return canvas.round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def _slice_blocks(
-    mask: BlockMask, index: int
-) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(rows, cols) of the FULL and of the PARTIAL blocks of slice ``index``, and the
-    partial blocks' tiles: read off the CSR lists of that slice's block rows alone."""
-    first, last = index * mask.n_rb, (index + 1) * mask.n_rb
-
-    def entries(ptr: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, slice]:
-        ptr = ptr[first : last + 1].cpu().long()
-        span = slice(int(ptr[0]), int(ptr[-1]))
-        rows = torch.repeat_interleave(torch.arange(mask.n_rb), ptr[1:] - ptr[:-1])
-        return rows, cols[span].cpu().long(), span
-
-    full_rows, full_cols, _ = entries(mask.full_ptr, mask.full_cols)
-    part_rows, part_cols, span = entries(mask.part_ptr, mask.part_cols)
-    return (full_rows, full_cols), (part_rows, part_cols), mask.part_bits[span].cpu()
+def _partial_tiles(mask: BlockMask, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block rows, block columns, tiles) of the PARTIAL blocks of slice ``index``: read off the
+    CSR list of that slice's block rows alone."""
+    ptr = mask.part_ptr[index * mask.n_rb : (index + 1) * mask.n_rb + 1].cpu().long()
+    span = slice(int(ptr[0]), int(ptr[-1]))
+    rows = torch.repeat_interleave(torch.arange(mask.n_rb), ptr[1:] - ptr[:-1])
+    return rows, mask.part_cols[span].cpu().long(), mask.part_bits[span].cpu()
 
 
-def _add_full_blocks(count: torch.Tensor, mask: BlockMask, blocks: tuple[torch.Tensor, torch.Tensor],
-                     f: int, cols: int) -> None:
-    """Add each FULL block's in-range elements to the pixels it overlaps (exact: a full block
-    is uniform, so a pixel gets the area of its overlap with the block)."""
-    i, j = blocks
+def _add_full_runs(count: torch.Tensor, mask: BlockMask, runs: ClassRuns, f: int) -> None:
+    """Add each FULL run's in-range elements to the pixels it overlaps (exact: a FULL run is a
+    uniform rectangle, so a pixel gets the area of its overlap). Per pixel row a rectangle
+    covers, its columns go in as a difference (the pixels it spans whole get f each, summed
+    along the row afterwards) plus the two end pixels' shortfall."""
+    row, start, stop, code = runs.intervals()
+    full = code == FULL
+    y0 = row[full] * mask.block_m
+    y1 = (y0 + mask.block_m).clamp(max=mask.seq_q)
+    x0 = start[full] * mask.block_n
+    x1 = (stop[full] * mask.block_n).clamp(max=mask.seq_k)
+    owner, offset = spread((y1 - 1) // f - y0 // f + 1)  # the pixel rows of each rectangle
+    py = y0[owner] // f + offset
+    height = (torch.minimum(y1[owner], (py + 1) * f) - torch.maximum(y0[owner], py * f)).double()
+    x0, x1 = x0[owner], x1[owner]
+    first, last = x0 // f, (x1 - 1) // f
+    spans = torch.zeros(count.shape[0], count.shape[1] + 1, dtype=torch.float64)
+    spans.index_put_((py, first), height * f, accumulate=True)
+    spans.index_put_((py, last + 1), -height * f, accumulate=True)
+    count += spans.cumsum(1)[:, :-1]
+    count.index_put_((py, first), height * (torch.minimum(x1, (first + 1) * f) - x0 - f), accumulate=True)
+    count.index_put_((py, last), torch.where(last > first, height * (x1 - last * f - f), 0.0), accumulate=True)
 
-    def overlaps(index: torch.Tensor, size: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        lo = index * size
-        hi = ((index + 1) * size).clamp(max=seq)
-        pixel = (lo // f)[:, None] + torch.arange(-(-size // f) + 1)[None, :]
-        length = (torch.minimum(hi[:, None], (pixel + 1) * f) - torch.maximum(lo[:, None], pixel * f)).clamp(min=0)
-        return pixel, length
 
-    for start in range(0, len(i), 4096):
-        py, ly = overlaps(i[start : start + 4096], mask.block_m, mask.seq_q)
-        px, lx = overlaps(j[start : start + 4096], mask.block_n, mask.seq_k)
-        area = (ly[:, :, None] * lx[:, None, :]).double()
-        keep = area > 0
-        count.index_add_(0, (py[:, :, None] * cols + px[:, None, :])[keep], area[keep])
-
-
-def _add_partial_blocks(count: torch.Tensor, mask: BlockMask, blocks: tuple[torch.Tensor, torch.Tensor],
-                        bits: torch.Tensor, f: int, cols: int) -> None:
+def _add_partial_blocks(count: torch.Tensor, mask: BlockMask, i: torch.Tensor, j: torch.Tensor,
+                        bits: torch.Tensor, f: int) -> None:
     """Add each PARTIAL tile's attended elements to their pixels, a chunk of tiles at a time."""
-    i, j = blocks
+    rows, cols = count.shape
     r = torch.arange(mask.block_m)
     c = torch.arange(mask.block_n)
     per_chunk = max(1, (1 << 22) // (mask.block_m * mask.block_n))
+    flat = count.view(-1)
     for start in range(0, len(i), per_chunk):
         chunk = slice(start, start + per_chunk)
         tiles = unpack(bits[chunk], mask.block_m, mask.block_n)  # out-of-range bits are 0
-        py = ((i[chunk, None] * mask.block_m + r) // f).clamp(max=count.numel() // cols - 1)
+        py = ((i[chunk, None] * mask.block_m + r) // f).clamp(max=rows - 1)
         px = ((j[chunk, None] * mask.block_n + c) // f).clamp(max=cols - 1)
         pixel = py[:, :, None] * cols + px[:, None, :]
-        count.index_add_(0, pixel[tiles], torch.ones(int(tiles.sum()), dtype=torch.float64))
-
-
-def _classes_at(mask: BlockMask, full: tuple[torch.Tensor, torch.Tensor], part: tuple[torch.Tensor, torch.Tensor],
-                block_row: torch.Tensor, block_col: torch.Tensor) -> torch.Tensor:
-    """int64 [len(block_row), len(block_col)]: the class of block (block_row[y], block_col[x])."""
-    keys = torch.cat([full[0] * mask.n_cb + full[1], part[0] * mask.n_cb + part[1]])
-    codes = torch.cat([torch.full((len(full[0]),), FULL), torch.full((len(part[0]),), PARTIAL)])
-    order = keys.argsort()
-    keys, codes = keys[order], codes[order]
-    wanted = block_row[:, None] * mask.n_cb + block_col[None, :]
-    at = torch.searchsorted(keys, wanted).clamp(max=max(len(keys) - 1, 0))
-    if not len(keys):
-        return torch.full(wanted.shape, EMPTY, dtype=torch.long)
-    return torch.where(keys[at] == wanted, codes[at], torch.full_like(wanted, EMPTY)).long()
+        flat.index_add_(0, pixel[tiles], torch.ones(int(tiles.sum()), dtype=torch.float64))

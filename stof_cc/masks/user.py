@@ -4,9 +4,12 @@ Neither has structure to classify blocks analytically, so each is evaluated over
 once per extent: on a GPU when there is one (a mask_mod on the device of the tensors it
 captures; one that captures CPU tensors on the CPU), in row chunks (never an S x S tensor at
 once), into row-packed bits [Bm, Hm, S_q, ceil(S_k / 32)] int32. Every block shape's classes
-and tiles are views of those bits, so the kernel's block mask, the cost model's candidates and
-`explain_attention` share one evaluation. Above PACKED_BUDGET bytes (long contexts) the bits
-are not kept: every block is classified PARTIAL and its tile evaluated, in chunks, as before.
+and tiles are views of those bits, and a mask_mod's `to_dense` and its part in combinations
+read them too, so the kernel's block mask, the cost model's candidates, `explain_attention`
+and `to_dense` share one evaluation (a mask_mod whose answers change from call to call still
+gives one mask). Above PACKED_BUDGET bytes (long contexts) the bits are not kept: every
+block is classified PARTIAL and its tile evaluated, in chunks, within the builder's
+EVALUATION_BUDGET.
 """
 
 from __future__ import annotations
@@ -17,25 +20,39 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from stof_cc.masks.bits import pack_last
+from stof_cc.masks.bits import bit_at, pack_last
 from stof_cc.masks.description import MaskDescription, MaskMod
-from stof_cc.masks.errors import MaskError, MaskTypeError
+from stof_cc.masks.errors import MaskError, MaskTypeError, check_values
 from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_from
+from stof_cc.masks.runs import ClassRuns
 from stof_cc.masks.zoo import key_padding
 
-PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept per extent (S = 32768 with Bm = Hm = 1: 128 MiB)
+PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept, all extents together (S = 32768 with Bm = Hm = 1: 128 MiB)
 ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
 
 
 class _Evaluated(MaskDescription):
-    """A mask classified by evaluating it: row-packed bits of the latest extent, on the
-    evaluation device, kept while they fit PACKED_BUDGET; `_classify` and `tile_bits` read them for block_n a multiple of 32
-    or 16 (the cost model's fine grid)."""
+    """A mask classified by evaluating it: row-packed bits of the latest extents, on the
+    evaluation device, kept while they fit PACKED_BUDGET together; `_classify` and `tile_bits`
+    read them for block_n a multiple of 32 or 16 (the cost model's fine grid). A subclass
+    implements `_evaluate`, the mask itself."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._bits: dict[Extent, torch.Tensor] = {}
+        self._bits: dict[Extent, torch.Tensor] = {}  # oldest first
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
+
+    def _evaluate(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        """The mask at these indices, evaluated afresh (what `_eval` is, unless a subclass
+        reads a kept evaluation instead)."""
+        raise NotImplementedError
+
+    def _eval(
+        self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> torch.Tensor:
+        return self._evaluate(ext, b, h, q, k)
 
     def _evaluation_device(self) -> torch.device:
         """Where to evaluate: a GPU when there is one, unless the mask needs the CPU."""
@@ -43,12 +60,18 @@ class _Evaluated(MaskDescription):
 
     def packed_bits(self, ext: Extent) -> Tensor | None:
         """bool mask over every (q, k) of ``ext``, row-packed: int32 [Bm, Hm, S_q, ceil(S_k / 32)]
-        on the evaluation device; None above PACKED_BUDGET."""
+        on the evaluation device; None above PACKED_BUDGET. Kept with the latest other
+        extents' while all fit PACKED_BUDGET together."""
         if ext not in self._bits:
             batch, heads = self._dims(ext)
             words = -(-ext.seq_k // 32)
-            if batch * heads * ext.seq_q * words * 4 > PACKED_BUDGET:
+            size = batch * heads * ext.seq_q * words * 4
+            if size > PACKED_BUDGET:
                 return None
+            while sum(kept.numel() * 4 for kept in self._bits.values()) + size > PACKED_BUDGET:
+                evicted = next(iter(self._bits))
+                del self._bits[evicted]
+                self._tiles = {key: tiles for key, tiles in self._tiles.items() if key[0] != evicted}
             device = self._evaluation_device()
             bits = torch.empty(batch, heads, ext.seq_q, words, dtype=torch.int32, device=device)
             rows = max(1, ROW_CHUNK_ELEMENTS.get(device.type, 1 << 23) // (batch * heads * ext.seq_k))
@@ -58,9 +81,9 @@ class _Evaluated(MaskDescription):
             k = torch.arange(ext.seq_k, **index).view(1, 1, 1, -1)
             for start in range(0, ext.seq_q, rows):
                 q = torch.arange(start, min(start + rows, ext.seq_q), **index).view(1, 1, -1, 1)
-                mask = self._eval(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k)
+                mask = self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k)
                 bits[:, :, start:start + q.shape[2]] = pack_last(mask)
-            self._bits = {ext: bits}  # the latest extent only: it can be hundreds of MB
+            self._bits[ext] = bits
         return self._bits[ext]
 
     def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
@@ -89,12 +112,12 @@ class _Evaluated(MaskDescription):
         self._tiles = {key: tiles}  # the latest block shape only: the cost model walks the shapes in turn
         return tiles
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
         tiles = self._grid_tiles(grid)
         if tiles is None:
-            return torch.full((1, 1, grid.n_rb, grid.n_cb), PARTIAL, dtype=torch.int8)
+            return ClassRuns.filled(grid.shape(), PARTIAL)
         valid = grid.valid_grid(tiles.device)
-        return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu()
+        return ClassRuns.from_dense(classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu())
 
     def exact_classes(self, grid: BlockGrid) -> bool:
         return self._grid_tiles(grid) is not None  # read off the evaluated bits
@@ -151,7 +174,7 @@ class _Dense(_Evaluated):
                 raise MaskError(f"from_dense: the mask has {name} dim {have}, but {name}={want}")
         return batch, heads
 
-    def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         mask = self._on("mask", q.device, lambda: self.mask)
         batch, heads = mask.shape[:2]
         return mask[b.clamp(max=batch - 1), h.clamp(max=heads - 1), q, k]
@@ -160,7 +183,9 @@ class _Dense(_Evaluated):
 class _MaskMod(_Evaluated):
     """A user mask_mod, evaluated on every block and checked on every call. It runs on the
     device of the tensors it captures (FlexAttention users index CUDA tables in their
-    mask_mods): index tensors go there and the result comes back to the caller's device."""
+    mask_mods): index tensors go there and the result comes back to the caller's device.
+    Wherever sizes are known, its values are read from the kept evaluation (`packed_bits`),
+    so a function whose answers change between calls still gives one mask everywhere."""
 
     def __init__(self, fn: MaskMod, name: str, device: torch.device | None) -> None:
         super().__init__()
@@ -175,11 +200,17 @@ class _MaskMod(_Evaluated):
         b = torch.arange(ext.batch).view(-1, 1, 1, 1)
         h = torch.arange(ext.heads).view(1, -1, 1, 1)
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-        shape = self._eval(ext, b, h, zero, zero).shape
+        shape = self._evaluate(ext, b, h, zero, zero).shape
         shape = (1,) * (4 - len(shape)) + tuple(shape)
         return shape[0], shape[1]
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        bits = None if ext is None else self.packed_bits(ext)
+        if bits is None:
+            return self._evaluate(ext, b, h, q, k)
+        return bit_at(bits, (b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q), k).to(q.device)
+
+    def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         home = q.device
         if self.device is not None and self.device != home:
             b, h, q, k = (t.to(self.device) for t in (b, h, q, k))
@@ -229,6 +260,7 @@ def from_dense(mask: Tensor) -> MaskDescription:
             f"from_dense: mask must have shape [S_q, S_k] or [B|1, H|1, S_q, S_k] with no empty "
             f"dim, got {tuple(mask.shape)}"
         )
+    check_values("from_dense", "mask", mask)
     return _Dense((mask if mask.dim() == 4 else mask[None, None]).cpu().contiguous())
 
 
@@ -242,20 +274,26 @@ def from_mask_mod(
     Its batch/head dependence is read from how its result broadcasts over b and h; slices
     that come out equal are collapsed when the mask is built. ``fn`` runs on ``device``,
     by default the device of the tensors it captures (closure cells, defaults, globals it
-    names), else wherever its index tensors are. Block masks evaluate it on int32 indices, as
-    FlexAttention does: index arithmetic must stay within int32 (`to_dense` passes int64)."""
+    names), else wherever its index tensors are. It is evaluated once per extent on int32
+    indices, as FlexAttention does (index arithmetic must stay within int32), and block masks,
+    `to_dense` and combinations all read that evaluation (`_MaskMod`); a meta device is
+    refused (its tensors hold no values)."""
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
+    name = name or getattr(fn, "__name__", type(fn).__name__)
     if device is None:
         device = captured_device(fn)
-    return _MaskMod(fn, name or getattr(fn, "__name__", type(fn).__name__),
-                    None if device is None else torch.device(device))
+    if device is not None and torch.device(device).type == "meta":
+        raise MaskError(f"from_mask_mod: {name} would run on the meta device (the tensors it captures, or "
+                        "device=, are meta tensors, which hold no values); give it CPU or CUDA tensors")
+    return _MaskMod(fn, name, None if device is None else torch.device(device))
 
 
 def captured_device(fn: Callable) -> torch.device | None:
     """The device of the tensors ``fn`` captures (through its closure, default arguments, the
     globals it names, and for a functools.partial its bound arguments): the one GPU they are
-    on, the CPU when all are CPU tensors, None when it captures none or several GPUs."""
+    on, the CPU when all are CPU tensors, None when it captures none or several GPUs; meta
+    when any is a meta tensor."""
     seen = []
     while isinstance(fn, functools.partial):
         seen += [*fn.args, *fn.keywords.values()]
@@ -266,6 +304,8 @@ def captured_device(fn: Callable) -> torch.device | None:
         seen += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
         seen += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
     devices = {t.device for t in seen if isinstance(t, Tensor)}
+    if torch.device("meta") in devices:  # no values to evaluate with: `from_mask_mod` says so
+        return torch.device("meta")
     gpus = devices - {torch.device("cpu")}
     if len(gpus) == 1:
         return gpus.pop()

@@ -2,23 +2,80 @@
 global tokens, random blocks, Longformer, BigBird, document (packed sequences), key padding.
 
 Each pattern states its definition twice, and both must agree: `_eval` elementwise (the
-mask_mod) and `_classify` per block from the block's q and k ranges, vectorised over the
-grid. Classification may answer PARTIAL when unsure, never FULL or EMPTY wrongly.
+mask_mod) and `_classify` block row by block row, as the column ranges (`BlockGrid.touching`,
+`BlockGrid.inside`) of its PARTIAL and FULL blocks: run-length encoded classes whose size
+follows the blocks that exist, never the n_rb x n_cb grid. Classification may answer PARTIAL
+when unsure, never FULL or EMPTY wrongly.
+
+Lengths given as parameters (a window, a stride, a count of tokens) are stored clamped to
+MAX_SEQ: one that reaches past every position means the same whatever its size, and index
+arithmetic stays in range. Nothing is allocated in proportion to a parameter's value.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from stof_cc.masks.bits import bit_at, pack_last
 from stof_cc.masks.description import MaskDescription, Union
-from stof_cc.masks.errors import MaskError, MaskTypeError, check_int, check_int_list
-from stof_cc.masks.geometry import BlockGrid, Extent, classes_from
+from stof_cc.masks.errors import MaskError, MaskTypeError, check_int, check_int_list, check_values
+from stof_cc.masks.geometry import FULL, MAX_SEQ, PARTIAL, BlockGrid, Extent, classes_from
+from stof_cc.masks.runs import MAX, MIX, ClassRuns, spread, stretches
+
+Piece = tuple[Tensor, Tensor, Tensor, int]  # block rows, first column, stop column, class
+SEED_LIMIT = (2**64 - 1, "the largest seed torch.Generator takes")
+UNORDERED_DOCUMENT_BLOCKS = 1 << 27  # blocks classified densely for interleaved segment ids (a few bytes each)
 
 
 def _label(fn: str, **params: object) -> str:
     return f"{fn}(" + ", ".join(f"{k}={v!r}" for k, v in params.items()) + ")"
+
+
+def _span(value: int) -> int:
+    """A length parameter as stored: from MAX_SEQ on, every length reaches past every position."""
+    return min(value, MAX_SEQ)
+
+
+def _paint(shape: tuple[int, int, int, int], pieces: list[Piece]) -> ClassRuns:
+    """The classes of PARTIAL and FULL pieces on a grid of ``shape`` (FULL where they overlap),
+    EMPTY elsewhere."""
+    parts = []
+    for row, first, stop, code in pieces:
+        row, first, stop = torch.broadcast_tensors(*(torch.as_tensor(t) for t in (row, first, stop)))
+        parts.append((row, first, stop, torch.full_like(row, code)))
+    row, first, stop, code = (torch.cat(t) for t in zip(*parts, strict=True))
+    return ClassRuns.paint(shape, row, first, stop, code)
+
+
+def _holding(grid: BlockGrid, row: Tensor, lo: Tensor, hi: Tensor) -> list[Piece]:
+    """Keys lo..hi attended in rows ``row``: PARTIAL where a block holds some, FULL where it
+    holds only them."""
+    return [(row, *grid.touching(lo, hi), PARTIAL), (row, *grid.inside(lo, hi), FULL)]
+
+
+def _near(grid: BlockGrid, lo: int, hi: int) -> Piece:
+    """PARTIAL: the blocks of each row holding some element with lo <= q - k <= hi."""
+    return grid.rows, *grid.touching(grid.q_lo - hi, grid.q_hi - lo), PARTIAL
+
+
+def _band(grid: BlockGrid, lo: int, hi: int) -> list[Piece]:
+    """lo <= q - k <= hi: PARTIAL where some element of a block is in the band, FULL where all are."""
+    return [_near(grid, lo, hi), (grid.rows, *grid.inside(grid.q_hi - hi, grid.q_lo - lo), FULL)]
+
+
+def _diagonals(grid: BlockGrid, step: int, first: int, last: int) -> Piece:
+    """PARTIAL: the blocks each diagonal q - k = m * step (first <= m <= last) crosses in each
+    block row, a piece per diagonal that meets the row. For steps longer than a block's span of
+    q - k, where most blocks between the diagonals hold none of them."""
+    low = torch.clamp(-((grid.ext.seq_k - 1 - grid.q_lo) // step), min=first)  # the diagonals meeting the row
+    high = torch.clamp(grid.q_hi // step, max=last)
+    row, offset = spread((high - low + 1).clamp(min=0))
+    d = (low[row] + offset) * step
+    return row, *grid.touching(grid.q_lo[row] - d, grid.q_hi[row] - d), PARTIAL
 
 
 class _Labelled(MaskDescription):
@@ -38,9 +95,8 @@ class _Full(_Labelled):
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return torch.ones_like(q - k, dtype=torch.bool)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        every = torch.ones(grid.n_rb, grid.n_cb, dtype=torch.bool)
-        return classes_from(every, ~every)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        return ClassRuns.filled(grid.shape(), FULL)
 
 
 class _Band(_Labelled):
@@ -56,12 +112,8 @@ class _Band(_Labelled):
         d = q - k
         return d >= self.lo if self.hi is None else (d >= self.lo) & (d <= self.hi)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        d_min, d_max = grid.diagonals()
-        full, empty = d_min >= self.lo, d_max < self.lo
-        if self.hi is not None:
-            full, empty = full & (d_max <= self.hi), empty | (d_min > self.hi)
-        return classes_from(full, empty)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        return _paint(grid.shape(), _band(grid, self.lo, MAX_SEQ if self.hi is None else self.hi))
 
 
 class _Dilated(_Labelled):
@@ -71,7 +123,7 @@ class _Dilated(_Labelled):
 
     def __init__(self, w: int, dilation: int, label: str) -> None:
         super().__init__(label)
-        self.reach, self.dilation = w * dilation, dilation
+        self.reach, self.dilation = _span(w * dilation), _span(dilation)
         self._residue_mask = sliding_window(w)  # one object: plans and choices are cached per description
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
@@ -82,12 +134,13 @@ class _Dilated(_Labelled):
         """Positions r, r + d, r + 2d, ... attend each other within w steps: a sliding window."""
         return self.dilation, self._residue_mask
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        d_min, d_max = grid.diagonals()
-        lo, hi = d_min.clamp(min=-self.reach), d_max.clamp(max=self.reach)
-        no_multiple = (hi // self.dilation) * self.dilation < lo
-        full = (d_min >= -self.reach) & (d_max <= self.reach) & (self.dilation == 1)
-        return classes_from(full, (hi < lo) | no_multiple)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        if self.dilation == 1:
+            return _paint(grid.shape(), _band(grid, -self.reach, self.reach))
+        if self.dilation < grid.block_m + grid.block_n:  # every whole block of the band holds a multiple
+            return _paint(grid.shape(), [_near(grid, -self.reach, self.reach)])
+        reach = self.reach // self.dilation
+        return _paint(grid.shape(), [_diagonals(grid, self.dilation, -reach, reach)])
 
 
 class _Strided(_Labelled):
@@ -103,12 +156,11 @@ class _Strided(_Labelled):
         d = q - k
         return (d >= 0) & ((d < self.stride) | (d % self.stride == 0))
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
         s = self.stride
-        d_min, d_max = grid.diagonals()
-        lo = d_min.clamp(min=0)
-        empty = (d_max < 0) | ((lo >= s) & ((d_max // s) * s < lo))
-        return classes_from((d_min >= 0) & (d_max < s), empty)
+        beyond = (_near(grid, s, MAX_SEQ) if s < grid.block_m + grid.block_n  # a multiple in every whole block
+                  else _diagonals(grid, s, 1, MAX_SEQ))
+        return _paint(grid.shape(), [*_band(grid, 0, s - 1), beyond])
 
 
 class _Fixed(_Labelled):
@@ -123,48 +175,69 @@ class _Fixed(_Labelled):
         s = self.stride
         return (q >= k) & ((q // s == k // s) | (k % s >= s - self.c))
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        s, first = self.stride, self.stride - self.c
-        q_lo, q_hi, k_lo, k_hi = grid.q_lo, grid.q_hi, grid.k_lo, grid.k_hi
-        # first summary column at or after k_lo; any before min(k_hi, q_hi) makes a True
-        summary = torch.where(k_lo % s >= first, k_lo, k_lo - k_lo % s + first)
-        has_summary = summary <= torch.minimum(k_hi, q_hi)
-        chunks_meet = (k_hi // s >= q_lo // s) & (k_lo // s <= q_hi // s)
-        empty = (q_hi < k_lo) | (~chunks_meet & ~has_summary)
-        one_chunk = (q_lo // s == q_hi // s) & (k_lo // s == q_lo // s) & (k_hi // s == q_lo // s)
-        all_summary = (k_lo // s == k_hi // s) & (k_lo % s >= first)
-        return classes_from((q_lo >= k_hi) & (one_chunk | all_summary), empty)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        s, gap = self.stride, self.stride - self.c
+        if gap == 0:  # every key is a summary key: causal
+            return _paint(grid.shape(), _band(grid, 0, MAX_SEQ))
+        rows, q_lo, q_hi = grid.rows, grid.q_lo, grid.q_hi
+        chunk_lo, chunk_hi = q_lo // s * s, q_hi // s * s
+        pieces = [(rows, *grid.touching(chunk_lo, q_hi), PARTIAL),  # the row's own chunks, k <= q
+                  (rows, *grid.inside(chunk_lo, torch.where(chunk_lo == chunk_hi, q_lo, chunk_lo - 1)), FULL)]
+        if gap < grid.block_n:  # every whole block holds a summary key
+            pieces.append((rows, *grid.touching(torch.zeros_like(q_hi), q_hi), PARTIAL))
+        else:
+            pieces.append(self._summaries(grid, q_hi, grid.touching, PARTIAL))
+        if self.c >= grid.block_n:  # a block may lie inside one chunk's summary keys
+            pieces.append(self._summaries(grid, q_lo, grid.inside, FULL))
+        return _paint(grid.shape(), pieces)
+
+    def _summaries(self, grid: BlockGrid, limit: Tensor, columns: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+                   code: int) -> Piece:
+        """The summary keys t * stride + stride - c .. t * stride + stride - 1 up to key
+        ``limit[i]`` of each block row i, a piece per t, as ``columns`` (touching or inside)."""
+        first = self.stride - self.c
+        row, t = spread(((limit - first) // self.stride + 1).clamp(min=0))
+        lo = t * self.stride + first
+        return row, *columns(lo, torch.minimum(lo + self.c - 1, limit[row])), code
 
 
 class _GlobalTokens(_Labelled):
-    """q or k is a global token: a set of positions, as a bool table with prefix sums."""
+    """q or k is a global token; the tokens are sorted disjoint position intervals
+    [starts[t], stops[t]) (the first n positions are one interval, whatever n)."""
 
-    def __init__(self, positions: Tensor, label: str) -> None:
+    def __init__(self, starts: Tensor, stops: Tensor, label: str) -> None:
         super().__init__(label)
-        size = int(positions.max()) + 1 if positions.numel() else 0
-        self.table = torch.zeros(size, dtype=torch.bool)
-        self.table[positions] = True
-        self.prefix = torch.nn.functional.pad(self.table.long().cumsum(0), (1, 0))
+        self.starts, self.stops = starts, stops
+        self.before = torch.nn.functional.pad((stops - starts).cumsum(0), (1, 0))  # tokens before interval t
 
     def _contains(self, x: Tensor) -> Tensor:
-        size = self.table.numel()
-        lookup = self._on(
-            "table", x.device, lambda: torch.cat([self.table, self.table.new_zeros(1)])
-        )
-        return lookup[x.clamp(max=size)]
+        if not len(self.starts):
+            return torch.zeros_like(x, dtype=torch.bool)
+        if len(self.starts) == 1:  # a count of tokens, or neighbouring positions: no search
+            return (x >= int(self.starts[0])) & (x < int(self.stops[0]))
+        starts = self._on("starts", x.device, lambda: self.starts)
+        stops = self._on("stops", x.device, lambda: self.stops)
+        t = torch.searchsorted(starts, x, right=True) - 1
+        return (t >= 0) & (x < stops[t.clamp(min=0)])
 
-    def _count(self, lo: Tensor, hi: Tensor) -> Tensor:
-        size = self.table.numel()
-        return self.prefix[(hi + 1).clamp(max=size)] - self.prefix[lo.clamp(max=size)]
+    def _count_below(self, x: Tensor) -> Tensor:
+        """Tokens at positions < x."""
+        whole = torch.searchsorted(self.stops, x, right=True)  # intervals ending at or before x
+        last = whole.clamp(max=max(len(self.starts) - 1, 0))
+        cut = (x - self.starts[last]).clamp(min=0) if len(self.starts) else torch.zeros_like(x)
+        return self.before[whole] + torch.where(whole < len(self.starts), cut, 0)
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return self._contains(q) | self._contains(k)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        in_q = self._count(grid.q_lo, grid.q_hi)
-        in_k = self._count(grid.k_lo, grid.k_hi)
-        full = (in_q == grid.q_hi - grid.q_lo + 1) | (in_k == grid.k_hi - grid.k_lo + 1)
-        return classes_from(full, (in_q == 0) & (in_k == 0))
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        last = self.stops - 1
+        columns = _paint((1, 1, 1, grid.n_cb), _holding(grid, torch.tensor(0), self.starts, last))
+        columns = columns.take_rows(torch.zeros_like(grid.rows), 1, 1, grid.n_rb)  # the same in every row
+        in_row = self._count_below(grid.q_hi + 1) - self._count_below(grid.q_lo)
+        rows = _paint(grid.shape(), [(grid.rows[in_row > 0], 0, grid.n_cb, PARTIAL),  # global queries: the whole row
+                             (grid.rows[in_row == grid.q_hi - grid.q_lo + 1], 0, grid.n_cb, FULL)])
+        return ClassRuns.combine([columns, rows], MAX)
 
 
 class _RandomBlocks(_Labelled):
@@ -172,48 +245,188 @@ class _RandomBlocks(_Labelled):
     min(1, random_blocks / n_cols), drawn from torch.Generator().manual_seed(seed)."""
 
     size_dependent = True
+    SLAB = 1 << 22  # random draws per slab of cell rows
+    TABLE_CELLS = 1 << 26  # up to this many cells they are looked up in a bool table, past it in bits
 
     def __init__(self, random_blocks: int, block: int, seed: int, label: str) -> None:
         super().__init__(label)
-        self.random_blocks, self.block, self.seed = random_blocks, block, seed
+        self.random_blocks, self.block, self.seed = _span(random_blocks), _span(block), seed
+        self._draws: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # per (seq_q, seq_k), on the CPU
+
+    def _shape(self, seq_q: int, seq_k: int) -> tuple[int, int]:
+        return -(-seq_q // self.block), -(-seq_k // self.block)
+
+    def _draw(self, seq_q: int, seq_k: int) -> tuple[Tensor, Tensor]:
+        """(on, lookup): the cells that are on as ascending int64 keys row * n_cols + col, and
+        every cell as a bool table [n_rows, n_cols] (up to TABLE_CELLS) or row-packed bits
+        [n_rows, ceil(n_cols / 32)] past it. Drawn a slab of rows at a time, as one
+        torch.rand(n_rows, n_cols) would draw them: no larger tensor per cell is made."""
+        rows, cols = self._shape(seq_q, seq_k)
+        generator = torch.Generator().manual_seed(self.seed)
+        per_slab = max(1, self.SLAB // cols)
+        on, lookup = [], []
+        for first in range(0, rows, per_slab):
+            slab = torch.rand(min(per_slab, rows - first), cols, generator=generator) < self.random_blocks / cols
+            row, col = slab.nonzero(as_tuple=True)
+            on.append((row + first) * cols + col)
+            lookup.append(slab if rows * cols <= self.TABLE_CELLS else pack_last(slab))
+        return torch.cat(on), torch.cat(lookup)
+
+    def on_cells(self, seq_q: int, seq_k: int) -> Tensor:
+        """The cells that are on, as ascending int64 keys row * n_cols + col."""
+        return self._drawn(Extent(seq_q, seq_k), torch.device("cpu"))[0]
 
     def cells(self, seq_q: int, seq_k: int) -> Tensor:
         """The on/off cell grid [ceil(seq_q/block), ceil(seq_k/block)]: deterministic."""
-        rows, cols = -(-seq_q // self.block), -(-seq_k // self.block)
-        generator = torch.Generator().manual_seed(self.seed)
-        return torch.rand(rows, cols, generator=generator) < self.random_blocks / cols
+        rows, cols = self._shape(seq_q, seq_k)
+        grid = torch.zeros(rows * cols, dtype=torch.bool)
+        grid[self.on_cells(seq_q, seq_k)] = True
+        return grid.view(rows, cols)
+
+    def _drawn(self, ext: Extent, device: torch.device) -> tuple[Tensor, Tensor]:
+        """`_draw` for these sizes, made once and kept on each device it is used on."""
+        sizes = (ext.seq_q, ext.seq_k)
+        if sizes not in self._draws:
+            self._draws[sizes] = self._draw(*sizes)
+        on, lookup = self._draws[sizes]
+        return on, self._on(("cells", *sizes), device, lambda: lookup)
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         assert ext is not None, "size-dependent masks are evaluated with their extent"
-        key = ("cells", ext.seq_q, ext.seq_k)
-        cells = self._on(key, q.device, lambda: self.cells(ext.seq_q, ext.seq_k))
-        return cells[q // self.block, k // self.block]
+        lookup, row, col = self._drawn(ext, q.device)[1], q // self.block, k // self.block
+        return lookup[row, col] if lookup.dtype == torch.bool else bit_at(lookup, (row,), col)
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        cells = self.cells(grid.ext.seq_q, grid.ext.seq_k).long()
-        table = torch.nn.functional.pad(cells.cumsum(0).cumsum(1), (1, 0, 1, 0))
-        r0, r1 = grid.q_lo // self.block, grid.q_hi // self.block + 1
-        c0, c1 = grid.k_lo // self.block, grid.k_hi // self.block + 1
-        on = table[r1, c1] - table[r0, c1] - table[r1, c0] + table[r0, c0]
-        return classes_from(on == (r1 - r0) * (c1 - c0), on == 0)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        ext, size = grid.ext, self.block
+        n_rows, n_cols = self._shape(ext.seq_q, ext.seq_k)
+        keys = self.on_cells(ext.seq_q, ext.seq_k)
+        opens = torch.ones(len(keys), dtype=torch.bool)  # runs of neighbouring on cells in a cell row
+        opens[1:] = (keys[1:] != keys[:-1] + 1) | (keys[1:] // n_cols != keys[:-1] // n_cols)
+        first, last = (keys[t] for t in stretches(opens))
+        lo, hi = first % n_cols * size, (last % n_cols + 1) * size - 1
+        cell_rows = _paint((1, 1, n_rows, grid.n_cb), _holding(grid, first // n_cols, lo, hi))  # at our columns
+        top = grid.q_lo // size
+        owner, offset = spread(grid.q_hi // size - top + 1)  # the cell rows of each block row
+        parts = cell_rows.take_rows(top[owner] + offset, 1, 1, len(owner))
+        row, start, stop, code = parts.intervals()
+        return ClassRuns.paint(grid.shape(), owner[row], start, stop, code, MIX)
 
 
-class _Document(_Labelled):
-    """doc(q) == doc(k) >= 0 from segment ids [Bd, L] (Bd = 1 or one row per batch element).
-    Negative ids, and positions past the ids of a `lengths` description, are padding and
-    attend nothing."""
+class _Documents(_Labelled):
+    """doc(q) == doc(k) >= 0, with one row of document ids per batch element or one for all.
+    Padding (no document) attends nothing. A subclass says where the documents are
+    (`_ranges`); classification reads, per block of positions, the range of its ids."""
 
-    def __init__(self, ids: Tensor, label: str, *, covers_all: bool) -> None:
+    ordered = True  # whether ids never decrease along the positions (padding aside)
+
+    def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(lo, hi, clean), each [rows, n_blocks]: the smallest and largest id in each block of
+        ``block`` positions (hi < 0 for a block of padding only), and whether it holds no padding."""
+        raise NotImplementedError
+
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        q_lo, q_hi, q_clean = self._ranges(grid.ext.seq_q, grid.block_m)
+        k_lo, k_hi, k_clean = self._ranges(grid.ext.seq_k, grid.block_n)
+        if not self.ordered:
+            return self._dense_classes(grid, (q_lo, q_hi, q_clean), (k_lo, k_hi, k_clean))
+        padding_only = k_hi < 0
+        k_hi = torch.cummax(k_hi, dim=1).values  # a padding-only block takes the id before it,
+        k_lo = torch.where(padding_only, k_hi, k_lo)  # so both bounds ascend along the columns
+        batch, n_rb = q_lo.shape
+        row = torch.arange(batch)[:, None] * n_rb + grid.rows
+        valid = q_hi >= 0
+        first = torch.searchsorted(k_hi, q_lo)  # the columns whose ids meet the row's ids
+        stop = torch.searchsorted(k_lo, q_hi, right=True)
+        pieces = [(row[valid], first[valid], stop[valid], PARTIAL),
+                  self._full(grid, q_lo, q_clean & (q_lo == q_hi) & valid, k_lo, k_hi, k_clean)]
+        return _paint(grid.shape(batch), pieces)
+
+    @staticmethod
+    def _full(grid: BlockGrid, q_id: Tensor, q_one: Tensor, k_lo: Tensor, k_hi: Tensor,
+              k_clean: Tensor) -> Piece:
+        """FULL: in a block row of one document and no padding (``q_one``), the columns of
+        that document alone and no padding: the stretches of such columns among the columns
+        of the document, which padding may cut."""
+        batch, n_cb = k_lo.shape
+        alone = torch.where(k_clean & (k_lo == k_hi), k_lo, -1).reshape(-1)  # a column's one document, or -1
+        opens = torch.ones(len(alone), dtype=torch.bool)
+        opens[1:] = alone[1:] != alone[:-1]
+        opens[::n_cb] = True
+        stretch = opens.long().cumsum(0) - 1  # the stretch of equal `alone` each column is in
+        firsts = opens.nonzero().squeeze(1)
+        stops = torch.cat([firsts[1:], firsts.new_tensor([len(alone)])])
+        base = torch.arange(batch)[:, None] * n_cb
+        first = torch.searchsorted(k_lo, q_id) + base  # the columns of the row's document, flat
+        stop = torch.searchsorted(k_hi, q_id, right=True) + base
+        b, i = (q_one & (stop > first)).nonzero(as_tuple=True)
+        first, stop, doc = first[b, i], stop[b, i], q_id[b, i]
+        owner, offset = spread(stretch[stop - 1] - stretch[first] + 1)
+        chosen = stretch[first][owner] + offset
+        keep = alone[firsts[chosen]] == doc[owner]
+        owner, chosen = owner[keep], chosen[keep]
+        column = base.view(-1)[b[owner]]
+        return (b * grid.n_rb + i)[owner], firsts[chosen] - column, stops[chosen] - column, FULL
+
+    def _dense_classes(self, grid: BlockGrid, q: tuple[Tensor, Tensor, Tensor],
+                       k: tuple[Tensor, Tensor, Tensor]) -> ClassRuns:
+        """Interleaved documents, block by block (one byte per block, so refused past
+        UNORDERED_DOCUMENT_BLOCKS)."""
+        blocks = q[0].shape[0] * grid.n_rb * grid.n_cb
+        if blocks > UNORDERED_DOCUMENT_BLOCKS:
+            raise MaskError(
+                f"{self!r}: documents that interleave (segment ids not ascending along the positions, "
+                f"padding aside) are classified block by block: {blocks} blocks of {grid.block_m} x "
+                f"{grid.block_n} at {grid.ext.seq_q} x {grid.ext.seq_k}, over {UNORDERED_DOCUMENT_BLOCKS}; "
+                "number the documents in order of position, or use larger blocks")
+        (q_lo, q_hi, q_clean), (k_lo, k_hi, k_clean) = ((t[:, :, None] for t in q), (t[:, None, :] for t in k))
+        full = q_clean & k_clean & (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+        empty = (q_hi < 0) | (k_hi < 0) | (q_hi < k_lo) | (k_hi < q_lo)
+        return ClassRuns.from_dense(classes_from(full, empty).transpose(0, 1))
+
+
+class _Packed(_Documents):
+    """Documents of the given lengths, one after another from position 0; positions past
+    their sum are padding. Held as the documents' ends, not an id per position."""
+
+    def __init__(self, lengths: list[int], label: str) -> None:
+        super().__init__(label)
+        self.ends = torch.tensor([_span(n) for n in lengths]).cumsum(0)
+
+    def _doc(self, x: Tensor) -> Tensor:
+        """The document holding position x (len(ends) past the last)."""
+        return torch.searchsorted(self._on("ends", x.device, lambda: self.ends), x, right=True)
+
+    def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        doc_q = self._doc(q)
+        return (doc_q == self._doc(k)) & (doc_q < len(self.ends))
+
+    def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
+        total = int(self.ends[-1])
+        first = torch.arange(-(-seq // block)) * block
+        last = (first + block).clamp(max=seq) - 1
+        lo, hi = self._doc(first), self._doc(last.clamp(max=total - 1))
+        padding_only = first >= total
+        return (torch.where(padding_only, -1, lo)[None], torch.where(padding_only, -1, hi)[None],
+                (last < total)[None])
+
+
+class _Segments(_Documents):
+    """Documents given by segment ids [Bd, L] (Bd = 1 or one row per batch element), which
+    must cover every position; a negative id is padding."""
+
+    def __init__(self, ids: Tensor, label: str) -> None:
         super().__init__(label)
         self.ids = ids
-        self.covers_all = covers_all  # segment ids must cover every position
+        real = ids >= 0
+        risen = torch.cummax(torch.where(real, ids, -1), dim=1).values
+        self.ordered = bool((ids[real] == risen[real]).all())
 
     def _fixed(self) -> tuple[int | None, int | None]:
         return (self.ids.shape[0] if self.ids.shape[0] > 1 else None), None
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         rows, size = self.ids.shape
-        if self.covers_all and size < max(ext.seq_q, ext.seq_k):
+        if size < max(ext.seq_q, ext.seq_k):
             raise MaskError(
                 f"document: segment_ids cover {size} positions, but the mask is "
                 f"{ext.seq_q} x {ext.seq_k}"
@@ -234,21 +447,14 @@ class _Document(_Labelled):
         doc_q, doc_k = table[row, q.clamp(max=size)], table[row, k.clamp(max=size)]
         return (doc_q == doc_k) & (doc_q >= 0)
 
-    def _block_range(self, seq: int, block: int) -> tuple[Tensor, Tensor]:
-        """Min and max id over each block of positions, [Bd, n_blocks]; the ragged tail is
-        padded with its last id, positions past the ids with -1."""
+    def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         n = -(-seq // block)
-        ids = self.ids[:, :seq]
-        ids = torch.nn.functional.pad(ids, (0, seq - ids.shape[1]), value=-1)
+        ids = self.ids[:, :seq]  # the ragged tail repeats the last id (out of range, not padding)
         ids = torch.cat([ids, ids[:, -1:].expand(-1, n * block - seq)], dim=1).view(-1, n, block)
-        return ids.amin(-1), ids.amax(-1)
-
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        q_min, q_max = (t[:, :, None] for t in self._block_range(grid.ext.seq_q, grid.block_m))
-        k_min, k_max = (t[:, None, :] for t in self._block_range(grid.ext.seq_k, grid.block_n))
-        full = (q_min == q_max) & (k_min == k_max) & (q_min == k_min) & (q_min >= 0)
-        empty = (q_max < k_min) | (k_max < q_min) | (q_max < 0) | (k_max < 0)
-        return classes_from(full, empty).transpose(0, 1)
+        padding = ids < 0
+        lo = torch.where(padding, torch.iinfo(torch.long).max, ids).amin(-1)
+        hi = torch.where(padding, -1, ids).amax(-1)
+        return torch.where(hi < 0, -1, lo), hi, ~padding.any(-1)
 
 
 class _KeyPadding(_Labelled):
@@ -272,9 +478,11 @@ class _KeyPadding(_Labelled):
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         return k < self._on("lengths", k.device, lambda: self.lengths)[b]
 
-    def _classify(self, grid: BlockGrid) -> Tensor:
-        lengths = self.lengths.view(-1, 1, 1, 1)
-        return classes_from(grid.k_hi < lengths, grid.k_lo >= lengths)
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        batch = len(self.lengths)
+        row = (torch.arange(batch)[:, None] * grid.n_rb + grid.rows).reshape(-1)
+        last = self.lengths.repeat_interleave(grid.n_rb) - 1
+        return _paint(grid.shape(batch), _holding(grid, row, torch.zeros_like(last), last))
 
 
 # -- the public constructors: validate, then build ------------------------------------------
@@ -291,12 +499,13 @@ def causal() -> MaskDescription:
 
 
 def sliding_window(w: int, causal: bool = False) -> MaskDescription:
-    """|q - k| <= w; with causal=True, 0 <= q - k <= w."""
+    """|q - k| <= w; with causal=True, 0 <= q - k <= w. A window as long as the sequence
+    attends everything (causal: everything up to the diagonal)."""
     w = check_int("sliding_window", "w", w)
     if not isinstance(causal, bool):
         raise MaskTypeError(f"sliding_window: causal must be a bool, got {causal!r}")
     label = _label("sliding_window", w=w, causal=True) if causal else _label("sliding_window", w=w)
-    return _Band(0 if causal else -w, w, label)
+    return _Band(0 if causal else -_span(w), _span(w), label)
 
 
 def dilated(w: int, dilation: int) -> MaskDescription:
@@ -310,7 +519,7 @@ def dilated(w: int, dilation: int) -> MaskDescription:
 def strided(stride: int) -> MaskDescription:
     """Child et al.'s strided pattern: q >= k and (q - k < stride or (q - k) % stride == 0)."""
     stride = check_int("strided", "stride", stride)
-    return _Strided(stride, _label("strided", stride=stride))
+    return _Strided(_span(stride), _label("strided", stride=stride))
 
 
 def fixed(stride: int, c: int) -> MaskDescription:
@@ -318,20 +527,26 @@ def fixed(stride: int, c: int) -> MaskDescription:
     k % stride >= stride - c)."""
     stride = check_int("fixed", "stride", stride)
     c = check_int("fixed", f"c (stride={stride})", c, 1, stride)
-    return _Fixed(stride, c, _label("fixed", stride=stride, c=c))
+    return _Fixed(_span(stride), _span(c), _label("fixed", stride=stride, c=c))
 
 
-def _token_positions(fn: str, arg: str, tokens: object) -> tuple[Tensor, object]:
-    """Global tokens as positions: an int n means the first n positions."""
+def _token_positions(fn: str, arg: str, tokens: object) -> tuple[tuple[Tensor, Tensor], object]:
+    """Global tokens as sorted disjoint intervals (starts, stops) of positions, and as shown in
+    the label: an int n means the first n positions, one interval whatever n is."""
     if isinstance(tokens, Tensor) and tokens.dim() == 0 or isinstance(tokens, (int, np.integer)):
         count = check_int(fn, arg, tokens, 0)
-        return torch.arange(count), count
-    positions = check_int_list(fn, arg, tokens, 0)
-    return positions, positions.tolist()
+        bounds = torch.tensor([[0, _span(count)]] if count else [], dtype=torch.long).view(-1, 2)
+        return tuple(bounds.unbind(1)), count
+    shown = check_int_list(fn, arg, tokens, 0)
+    positions = torch.tensor(sorted({_span(p) for p in shown}))
+    opens = torch.ones(len(positions), dtype=torch.bool)
+    opens[1:] = positions[1:] != positions[:-1] + 1
+    first, last = stretches(opens)
+    return (positions[first], positions[last] + 1), shown
 
 
-def _global(positions: Tensor, shown: object) -> MaskDescription:
-    return _GlobalTokens(positions, _label("global_tokens", tokens=shown))
+def _global(intervals: tuple[Tensor, Tensor], shown: object) -> MaskDescription:
+    return _GlobalTokens(*intervals, _label("global_tokens", tokens=shown))
 
 
 def _random(r: int, block: int, seed: int) -> MaskDescription:
@@ -350,7 +565,7 @@ def random_blocks(random_blocks: int, block: int = 64, seed: int = 0) -> MaskDes
     random_blocks cells per block row), deterministic for given sizes and seed."""
     r = check_int("random_blocks", "random_blocks", random_blocks, 0)
     block = check_int("random_blocks", "block", block)
-    seed = check_int("random_blocks", "seed", seed, 0)
+    seed = check_int("random_blocks", "seed", seed, 0, limit=SEED_LIMIT)
     return _random(r, block, seed)
 
 
@@ -373,7 +588,7 @@ def bigbird(
     n_global = check_int("bigbird", "n_global", n_global, 0)
     r = check_int("bigbird", "random_blocks", random_blocks, 0)
     block = check_int("bigbird", "block", block)
-    seed = check_int("bigbird", "seed", seed, 0)
+    seed = check_int("bigbird", "seed", seed, 0, limit=SEED_LIMIT)
     label = _label("bigbird", w=w, n_global=n_global, random_blocks=r, block=block, seed=seed)
     return Union((longformer(w, n_global), _random(r, block, seed)), label=label)
 
@@ -388,8 +603,7 @@ def document(
         raise MaskTypeError("document: give exactly one of lengths or segment_ids")
     if lengths is not None:
         sizes = check_int_list("document", "lengths", lengths, 1)
-        ids = torch.repeat_interleave(torch.arange(len(sizes)), sizes)[None]
-        return _Document(ids, _label("document", lengths=sizes.tolist()), covers_all=False)
+        return _Packed(sizes, _label("document", lengths=sizes))
     if (
         not isinstance(segment_ids, Tensor)
         or segment_ids.dtype.is_floating_point
@@ -400,13 +614,13 @@ def document(
         raise MaskError(
             f"document: segment_ids must have shape [S] or [B, S], got {tuple(segment_ids.shape)}"
         )
+    check_values("document", "segment_ids", segment_ids)
     ids = segment_ids.reshape(-1, segment_ids.shape[-1]).long().cpu()
-    return _Document(
-        ids, f"document(segment_ids=<{'x'.join(map(str, segment_ids.shape))}>)", covers_all=True
-    )
+    return _Segments(ids, f"document(segment_ids=<{'x'.join(map(str, segment_ids.shape))}>)")
 
 
 def key_padding(lengths: list[int] | Tensor) -> MaskDescription:
-    """Per batch element b: k < lengths[b] (padded keys are never attended)."""
+    """Per batch element b: k < lengths[b] (padded keys are never attended; a length past the
+    keys pads none)."""
     sizes = check_int_list("key_padding", "lengths", lengths, 0)
-    return _KeyPadding(sizes, _label("key_padding", lengths=sizes.tolist()))
+    return _KeyPadding(torch.tensor([_span(n) for n in sizes]), _label("key_padding", lengths=sizes))

@@ -21,7 +21,7 @@ from stof_cc.codegen import NotFusable
 from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask, coarse_counts
-from stof_cc.masks.geometry import EMPTY
+from stof_cc.masks.geometry import FULL, PARTIAL
 from stof_cc.passes.attention import attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
@@ -112,13 +112,14 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
             raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
                                       f"{target_capability()} (the templates need sm_80 or newer, a batch of at "
                                       f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
-        # One 16 x 16 class grid prices every candidate shape (`coarse_counts`): the mask is
+        # One 16 x 16 classification prices every candidate shape (`coarse_counts`): the mask is
         # evaluated once, not once per shape (a user mask at S = 32768 took 7 s the other way), and
         # no block mask is built for it (its CSR arrays and recounted classes were 60% of a first
-        # pick at S = 32768 on the H100).
-        fine = description.block_classes(problem.seq_q, problem.seq_k, FINE_BLOCK, FINE_BLOCK,
-                                         batch=problem.batch, heads=problem.heads)
-        slices = fine.shape[0] * fine.shape[1]
+        # pick at S = 32768 on the H100). It is held as runs per block row, so its memory follows
+        # the runs (O(S) for causal), not the (S / 16)^2 blocks (4 GiB at S = 1M).
+        fine = description.block_runs(problem.seq_q, problem.seq_k, FINE_BLOCK, FINE_BLOCK,
+                                      batch=problem.batch, heads=problem.heads)
+        slices = fine.batch * fine.heads
         heads_batches = problem.batch * problem.heads // slices
         shapes = sorted({(params["block_m"], params["block_n"]) for _, params in options})
         counts = {shape: (rows.tolist(), partial) for shape, (rows, partial) in
@@ -131,7 +132,7 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
                            template))
         scored.sort(key=lambda item: item[0].micros)
         best, template = scored[0]
-        rule = stof_rule(int((fine != EMPTY).sum()) // slices, fine.shape[2] * fine.shape[3])
+        rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
     return per_mask[key]
 

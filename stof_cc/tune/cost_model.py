@@ -31,7 +31,7 @@ The model prices one launch of a masked-attention template as
   alone, which can use only ``warps / 8`` of an SM's issue slots.
 
 Block counts are those of the mask at the candidate's own block shape (reduced from one
-16 x 16 class grid, `block_mask.coarse_counts`), so finer blocks are rewarded exactly where the
+16 x 16 classification held as runs per block row, `block_mask.coarse_counts`), so finer blocks are rewarded exactly where the
 mask has fine structure. The constants are per-SM
 rates for an H100 SXM (sm_90, 132 SMs), fitted to sweeps of `benchmarks/mha.py --sweep`
 (the D = 64 fp16 and D = 128 bf16 grids together; the fit minimises the time lost by the model's pick; see
