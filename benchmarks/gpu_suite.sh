@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The GPU test suite (`pytest -m gpu`) split over the visible GPUs: each GPU runs its own share of
 # the test files in its own process (CUDA_VISIBLE_DEVICES), then the tests that need every GPU
-# (tests/test_devices.py) run once with all of them. Logs go to LOGS (default: gpu-logs/); the
-# last lines printed are each share's pytest summary.
+# (tests/test_devices.py) run once with all of them. With pytest-xdist installed each share runs
+# WORKERS test processes on its GPU (default 8: the tests compile their kernels with nvcc, which
+# the host's cores do in parallel). Logs go to LOGS (default: gpu-logs/); the last lines printed
+# are each share's pytest summary.
 #
-#     bash benchmarks/gpu_suite.sh [LOGS]
+#     bash benchmarks/gpu_suite.sh [LOGS] [WORKERS]
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-gpu-logs}
+workers=${2:-8}
 mkdir -p "$logs"
+parallel=""
+python3 -c 'import xdist' 2>/dev/null && parallel="-n $workers"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 files=$(python3 -m pytest --collect-only -q -m gpu tests/ 2>/dev/null | grep '::' | cut -d: -f1 \
         | grep -v test_devices.py | sort | uniq -c | sort -rn | awk '{print $2}')
@@ -21,7 +26,8 @@ done
 pids=()
 for g in $(seq 0 $((gpus - 1))); do
   [ -n "${share[$g]:-}" ] || continue
-  CUDA_VISIBLE_DEVICES=$g python3 -m pytest -q -m gpu -p no:cacheprovider ${share[$g]} >"$logs/gpu$g.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$g python3 -m pytest -q -m gpu -p no:cacheprovider $parallel ${share[$g]} \
+    >"$logs/gpu$g.log" 2>&1 &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
