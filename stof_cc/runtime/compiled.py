@@ -160,7 +160,10 @@ class CompiledModule:
     def _replay(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         """Run the variant as one CUDA graph: captured on first use (after two warm-up runs on
         a side stream, which build every launch plan and cache), then replayed with the new
-        inputs copied into the captured ones."""
+        inputs copied into the captured ones. The capture runs on this device's side stream:
+        torch.cuda.graph's default capture stream is one per process, made on the first device
+        that captured, and capturing there switched a second device's launches to the first
+        device (NaN on cuda:1 after cuda:0)."""
         if variant.graph_capture is None:
             static = {name: t.clone() for name, t in inputs.items()}
             side = torch.cuda.Stream()
@@ -170,7 +173,7 @@ class CompiledModule:
                     self._execute(variant, static)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=side):
                 outputs = self._execute(variant, static)
             variant.graph_capture = (graph, static, outputs)
         graph, static, outputs = variant.graph_capture
