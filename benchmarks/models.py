@@ -71,6 +71,11 @@ def build(family: str, layers: int, tiny: bool, serving: bool = False):
         "llama": lambda: T.LlamaModel(T.LlamaConfig(**decoder)),
         "mistral": lambda: T.MistralModel(T.MistralConfig(sliding_window=4096 if not tiny else 16, **decoder)),
         "qwen2": lambda: T.Qwen2Model(T.Qwen2Config(**decoder)),
+        "qwen3": lambda: T.Qwen3Model(T.Qwen3Config(head_dim=hidden // heads, **decoder)),
+        "olmo2": lambda: T.Olmo2Model(T.Olmo2Config(**decoder)),
+        "gemma3": lambda: T.Gemma3TextModel(T.Gemma3TextConfig(head_dim=hidden // heads,
+                                                               sliding_window=4096 if not tiny else 16, **decoder)),
+        "phi3": lambda: T.Phi3Model(T.Phi3Config(pad_token_id=0, **decoder)),
         "vit": lambda: T.ViTModel(T.ViTConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                               intermediate_size=ffn, image_size=32 if tiny else 512,
                                               patch_size=8 if tiny else 16)),
@@ -244,7 +249,8 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,mistral,qwen2,vit,t5,encoder_layer")
+    parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,mistral,qwen2,qwen3,olmo2,gemma3,phi3,"
+                                                "vit,t5,encoder_layer")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)

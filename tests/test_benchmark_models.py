@@ -14,7 +14,8 @@ pytest.importorskip("transformers")
 spec = importlib.util.spec_from_file_location("benchmark_models", ROOT / "benchmarks" / "models.py")
 models = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(models)
-FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2", "vit", "t5", "encoder_layer")
+FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma3", "phi3", "vit",
+            "t5", "encoder_layer")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
