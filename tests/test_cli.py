@@ -272,8 +272,8 @@ def test_compile_output_fits_120_columns(example_path, tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120, out
     assert out.count("reshape_permute") == 1 and out.count("the other fused ops stay torch views") == 2
-    assert "torch: elementwise: %embedding: op embedding (aten.embedding.default) has no elementwise" in out
     assert "not an overflow_clamp" not in out
+    assert all("views only" in line for line in out.splitlines() if line.strip().startswith("torch:")), out
     assert main(["compile", example_path("tiny_bert"), "--why"]) == 0
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120, out

@@ -157,6 +157,11 @@ def test_elementwise_template_renders_and_compiles(dtype: torch.dtype):
 
 
 def test_unsupported_nodes_are_refused_by_name():
+    """`Chain` (output-indexed, floating values: GEMM tiles, vectors) refuses comparisons and
+    broadcasts other than full / row / scalar by name; the elementwise template then takes the
+    group through `IndexedChain` (tests/test_indexed_chain.py)."""
+    from stof_cc.codegen import IndexedChain
+
     class Compare(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.where(x > 0, x, x * 0.1)
@@ -164,7 +169,8 @@ def test_unsupported_nodes_are_refused_by_name():
     x = torch.randn(SHAPE)
     graph, group = _group(Compare(), x)
     with pytest.raises(NotFusable, match=r"%gt: op compare .* has no elementwise code generator"):
-        ELEMENTWISE.match(graph, group)
+        Chain(graph, group.nodes, {}, SHAPE)
+    assert isinstance(ELEMENTWISE.match(graph, group).details.chain, IndexedChain)
 
     class Outer(torch.nn.Module):
         def forward(self, x: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
@@ -172,7 +178,8 @@ def test_unsupported_nodes_are_refused_by_name():
 
     graph, group = _group(Outer(), x, torch.randn(SHAPE[0], 1, 1))
     with pytest.raises(NotFusable, match=r"%col of shape \(3, 1, 1\) broadcasts to .*only full, row and scalar"):
-        ELEMENTWISE.match(graph, group)
+        Chain(graph, group.nodes, {}, SHAPE)
+    assert isinstance(ELEMENTWISE.match(graph, group).details.chain, IndexedChain)
 
 
 class NanPaths(torch.nn.Module):

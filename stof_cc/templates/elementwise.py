@@ -1,6 +1,9 @@
-"""Spec of the `elementwise` template (elementwise.cu.j2): any fused chain of elementwise and
-broadcast ops with one output, 16-byte vector loads and stores where every tensor is 16-bit
-(or every one 32-bit) and rows hold whole vectors."""
+"""Spec of the `elementwise` template (elementwise.cu.j2): any fused chain of elementwise,
+broadcast and layout ops with one output. A chain `Chain` expresses (operands read whole, by
+row or as a scalar; floating values) gets 16-byte vector loads and stores where every tensor is
+16-bit (or every one 32-bit) and rows hold whole vectors; any other (a layout op, a broadcast of
+another shape, integer or boolean values, an embedding gather) is an `IndexedChain`, one element
+a thread."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable
+from stof_cc.codegen import Chain, IndexedChain, NotFusable
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
@@ -30,7 +33,7 @@ THREAD_COUNTS = (128, 256)
 class ElementwiseDetails:
     """What `ElementwiseTemplate.match` works out beside the operands."""
 
-    chain: Chain  # the group's nodes, one output element per evaluation (its C++ is indented per point)
+    chain: Chain | IndexedChain  # the group's nodes, one output element per evaluation (C++ indented per point)
 
 
 Problem = GroupProblem[ElementwiseDetails]
@@ -41,13 +44,17 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
     source_file = "elementwise.cu.j2"
     waits_for_producers = True  # the kernel waits first (dependent_launch.j2)
     kinds = ("elementwise",)
+    any_dtype = True
 
     def match(self, graph: Graph, group: FusionGroup) -> Problem:
-        problem = output_problem(graph, group)
+        problem = output_problem(graph, group, any_dtype=True)
         if not problem.shape:
             raise NotFusable(f"group {group.name}: a 0-d output is not worth a kernel")
-        chain = Chain(graph, group.nodes, {}, problem.shape)
-        operands = chain_operands(graph, group, chain)
+        try:
+            chain: Chain | IndexedChain = Chain(graph, group.nodes, {}, problem.shape)
+        except NotFusable:  # the general form: any layout op, broadcast and value type
+            chain = IndexedChain(graph, group.nodes, problem.shape, index="idx")
+        operands = chain_operands(graph, group, chain, any_dtype=True)
         if not operands:
             raise NotFusable(f"group {group.name}: reads no tensor (canonicalize folds such chains)")
         return problem.with_operands(operands, ElementwiseDetails(chain))
@@ -56,6 +63,8 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
         return _BiasGeluResidual(), (torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16))
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
+        if isinstance(problem.details.chain, IndexedChain):  # index arithmetic per element: no vectors
+            return [{"threads": t, "vec": 1} for t in THREAD_COUNTS]
         widths = {graph_spec.dtype.itemsize for graph_spec in self._tensor_specs(problem)}
         vec = 16 // widths.pop() if len(widths) == 1 else 1
         row = problem.shape[-1]
@@ -73,7 +82,7 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
     def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         if params["vec"] == 1:
             return []
-        return [op.ref for op in problem.operands if op.access != "scalar"]
+        return [op.ref for op in problem.operands if op.access not in ("scalar", "gather")]
 
     def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
         return f"stof_elementwise_t{params['threads']}_v{params['vec']}"

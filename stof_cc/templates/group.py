@@ -18,7 +18,8 @@ from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable, NotItsPattern
+from stof_cc.codegen import Chain, IndexedChain, NotFusable, NotItsPattern
+from stof_cc.codegen.indexed import C_TYPES as INDEXED_C_TYPES
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.passes.fusion import FusionGroup, is_views
 from stof_cc.passes.lower import lower
@@ -31,6 +32,8 @@ from stof_cc.templates.registry import (
 )
 
 C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+# what a template whose chains compute integers and booleans too (`any_dtype`) reads and writes
+ANY_C_TYPES = INDEXED_C_TYPES
 MAX_THREADS = 1024  # per CTA
 D = TypeVar("D")  # a template's own details
 D2 = TypeVar("D2")
@@ -38,7 +41,7 @@ D2 = TypeVar("D2")
 # How a kernel indexes an operand: at the output element's flat index (``full``), at its
 # column (``row``: a vector over the last dimension), at 0 (``scalar``), or from the tile
 # TMA loaded into shared memory (``staged``, gemm_epilogue's residual).
-Access = Literal["full", "row", "scalar", "staged"]
+Access = Literal["full", "row", "scalar", "staged", "gather"]  # gather: `LOAD_AT(p, i)` at any index
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,14 @@ class GroupProblem(Generic[D]):
         return GroupProblem(self.graph, self.group, self.output, self.shape, self.dtype, tuple(operands), details)
 
 
-def c_type(dtype: torch.dtype, what: str) -> str:
-    if dtype not in C_TYPES:
-        raise NotFusable(f"{what}: dtype {dtype} (generated kernels read and write fp16, bf16 and fp32)")
-    return C_TYPES[dtype]
+def c_type(dtype: torch.dtype, what: str, any_dtype: bool = False) -> str:
+    """The C element type of ``dtype``: fp16, bf16 and fp32, or (``any_dtype``, the templates
+    that compute integer and boolean values too) every dtype of `ANY_C_TYPES`."""
+    table = ANY_C_TYPES if any_dtype else C_TYPES
+    if dtype not in table:
+        kinds = "fp16, bf16, fp32, integers and bool" if any_dtype else "fp16, bf16 and fp32"
+        raise NotFusable(f"{what}: dtype {dtype} (generated kernels read and write {kinds})")
+    return table[dtype]
 
 
 def group_output(graph: Graph, group: FusionGroup) -> str:
@@ -89,7 +96,7 @@ def group_output(graph: Graph, group: FusionGroup) -> str:
     return leaving[0]
 
 
-def output_problem(graph: Graph, group: FusionGroup) -> GroupProblem[None]:
+def output_problem(graph: Graph, group: FusionGroup, any_dtype: bool = False) -> GroupProblem[None]:
     """The group's output as a problem that reads nothing yet (`GroupProblem.with_operands`
     adds the kernel's operands and the template's details)."""
     output = group_output(graph, group)
@@ -97,7 +104,7 @@ def output_problem(graph: Graph, group: FusionGroup) -> GroupProblem[None]:
     if not isinstance(spec, TensorSpec):
         shown = ", ".join(map(str, spec)) if isinstance(spec, tuple) else str(spec)
         raise NotFusable(f"%{output}: the group's output is not one tensor ({shown}); a kernel writes one")
-    c_type(spec.dtype, f"%{output}")
+    c_type(spec.dtype, f"%{output}", any_dtype)
     return GroupProblem(graph, group, output, tuple(spec.shape), spec.dtype, (), None)
 
 
@@ -107,6 +114,7 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
     ``operands``, ``out_type`` and the point's parameters) and those of its `context`."""
 
     kinds: tuple[str, ...]
+    any_dtype = False  # reads and writes integer and boolean tensors too (its chains are `IndexedChain`s)
 
     @abstractmethod
     def match(self, graph: Graph, group: FusionGroup) -> GroupProblem[D]:
@@ -122,7 +130,8 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
         group_common.j2's ``parameters`` macro), the output's C type ``out_type`` and the point's
         parameters under their own names."""
         return {**super().common_context(problem, params), "header": self.header(problem, params),
-                "operands": problem.operands, "out_type": c_type(problem.dtype, f"%{problem.output}")}
+                "operands": problem.operands,
+                "out_type": c_type(problem.dtype, f"%{problem.output}", self.any_dtype)}
 
     def validate(self) -> None:
         """The spec matches a group of its example, has parameters there, renders, and gives a
@@ -203,21 +212,22 @@ def _check_launch(template: GroupTemplate, launch: Launch, params: dict[str, Any
 OUTPUT_MAP = -1  # `tensor_maps` index of the group's output tensor
 
 
-def kernel_operand(graph: Graph, ref: str, name: str, access: Access) -> KernelOperand:
+def kernel_operand(graph: Graph, ref: str, name: str, access: Access, any_dtype: bool = False) -> KernelOperand:
     """The operand reading IR value ``ref`` as C parameter ``name``; its C type from the value's dtype."""
     spec = graph.node(ref).spec
     if not isinstance(spec, TensorSpec):
         raise NotFusable(f"%{ref}: not a tensor ({spec})")
-    return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}"))
+    return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}", any_dtype))
 
 
-def chain_operands(graph: Graph, group: FusionGroup, chain: Chain) -> list[KernelOperand]:
+def chain_operands(graph: Graph, group: FusionGroup, chain: Chain | IndexedChain,
+                   any_dtype: bool = False) -> list[KernelOperand]:
     """The kernel operands of a chain; a value the group computes itself cannot be one (the
     kernel never writes it to memory)."""
     inside = [op.ref.name for op in chain.operands if op.ref.name in group.nodes]
     if inside:
         raise NotFusable(f"group {group.name}: %{inside[0]} is computed inside the group and read again")
-    return [kernel_operand(graph, op.ref.name, op.name, op.access) for op in chain.operands]
+    return [kernel_operand(graph, op.ref.name, op.name, op.access, any_dtype) for op in chain.operands]
 
 
 @dataclass(frozen=True)
@@ -313,7 +323,7 @@ def applicable_templates(graph: Graph, group: FusionGroup,
 
 
 def group_templates(kind: str) -> list[GroupTemplate]:
-    """Registered group templates serving ``kind``, in registration order."""
+    """Registered group templates serving ``kind``: users' in registration order, then the built-ins."""
     # the built-ins register when their modules load; they import this one, hence the late import
     from stof_cc.templates import (  # noqa: F401
         elementwise,
@@ -323,4 +333,7 @@ def group_templates(kind: str) -> list[GroupTemplate]:
         row_reduce,
     )
 
-    return [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]
+    serving = [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]
+    # a user's template first: registering one for a pattern says it should serve it (the
+    # built-in elementwise template now takes nearly any chain, a user's swiglu_split included)
+    return sorted(serving, key=lambda t: type(t).__module__.startswith("stof_cc.templates."))
