@@ -309,9 +309,16 @@ class IndexedChain:
             raise NotFusable(f"%{node.name}: getitem of {split.op}")
         x = split.args[0]
         shape = self.graph.node(x.name).spec.shape
-        dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(shape)
+        target = split.target or ""
+        dim = (split.args[1] if target.startswith("aten.unbind") else
+               split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0))
+        dim = (dim or 0) % len(shape)
+        if target.startswith("aten.unbind"):  # piece i is x.select(dim, i)
+            return self._value(x.name, coords[:dim] + (f"{node.args[1]}LL",) + coords[dim:])
         sizes = split.args[1]
-        if isinstance(sizes, int):  # split(x, size): equal pieces of that size; chunk(x, n) is traced as split
+        if target.startswith("aten.chunk"):  # chunk(x, n): n pieces of ceil(size / n)
+            sizes = math.ceil(shape[dim] / sizes)
+        if isinstance(sizes, int):  # split(x, size): pieces of that size, the last one shorter
             sizes = [sizes] * math.ceil(shape[dim] / sizes)
         offset = sum(sizes[:node.args[1]])
         shifted = coords[dim] if offset == 0 else f"({coords[dim]} + {offset}LL)"
