@@ -249,3 +249,23 @@ def test_masks_that_differ_from_key_padding_somewhere_stay_tensors(how):
     reports = PassReports()
     run_passes(trace(Probed(how), (q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0] * 3]))), reports)
     assert not reports.padding.rewritten, reports.padding
+
+
+@pytest.mark.parametrize("is_causal, window", [(False, None), (True, None), (True, 3)])
+def test_empty_query_rows_are_the_rows_the_dense_mask_leaves_empty(is_causal, window):
+    """What the compiled step computes per call from the key padding alone (O(B x S)), against
+    the dense mask the reference builds, for left, right, inner and full padding."""
+    from stof_cc.ir.reference import empty_query_rows
+
+    valid = torch.rand(6, 12) < 0.5
+    valid[0], valid[1] = False, True
+    valid[2, :9] = False  # left padding: early queries see no key under causal
+    distance = torch.arange(12)[:, None] - torch.arange(12)[None, :]
+    static = torch.ones(12, 12, dtype=torch.bool)
+    if is_causal:
+        static &= distance >= 0
+    if window is not None:
+        static &= distance <= window
+    want = ~(static[None] & valid[:, None, :]).any(-1)
+    got = empty_query_rows(valid, 12, is_causal, window)
+    assert got.shape == (6, 1, 12, 1) and torch.equal(got[:, 0, :, 0], want)

@@ -46,7 +46,7 @@ from stof_cc.passes.attention import attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
-from stof_cc.runtime.weights import WeightWatch, eval_mode, weights_to_compile
+from stof_cc.runtime.weights import WeightWatch, eval_mode, other_dtypes, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.tune.attention import attention_kernel, node_mask
@@ -381,8 +381,7 @@ def _say_what_changes(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """One warning each when the compiled model will not run as the model does now: weights in
     another floating dtype (it runs in ``dtype``), or training mode (it is compiled for inference:
     dropout off)."""
-    others = sorted({str(t.dtype) for t in (*model.parameters(), *model.buffers())
-                     if t.is_floating_point() and t.dtype != dtype})
+    others = other_dtypes(model, dtype)
     if others:
         warnings.warn(f"stof_cc.compile: the model's weights are {', '.join(others)}; the compiled model runs in "
                       f"{dtype} (a converted copy of them): pass dtype= to choose", stacklevel=3)

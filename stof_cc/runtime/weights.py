@@ -73,15 +73,13 @@ def weights_to_compile(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.
     """The module whose tensors a compiled module reads: ``module`` itself when its floating
     parameters and buffers are already in ``dtype`` (shared: no second copy of the weights),
     else a copy converted to ``dtype`` (the user's module is never changed)."""
-    if all(t.dtype == dtype for t in _floating(module)):
-        return module
-    return copy.deepcopy(module).to(dtype)
+    return copy.deepcopy(module).to(dtype) if other_dtypes(module, dtype) else module
 
 
-def _floating(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    for tensor in (*module.parameters(), *module.buffers()):
-        if tensor.is_floating_point():
-            yield tensor
+def other_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
+    """The floating dtypes of ``module``'s parameters and buffers other than ``dtype``."""
+    return sorted({str(t.dtype) for t in (*module.parameters(), *module.buffers())
+                   if t.is_floating_point() and t.dtype != dtype})
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from stof_cc.templates.registry import (
     registered_templates,
 )
 
-C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}
+C_TYPES = {dtype: INDEXED_C_TYPES[dtype] for dtype in (torch.float16, torch.bfloat16, torch.float32)}
 # what a template whose chains compute integers and booleans too (`any_dtype`) reads and writes
 ANY_C_TYPES = INDEXED_C_TYPES
 MAX_THREADS = 1024  # per CTA
