@@ -129,9 +129,30 @@ class HeadSplit(torch.nn.Module):
         return self.q(x).view(*lead, self.heads, width // self.heads).transpose(-3, -2)
 
 
+class RowMean(torch.nn.Module):
+    """One value per row with a prologue: Cohere writes its LayerNorm's mean so."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return (x * 0.5 + r).mean(-1, keepdim=True)
+
+
+class RowVar(RowMean):
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.var(x + r, dim=-1, keepdim=True, correction=0)
+
+
+class RowAmax(RowMean):
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return (x - r).amax(-1)
+
+
 # (module type, template, group kind)
 CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
-         (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction")]
+         (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction"),
+         (RowMean, ROW_REDUCE, "reduction"), (RowVar, ROW_REDUCE, "reduction"), (RowAmax, ROW_REDUCE, "reduction")]
 GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearTanhGelu, GEMM_EPILOGUE, "gemm"),
               (LinearResidual, GEMM_EPILOGUE, "gemm"),
               (HeadSplit, GEMM_EPILOGUE, "gemm"), (LinearResidualLayerNorm, GEMM_LAYERNORM, "gemm"),

@@ -166,3 +166,30 @@ class _DropoutSdpa(torch.nn.Module):
 def test_before_expected_attention_that_is_not_the_form_is_unchanged(module, arity):
     before = canonicalize(trace(module, _inputs()[:arity]))
     assert_structural_equal(recognise_attention(before), before, map_free_names=False)
+
+
+class BatchedAlibi(torch.nn.Module):
+    """BLOOM's eager attention: [B*H, S, D] views, baddbmm adding ALiBi, an fp32 softmax cast back."""
+
+    def forward(self, q, k, v, alibi, mask):
+        b, h, s, d = q.shape
+        scores = torch.baddbmm(alibi, q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(-1, -2),
+                               beta=0.5, alpha=0.125)
+        probs = torch.softmax(scores.view(b, h, s, s) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(probs.view(b * h, s, s), v.reshape(b * h, s, d)).view(b, h, s, d)
+
+
+def test_batched_chain_with_an_added_bias_becomes_one_node_with_the_bias_as_an_operand():
+    b, h, s, d = 2, 3, 8, 16
+    inputs = (torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d),
+              torch.randn(b * h, 1, s), torch.randn(b, 1, s, s))
+    graph = canonicalize(trace(BatchedAlibi(), inputs, {}))
+    result = recognise_attention(graph)
+    (node,) = _attention_nodes(result)
+    assert [a.name for a in node.args[:4]] == ["q", "k", "v", "mask"] and node.kwargs["scale"] == 0.125
+    scaled = result.node(node.kwargs["bias"].name)  # alibi viewed as [B, H, 1, S], times beta
+    assert (scaled.op, scaled.args[1]) == ("mul", 0.5)
+    view = result.node(scaled.args[0].name)
+    assert (view.op, view.args[0].name, view.spec.shape) == ("view", "alibi", (b, h, 1, s))
+    assert not {"baddbmm", "bmm", "softmax"} & set(result.op_histogram())
+    assert _close(interpret(result, *inputs), BatchedAlibi()(*inputs))

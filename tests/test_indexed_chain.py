@@ -38,6 +38,7 @@ static EmuDim3 threadIdx, blockIdx, gridDim;
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(x)
+static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }  // a CUDA device function
 """
 
 
@@ -164,6 +165,11 @@ class Pieces(torch.nn.Module):  # every way a model cuts a tensor: chunk (Phi-3'
         return pieces[0] * pieces[2]
 
 
+class Stack(torch.nn.Module):  # Cohere's rotate_half: pairs interleaved by stack, then flattened
+    def forward(self, x):
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * 2
+
+
 class Rotary(torch.nn.Module):  # HF's rotate_half: recognise_rotary makes one rotary node of it
     def forward(self, x, cos, sin):
         rotated = torch.cat((-x[..., D // 2:], x[..., : D // 2]), dim=-1)
@@ -186,6 +192,7 @@ CASES = {
     "integer math": (IntegerMath(), lambda: (torch.randint(-1000, 1000, (B, S)),)),
     **{f"pieces by {how}": (Pieces(how), lambda: (torch.randn(B, S, D),))
        for how in ("chunk", "split", "split_with_sizes", "unbind")},
+    "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
     "rotary": (Rotary(), lambda: (torch.randn(B, H, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16))),
@@ -251,7 +258,7 @@ def test_an_indexed_chain_kernel_computes_what_torch_does_on_the_gpu(case: str):
             assert torch.equal(got, want), params
 
 
-FAMILIES = ("phi3", "olmo2", "qwen3", "gemma3", "llama", "bert")
+FAMILIES = ("phi3", "olmo2", "qwen3", "gemma3", "llama", "bert", "cohere", "bloom", "falcon", "llama_eager")
 
 
 @pytest.mark.nvcc
@@ -260,10 +267,6 @@ def test_every_indexed_group_of_a_model_computes_what_torch_does(tmp_path: Path,
     """Each of a real model's groups that the indexed chain generates, run on the host against
     the interpreter's value of the group's output (chunk's count read as a size once gave Phi-3's
     SwiGLU the wrong half here, and 1.4 relative error on the GPU)."""
-    import importlib.util
-
-    from conftest import ROOT
-
     from stof_cc.ir.interpret import interpret_values
     from stof_cc.passes import lower
     from stof_cc.templates.group import applicable_templates
@@ -271,11 +274,9 @@ def test_every_indexed_group_of_a_model_computes_what_torch_does(tmp_path: Path,
     from stof_cc.tune.scheme import choose_scheme
 
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("benchmark_models", ROOT / "benchmarks" / "models.py")
-    models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(models)
-    model, make = models.build(family, layers=1, tiny=True)
-    kwargs = make(2, 16, "cpu")
+    from families import build
+
+    model, kwargs, _ = build(family)
     graph, plan = lower(model, (), kwargs, dtype=torch.float16)
     plan = choose_scheme(graph, plan, H100)
     values = interpret_values(graph, [n.name for n in graph.nodes()], **kwargs) | dict(graph.constants)

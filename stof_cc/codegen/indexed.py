@@ -8,7 +8,7 @@ straight-line C++. So
 
 * a layout op is index arithmetic on the coordinates it passes to its input: view and reshape
   (through the flat index), transpose and permute, expand, unsqueeze and squeeze, slice, select,
-  a split's pieces; ``cat`` evaluates each piece at its own coordinates (clamped into range, so
+  a split's pieces; ``stack`` picks a part by its new coordinate; ``cat`` evaluates each piece at its own coordinates (clamped into range, so
   every load is in bounds) and picks one; ``embedding`` reads its indices, then the table row;
 * any broadcast reads its operand at the broadcast coordinates;
 * values are typed as their IR dtype: fp32 arithmetic for floating values (loads widen, the
@@ -41,7 +41,7 @@ TYPED_OPS = ("add", "sub", "mul", "neg", "maximum", "minimum", "clamp", "compare
              "where", "masked_fill", "cast", "clone", "dropout", "full_like")
 INDEXED_OPS = ("rotary",)  # floating ops that read their input at other coordinates
 LAYOUT_OPS = ("view", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select", "split", "getitem",
-              "contiguous", "cat", "embedding", "gather")
+              "contiguous", "cat", "stack", "embedding", "gather")
 
 Coords = tuple[str, ...]
 
@@ -242,6 +242,8 @@ class IndexedChain:
         source = args[0]
         if op == "cat":
             return self._cat(node, coords)
+        if op == "stack":
+            return self._stack(node, coords)
         if op == "embedding":
             return self._embedding(node, coords)
         if op == "gather":
@@ -341,6 +343,18 @@ class IndexedChain:
         expr = pieces[-1][1]
         for end, piece in reversed(pieces[:-1]):
             expr = f"({coords[dim]} < {end}LL ? {piece} : {expr})"
+        return self._declare(expr, ctype)
+
+    def _stack(self, node: Node, coords: Coords) -> tuple[str, str]:
+        """``stack(parts, dim)``: coordinate ``dim`` picks the part, the others index into it."""
+        parts, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        dim %= len(node.spec.shape)
+        ctype = value_type(node.spec, f"%{node.name}")
+        inner = coords[:dim] + coords[dim + 1:]
+        values = [convert(*self._value(part.name, inner), ctype) for part in parts]
+        expr = values[-1]
+        for i, value in reversed(list(enumerate(values[:-1]))):
+            expr = f"({coords[dim]} == {i}LL ? {value} : {expr})"
         return self._declare(expr, ctype)
 
     def _rotary(self, node: Node, coords: Coords) -> tuple[str, str]:

@@ -189,9 +189,11 @@ _ops("attention", "masked multi-head attention", {
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                         *, scale: float, is_causal: bool = False, window: int | None = None,
-                        key_padding: torch.Tensor | None = None, empty_rows: str | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [causal]) v: what the
-    recognised `attention` node computes, with SDPA's conventions for ``mask``. ``window``
+                        key_padding: torch.Tensor | None = None, empty_rows: str | None = None,
+                        bias: torch.Tensor | None = None, rounded: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [+ bias] [causal]) v:
+    what the recognised `attention` node computes, with SDPA's conventions for ``mask``;
+    ``bias`` (ALiBi, broadcastable to [B, H, S_q, S_k]) is added to the scores beside any mask. ``window``
     (with ``is_causal``) keeps keys with 0 <= q - k <= window. With ``key_padding`` [B, S_k]
     (nonzero = a real token) keys are attended only where it is nonzero; a float ``mask`` is
     then a bias added where attended (T5's relative positions). ``empty_rows`` is what a query
@@ -199,8 +201,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     `passes/key_padding.py` records it when it replaces the model's mask): 0 when unset under
     key padding or a window, as stof-cc's kernels give; with neither and unset, SDPA's own. K
     and V may have fewer heads than q (grouped-query attention: query head h reads key/value
-    head h // (H / H_kv))."""
+    head h // (H / H_kv)). ``rounded``: the node is a hand-written chain that adds a float mask to
+    scores rounded to q's dtype (eager Llama, BLOOM): a finite -65504 mask then swamps every
+    score and a fully masked row is the mean of V, which fp32 arithmetic would not give."""
     gqa = k.shape[-3] != q.shape[-3]
+    if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None:
+        return _rounded_chain(q, k, v, mask if bias is None else mask + bias, scale, is_causal)
+    if bias is not None:  # a boolean mask becomes the equivalent additive one
+        mask = bias if mask is None else (torch.where(mask, bias, float("-inf")) if mask.dtype == torch.bool
+                                          else mask + bias)
     if key_padding is None and window is None and empty_rows is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                                                 scale=scale, enable_gqa=gqa)
@@ -218,6 +227,18 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=scale, enable_gqa=gqa)
     empty = ~allowed.any(-1, keepdim=True)
     return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows)
+
+
+def _rounded_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                   is_causal: bool) -> torch.Tensor:
+    """The eager chain's own arithmetic: q k^T and its scaling and mask in q's dtype, softmax in fp32."""
+    if k.shape[-3] != q.shape[-3]:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale + mask.to(q.dtype)
+    if is_causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
 
 
 register_op(OpDef("attention", "attention", reference=attention_reference,
@@ -296,7 +317,7 @@ _ops("broadcast", "binary elementwise ops whose operands broadcast", {
 
 _ops("injective", "layout and indexing: each output element reads one input element", {
     "view": ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.flatten", "aten.unflatten"),
-    "transpose": ("aten.transpose", "aten.t", "aten.permute"),
+    "transpose": ("aten.transpose", "aten.t", "aten.numpy_T", "aten.permute"),
     "expand": ("aten.expand",),
     "unsqueeze": ("aten.unsqueeze",),
     "squeeze": ("aten.squeeze",),
@@ -304,6 +325,7 @@ _ops("injective", "layout and indexing: each output element reads one input elem
     "select": ("aten.select",),
     "contiguous": ("aten.contiguous",),
     "cat": ("aten.cat",),
+    "stack": ("aten.stack",),
     "split": ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind"),
     "getitem": ("operator.getitem",),
     "embedding": ("aten.embedding",),

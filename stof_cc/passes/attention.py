@@ -54,6 +54,17 @@ class AttentionMatch:
     scale: float
     is_causal: bool
     covered: tuple[str, ...]  # nodes of the chain other than the root, removed
+    bias: AddedBias | None = None  # a term the chain adds to the scores besides its mask (ALiBi)
+
+
+@dataclass(frozen=True)
+class AddedBias:
+    """``scale * source`` added to the scores; ``source`` is [B*H, ...] (baddbmm's), viewed as
+    [B, H, ...] with ``heads`` = (B, H)."""
+
+    source: Ref
+    heads: tuple[int, int]
+    scale: float
 
 
 @dataclass
@@ -88,8 +99,10 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
             mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
             # masked_fill(-inf) then softmax: a row with every key hidden is NaN in the model
             empty = {"empty_rows": "nan"} if m.mask_hides and mask is not None else {}
+            bias = {"bias": _bias_operand(graph, out, m)} if m.bias is not None else {}
+            rounded = {"rounded": True} if m.covered and not m.mask_hides and mask is not None else {}
             return Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
-                        {"scale": m.scale, "is_causal": is_causal} | empty, node.spec)
+                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | rounded, node.spec)
         return None if node.name in covered else node
 
     return remove_dead_nodes(graph.rebuild(rewrite))  # e.g. a hidden-positions constant replaced by its negation
@@ -114,6 +127,14 @@ def is_bias(graph: Graph, mask: Any) -> bool:
     return isinstance(spec, TensorSpec) and spec.dtype.is_floating_point
 
 
+def added_biases(graph: Graph, node: Node) -> tuple[Ref, ...]:
+    """What the kernels add to an attention node's scores: its float ``attn_mask`` and its
+    ``bias`` operand (ALiBi), in that order (empty: none)."""
+    given = attention_arguments(node)
+    return tuple(r for r in (given.get("attn_mask") if is_bias(graph, given.get("attn_mask")) else None,
+                             given.get("bias")) if isinstance(r, Ref))
+
+
 def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
     if node.op != "scaled_dot_product_attention":
         return None
@@ -133,54 +154,125 @@ def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionM
 
 
 def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
-    """Match from the final matmul back to q and k; None (with a reason) when it is not the form."""
-    if node.op not in _MATMULS or not isinstance(node.args[0], Ref):
+    """Match from the attention's output back to q and k; None (with a reason) when it is not the form.
+    The output is ``matmul(P, v)`` on [B, H, S, D], or (BLOOM, Falcon) ``bmm`` on [B*H, S, D] views
+    of 4-d tensors viewed back to [B, H, S, D]; P may be cast after the softmax (an fp32 softmax
+    cast back to the model's dtype, as eager Llama writes it)."""
+    pv, merged = node, False
+    if node.op == "view" and isinstance(node.args[0], Ref) and graph.node(node.args[0].name).op == "bmm":
+        pv, merged = graph.node(node.args[0].name), True
+        if not _splits_batch(graph, pv, node) or not _reads_only(graph, pv, node):
+            return None
+    if pv.op not in _MATMULS or not isinstance(pv.args[0], Ref) or not isinstance(pv.args[1], Ref):
         return None
-    probs = graph.node(node.args[0].name)
-    if probs.op != "softmax":
+    v = _batch_source(graph, pv.args[1]) if merged else pv.args[1]
+    readers = [pv]  # from the PV product back to the softmax: the batch-merging view, a cast
+    probs = graph.node(pv.args[0].name)
+    if merged:
+        readers.append(probs)
+        probs = _merged_input(graph, probs)
+        if probs is None:
+            return None
+    if probs.op == "cast" and isinstance(probs.args[0], Ref) and graph.node(probs.args[0].name).op == "softmax":
+        readers.append(probs)
+        probs = graph.node(probs.args[0].name)
+    if probs.op != "softmax" or v is None:
         return None
 
     def refuse(why: str) -> None:
         report.refused[probs.name] = why
 
-    if not _reads_only(graph, probs, node):
+    read = [*readers[1:], probs]
+    if not all(_reads_only(graph, producer, reader) for producer, reader in zip(read, readers, strict=True)):
         return refuse("the probabilities are read elsewhere too")
+    chain = [r.name for r in readers[1:]] if not merged else [r.name for r in readers]
     if not _is_last_dim(graph, probs):
         return refuse("softmax is not over the last dimension")
-    chain = [probs.name]
-    scores = graph.node(probs.args[0].name)
-    mask, mask_hides = None, False
-    if scores.op == "masked_fill" and isinstance(scores.args[1], Ref) and _is_minus_infinity(scores.args[2]):
-        if not _reads_only(graph, scores, probs):
-            return refuse("the masked scores are read elsewhere too")
-        mask, mask_hides = scores.args[1], True
+    chain.append(probs.name)
+    scores, reader = graph.node(probs.args[0].name), probs
+    mask, mask_hides, factor, batch_view = None, False, 1.0, None
+
+    def take(next_node: Node) -> Node:
         chain.append(scores.name)
-        scores = graph.node(scores.args[0].name)
-    elif scores.op == "add" and all(isinstance(a, Ref) for a in scores.args[:2]):
-        inner, mask = _split_mask(graph, scores)
-        if inner is None:
-            return refuse("the added term is not a mask beside a q k^T product")
-        if not _reads_only(graph, scores, probs):
-            return refuse("the masked scores are read elsewhere too")
-        chain.append(scores.name)
-        scores = inner
-    scale = 1.0
-    if scores.op in ("mul", "div") and isinstance(scores.args[1], (int, float)):
-        if not _reads_only(graph, scores, graph.node(chain[-1])):
-            return refuse("the scaled scores are read elsewhere too")
-        scale = float(scores.args[1]) if scores.op == "mul" else 1.0 / float(scores.args[1])
-        chain.append(scores.name)
-        scores = graph.node(scores.args[0].name)
-    if scores.op not in _MATMULS:
-        return refuse(f"the scores come from {scores.op}, not a matmul")
-    if not _reads_only(graph, scores, graph.node(chain[-1])):
+        return next_node
+
+    while True:
+        if not _reads_only(graph, scores, reader):
+            return refuse(f"the intermediate %{scores.name} ({scores.op}) is read elsewhere too")
+        if mask is None and factor == 1.0 and batch_view is None and scores.op == "masked_fill" \
+                and isinstance(scores.args[1], Ref) and _is_minus_infinity(scores.args[2]):
+            mask, mask_hides = scores.args[1], True
+        elif mask is None and factor == 1.0 and batch_view is None and scores.op == "add" \
+                and all(isinstance(a, Ref) for a in scores.args[:2]):
+            inner, mask = _split_mask(graph, scores)
+            if inner is None:
+                return refuse("the added term is not a mask beside a q k^T product")
+            reader, scores = scores, take(inner)
+            continue
+        elif scores.op in ("mul", "div") and isinstance(scores.args[1], (int, float)):
+            factor *= float(scores.args[1]) if scores.op == "mul" else 1.0 / float(scores.args[1])
+        elif merged and batch_view is None and scores.op == "view" and isinstance(scores.args[0], Ref) \
+                and _splits_batch(graph, graph.node(scores.args[0].name), scores):
+            batch_view = scores
+        else:
+            break
+        reader, scores = scores, take(graph.node(scores.args[0].name))
+    product = scores.op in ("bmm", "baddbmm") if merged else scores.op == "matmul"
+    if not product or (merged and batch_view is None):
+        return refuse(f"the scores come from {scores.op}, not a q k^T product")
+    if not _reads_only(graph, scores, reader):
         return refuse("the q k^T product is read elsewhere too")
-    key_t = graph.node(scores.args[1].name) if isinstance(scores.args[1], Ref) else None
+    first = 1 if scores.op == "baddbmm" else 0
+    q, key_t = scores.args[first], scores.args[first + 1]
+    key_t = graph.node(key_t.name) if isinstance(key_t, Ref) else None
     if key_t is None or not _is_last_two_transpose(graph, key_t) or not _reads_only(graph, key_t, scores):
         return refuse("the second operand of q k^T is not a transposed key read only there")
+    k = key_t.args[0]
+    if merged:
+        q, k = _batch_source(graph, q), _batch_source(graph, k)
+        if q is None or k is None:
+            return refuse("q or k of the batched product is not a [B*H, S, D] view of a [B, H, S, D] tensor")
     chain += [scores.name, key_t.name]
-    return AttentionMatch(node.name, scores.args[0], key_t.args[0], node.args[1], mask, mask_hides, scale, False,
-                          tuple(chain))
+    bias = None
+    if scores.op == "baddbmm":  # beta * bias + alpha * q k^T (BLOOM's ALiBi)
+        bias = scores.args[0] if isinstance(scores.args[0], Ref) else None
+        heads = tuple(batch_view.spec.shape[:2])
+        if bias is None or len(graph.node(bias.name).spec.shape) != 3 \
+                or graph.node(bias.name).spec.shape[0] not in (1, heads[0] * heads[1]):
+            return refuse("baddbmm's added term is not a [B*H | 1, S | 1, S] tensor")
+        bias = AddedBias(bias, heads, factor * float(scores.kwargs.get("beta", 1.0)))
+        factor *= float(scores.kwargs.get("alpha", 1.0))
+    return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias)
+
+
+def _splits_batch(graph: Graph, batched: Node, view: Node) -> bool:
+    """``view`` reads the 3-d ``batched`` [B*H, S, T] as [B, H, S, T]."""
+    inner, outer = graph.node(batched.name).spec.shape, view.spec.shape
+    return len(inner) == 3 and len(outer) == 4 and tuple(inner[1:]) == tuple(outer[2:]) \
+        and inner[0] == outer[0] * outer[1]
+
+
+def _merged_input(graph: Graph, view: Node) -> Node | None:
+    """The [B, H, S, T] node that ``view`` reads as [B*H, S, T], or None."""
+    if view.op != "view" or not isinstance(view.args[0], Ref):
+        return None
+    source = graph.node(view.args[0].name)
+    return source if _splits_batch(graph, view, source) else None
+
+
+def _batch_source(graph: Graph, ref: Ref) -> Ref | None:
+    """The 4-d tensor a [B*H, S, D] bmm operand is a view of, or None."""
+    source = _merged_input(graph, graph.node(ref.name))
+    return None if source is None else Ref(source.name)
+
+
+def _between(graph: Graph, pv: Node, probs: Node) -> list[str]:
+    """The nodes from the softmax to the PV product (a cast, the batch-merging view), outermost first."""
+    names, node = [], graph.node(pv.args[0].name)
+    while node.name != probs.name:
+        names.append(node.name)
+        node = graph.node(node.args[0].name)
+    return names
 
 
 def _is_minus_infinity(value: Any) -> bool:
@@ -206,11 +298,28 @@ def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref 
     return Ref(name), False
 
 
+def _bias_operand(graph: Graph, out: Graph, match: AttentionMatch) -> Ref:
+    """The chain's added term as the node's ``bias``: [B*H, ...] viewed as [B, H, ...], scaled."""
+    added = match.bias
+    spec = graph.node(added.source.name).spec
+    shape = (*added.heads, *spec.shape[1:]) if spec.shape[0] == added.heads[0] * added.heads[1] \
+        else (1, 1, *spec.shape[1:])
+    view = out.add_node(Node(out.fresh_name(f"{match.root}_bias"), "view", "aten.view.default",
+                             (added.source, list(shape)), {}, TensorSpec(shape, spec.dtype)))
+    if added.scale == 1.0:
+        return Ref(view.name)
+    return Ref(out.add_node(Node(out.fresh_name(f"{match.root}_bias_scaled"), "mul", "aten.mul.Tensor",
+                                 (Ref(view.name), added.scale), {}, TensorSpec(shape, spec.dtype))).name)
+
+
 def _split_mask(graph: Graph, add: Node) -> tuple[Node | None, Ref | None]:
     """(the scores side, the mask side) of ``scores + mask`` in either order."""
     for scores_ref, mask_ref in (add.args[:2], add.args[1::-1]):
         producer = graph.node(scores_ref.name)
-        if producer.op in _MATMULS or (producer.op in ("mul", "div") and isinstance(producer.args[1], (int, float))):
+        if producer.op in (*_MATMULS, "baddbmm") \
+                or (producer.op in ("mul", "div") and isinstance(producer.args[1], (int, float))) \
+                or (producer.op == "view" and isinstance(producer.args[0], Ref)
+                    and _splits_batch(graph, graph.node(producer.args[0].name), producer)):
             return producer, mask_ref
     return None, None
 

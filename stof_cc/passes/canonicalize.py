@@ -87,6 +87,9 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
             out.add_constant(node.name, graph.constants[node.name], node.target)
             continue
         args, kwargs = map_refs(node.args, rename), map_refs(node.kwargs, rename)
+        if node.op == "transpose" and len(args) == 1:  # x.t(), x.T: every dim reversed, as a permute
+            node = replace(node, target="aten.permute.default")
+            args = (args[0], list(reversed(range(len(node.spec.shape)))))
         if _is_identity(graph, node):
             renamed[node.name] = args[0]
             report.identities.append(node.name)
@@ -221,6 +224,8 @@ def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> to
         return None
     if any(out.node(r.name).op != CONSTANT for r in iter_refs((args, kwargs))):
         return None
+    if node.op == "transpose" and any(out.node(r.name).target is not None for r in iter_refs(args)):
+        return None  # a model weight transposed (Falcon's x @ W.T): a copy of it gains nothing, GEMMs read W
 
     def value_of(ref: Ref) -> torch.Tensor:  # on the CPU, with the device literals: a model traced on a
         return out.constants[ref.name].cpu()  # GPU holds its parameters there (GPT-2's position table)

@@ -1,5 +1,9 @@
-"""Canonical GEMMs: ``addmm`` as GPT-2's Conv1D writes it becomes the ``linear`` the GEMM
-templates generate.
+"""Canonical GEMMs: ``addmm`` as GPT-2's Conv1D writes it, and ``x @ W.T`` as Falcon's linear
+layers write it, become the ``linear`` the GEMM templates generate.
+
+    out = matmul(x, transpose(W))           # W: a constant [N, K]
+->
+    out = linear(x, W)                      # reads the weight itself: no copy
 
     flat = view(x, [-1, K])                 # x: [..., K]
     out  = addmm(bias, flat, W)             # W: a constant [K, N]
@@ -25,17 +29,21 @@ class GemmFormsReport:
     rewritten: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        return f"canonical_gemms: {len(self.rewritten)} addmm -> linear"
+        return f"canonical_gemms: {len(self.rewritten)} addmm or x @ W.T -> linear"
 
 
 def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Graph:
     """A copy of ``graph`` with each qualifying ``addmm`` as a ``linear`` and a view."""
     report = report if report is not None else GemmFormsReport()
     matches = {n.name: m for n in graph.nodes() if (m := _match(graph, n)) is not None}
-    if not matches:
+    products = {n.name: m for n in graph.nodes() if (m := _match_weight_product(graph, n)) is not None}
+    if not matches and not products:
         return graph.copy()
 
     def rewrite(node: Node, out: Graph) -> Node:
+        if node.name in products:
+            report.rewritten.append(node.name)
+            return Node(node.name, "linear", "aten.linear.default", products[node.name], {}, node.spec)
         if node.name not in matches:
             return node
         x, weight, bias = matches[node.name]
@@ -78,6 +86,24 @@ def _collapse_views(graph: Graph) -> Graph:
     out = graph.rebuild(rewrite)
     out.outputs = [rename(r) if isinstance(r, Ref) else r for r in graph.outputs]
     return remove_dead_nodes(out)
+
+
+def _match_weight_product(graph: Graph, node: Node) -> tuple[Ref, Ref] | None:
+    """(x, W) when ``node`` is matmul(x, W^T) with W a constant [N, K] transposed only there."""
+    if node.op != "matmul" or not all(isinstance(a, Ref) for a in node.args[:2]):
+        return None
+    x, transposed = node.args[0], graph.node(node.args[1].name)
+    if transposed.op != "transpose" or not isinstance(transposed.args[0], Ref) \
+            or graph.node(transposed.args[0].name).op != CONSTANT or len(transposed.spec.shape) != 2:
+        return None
+    swapped = [d % 2 for d in transposed.args[1]] == [1, 0] if isinstance(transposed.args[1], (list, tuple)) \
+        else transposed.args[1] % 2 != transposed.args[2] % 2
+    if not swapped:
+        return None
+    x_spec = graph.node(x.name).spec
+    if not isinstance(x_spec, TensorSpec) or len(x_spec.shape) < 2:
+        return None
+    return x, Ref(transposed.args[0].name)
 
 
 def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref] | None:

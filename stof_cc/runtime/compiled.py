@@ -42,7 +42,7 @@ from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, from_dense
 from stof_cc.passes import cast_floating, lower
-from stof_cc.passes.attention import attention_arguments, is_bias
+from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
@@ -68,7 +68,7 @@ class Step:
     launch: Any = None  # kernel steps: their GroupLaunch, once compiled and loaded
     mask: MaskDescription | None = None  # attention steps; torch steps of attention groups: compile's mask=
     rotary: tuple[str, ...] = ()  # attention and torch steps: the group's rotary nodes, run by the rotary kernel
-    bias: str | None = None  # attention steps: the value the kernel adds to the scores (a float mask)
+    bias: tuple[str, ...] = ()  # attention steps: the values the kernel adds to the scores (float mask, ALiBi)
     empty_rows: str | None = None  # attention steps: what a query with no allowed key gives, if not 0
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
 
@@ -236,8 +236,8 @@ class CompiledModule:
         override = self.mask
         if not gpu:
             return Step(group, "torch", NO_GPU, mask=override)
-        bias = is_bias(graph, given.get("attn_mask"))
-        if given.get("attn_mask") is not None and override is None and not bias:
+        bias = added_biases(graph, anchor)
+        if given.get("attn_mask") is not None and override is None and not is_bias(graph, given["attn_mask"]):
             return Step(group, "torch", "attention with a boolean mask tensor that is not key padding "
                                         "(pass mask= to compile)")
         try:
@@ -245,7 +245,8 @@ class CompiledModule:
         except NotFusable as why:
             return Step(group, "torch", str(why), mask=override)
         rotary, why_not = _generated_rotary(graph, group)
-        note = "stof_cc.attention for the anchor" + (", adding its float mask as a bias" if bias else "") \
+        added = " and ".join(f"%{r.name}" for r in bias)
+        note = "stof_cc.attention for the anchor" + (f", adding {added} to the scores" if bias else "") \
             + (" under mask=" if bias and self.mask is not None else "") \
             + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
             + "".join(f", %{name} in torch ({why})" for name, why in why_not.items()) + ", views in torch"
@@ -253,7 +254,7 @@ class CompiledModule:
         # kernels write 0); under mask= the mask is the user's, and such a query gets 0
         empty_rows = given.get("empty_rows") if override is None and given.get("key_padding") is not None else None
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
-                    bias=given["attn_mask"].name if bias else None, empty_rows=empty_rows)
+                    bias=tuple(r.name for r in bias), empty_rows=empty_rows)
 
     def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
         """The tuning database's winner for this group when it has one (and it is still a legal
@@ -291,7 +292,7 @@ class CompiledModule:
             q, k, v = (t.half() for t in (q, k, v))
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
-        bias = env[step.bias] if step.bias is not None else None
+        bias = _summed([env[name] for name in step.bias])
         out = attention(q, k, v, step.mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
                         out=out)
         if step.empty_rows is not None:
@@ -313,8 +314,8 @@ class CompiledModule:
         dense = self._dense_masks[key]
         if given.get("key_padding") is not None:  # the model's padding holds under mask= as well
             dense = dense & (env[given["key_padding"].name] != 0)[:, None, None, :]
-        bias = given.get("attn_mask")
-        bias = env[bias.name] if isinstance(bias, Ref) and env[bias.name].is_floating_point() else None
+        bias = _summed([env[r.name] for r in (given.get("attn_mask"), given.get("bias"))
+                        if isinstance(r, Ref) and env[r.name].is_floating_point()])
         return masked_attention(q, k, v, dense, given.get("scale"), bias=bias)
 
 
@@ -485,6 +486,13 @@ def _generated_rotary(graph: Graph, group: FusionGroup) -> tuple[tuple[str, ...]
         else:
             refused[name] = why
     return tuple(generated), refused
+
+
+def _summed(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of an attention node's added terms (a float mask and ALiBi: one add, per call), or None."""
+    if not tensors:
+        return None
+    return tensors[0] if len(tensors) == 1 else tensors[0] + tensors[1]
 
 
 def _key_padding(given: dict[str, Any], env: dict[str, Any]) -> KeyPadding | None:

@@ -1,6 +1,8 @@
 """Spec of the `row_reduce` template (row_reduce.cu.j2): softmax, LayerNorm or RMSNorm over
 the last dimension, with the group's elementwise prologue (e.g. bias + residual) and
-epilogue fused; the row held in registers (at most MAX_ITEMS elements per thread), by one
+epilogue fused, or one value per row (sum, mean, amax, var over the last dimension: a norm
+written out in primitives, as Cohere's LayerNorm, with the prologue fused; what reads the
+value runs in the next group, which broadcasts it); the row held in registers (at most MAX_ITEMS elements per thread), by one
 warp (several rows per CTA, warp-shuffle reductions only) or by a whole CTA (one row per CTA,
 CTA-wide reductions), with 16-byte vector loads and stores where every tensor it reads and
 writes has one item size and rows hold whole vectors."""
@@ -38,6 +40,7 @@ from stof_cc.templates.registry import Launch, register_template
 THREAD_COUNTS = (128, 256, 512)  # the CTA layout: one row per CTA of this many threads
 WARP_ROWS = (4, 8)               # the warp layout: one row per warp, this many rows (warps) per CTA
 MAX_ITEMS = 32  # row elements per thread kept in registers
+ROW_VALUES = ("sum", "mean", "amax", "var")  # reductions to one value per row
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,10 @@ class RowReduceDetails:
     """What `RowReduceTemplate.match` works out beside the operands (which are the prologue's
     operands, then the epilogue's)."""
 
-    reduction: str  # "softmax", "layer_norm" or "rms_norm"
-    eps: float  # the norm's (0 for softmax)
+    reduction: str  # "softmax", "layer_norm", "rms_norm", or a row value: "sum", "mean", "amax", "var"
+    eps: float  # the norm's (0 for softmax); var's correction
+    row: int  # the reduced (last) dimension of the input
+    rows: int  # rows reduced
     prologue_operands: tuple[KernelOperand, ...]  # read before the reduction (or the input itself)
     epilogue_operands: tuple[KernelOperand, ...]  # read after it: the norm's weight and bias, the epilogue's
     weight: str  # the norm weight's C name ("weight"), "" without one
@@ -69,19 +74,28 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
     def match(self, graph: Graph, group: FusionGroup) -> Problem:
         problem = output_problem(graph, group)
         anchor = graph.node(group.anchor)
-        reduction, source, weight, bias, eps = reduction_inputs(graph, anchor, problem.shape)
+        if anchor.op in ROW_VALUES:
+            reduction, source, eps = row_value_inputs(graph, anchor)
+            weight = bias = None
+            if group.nodes[-1] != anchor.name:
+                raise NotFusable(f"%{anchor.name}: what reads the {anchor.op} of a row runs in its own group "
+                                 "(a row value has no epilogue here)")
+        else:
+            reduction, source, weight, bias, eps = reduction_inputs(graph, anchor, problem.shape)
+        in_shape = tuple(graph.node(source.name).spec.shape)
 
         # read before the reduction (the prologue, or the input itself) / after it (the norm's
         # weight and bias, the epilogue): each loop of the kernel loads only its own operands
-        read = anchor_input(graph, group, source.name, problem.shape)
+        read = anchor_input(graph, group, source.name, in_shape)
         prologue_operands = read.operands
         prologue_code, input_expr = read.code(" " * 16), read.expression
         epilogue_operands = [kernel_operand(graph, ref.name, name, "row")
                              for ref, name in ((weight, "weight"), (bias, "bias")) if ref is not None]
-        epilogue = Chain(graph, read.after, {anchor.name: "y"}, problem.shape, operand_prefix="ep")
+        epilogue = Chain(graph, read.after, {anchor.name: "y"}, in_shape, operand_prefix="ep")
         epilogue_operands += chain_operands(graph, group, epilogue)
         details = RowReduceDetails(
-            reduction=reduction, eps=eps, prologue_operands=tuple(prologue_operands),
+            reduction=reduction, eps=eps, row=in_shape[-1], rows=math.prod(in_shape[:-1]),
+            prologue_operands=tuple(prologue_operands),
             epilogue_operands=tuple(epilogue_operands), weight="weight" if weight is not None else "",
             bias="bias" if bias is not None else "", prologue=prologue_code, input=input_expr,
             epilogue=epilogue.code(" " * 16), result=epilogue.result)
@@ -94,7 +108,7 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
         """Vector points first, then scalar ones; within each, the warp layout (rows of at most
         32 x MAX_ITEMS elements) before the CTA layout (a CTA wider than 128 threads only where
         every thread holds part of the row). Stage 1 breaks ties in this order."""
-        row = problem.shape[-1]
+        row = problem.details.row
         widest = self.vector_width(problem)
         points = []
         for vec in ((widest, 1) if widest > 1 and row % widest == 0 else (1,)):
@@ -123,7 +137,7 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
             rate = ROW_SCALAR_RATE
         else:
             rate = ROW_WARP_VECTOR_RATE if params["row_threads"] == 32 else ROW_CTA_VECTOR_RATE
-        return row_reduce_us(moved_bytes(problem), math.prod(problem.shape[:-1]), rows_per_sm, sm_count, rate)
+        return row_reduce_us(moved_bytes(problem), problem.details.rows, rows_per_sm, sm_count, rate)
 
     def default_params(self, problem: Problem) -> dict[str, Any]:
         """Stage 1's pick (the first point of the best estimate)."""
@@ -139,17 +153,16 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
                 f"_t{params['row_threads']}x{params['rows']}_v{params['vec']}")
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
-        d, row = problem.details, problem.shape[-1]
+        d, row = problem.details, problem.details.row
         vectors = row // params["vec"]
-        return {"row": row, "m": math.prod(problem.shape[:-1]), "items": -(-vectors // params["row_threads"]),
+        return {"row": row, "m": d.rows, "row_value": d.reduction in ROW_VALUES, "items": -(-vectors // params["row_threads"]),
                 "threads": params["row_threads"] * params["rows"], "reduction": d.reduction, "eps": f"{d.eps!r}f",
                 "prologue_operands": d.prologue_operands, "epilogue_operands": d.epilogue_operands,
                 "weight": d.weight, "bias": d.bias, "prologue": d.prologue, "input": d.input,
                 "epilogue": d.epilogue, "result": d.result}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
-        rows = math.prod(problem.shape[:-1])
-        return (-(-rows // params["rows"]), 1, 1), params["row_threads"] * params["rows"], 0
+        return (-(-problem.details.rows // params["rows"]), 1, 1), params["row_threads"] * params["rows"], 0
 
 
 def reduction_inputs(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[str, Ref, Ref | None, Ref | None, float]:
@@ -181,6 +194,29 @@ def reduction_inputs(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[
             eps = torch.finfo(in_spec.dtype).eps if eps is None else eps
         return node.op, source, weight, bias, float(eps)
     raise NotItsPattern(f"%{node.name}: reduction {node.op} has no row_reduce form (softmax, layer_norm, rms_norm)")
+
+
+def row_value_inputs(graph: Graph, node: Node) -> tuple[str, Ref, float]:
+    """(kind, input, var's correction) of a sum / mean / amax / var over the last dimension
+    alone, keepdim or not; NotFusable otherwise."""
+    source = node.args[0] if node.args else None
+    if not isinstance(source, Ref) or not isinstance(node.spec, TensorSpec):
+        raise NotFusable(f"%{node.name}: {node.op} with a non-tensor input or a tuple output ({node.target})")
+    in_shape = tuple(graph.node(source.name).spec.shape)
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims
+    if not in_shape or not dims or len(dims) != 1 or dims[0] % len(in_shape) != len(in_shape) - 1:
+        raise NotFusable(f"%{node.name}: {node.op} over dims {dims} of {list(in_shape)}; only the last one alone "
+                         "is generated")
+    if math.prod(node.spec.shape) != math.prod(in_shape[:-1]):
+        raise NotFusable(f"%{node.name}: {node.op} gives {node.spec}, not one value per row")
+    correction = 0.0
+    if node.op == "var":
+        correction = node.kwargs.get("correction", 1 if node.kwargs.get("unbiased", True) else 0)
+        correction = 1.0 if correction is None else float(correction)
+    if node.op == "amax" and node.target not in (None, "aten.amax.default"):
+        raise NotFusable(f"%{node.name}: {node.target} returns indices too; only amax is generated")
+    return node.op, source, correction
 
 
 ROW_REDUCE = register_template(RowReduceTemplate(), validate=False)  # validated in tests/test_register_template.py

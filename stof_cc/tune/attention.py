@@ -22,7 +22,7 @@ from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask, coarse_counts
 from stof_cc.masks.geometry import FULL, PARTIAL
-from stof_cc.passes.attention import attention_arguments, is_bias
+from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
     GRID_YZ_LIMIT,
@@ -216,8 +216,8 @@ def attention_kernel(graph: Graph, node: Node,
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
     attn_mask = given.get("attn_mask")
-    bias = is_bias(graph, attn_mask)  # a float mask: the kernel variant that adds it (kept under mask=)
-    if attn_mask is not None and not ignore_mask and not bias:  # (ignored: `compile(mask=)` replaces it)
+    bias = bool(added_biases(graph, node))  # a float mask, ALiBi: the kernel variant that adds it (kept under mask=)
+    if attn_mask is not None and not ignore_mask and not is_bias(graph, attn_mask):  # (ignored: `compile(mask=)` replaces it)
         raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
                          "(pass mask= to stof_cc.compile)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:

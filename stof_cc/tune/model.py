@@ -23,7 +23,7 @@ from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
 from stof_cc.ir.reference import relative_error
 from stof_cc.masks import MaskDescription
-from stof_cc.passes.attention import attention_arguments, is_bias
+from stof_cc.passes.attention import added_biases, attention_arguments
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_output, group_templates
 from stof_cc.templates.pricing import sm_count
@@ -130,7 +130,7 @@ def _tune_attention_group(graph, group, values, database, top_k, progress, overr
     except NotFusable as why:
         progress(f"{group.name}: not tuned ({why})")
         return None
-    if given.get("attn_mask") is not None and (override is None or is_bias(graph, given["attn_mask"])):
+    if added_biases(graph, graph.node(group.anchor)) or (given.get("attn_mask") is not None and override is None):
         progress(f"{group.name}: attention with a mask tensor (a bias, or a boolean mask that is not key padding) "
                  "is not tuned: it runs the cost model's pick")
         return None
