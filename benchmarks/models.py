@@ -1,7 +1,8 @@
 """Real models end to end (issue 20): HuggingFace families from configs with random weights.
 
     python benchmarks/models.py [--families bert,gpt2,...] [--dtype float16] [--batch 4] [--seq 1024]
-                                [--layers 4] [--tiny] [--serving] [--no-tune] [--no-peers] [--json out.json]
+                                [--layers 4] [--tiny] [--serving] [--no-tune] [--no-peers] [--no-backend]
+                                [--db tuning.sqlite] [--json out.json]
 
 WORKLOADS.md's "Real models": hidden 768, 12 heads (decoders 12 query / 4 key-value heads),
 ``--layers`` layers, batch and sequence as given; encoders get right padding (the last quarter
@@ -69,6 +70,11 @@ def build(family: str, layers: int, tiny: bool, serving: bool = False):
         "gpt2": lambda: T.GPT2Model(T.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=1000,
                                                  n_positions=32768, bos_token_id=0, eos_token_id=0)),
         "llama": lambda: T.LlamaModel(T.LlamaConfig(**decoder)),
+        "llama_eager": lambda: T.LlamaModel(T.LlamaConfig(attn_implementation="eager", **decoder)),
+        "bloom": lambda: T.BloomModel(T.BloomConfig(n_layer=layers, hidden_size=hidden, n_head=heads, vocab_size=1000)),
+        "falcon": lambda: T.FalconModel(T.FalconConfig(num_hidden_layers=layers, hidden_size=hidden,
+                                                       num_attention_heads=heads, vocab_size=1000)),
+        "cohere": lambda: T.CohereModel(T.CohereConfig(eos_token_id=0, pad_token_id=0, bos_token_id=0, **decoder)),
         "mistral": lambda: T.MistralModel(T.MistralConfig(sliding_window=4096 if not tiny else 16, **decoder)),
         "qwen2": lambda: T.Qwen2Model(T.Qwen2Config(**decoder)),
         "qwen3": lambda: T.Qwen3Model(T.Qwen3Config(head_dim=hidden // heads, **decoder)),
@@ -171,11 +177,14 @@ def run_family(family: str, args, database: Path) -> dict:
             row["stof_err"] = relative_error(real_tokens(run(), kwargs), want)
             row["stof_ms"] = bench(run)
             row["steps"] = compiled.explain()
+            row["torch_steps"] = sum(s.kind == "torch" and "views only" not in s.note
+                                     for v in compiled.variants.values() for s in v.steps)
         except Exception as exc:  # reported, not hidden
             row.update(stof_err=math.inf, stof_ms=math.inf, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         print(f"  {family}: stof-cc {row['stof_ms']:.3f} ms, error {row['stof_err']:.1e}"
               + (f" ({row['error']})" if "error" in row else f", compile {row['compile_s']:.1f} s"), flush=True)
-        row.update(through_backend(half, kwargs, want, args, database))
+        if not args.no_backend:
+            row.update(through_backend(half, kwargs, want, args, database))
         for label, fn in ready.items():
             row["peers"][label]["ms"] = bench(fn)
         for label, peer in row["peers"].items():
@@ -229,7 +238,7 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
     'source code string cannot contain null bytes' (a fresh process reads the files clean)."""
     argv = ["--dtype", args.dtype, "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers)]
     argv += [flag for flag, on in (("--tiny", args.tiny), ("--serving", args.serving), ("--no-tune", args.no_tune),
-                                   ("--no-peers", args.no_peers)) if on]
+                                   ("--no-peers", args.no_peers), ("--no-backend", args.no_backend)) if on]
     for attempt in range(2):
         proc = subprocess.run([sys.executable, __file__, *argv, "--families", family, "--child", str(database)],
                               capture_output=True, text=True)
@@ -249,7 +258,8 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,mistral,qwen2,qwen3,olmo2,gemma3,phi3,"
+    parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,llama_eager,mistral,qwen2,qwen3,olmo2,gemma3,"
+                                                "phi3,bloom,falcon,cohere,"
                                                 "vit,t5,encoder_layer")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--batch", type=int, default=4)
@@ -260,6 +270,8 @@ def main() -> None:
                         help="hidden 1024, every eighth sequence all padding, whole outputs compared")
     parser.add_argument("--no-tune", action="store_true", help="compile with tune=False (stage 1's picks)")
     parser.add_argument("--no-peers", action="store_true")
+    parser.add_argument("--no-backend", action="store_true", help="skip the torch.compile(backend=stof_cc) column")
+    parser.add_argument("--db", help="the tuning database (default: a fresh one in a temporary folder)")
     parser.add_argument("--json")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the tuning database of a one-family run
     args = parser.parse_args()
@@ -268,7 +280,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(run_family(args.families, args, Path(args.child))))
         return
-    database = Path(tempfile.mkdtemp(prefix="stof-models-")) / "tuning.sqlite"
+    database = Path(args.db) if args.db else Path(tempfile.mkdtemp(prefix="stof-models-")) / "tuning.sqlite"
     rows = []
     for family in args.families.split(","):
         rows.append(run_in_fresh_process(family, args, database))
@@ -278,15 +290,16 @@ def main() -> None:
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}"
           f"{' (serving: every eighth sequence all padding)' if args.serving else ''}")
-    print("| family | stof ms (error) | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
+    print("| family | stof ms (error) | torch steps | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
           + "speedup |")
-    print("|" + "---|" * (len(names) + 4))
+    print("|" + "---|" * (len(names) + 5))
     for r in rows:
         cells = "".join((f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)")
                          if n in r["peers"] else "-") + " | " for n in names)
         backend = f"{r.get('backend_ms', math.inf):.3f} ({r.get('backend_err', math.inf):.1e})"
         speedup = f"{r['speedup']:.2f}x" if math.isfinite(r["best_peer_ms"]) else "- (no peer)"
-        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {backend} | {cells}{speedup} |")
+        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {r.get('torch_steps', '-')} | {backend} | "
+              f"{cells}{speedup} |")
 
 
 if __name__ == "__main__":
