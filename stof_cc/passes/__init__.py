@@ -1,5 +1,5 @@
 """Graph -> Graph passes, run in this order (`run_passes`): canonicalize, canonical_gemms,
-recognise_rms_norm, merge_parallel_linears, recognise_attention, describe_key_padding,
+recognise_norms, merge_parallel_linears, recognise_attention, describe_key_padding,
 read_kv_heads_directly, recognise_rotary, recognise_overflow_clamp, simplify_gemm_layouts; then
 `partition` groups the result. `lower` runs the whole road from a module (`lower.py`)."""
 
@@ -11,9 +11,9 @@ from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.lower import PassReports, cast_floating, dump_to, lower, run_passes
-from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
+from stof_cc.passes.norms import NormsReport, recognise_norms
 from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 
 __all__ = ["AttentionReport", "CanonicalizeReport", "FusionPlan", "GemmFormsReport", "GqaReport", "HorizontalReport", "KeyPaddingReport",
-           "PassReports", "RmsNormReport", "RotaryReport", "canonical_gemms", "canonicalize", "cast_floating", "describe_key_padding", "dump_to", "lower",
-           "merge_parallel_linears", "partition", "read_kv_heads_directly", "recognise_attention", "recognise_rms_norm", "recognise_rotary", "run_passes"]
+           "PassReports", "NormsReport", "RotaryReport", "canonical_gemms", "canonicalize", "cast_floating", "describe_key_padding", "dump_to", "lower",
+           "merge_parallel_linears", "partition", "read_kv_heads_directly", "recognise_attention", "recognise_norms", "recognise_rotary", "run_passes"]

@@ -1,7 +1,7 @@
 """`lower`: the one road from a module to a fusion plan.
 
     module + example inputs -> cast to dtype -> trace -> canonicalize -> canonical_gemms
-    -> recognise_rms_norm -> merge_parallel_linears
+    -> recognise_norms -> merge_parallel_linears
     -> recognise_attention -> describe_key_padding -> read_kv_heads_directly -> recognise_rotary
     -> recognise_overflow_clamp -> simplify_gemm_layouts -> partition
 
@@ -34,7 +34,7 @@ from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.layout import LayoutReport, simplify_gemm_layouts
 from stof_cc.passes.overflow_clamp import OverflowClampReport, recognise_overflow_clamp
-from stof_cc.passes.rms_norm import RmsNormReport, recognise_rms_norm
+from stof_cc.passes.norms import NormsReport, recognise_norms
 from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 
 Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
@@ -48,7 +48,7 @@ class PassReports:
     horizontal: HorizontalReport = field(default_factory=HorizontalReport)
     attention: AttentionReport = field(default_factory=AttentionReport)
     padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
-    rms_norm: RmsNormReport = field(default_factory=RmsNormReport)
+    norms: NormsReport = field(default_factory=NormsReport)
     gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
     gqa: GqaReport = field(default_factory=GqaReport)
     rotary: RotaryReport = field(default_factory=RotaryReport)
@@ -56,19 +56,19 @@ class PassReports:
     layouts: LayoutReport = field(default_factory=LayoutReport)
 
     def __str__(self) -> str:
-        return (f"{self.canonical}\n{self.gemms}\n{self.rms_norm}\n{self.horizontal}\n{self.attention}\n"
+        return (f"{self.canonical}\n{self.gemms}\n{self.norms}\n{self.horizontal}\n{self.attention}\n"
                 f"{self.padding}\n{self.gqa}\n{self.rotary}\n{self.overflow_clamp}\n{self.layouts}")
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
-    """canonicalize, canonical_gemms, recognise_rms_norm, merge_parallel_linears,
+    """canonicalize, canonical_gemms, recognise_norms, merge_parallel_linears,
     recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary,
     recognise_overflow_clamp, simplify_gemm_layouts, in that order (each pure: ``graph`` is not
     modified)."""
     reports = reports if reports is not None else PassReports()
     steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
              ("canonical_gemms", lambda g: canonical_gemms(g, report=reports.gemms)),
-             ("recognise_rms_norm", lambda g: recognise_rms_norm(g, report=reports.rms_norm)),
+             ("recognise_norms", lambda g: recognise_norms(g, report=reports.norms)),
              ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
              ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
              ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)),
