@@ -132,3 +132,19 @@ def test_constants_keep_their_qualified_names():
     before = trace(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
     assert before.nodes()[0].target == "weight"
     assert_structural_equal(canonicalize(before), before)
+
+
+class _QkvSplit(torch.nn.Module):
+    """Falcon's multi-query split: x[..., [-2], :] picks one head by a constant index list."""
+
+    def forward(self, x):
+        return x[..., :-2, :] * 2, x[..., [-2], :] + 1, torch.cat((x[..., :0, :], x[..., [-1], :]), dim=-2)
+
+
+def test_an_index_by_a_run_of_integers_is_a_slice_and_empty_pieces_leave_a_cat():
+    x = torch.randn(2, 5, 6, 4)
+    graph = canonicalize(trace(_QkvSplit(), (x,)))
+    assert not {"gather", "cat"} & set(graph.op_histogram())
+    fresh = torch.randn(2, 5, 6, 4)
+    for got, want in zip(interpret(graph, fresh), _QkvSplit()(fresh), strict=True):
+        torch.testing.assert_close(got, want)

@@ -90,7 +90,18 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
         if node.op == "transpose" and len(args) == 1:  # x.t(), x.T: every dim reversed, as a permute
             node = replace(node, target="aten.permute.default")
             args = (args[0], list(reversed(range(len(node.spec.shape)))))
-        if _is_identity(graph, node):
+        if node.op == "gather" and (piece := _index_as_slice(out, node, args)) is not None:
+            node, args, kwargs = replace(node, op="slice", target="aten.slice.Tensor"), piece, {}
+        if node.op == "cat":  # empty pieces add nothing (Phi-3's rotary: q[..., D:] is empty)
+            args = (_without_empty_pieces(out, args[0]), *args[1:])
+        if isinstance(node.spec, TensorSpec) and node.spec.numel == 0:  # no data: whatever computed it
+            out.add_constant(node.name, torch.empty(node.spec.shape, dtype=node.spec.dtype))
+            report.folded.append(node.name)
+        elif node.op == "cat" and len(args[0]) == 1 and isinstance(args[0][0], Ref) \
+                and out.node(args[0][0].name).spec == node.spec:
+            renamed[node.name] = args[0][0]
+            report.identities.append(node.name)
+        elif _is_identity(graph, node):
             renamed[node.name] = args[0]
             report.identities.append(node.name)
         elif node.op == "assert_metadata" and not graph.users(node.name) and not graph.is_output(node.name):
@@ -202,6 +213,33 @@ def _draws_random(target: str) -> bool:
     except GraphError:
         return True  # unknown: do not fold
     return torch.Tag.nondeterministic_seeded in getattr(overload, "tags", ())
+
+
+def _index_as_slice(out: Graph, node: Node, args: tuple) -> tuple | None:
+    """slice(x, dim, start, end) when ``node`` is x[..., idx] (aten.index) with idx a constant run
+    of consecutive integers on one dimension (Falcon's ``qkv[..., [-2], :]``): a view, not a gather."""
+    if node.target != "aten.index.Tensor" or len(args) != 2 or not isinstance(args[1], (list, tuple)):
+        return None
+    used = [(d, i) for d, i in enumerate(args[1]) if i is not None]
+    if len(used) != 1 or not isinstance(used[0][1], Ref) or out.node(used[0][1].name).op != CONSTANT:
+        return None
+    dim, index = used[0][0], out.constants[used[0][1].name]
+    size = out.node(args[0].name).spec.shape[dim] if isinstance(args[0], Ref) else None
+    if size is None or index.dim() != 1 or index.dtype not in (torch.int64, torch.int32) or not len(index):
+        return None
+    values = [v % size for v in index.tolist()]
+    if values != list(range(values[0], values[0] + len(values))):
+        return None
+    return (args[0], dim, values[0], values[0] + len(values))
+
+
+def _without_empty_pieces(out: Graph, pieces: list) -> list:
+    """cat's pieces without those that hold no element."""
+    def empty(piece) -> bool:
+        spec = out.node(piece.name).spec if isinstance(piece, Ref) else None
+        return isinstance(spec, TensorSpec) and spec.numel == 0
+    kept = [p for p in pieces if not empty(p)]
+    return kept if kept else list(pieces[:1])
 
 
 def _is_identity(graph: Graph, node: Node) -> bool:

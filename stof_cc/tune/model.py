@@ -29,7 +29,7 @@ from stof_cc.templates.group import applicable_templates, group_output, group_te
 from stof_cc.templates.pricing import sm_count
 from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
-from stof_cc.tune.scheme import choose_scheme
+from stof_cc.tune.scheme import choose_scheme, split_refused
 from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
 from stof_cc.tune.tune_attention import tune_attention
 
@@ -66,6 +66,8 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
     if not torch.cuda.is_available():
         raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
     groups = list(dict.fromkeys([*plan.default.groups, *(g for _, s in plan.alternatives for g in s.groups)]))
+    pieces, _ = split_refused(graph, groups, torch.cuda.get_device_capability())
+    groups = list(dict.fromkeys([*groups, *pieces]))  # what the chosen scheme runs, split pieces included
     needed = {r.name for g in groups for n in g.nodes for r in graph.node(n).refs()}
     needed |= {group_output(graph, g) for g in groups if _has_single_output(graph, g)}
     inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in example_inputs)

@@ -12,7 +12,10 @@ the group at the op a template cannot take, it does not send the whole group to 
 largest run of the group's nodes, in graph order and holding its anchor, that a template
 generates becomes the group; what is left before and after it is split the same way (an
 elementwise run, or a single op that then runs in torch). Cutting a group at a point of its
-graph order never makes a cycle: no path leaves the group and comes back.
+graph order never makes a cycle: no path leaves the group and comes back. An attention group
+keeps only its views and rotary nodes before the attention (what its step runs without torch
+kernels); any other op there (Cohere's interleaved rotary, a per-head norm's epilogue) starts
+a group of its own, split the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from stof_cc.ir.ops import pattern_kind
 from stof_cc.passes.fusion import (
     ANCHOR_KINDS,
     FOLDABLE_KINDS,
+    VIEW_OPS,
     FusionGroup,
     FusionPlan,
     FusionScheme,
@@ -93,7 +97,9 @@ def _split(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> lis
     """``group`` itself when a template generates it whole or no part of it is generated either
     (torch runs it the same), else its pieces."""
     nodes = group.nodes
-    if group.kind in ("attention", "opaque") or len(nodes) == 1 or _generated(graph, group, capability):
+    if group.kind == "attention":
+        return _split_attention(graph, group, capability)
+    if group.kind == "opaque" or len(nodes) == 1 or _generated(graph, group, capability):
         return [group]
     anchor = nodes.index(group.anchor) if group.anchor is not None else None
     spans = [(i, j) for i in range(len(nodes)) for j in range(i + 1, len(nodes) + 1)
@@ -111,6 +117,16 @@ def _split(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> lis
     after = _split(graph, _piece(graph, group, nodes[j:], "c"), capability) if j < len(nodes) else []
     pieces = before + [core] + after
     return pieces if any(_generated(graph, p, capability) for p in pieces) else [group]
+
+
+def _split_attention(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> list[FusionGroup]:
+    """The attention group whole when only views and rotary nodes come before its anchor, else
+    what comes before split off as its own (possibly generated) groups."""
+    at = group.nodes.index(group.anchor)
+    if all(graph.node(n).op in VIEW_OPS or graph.node(n).op == "rotary" for n in group.nodes[:at]):
+        return [group]
+    return _split(graph, _piece(graph, group, group.nodes[:at], "a"), capability) \
+        + [_piece(graph, group, group.nodes[at:], "b")]
 
 
 def _piece(graph: Graph, group: FusionGroup, nodes: tuple[str, ...], suffix: str) -> FusionGroup:
