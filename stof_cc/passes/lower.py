@@ -33,8 +33,8 @@ from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.layout import LayoutReport, simplify_gemm_layouts
-from stof_cc.passes.overflow_clamp import OverflowClampReport, recognise_overflow_clamp
 from stof_cc.passes.norms import NormsReport, recognise_norms
+from stof_cc.passes.overflow_clamp import OverflowClampReport, recognise_overflow_clamp
 from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 
 Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
