@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_masks_zoo import FACTORIES, zoo_params
 
 from stof_cc import masks
-from stof_cc.masks import build, user
+from stof_cc.masks import user
 from stof_cc.masks.block_mask import coarse_counts
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask
 
@@ -212,7 +212,7 @@ def test_beyond_the_packed_budget_only_partial_blocks_are_evaluated(monkeypatch)
     """Where the row-packed bits would not fit (long contexts), a union evaluates the user part
     only on blocks PARTIAL for the union (never inside the FULL blocks of longformer), in chunks
     bounded by CHUNK_ELEMENTS."""
-    monkeypatch.setattr(build, "CHUNK_ELEMENTS", 4 * 32 * 32)
+    monkeypatch.setattr("stof_cc.masks.description.CHUNK_ELEMENTS", 4 * 32 * 32)
     monkeypatch.setattr(user, "PACKED_BUDGET", 0)
     seen: list[tuple[int, int]] = []
     sizes: list[int] = []

@@ -21,9 +21,8 @@ from stof_cc.ir.graph import (
     Node,
     Ref,
     TensorSpec,
-    iter_refs,
-    map_refs,
 )
+from stof_cc.ir.node import iter_refs, map_refs
 from stof_cc.ir.ops import reference_of
 
 

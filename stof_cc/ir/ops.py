@@ -16,13 +16,16 @@ import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, Spec, TensorSpec, map_refs
+from stof_cc.ir.node import CONSTANT, INPUT, GraphError, Node, Spec, TensorSpec, map_refs
 from stof_cc.ir.reference import fill_empty_rows
+
+if TYPE_CHECKING:
+    from stof_cc.ir.graph import Graph
 
 PATTERN_KINDS = ("elementwise", "broadcast", "injective", "reduction", "gemm", "attention", "opaque")
 OPAQUE = "opaque"

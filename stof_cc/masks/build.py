@@ -11,16 +11,18 @@ the GPU never sends its tiles to the host and back.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from stof_cc.masks.block_mask import BlockMask
-from stof_cc.masks.description import MaskDescription
 from stof_cc.masks.errors import MaskError
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL, BlockGrid
 from stof_cc.masks.runs import ClassRuns
 
-#: Elements evaluated at once: bounds the temporaries of one chunk (a few tens of MB).
-CHUNK_ELEMENTS = 1 << 22
+if TYPE_CHECKING:
+    from stof_cc.masks.description import MaskDescription
+
 #: Elements of maybe-partial blocks evaluated for one build, past which it is refused: a mask
 #: with so little structure (a user mask over S = 131072 x 131072 is this many) takes minutes.
 EVALUATION_BUDGET = 1 << 34

@@ -13,19 +13,20 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stof_cc.masks.bits import pack
+from stof_cc.masks.block_mask import BlockMask
+from stof_cc.masks.build import build_block_mask, build_block_runs
 from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import MAX_BLOCK, MAX_SEQ, PARTIAL, BlockGrid, Extent, Tiles
 from stof_cc.masks.runs import MAX, MIN, ClassRuns, Rule
 
-if TYPE_CHECKING:
-    from stof_cc.masks.block_mask import BlockMask
-
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: Elements evaluated at once: bounds the temporaries of one chunk (a few tens of MB).
+CHUNK_ELEMENTS = 1 << 22
 BUILT_KEPT = 8  # block masks a description keeps (the cost model asks for a few block shapes per problem)
 
 
@@ -107,8 +108,6 @@ class MaskDescription:
         CHUNK_ELEMENTS elements bound an evaluation's temporaries. A translation-invariant
         mask evaluates one tile per distinct block offset of the chunk (a band has a few), so
         its chunks are bounded by the words they gather instead: 32 x as many tiles."""
-        from stof_cc.masks.build import CHUNK_ELEMENTS
-
         return max(1, CHUNK_ELEMENTS // (grid.words if self.invariant else grid.block_m * grid.block_n))
 
     def evaluates_on(self, device: torch.device) -> bool:
@@ -221,8 +220,6 @@ class MaskDescription:
         """The mask in the unified storage format (see BlockMask) for these sizes, its tensors
         on ``device``; built there once per (sizes, block shape, device) and kept (a
         description does not change)."""
-        from stof_cc.masks.build import build_block_mask
-
         device = torch.device(device)
         return self._kept("block_mask", seq_q, seq_k, block_m, block_n, batch, heads, str(device),
                           lambda grid, dims: build_block_mask(self, grid, dims, device))
@@ -240,8 +237,6 @@ class MaskDescription:
         encoded per block row (dims [Bm, Hm] as `mask_dims`, not collapsed), without building
         the block mask (no CSR arrays, no tiles); kept like `block_mask`'s results. The cost
         model counts blocks on them: memory follows the runs, not the n_rb x n_cb grid."""
-        from stof_cc.masks.build import build_block_runs
-
         return self._kept("block_runs", seq_q, seq_k, block_m, block_n, batch, heads, "runs",
                           lambda grid, dims: build_block_runs(self, grid, dims))
 

@@ -11,7 +11,7 @@ import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stof_cc.masks import zoo
+import stof_cc.masks.zoo as zoo
 from stof_cc.masks.description import MaskDescription
 from stof_cc.masks.errors import MaskError
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask

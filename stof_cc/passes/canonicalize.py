@@ -39,9 +39,8 @@ from stof_cc.ir.graph import (
     Node,
     Ref,
     TensorSpec,
-    iter_refs,
-    map_refs,
 )
+from stof_cc.ir.node import iter_refs, map_refs
 from stof_cc.ir.ops import OPAQUE, reference_of, resolve_target
 
 FOLD_LIMIT = 1 << 20  # elements: larger constant results stay computed at run time

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec, map_refs
+from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec
+from stof_cc.ir.node import map_refs
 from stof_cc.passes.canonicalize import remove_dead_nodes
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import stof_cc.templates.builtin  # noqa: F401 (registers the built-in templates before they are chosen)
 from stof_cc.backends.nvcc import Resources, compile_cubin
 from stof_cc.backends.rotary_launch import rotary_unsupported
 from stof_cc.codegen.chain import NotFusable

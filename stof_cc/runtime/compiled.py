@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+import stof_cc.templates.builtin  # noqa: F401 (registers the built-in templates before they are chosen)
 from stof_cc.backends.attention_launch import KeyPadding, key_padding_on_device
 from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many

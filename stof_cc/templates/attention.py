@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.templates.registry import KernelTemplate, Launch, register_template
+from stof_cc.templates.registry import KernelTemplate, Launch
 
 SUPPORTED_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
@@ -290,9 +290,8 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         return (heads * batch * rows, 1, 1), threads + PRODUCER_THREADS, shared
 
 
-# Attention templates have no group example: every instance is rendered and compiled in tests.
-ROWWISE = register_template(RowwiseAttention(), validate=False)
-BLOCKWISE = register_template(BlockwiseAttention(), validate=False)
-WGMMA = register_template(WgmmaAttention(), validate=False)
-WGMMA_WS = register_template(WarpSpecialisedWgmmaAttention(), validate=False)
+ROWWISE = RowwiseAttention()
+BLOCKWISE = BlockwiseAttention()
+WGMMA = WgmmaAttention()
+WGMMA_WS = WarpSpecialisedWgmmaAttention()
 ATTENTION_TEMPLATES = (ROWWISE, BLOCKWISE, WGMMA, WGMMA_WS)

@@ -295,7 +295,7 @@ class Applicable:
 
 def applicable_templates(graph: Graph, group: FusionGroup,
                          capability: tuple[int, int]) -> tuple[list[Applicable], list[str]]:
-    """The templates that generate ``group`` for a GPU of ``capability`` (registration order:
+    """The templates that generate ``group`` for a GPU of ``capability`` (`group_templates`' order:
     the first is the default choice), and why each other one does not: the reasons that matter
     first, those of templates written for another pattern (`NotItsPattern`) last. The one place a
     group template is chosen: compile, stage 1 and 2 of the search and the build folder all ask here."""
@@ -323,16 +323,8 @@ def applicable_templates(graph: Graph, group: FusionGroup,
 
 
 def group_templates(kind: str) -> list[GroupTemplate]:
-    """Registered group templates serving ``kind``: users' in registration order, then the built-ins."""
-    # the built-ins register when their modules load; they import this one, hence the late import
-    from stof_cc.templates import (  # noqa: F401
-        elementwise,
-        gemm_epilogue,
-        gemm_layernorm,
-        overflow_clamp,
-        row_reduce,
-    )
-
+    """Registered group templates serving ``kind``: users' in registration order, then the built-ins
+    in `builtin.BUILTIN_TEMPLATES`' order (registered by importing `stof_cc.templates.builtin`)."""
     serving = [t for t in registered_templates() if isinstance(t, GroupTemplate) and kind in t.kinds]
     # a user's template first: registering one for a pattern says it should serve it (the
     # built-in elementwise template now takes nearly any chain, a user's swiglu_split included)

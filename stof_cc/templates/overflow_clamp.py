@@ -27,7 +27,7 @@ from stof_cc.templates.group import (
     output_problem,
 )
 from stof_cc.templates.pricing import memory_bound_us
-from stof_cc.templates.registry import Launch, register_template
+from stof_cc.templates.registry import Launch
 
 THREADS = 256
 MAX_CTAS = 1024  # grid-stride beyond: bounds the rare slow path's whole-tensor scans
@@ -109,4 +109,4 @@ class _GuardedResidual(torch.nn.Module):
         return torch.clamp(y, min=-bound, max=bound)
 
 
-OVERFLOW_CLAMP = register_template(OverflowClampTemplate(), validate=False)  # validated in tests/test_overflow_clamp.py
+OVERFLOW_CLAMP = OverflowClampTemplate()

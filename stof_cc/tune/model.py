@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+import stof_cc.templates.builtin  # noqa: F401 (registers the built-in templates before they are chosen)
 from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.pycuda_backend import device_arch
 from stof_cc.codegen.chain import NotFusable

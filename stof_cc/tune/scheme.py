@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import stof_cc.templates.builtin  # noqa: F401 (registers the built-in templates before they are chosen)
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.ops import pattern_kind
 from stof_cc.passes.fusion import (
