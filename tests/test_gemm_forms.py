@@ -47,3 +47,31 @@ def test_an_addmm_that_is_not_the_conv1d_form_stays():
     x, b = torch.randn(5, 16), torch.randn(24)
     before = canonicalize(stof_cc.trace(_ScaledAddmm(), (x, b)))
     assert [n.op for n in canonical_gemms(before).nodes() if n.op == "addmm"] == ["addmm"]
+
+
+class _FusedProjections(torch.nn.Module):
+    """Phi-3's fused projections: qkv sliced, gate_up chunked into SwiGLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 8 + 4 + 4, bias=True)
+        self.gate_up = torch.nn.Linear(16, 2 * 12, bias=False)
+
+    def forward(self, x):
+        qkv = self.qkv(x)
+        q, k, v = qkv[..., :8], qkv[..., 8:12], qkv[..., 12:]
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return q.sum(-1) + k.sum(-1) * v.sum(-1), torch.nn.functional.silu(gate) * up
+
+
+def test_a_linear_read_only_through_pieces_becomes_one_linear_per_piece():
+    x = torch.randn(3, 5, 16)
+    module = _FusedProjections()
+    graph = canonical_gemms(canonicalize(stof_cc.trace(module, (x,))))
+    histogram = graph.op_histogram()
+    assert histogram["linear"] == 5 and not {"slice", "split", "getitem"} & set(histogram)
+    shapes = sorted(tuple(n.spec.shape) for n in graph.nodes() if n.op == "linear")
+    assert shapes == [(3, 5, 4), (3, 5, 4), (3, 5, 8), (3, 5, 12), (3, 5, 12)]
+    fresh = torch.randn(3, 5, 16)
+    for got, want in zip(stof_cc.interpret(graph, fresh), module(fresh), strict=True):
+        torch.testing.assert_close(got, want)

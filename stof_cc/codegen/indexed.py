@@ -30,6 +30,7 @@ import torch
 
 from stof_cc.codegen.chain import EMITTERS, NotFusable, Operand, _float
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
+from stof_cc.ir.ops import split_piece
 
 C_TYPES = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float",
            torch.int64: "long long", torch.int32: "int", torch.int16: "short", torch.int8: "signed char",
@@ -310,19 +311,9 @@ class IndexedChain:
         if split.op != "split" or not isinstance(split.args[0], Ref):
             raise NotFusable(f"%{node.name}: getitem of {split.op}")
         x = split.args[0]
-        shape = self.graph.node(x.name).spec.shape
-        target = split.target or ""
-        dim = (split.args[1] if target.startswith("aten.unbind") else
-               split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0))
-        dim = (dim or 0) % len(shape)
-        if target.startswith("aten.unbind"):  # piece i is x.select(dim, i)
-            return self._value(x.name, coords[:dim] + (f"{node.args[1]}LL",) + coords[dim:])
-        sizes = split.args[1]
-        if target.startswith("aten.chunk"):  # chunk(x, n): n pieces of ceil(size / n)
-            sizes = math.ceil(shape[dim] / sizes)
-        if isinstance(sizes, int):  # split(x, size): pieces of that size, the last one shorter
-            sizes = [sizes] * math.ceil(shape[dim] / sizes)
-        offset = sum(sizes[:node.args[1]])
+        dim, offset, size = split_piece(split, self.graph.node(x.name).spec.shape, node.args[1])
+        if size is None:  # unbind: piece i is x.select(dim, i)
+            return self._value(x.name, coords[:dim] + (f"{offset}LL",) + coords[dim:])
         shifted = coords[dim] if offset == 0 else f"({coords[dim]} + {offset}LL)"
         return self._value(x.name, coords[:dim] + (shifted,) + coords[dim + 1:])
 

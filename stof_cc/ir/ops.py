@@ -190,6 +190,23 @@ _ops("attention", "masked multi-head attention", {
 })
 
 
+def split_piece(split: Node, shape: tuple[int, ...], index: int) -> tuple[int, int, int | None]:
+    """(dim, offset, size) of piece ``index`` of a ``split`` node (aten.split, split_with_sizes,
+    chunk, unbind) over an input of ``shape``; size None for unbind's pieces (a select)."""
+    target = split.target or ""
+    unbind = target.startswith("aten.unbind")
+    dim = split.args[1] if unbind else split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    dim = (dim or 0) % len(shape)
+    if unbind:
+        return dim, index, None
+    sizes = split.args[1]
+    if target.startswith("aten.chunk"):  # chunk(x, n): n pieces of ceil(size / n)
+        sizes = -(-shape[dim] // sizes)
+    if isinstance(sizes, int):  # split(x, size): pieces of that size, the last one shorter
+        sizes = [min(sizes, shape[dim] - start) for start in range(0, shape[dim], sizes)]
+    return dim, sum(sizes[:index]), sizes[index]
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                         *, scale: float, is_causal: bool = False, window: int | None = None,
                         key_padding: torch.Tensor | None = None, empty_rows: str | None = None,

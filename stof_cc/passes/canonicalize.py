@@ -245,6 +245,8 @@ def _is_identity(graph: Graph, node: Node) -> bool:
     if node.op == "dropout":
         train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
         return train is False
+    if node.op == "clone":  # values, not storage: a kernel copies what it must read contiguously
+        return not graph.is_output(node.name)
     if node.op == "cast" and node.args and isinstance(node.args[0], Ref):
         source = graph.node(node.args[0].name).spec
         return isinstance(source, TensorSpec) and source == node.spec

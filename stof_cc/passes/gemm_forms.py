@@ -5,6 +5,11 @@ layers write it, become the ``linear`` the GEMM templates generate.
 ->
     out = linear(x, W)                      # reads the weight itself: no copy
 
+and a linear read only through pieces of its last dimension (Phi-3's fused ``qkv_proj`` sliced,
+its ``gate_up_proj`` chunked) becomes one linear per piece over those rows of W and b, named
+like the piece: each then fuses its own epilogue (SiLU, the product) as separate projections do,
+and `merge_parallel_linears` joins again those read only through views (Q, K, V).
+
     flat = view(x, [-1, K])                 # x: [..., K]
     out  = addmm(bias, flat, W)             # W: a constant [K, N]
 ->
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec
 from stof_cc.ir.node import map_refs
+from stof_cc.ir.ops import split_piece
 from stof_cc.passes.canonicalize import remove_dead_nodes
 
 
@@ -38,10 +44,22 @@ def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Grap
     report = report if report is not None else GemmFormsReport()
     matches = {n.name: m for n in graph.nodes() if (m := _match(graph, n)) is not None}
     products = {n.name: m for n in graph.nodes() if (m := _match_weight_product(graph, n)) is not None}
-    if not matches and not products:
+    cut = {n.name: m for n in graph.nodes() if (m := _match_pieces(graph, n)) is not None}
+    pieces = {name: (linear, rows) for linear, found in cut.items() for name, rows in found.items()}
+    dropped = set(cut) | {graph.node(name).args[0].name for name in pieces if graph.node(name).op == "getitem"}
+    if not matches and not products and not pieces:
         return graph.copy()
 
-    def rewrite(node: Node, out: Graph) -> Node:
+    def rewrite(node: Node, out: Graph) -> Node | None:
+        if node.name in dropped:
+            return None
+        if node.name in pieces:
+            linear, (start, end) = pieces[node.name]
+            report.rewritten.append(node.name)
+            x, weight, *bias = graph.node(linear).args
+            rows = [out.add_constant(out.fresh_name(f"{c.name}_{start}_{end}"), graph.constants[c.name][start:end]).name
+                    for c in (weight, *bias) if c is not None]
+            return Node(node.name, "linear", "aten.linear.default", (x, *map(Ref, rows)), {}, node.spec)
         if node.name in products:
             report.rewritten.append(node.name)
             return Node(node.name, "linear", "aten.linear.default", products[node.name], {}, node.spec)
@@ -87,6 +105,31 @@ def _collapse_views(graph: Graph) -> Graph:
     out = graph.rebuild(rewrite)
     out.outputs = [rename(r) if isinstance(r, Ref) else r for r in graph.outputs]
     return remove_dead_nodes(out)
+
+
+def _match_pieces(graph: Graph, node: Node) -> dict[str, tuple[int, int]] | None:
+    """{piece node: (first row, end row)} when ``node`` is linear(x, W[, b]) with constant W and
+    b, read only by slices and splits of its last dimension into at least two pieces."""
+    if node.op != "linear" or graph.is_output(node.name) or not isinstance(node.spec, TensorSpec) \
+            or not all(isinstance(a, Ref) and graph.node(a.name).op == CONSTANT for a in node.args[1:] if a is not None):
+        return None
+    last, width, found = len(node.spec.shape) - 1, node.spec.shape[-1], {}
+    for user in graph.users(node.name):
+        if user.op == "slice" and user.args[0] == Ref(node.name) and len(user.args) > 3 \
+                and user.args[1] % (last + 1) == last and (len(user.args) < 5 or user.args[4] == 1):
+            start, end = (max(0, min(width, b + width if b < 0 else b))
+                          for b in (user.args[2] or 0, width if user.args[3] is None else user.args[3]))
+            found[user.name] = (start, end)
+        elif user.op == "split" and not graph.is_output(user.name) \
+                and all(g.op == "getitem" for g in graph.users(user.name)):
+            for getitem in graph.users(user.name):
+                dim, offset, size = split_piece(user, node.spec.shape, getitem.args[1])
+                if dim != last or size is None:
+                    return None
+                found[getitem.name] = (offset, offset + size)
+        else:
+            return None
+    return found if len(found) > 1 else None
 
 
 def _match_weight_product(graph: Graph, node: Node) -> tuple[Ref, Ref] | None:
