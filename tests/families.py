@@ -1,5 +1,6 @@
-"""Tiny random-weight models of every family issue 33's bar names (and Falcon and Cohere, which
-it does not), with their default configs: shared by the family bar and the indexed-chain tests."""
+"""Tiny random-weight models of every family issue 33's bar names and of others it does not
+(Falcon, Cohere, MPT, GPT-J, GPT-NeoX, StarCoder2, StableLM, Granite, Gemma 2), with their default
+configs: shared by the family bar and the indexed-chain tests."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ FAMILIES = {
     "falcon": lambda: T.FalconModel(T.FalconConfig(num_hidden_layers=LAYERS, hidden_size=HIDDEN,
                                                    num_attention_heads=HEADS, vocab_size=VOCAB)),
     "cohere": lambda: T.CohereModel(T.CohereConfig(eos_token_id=0, pad_token_id=0, bos_token_id=0, **DECODER)),
+    "mpt": lambda: T.MptModel(T.MptConfig(n_layers=LAYERS, d_model=HIDDEN, n_heads=HEADS, vocab_size=VOCAB)),
+    "gptj": lambda: T.GPTJModel(T.GPTJConfig(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB,
+                                             rotary_dim=16)),
+    "gpt_neox": lambda: T.GPTNeoXModel(T.GPTNeoXConfig(**COMMON)),
+    "starcoder2": lambda: T.Starcoder2Model(T.Starcoder2Config(**DECODER)),
+    "stablelm": lambda: T.StableLmModel(T.StableLmConfig(**DECODER)),
+    "granite": lambda: T.GraniteModel(T.GraniteConfig(**DECODER)),
+    "gemma2": lambda: T.Gemma2Model(T.Gemma2Config(head_dim=HIDDEN // HEADS, **DECODER)),
     "t5": lambda: T.T5EncoderModel(T.T5Config(num_layers=LAYERS, d_model=HIDDEN, num_heads=HEADS,
                                               d_kv=HIDDEN // HEADS, d_ff=FFN, vocab_size=VOCAB)),
     "vit": lambda: T.ViTModel(T.ViTConfig(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -55,3 +64,4 @@ def build(family: str, device: str = "cpu") -> tuple[torch.nn.Module, dict, torc
 
 def last_hidden(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.last_hidden_state
+SOFTCAPPED = ("gemma2",)  # attention runs in torch: softcapping is not in the kernels yet

@@ -193,3 +193,35 @@ def test_batched_chain_with_an_added_bias_becomes_one_node_with_the_bias_as_an_o
     assert (view.op, view.args[0].name, view.spec.shape) == ("view", "alibi", (b, h, 1, s))
     assert not {"baddbmm", "bmm", "softmax"} & set(result.op_histogram())
     assert _close(interpret(result, *inputs), BatchedAlibi()(*inputs))
+
+
+class SoftcappedUnderFill(torch.nn.Module):
+    """Gemma 2's capped scores, then MPT's finite fill of hidden keys over an added bias."""
+
+    def __init__(self, cap: float | None, fill: float) -> None:
+        super().__init__()
+        self.cap, self.fill = cap, fill
+
+    def forward(self, q, k, v, bias, hidden):
+        scores = torch.matmul(q, k.transpose(-1, -2)) * 0.25
+        if self.cap is not None:
+            scores = torch.tanh(scores / self.cap) * self.cap
+        scores = (scores + bias).masked_fill(hidden, self.fill)
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("cap, fill, empty", [(None, -3.0e38, "mean"), (30.0, float("-inf"), "nan"),
+                                              (30.0, -65504.0, "mean")])
+def test_softcap_finite_fills_and_a_bias_under_the_fill_are_kept_on_the_node(cap, fill, empty):
+    b, h, s, d = 2, 3, 8, 16
+    hidden = torch.rand(b, 1, s, s) < 0.3
+    hidden[0, 0, 2] = True  # a row with every key hidden
+    inputs = (torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(1, h, 1, s),
+              hidden)
+    module = SoftcappedUnderFill(cap, fill)
+    result = recognise_attention(canonicalize(trace(module, inputs, {})))
+    (node,) = _attention_nodes(result)
+    assert node.kwargs.get("softcap") == cap and node.kwargs["empty_rows"] == empty and node.kwargs["scale"] == 0.25
+    assert node.kwargs["bias"].name == "bias" and not {"softmax", "tanh", "masked_fill"} & set(result.op_histogram())
+    got, want = interpret(result, *inputs), module(*inputs)
+    torch.testing.assert_close(got, want, equal_nan=True)

@@ -170,6 +170,11 @@ class Stack(torch.nn.Module):  # Cohere's rotate_half: pairs interleaved by stac
         return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * 2
 
 
+class RepeatInterleave(torch.nn.Module):  # GPT-J's sin/cos tables: each frequency twice
+    def forward(self, x, table):
+        return x * table.repeat_interleave(2, dim=-1)
+
+
 class Rotary(torch.nn.Module):  # HF's rotate_half: recognise_rotary makes one rotary node of it
     def forward(self, x, cos, sin):
         rotated = torch.cat((-x[..., D // 2:], x[..., : D // 2]), dim=-1)
@@ -193,6 +198,7 @@ CASES = {
     **{f"pieces by {how}": (Pieces(how), lambda: (torch.randn(B, S, D),))
        for how in ("chunk", "split", "split_with_sizes", "unbind")},
     "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
+    "repeat_interleave": (RepeatInterleave(), lambda: (torch.randn(B, S, D), torch.randn(S, D // 2))),
     "rotary": (Rotary(), lambda: (torch.randn(B, H, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16))),

@@ -41,7 +41,7 @@ COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 TYPED_OPS = ("add", "sub", "mul", "neg", "maximum", "minimum", "clamp", "compare", "logical", "logical_not",
              "where", "masked_fill", "cast", "clone", "dropout", "full_like")
 INDEXED_OPS = ("rotary",)  # floating ops that read their input at other coordinates
-LAYOUT_OPS = ("view", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select", "split", "getitem",
+LAYOUT_OPS = ("view", "transpose", "expand", "repeat_interleave", "unsqueeze", "squeeze", "slice", "select", "split", "getitem",
               "contiguous", "cat", "stack", "embedding", "gather")
 
 Coords = tuple[str, ...]
@@ -274,6 +274,13 @@ class IndexedChain:
             mapped = tuple(mapped_list)
         elif op == "expand":
             mapped = self._broadcast(coords, shape)
+        elif op == "repeat_interleave":  # x.repeat_interleave(n, dim): output i along dim reads i / n
+            repeats = args[1] if len(args) > 1 else node.kwargs.get("repeats")
+            dim = args[2] if len(args) > 2 else node.kwargs.get("dim")
+            if not isinstance(repeats, int) or dim is None:
+                raise NotFusable(f"%{node.name}: repeat_interleave by a tensor or over the flattened input")
+            dim %= rank
+            mapped = coords[:dim] + (f"({coords[dim]} / {repeats}LL)",) + coords[dim + 1:]
         elif op == "unsqueeze":
             dim = args[1] % (rank + 1)
             mapped = coords[:dim] + coords[dim + 1:]

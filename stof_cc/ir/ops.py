@@ -210,7 +210,8 @@ def split_piece(split: Node, shape: tuple[int, ...], index: int) -> tuple[int, i
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                         *, scale: float, is_causal: bool = False, window: int | None = None,
                         key_padding: torch.Tensor | None = None, empty_rows: str | None = None,
-                        bias: torch.Tensor | None = None, rounded: bool = False) -> torch.Tensor:
+                        bias: torch.Tensor | None = None, rounded: bool = False,
+                        softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [+ bias] [causal]) v:
     what the recognised `attention` node computes, with SDPA's conventions for ``mask``;
     ``bias`` (ALiBi, broadcastable to [B, H, S_q, S_k]) is added to the scores beside any mask. ``window``
@@ -223,16 +224,19 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     and V may have fewer heads than q (grouped-query attention: query head h reads key/value
     head h // (H / H_kv)). ``rounded``: the node is a hand-written chain that adds a float mask to
     scores rounded to q's dtype (eager Llama, BLOOM): a finite -65504 mask then swamps every
-    score and a fully masked row is the mean of V, which fp32 arithmetic would not give."""
+    score and a fully masked row is the mean of V, which fp32 arithmetic would not give.
+    ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2)."""
     gqa = k.shape[-3] != q.shape[-3]
-    if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None:
-        return _rounded_chain(q, k, v, mask if bias is None else mask + bias, scale, is_causal)
-    if bias is not None:  # a boolean mask becomes the equivalent additive one
-        mask = bias if mask is None else (torch.where(mask, bias, float("-inf")) if mask.dtype == torch.bool
-                                          else mask + bias)
-    if key_padding is None and window is None and empty_rows is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                                                scale=scale, enable_gqa=gqa)
+    if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None \
+            and softcap is None:
+        return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, in_dtype=True)
+    additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
+    added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
+    if key_padding is None and window is None and empty_rows is None and softcap is None:
+        if added is not None and mask is not None and mask.dtype == torch.bool:
+            added = torch.where(mask, added, float("-inf"))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask if added is None else added, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     distance = torch.arange(q.shape[-2], device=q.device)[:, None] - torch.arange(k.shape[-2], device=q.device)
     allowed = torch.ones_like(distance, dtype=torch.bool)
     if is_causal:
@@ -243,18 +247,26 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         allowed = allowed & (key_padding != 0)[:, None, None, :]
     if mask is not None and mask.dtype == torch.bool:
         allowed = allowed & mask
-    given = allowed if mask is None or mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=scale, enable_gqa=gqa)
+    given = allowed if added is None else torch.where(allowed, added, float("-inf"))
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=scale, enable_gqa=gqa)
+    else:
+        out = _written_out(q, k, v, given, scale, False, softcap=softcap)
     empty = ~allowed.any(-1, keepdim=True)
     return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows)
 
 
-def _rounded_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                   is_causal: bool) -> torch.Tensor:
-    """The eager chain's own arithmetic: q k^T and its scaling and mask in q's dtype, softmax in fp32."""
+def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 is_causal: bool, *, in_dtype: bool = False, softcap: float | None = None) -> torch.Tensor:
+    """Attention as the eager chain writes it: the scores materialised (in q's dtype with
+    ``in_dtype``, else fp32), capped, masked (boolean: attend; floating: added), softmax in fp32."""
     if k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale + mask.to(q.dtype)
+    dtype = q.dtype if in_dtype else torch.float32
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
     if is_causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
                                     float("-inf"))
@@ -339,6 +351,7 @@ _ops("injective", "layout and indexing: each output element reads one input elem
     "view": ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.flatten", "aten.unflatten"),
     "transpose": ("aten.transpose", "aten.t", "aten.numpy_T", "aten.permute"),
     "expand": ("aten.expand",),
+    "repeat_interleave": ("aten.repeat_interleave.self_int",),
     "unsqueeze": ("aten.unsqueeze",),
     "squeeze": ("aten.squeeze",),
     "slice": ("aten.slice", "aten.narrow"),

@@ -39,6 +39,7 @@ from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec
 from stof_cc.passes.canonicalize import mutating_nodes, remove_dead_nodes
 
 _MATMULS = ("matmul", "bmm")
+HIDDEN_BELOW = -1e4  # a fill or added value below this hides a key (exp underflows in any dtype)
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,17 @@ class AttentionMatch:
     is_causal: bool
     covered: tuple[str, ...]  # nodes of the chain other than the root, removed
     bias: AddedBias | None = None  # a term the chain adds to the scores besides its mask (ALiBi)
+    empty_rows: str | None = None  # what a fully hidden row gives: "nan" (-inf fill), "mean" (a finite one)
+    softcap: float | None = None  # scores capped as c * tanh(s / c) before the mask (Gemma 2)
 
 
 @dataclass(frozen=True)
 class AddedBias:
     """``scale * source`` added to the scores; ``source`` is [B*H, ...] (baddbmm's), viewed as
-    [B, H, ...] with ``heads`` = (B, H)."""
+    [B, H, ...] with ``heads`` = (B, H), or (``heads`` None) already broadcastable to the scores."""
 
     source: Ref
-    heads: tuple[int, int]
+    heads: tuple[int, int] | None
     scale: float
 
 
@@ -98,11 +101,13 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
             m = matches[node.name]
             mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
             # masked_fill(-inf) then softmax: a row with every key hidden is NaN in the model
-            empty = {"empty_rows": "nan"} if m.mask_hides and mask is not None else {}
+            # masked_fill then softmax: a row with every key hidden is NaN (-inf) or the mean of V
+            empty = {"empty_rows": m.empty_rows} if m.mask_hides and mask is not None else {}
             bias = {"bias": _bias_operand(graph, out, m)} if m.bias is not None else {}
             rounded = {"rounded": True} if m.covered and not m.mask_hides and mask is not None else {}
+            softcap = {"softcap": m.softcap} if m.softcap is not None else {}
             return Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
-                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | rounded, node.spec)
+                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | rounded | softcap, node.spec)
         return None if node.name in covered else node
 
     return remove_dead_nodes(graph.rebuild(rewrite))  # e.g. a hidden-positions constant replaced by its negation
@@ -191,6 +196,7 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
     chain.append(probs.name)
     scores, reader = graph.node(probs.args[0].name), probs
     mask, mask_hides, factor, batch_view = None, False, 1.0, None
+    empty_rows = bias = softcap = None
 
     def take(next_node: Node) -> Node:
         chain.append(scores.name)
@@ -199,15 +205,24 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
     while True:
         if not _reads_only(graph, scores, reader):
             return refuse(f"the intermediate %{scores.name} ({scores.op}) is read elsewhere too")
-        if mask is None and factor == 1.0 and batch_view is None and scores.op == "masked_fill" \
-                and isinstance(scores.args[1], Ref) and _is_minus_infinity(scores.args[2]):
+        outside = factor == 1.0 and batch_view is None and softcap is None  # nothing scaled it yet
+        if mask is None and outside and scores.op == "masked_fill" and isinstance(scores.args[1], Ref) \
+                and (empty_rows := _hiding_fill(scores.args[2])) is not None:
             mask, mask_hides = scores.args[1], True
-        elif mask is None and factor == 1.0 and batch_view is None and scores.op == "add" \
-                and all(isinstance(a, Ref) for a in scores.args[:2]):
-            inner, mask = _split_mask(graph, scores)
+        elif outside and bias is None and scores.op == "add" and all(isinstance(a, Ref) for a in scores.args[:2]):
+            inner, added = _split_mask(graph, scores)
             if inner is None:
                 return refuse("the added term is not a mask beside a q k^T product")
+            if mask is None:
+                mask = added
+            else:  # a second term (MPT's ALiBi under its masked_fill): a bias
+                bias = AddedBias(added, None, 1.0)
             reader, scores = scores, take(inner)
+            continue
+        elif outside and (capped := _softcapped(graph, scores)) is not None:  # Gemma 2: c * tanh(s / c)
+            softcap, inner = capped
+            chain += [scores.name, graph.node(scores.args[0].name).name, inner.name]
+            reader, scores = inner, graph.node(inner.args[0].name)
             continue
         elif scores.op in ("mul", "div") and isinstance(scores.args[1], (int, float)):
             factor *= float(scores.args[1]) if scores.op == "mul" else 1.0 / float(scores.args[1])
@@ -233,16 +248,18 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         if q is None or k is None:
             return refuse("q or k of the batched product is not a [B*H, S, D] view of a [B, H, S, D] tensor")
     chain += [scores.name, key_t.name]
-    bias = None
     if scores.op == "baddbmm":  # beta * bias + alpha * q k^T (BLOOM's ALiBi)
-        bias = scores.args[0] if isinstance(scores.args[0], Ref) else None
+        added = scores.args[0] if isinstance(scores.args[0], Ref) else None
         heads = tuple(batch_view.spec.shape[:2])
-        if bias is None or len(graph.node(bias.name).spec.shape) != 3 \
-                or graph.node(bias.name).spec.shape[0] not in (1, heads[0] * heads[1]):
+        if added is None or len(graph.node(added.name).spec.shape) != 3 \
+                or graph.node(added.name).spec.shape[0] not in (1, heads[0] * heads[1]):
             return refuse("baddbmm's added term is not a [B*H | 1, S | 1, S] tensor")
-        bias = AddedBias(bias, heads, factor * float(scores.kwargs.get("beta", 1.0)))
+        if bias is not None:
+            return refuse("baddbmm adds a term and so does the chain")
+        bias = AddedBias(scores.args[0], heads, factor * float(scores.kwargs.get("beta", 1.0)))
         factor *= float(scores.kwargs.get("alpha", 1.0))
-    return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias)
+    return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
+                          softcap)
 
 
 def _splits_batch(graph: Graph, batched: Node, view: Node) -> bool:
@@ -275,10 +292,28 @@ def _between(graph: Graph, pv: Node, probs: Node) -> list[str]:
     return names
 
 
-def _is_minus_infinity(value: Any) -> bool:
-    """Only -inf: a finite fill (finfo.min) averages V over a fully hidden row, which the
-    attention node (SDPA's boolean-mask semantics) would not."""
-    return isinstance(value, float) and value == float("-inf")
+def _hiding_fill(value: Any) -> str | None:
+    """What a row gets whose every key is filled with ``value``: "nan" for -inf, "mean" (of V)
+    for a finite value low enough to hide a key (finfo.min, MPT's); None for anything else."""
+    if not isinstance(value, (int, float)) or value > HIDDEN_BELOW:
+        return None
+    return "nan" if value == float("-inf") else "mean"
+
+
+def _softcapped(graph: Graph, node: Node) -> tuple[float, Node] | None:
+    """(c, the node computing s / c) when ``node`` is c * tanh(s / c) (or tanh(s * (1 / c)))
+    with the tanh read only there."""
+    if node.op != "mul" or not isinstance(node.args[0], Ref) or not isinstance(node.args[1], (int, float)):
+        return None
+    tanh = graph.node(node.args[0].name)
+    if tanh.op != "tanh" or not isinstance(tanh.args[0], Ref) or not _reads_only(graph, tanh, node):
+        return None
+    inner, cap = graph.node(tanh.args[0].name), float(node.args[1])
+    if inner.op not in ("mul", "div") or not isinstance(inner.args[1], (int, float)) \
+            or not _reads_only(graph, inner, tanh):
+        return None
+    divisor = float(inner.args[1]) if inner.op == "div" else 1.0 / float(inner.args[1])
+    return (cap, inner) if math.isclose(divisor, cap, rel_tol=1e-6) else None
 
 
 def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref | None, bool]:
@@ -302,14 +337,17 @@ def _bias_operand(graph: Graph, out: Graph, match: AttentionMatch) -> Ref:
     """The chain's added term as the node's ``bias``: [B*H, ...] viewed as [B, H, ...], scaled."""
     added = match.bias
     spec = graph.node(added.source.name).spec
-    shape = (*added.heads, *spec.shape[1:]) if spec.shape[0] == added.heads[0] * added.heads[1] \
-        else (1, 1, *spec.shape[1:])
-    view = out.add_node(Node(out.fresh_name(f"{match.root}_bias"), "view", "aten.view.default",
-                             (added.source, list(shape)), {}, TensorSpec(shape, spec.dtype)))
+    if added.heads is None:
+        bias, shape = added.source, tuple(spec.shape)
+    else:
+        shape = (*added.heads, *spec.shape[1:]) if spec.shape[0] == added.heads[0] * added.heads[1] \
+            else (1, 1, *spec.shape[1:])
+        bias = Ref(out.add_node(Node(out.fresh_name(f"{match.root}_bias"), "view", "aten.view.default",
+                                     (added.source, list(shape)), {}, TensorSpec(shape, spec.dtype))).name)
     if added.scale == 1.0:
-        return Ref(view.name)
+        return bias
     return Ref(out.add_node(Node(out.fresh_name(f"{match.root}_bias_scaled"), "mul", "aten.mul.Tensor",
-                                 (Ref(view.name), added.scale), {}, TensorSpec(shape, spec.dtype))).name)
+                                 (bias, added.scale), {}, TensorSpec(shape, spec.dtype))).name)
 
 
 def _split_mask(graph: Graph, add: Node) -> tuple[Node | None, Ref | None]:

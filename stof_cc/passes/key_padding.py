@@ -54,12 +54,11 @@ import torch
 from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Node, Ref, TensorSpec
 from stof_cc.ir.interpret import evaluate_node
 from stof_cc.ir.ops import attention_reference
-from stof_cc.passes.attention import attention_arguments
+from stof_cc.passes.attention import HIDDEN_BELOW, attention_arguments
 from stof_cc.passes.canonicalize import remove_dead_nodes
 
 PROBES = 4
 CPU = torch.device("cpu")
-HIDDEN_BELOW = -1e4  # an additive mask hides a key by adding less than this
 
 
 @dataclass
@@ -257,7 +256,7 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
     q = torch.randn(1, 1, rows, head_dim, generator=generator).to(device, dtype)
     k = torch.randn(1, 1, seq_k, head_dim, generator=generator).to(device, dtype)
     v = (torch.randn(1, 1, seq_k, head_dim, generator=generator) + 1).to(device, dtype)  # mean far from 0
-    kwargs = {name: given[name] for name in ("scale", "is_causal", "empty_rows", "rounded") if name in given}
+    kwargs = {name: given[name] for name in ("scale", "is_causal", "empty_rows", "rounded", "softcap") if name in given}
     try:
         out = attention_reference(q, k, v, value[:1, :1, :rows], **kwargs).float()
     except Exception:  # noqa: BLE001 - a probe the op refuses: keep the mask as it is

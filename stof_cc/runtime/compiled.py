@@ -241,9 +241,13 @@ class CompiledModule:
         if given.get("attn_mask") is not None and override is None and not is_bias(graph, given["attn_mask"]):
             return Step(group, "torch", "attention with a boolean mask tensor that is not key padding "
                                         "(pass mask= to compile)")
+        if override is not None and given.get("softcap") is not None:
+            raise ValueError(f"stof_cc.compile: mask= cannot replace the mask of %{anchor.name}: its scores are "
+                             "softcapped, which only the model's own attention computes")
         try:
             attention_kernel(graph, anchor, ignore_mask=override is not None)
-        except NotFusable as why:
+        except NotFusable as why:  # the model's meaning is kept; its speed is not stof-cc's
+            warnings.warn(f"stof_cc.compile: attention {why}; it runs in torch", stacklevel=4)
             return Step(group, "torch", str(why), mask=override)
         rotary, why_not = _generated_rotary(graph, group)
         added = " and ".join(f"%{r.name}" for r in bias)

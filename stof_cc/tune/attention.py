@@ -220,6 +220,9 @@ def attention_kernel(graph: Graph, node: Node,
     if attn_mask is not None and not ignore_mask and not is_bias(graph, attn_mask):  # (ignored: `compile(mask=)` replaces it)
         raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
                          "(pass mask= to stof_cc.compile)")
+    if given.get("softcap") is not None:
+        raise NotFusable(f"%{node.name}: softcapped scores (c * tanh(s / c), c = {given['softcap']}) are not in "
+                         "stof-cc's attention kernels yet")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
