@@ -299,3 +299,67 @@ def test_every_indexed_group_of_a_model_computes_what_torch_does(tmp_path: Path,
             assert torch.equal(got, want), group.name
         checked += 1
     assert checked, "no group of this model is an indexed chain"
+
+
+POINTWISE = {  # the ATen core set's pointwise ops transformer models use, as users write them
+    "abs": torch.abs, "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "expm1": torch.expm1,
+    "log": torch.log, "log1p": torch.log1p, "sin": torch.sin, "cos": torch.cos, "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid, "softplus": torch.nn.functional.softplus,
+    "softplus beta 2": lambda x: torch.nn.functional.softplus(x, beta=2.0, threshold=10.0),
+    "reciprocal": torch.reciprocal, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "pow 3": lambda x: x ** 3,
+    "pow 0.5": lambda x: torch.pow(x, 0.5), "square": torch.square, "clamp": lambda x: x.clamp(-1.5, 2.0),
+    "clamp_min": lambda x: x.clamp_min(0.5), "clamp_max": lambda x: x.clamp_max(0.5),
+    "minimum": lambda x: torch.minimum(x, x * 0.5 + 1), "maximum": lambda x: torch.maximum(x, x * 0.5 + 1),
+    "where": lambda x: torch.where(x > 0, x, x * 0.1), "gelu": torch.nn.functional.gelu,
+    "gelu tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "silu": torch.nn.functional.silu,
+    "mish": torch.nn.functional.mish, "elu": torch.nn.functional.elu, "selu": torch.nn.functional.selu,
+    "leaky_relu": lambda x: torch.nn.functional.leaky_relu(x, 0.2), "relu": torch.relu,
+    "hardtanh": torch.nn.functional.hardtanh, "erf": torch.erf,
+}
+
+
+class _Pointwise(torch.nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x * 1.0)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("op", sorted(POINTWISE))
+def test_every_pointwise_op_keeps_nan_and_inf_as_torch_does(tmp_path: Path, op: str):
+    """Each op generated (one group: no op of it in torch) and run on the host against torch on
+    random values with NaN, +-inf, 0 and -0 among them. GELU at +-inf is left out: torch's CPU
+    kernel gives NaN at both, its CUDA kernel inf and NaN; the generated one gives the limits."""
+    torch.manual_seed(0)
+    x = torch.randn(B, S, D) * 3
+    specials = [float("nan"), 0.0, -0.0] + ([] if op.startswith("gelu") else [float("inf"), float("-inf")])
+    x.view(-1)[:len(specials)] = torch.tensor(specials)
+    module = _Pointwise(POINTWISE[op])
+    graph, group, values = _only_group(module, (x,))
+    assert group.nodes[-1] == graph.outputs[0].name  # the whole computation, nothing left over
+    ELEMENTWISE.match(graph, group)  # generated, or NotFusable naming the op
+    got = _run(tmp_path, graph, group, values)
+    atol = 1e-4 if op == "gelu" else 1e-5  # exact GELU is a fitted rational form (docs/decisions.md#exact-gelu)
+    torch.testing.assert_close(got, module(x), rtol=1e-5, atol=atol, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(POINTWISE))
+def test_every_pointwise_op_keeps_nan_and_inf_on_the_gpu(op: str):
+    """The same values through the kernel the GPU runs (fast math): against torch on the GPU."""
+    from stof_cc.backends.group_launch import GroupLaunch
+
+    torch.manual_seed(0)
+    x = torch.randn(B, S, D) * 3
+    specials = [float("nan"), 0.0, -0.0] + ([] if op.startswith("gelu") else [float("inf"), float("-inf")])
+    x.view(-1)[:len(specials)] = torch.tensor(specials)
+    module = _Pointwise(POINTWISE[op])
+    graph, group, values = _only_group(module, (x,))
+    problem = ELEMENTWISE.match(graph, group)
+    want = module(x.cuda())
+    for params in ELEMENTWISE.space(problem):
+        got = GroupLaunch(ELEMENTWISE, problem, params)({name: t.cuda() for name, t in values.items()})
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3, equal_nan=True, msg=f"{op} {params}")

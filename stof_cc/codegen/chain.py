@@ -72,7 +72,8 @@ def _pow(node: Node, a: list[str]) -> str:
             return f"({product})" if n >= 0 else f"(1.f / ({product}))"
         magnitude = f"powf(fabsf({a[0]}), {_float(n)})"
         return f"copysignf({magnitude}, {a[0]})" if n % 2 else magnitude
-    return f"(float)pow((double)({a[0]}), (double)({a[1]}))"
+    # torch: a negative base to a fractional power is NaN, -inf too (C's pow gives +inf there)
+    return f"({a[0]} < 0.f ? NAN : (float)pow((double)({a[0]}), (double)({a[1]})))"
 
 
 def _add(node: Node, a: list[str]) -> str:
@@ -107,6 +108,34 @@ def _identity(node: Node, a: list[str]) -> str:
     return a[0]
 
 
+def _argument(node: Node, position: int, name: str, default: float) -> float:
+    """A number argument of ``node``, positional or keyword, else ``default``."""
+    value = node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+    return float(default if value is None else value)
+
+
+SELU_ALPHA, SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
+
+
+def _softplus(node: Node, a: list[str]) -> str:
+    """torch's: x once beta * x passes the threshold, else log1p(exp(beta * x)) / beta."""
+    beta, threshold = _argument(node, 1, "beta", 1.0), _argument(node, 2, "threshold", 20.0)
+    return (f"({_float(beta)} * {a[0]} > {_float(threshold)} ? {a[0]} : "
+            f"log1pf(expf({_float(beta)} * {a[0]})) / {_float(beta)})")
+
+
+def _elu(node: Node, a: list[str]) -> str:
+    alpha, scale = _argument(node, 1, "alpha", 1.0), _argument(node, 2, "scale", 1.0)
+    input_scale = _argument(node, 3, "input_scale", 1.0)
+    return (f"({a[0]} > 0.f ? {_float(scale)} * {a[0]} : "
+            f"{_float(scale * alpha)} * expm1f({_float(input_scale)} * {a[0]}))")
+
+
+def _clamp_side(keep: str, bound: str) -> Callable[[Node, list[str]], str]:
+    """clamp_min / clamp_max: one bound (argument ``bound``), NaN kept."""
+    return lambda node, a: f"{keep}_nan({a[0]}, {_float(_argument(node, 1, bound, 0.0))})"
+
+
 # op -> (number of leading value arguments, C expression); the tensor-valued arguments
 # arrive as C expressions in `a`
 EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
@@ -131,6 +160,25 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
     "cast": (1, _identity),     # fp32 inside; the store rounds to the output dtype
     "clone": (1, _identity),
+    "abs": (1, lambda n, a: f"fabsf({a[0]})"),
+    "exp2": (1, lambda n, a: f"exp2f({a[0]})"),
+    "expm1": (1, lambda n, a: f"expm1f({a[0]})"),
+    "log": (1, lambda n, a: f"logf({a[0]})"),
+    "log1p": (1, lambda n, a: f"log1pf({a[0]})"),
+    "sin": (1, lambda n, a: f"sinf({a[0]})"),
+    "cos": (1, lambda n, a: f"cosf({a[0]})"),
+    "reciprocal": (1, lambda n, a: f"1.f / {a[0]}"),
+    "square": (1, lambda n, a: f"{a[0]} * {a[0]}"),
+    "softplus": (1, _softplus),
+    "mish": (1, lambda n, a: f"{a[0]} * tanhf({a[0]} > 20.f ? {a[0]} : log1pf(expf({a[0]})))"),
+    "elu": (1, _elu),
+    "selu": (1, lambda n, a: f"({a[0]} > 0.f ? {_float(SELU_SCALE)} * {a[0]} : "
+                             f"{_float(SELU_SCALE * SELU_ALPHA)} * expm1f({a[0]}))"),
+    "leaky_relu": (1, lambda n, a: f"({a[0]} > 0.f ? {a[0]} : {a[0]} * {_float(_argument(n, 1, 'negative_slope', 0.01))})"),
+    "hardtanh": (1, lambda n, a: (f"min_nan(max_nan({a[0]}, {_float(_argument(n, 1, 'min_val', -1.0))}), "
+                                  f"{_float(_argument(n, 2, 'max_val', 1.0))})")),
+    "clamp_min": (1, _clamp_side("max", "min")),
+    "clamp_max": (1, _clamp_side("min", "max")),
 }
 
 
