@@ -125,3 +125,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     page.write_text("# A heading\n\n## A heading\n")
     assert _anchors(page) == {"a-heading", "a-heading-1"}
     assert MARKDOWN_WORD.findall("see DESIGN.md and docs/ir.md.") == ["DESIGN.md", "docs/ir.md"]
+
+
+def test_the_pipeline_page_lists_the_passes_that_run():
+    from stof_cc.passes.lower import pipeline_text
+
+    assert f"```\n{pipeline_text()}\n```" in (ROOT / "docs" / "pipeline.md").read_text()

@@ -1,9 +1,6 @@
 """`lower`: the one road from a module to a fusion plan.
 
-    module + example inputs -> cast to dtype -> trace -> canonicalize -> canonical_gemms
-    -> recognise_norms -> merge_parallel_linears
-    -> recognise_attention -> describe_key_padding -> read_kv_heads_directly -> recognise_rotary
-    -> recognise_overflow_clamp -> simplify_gemm_layouts -> partition
+    module + example inputs -> cast to dtype -> trace -> the passes of `PIPELINE`, in order -> partition
 
 `stof_cc.compile`, every `stof-cc` command and template validation lower through here, so they
 all see the same graph for the same model (before, `stof-cc tune` skipped the cast that
@@ -40,47 +37,71 @@ from stof_cc.passes.rotary import RotaryReport, recognise_rotary
 Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One stage of `run_passes`: its name (instruments and dump files use it), the `PassReports`
+    field holding its report, the function ``(graph, report=...) -> graph`` and what it does,
+    in one line (docs/pipeline.md's list is `pipeline_text`)."""
+
+    name: str
+    report: str
+    run: Callable[..., Graph]
+    does: str
+
+
+PIPELINE: tuple[Pass, ...] = (
+    Pass("canonicalize", "canonical", canonicalize,
+         "exact in-place ops made out-of-place, constants folded, identities dropped"),
+    Pass("canonical_gemms", "gemms", canonical_gemms,
+         "addmm and x @ W.T -> linear; a linear read through pieces -> one per piece"),
+    Pass("recognise_norms", "norms", recognise_norms, "RMSNorm and LayerNorm written out -> one node"),
+    Pass("merge_parallel_linears", "horizontal", merge_parallel_linears,
+         "linears of one input read through views -> one wider linear"),
+    Pass("recognise_attention", "attention", recognise_attention,
+         "SDPA and the hand-written chains -> one attention node"),
+    Pass("describe_key_padding", "padding", describe_key_padding,
+         "masks -> key padding + causal / window + a bias"),
+    Pass("read_kv_heads_directly", "gqa", read_kv_heads_directly, "repeat_kv dropped: GQA reads H_kv heads"),
+    Pass("recognise_rotary", "rotary", recognise_rotary, "HF's rotate_half arithmetic -> one rotary node"),
+    Pass("recognise_overflow_clamp", "overflow_clamp", recognise_overflow_clamp,
+         "T5's fp16 isinf().any() guard -> one node"),
+    Pass("simplify_gemm_layouts", "layouts", simplify_gemm_layouts, "layouts moved off GEMM inputs and epilogues"),
+)
+
+
 @dataclass
 class PassReports:
-    """What each pass did and refused, filled in by `run_passes`."""
+    """What each pass did and refused, filled in by `run_passes` (one field per `PIPELINE` pass)."""
 
     canonical: CanonicalizeReport = field(default_factory=CanonicalizeReport)
+    gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
+    norms: NormsReport = field(default_factory=NormsReport)
     horizontal: HorizontalReport = field(default_factory=HorizontalReport)
     attention: AttentionReport = field(default_factory=AttentionReport)
     padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
-    norms: NormsReport = field(default_factory=NormsReport)
-    gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
     gqa: GqaReport = field(default_factory=GqaReport)
     rotary: RotaryReport = field(default_factory=RotaryReport)
     overflow_clamp: OverflowClampReport = field(default_factory=OverflowClampReport)
     layouts: LayoutReport = field(default_factory=LayoutReport)
 
     def __str__(self) -> str:
-        return (f"{self.canonical}\n{self.gemms}\n{self.norms}\n{self.horizontal}\n{self.attention}\n"
-                f"{self.padding}\n{self.gqa}\n{self.rotary}\n{self.overflow_clamp}\n{self.layouts}")
+        return "\n".join(str(getattr(self, p.report)) for p in PIPELINE)
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
-    """canonicalize, canonical_gemms, recognise_norms, merge_parallel_linears,
-    recognise_attention, describe_key_padding, read_kv_heads_directly, recognise_rotary,
-    recognise_overflow_clamp, simplify_gemm_layouts, in that order (each pure: ``graph`` is not
-    modified)."""
+    """Every `PIPELINE` pass in order (each pure: ``graph`` is not modified)."""
     reports = reports if reports is not None else PassReports()
-    steps = (("canonicalize", lambda g: canonicalize(g, report=reports.canonical)),
-             ("canonical_gemms", lambda g: canonical_gemms(g, report=reports.gemms)),
-             ("recognise_norms", lambda g: recognise_norms(g, report=reports.norms)),
-             ("merge_parallel_linears", lambda g: merge_parallel_linears(g, report=reports.horizontal)),
-             ("recognise_attention", lambda g: recognise_attention(g, report=reports.attention)),
-             ("describe_key_padding", lambda g: describe_key_padding(g, report=reports.padding)),
-             ("read_kv_heads_directly", lambda g: read_kv_heads_directly(g, report=reports.gqa)),
-             ("recognise_rotary", lambda g: recognise_rotary(g, report=reports.rotary)),
-             ("recognise_overflow_clamp", lambda g: recognise_overflow_clamp(g, report=reports.overflow_clamp)),
-             ("simplify_gemm_layouts", lambda g: simplify_gemm_layouts(g, report=reports.layouts)))
-    for name, step in steps:
-        graph = step(graph)
+    for stage in PIPELINE:
+        graph = stage.run(graph, report=getattr(reports, stage.report))
         if instrument is not None:
-            instrument(name, graph)
+            instrument(stage.name, graph)
     return graph
+
+
+def pipeline_text() -> str:
+    """The passes as docs/pipeline.md lists them (tests/test_docs.py keeps the page equal to it)."""
+    width = max(len(p.name) for p in PIPELINE)
+    return "\n".join(f"{p.name:<{width}}  {p.does}" for p in PIPELINE)
 
 
 def lower(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, *,
