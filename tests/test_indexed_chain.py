@@ -175,7 +175,7 @@ class RepeatInterleave(torch.nn.Module):  # GPT-J's sin/cos tables: each frequen
         return x * table.repeat_interleave(2, dim=-1)
 
 
-class Rotary(torch.nn.Module):  # HF's rotate_half: recognise_rotary makes one rotary node of it
+class Rotary(torch.nn.Module):  # HF's rotate_half: the rotary rule makes one rotary node of it
     def forward(self, x, cos, sin):
         rotated = torch.cat((-x[..., D // 2:], x[..., : D // 2]), dim=-1)
         return x * cos + rotated * sin

@@ -1,4 +1,4 @@
-"""recognise_norms: HF's RMSNorm spelling becomes one rms_norm node (before/expected and
+"""The norms rule: HF's RMSNorm spelling becomes one rms_norm node (before/expected and
 against torch), other reductions stay; and canonicalize folds pure ATen ops on constants."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 
 import stof_cc
 from stof_cc.ir.graph import Ref, assert_structural_equal
-from stof_cc.passes import canonicalize, recognise_norms
+from stof_cc.passes import canonicalize, recognise_patterns
+from stof_cc.passes.norms import NORMS
 
 
 class _HfRmsNorm(torch.nn.Module):
@@ -32,7 +33,7 @@ class _MeanOverTokens(torch.nn.Module):
 def test_before_expected_hf_rms_norm_becomes_one_node():
     x = torch.randn(2, 5, 16)
     before = canonicalize(stof_cc.trace(_HfRmsNorm(), (x,)))
-    after = recognise_norms(before)
+    after = recognise_patterns(before, rules=(NORMS,))
     (norm,) = [n for n in after.nodes() if n.op == "rms_norm"]
     assert norm.args[1:] == ([16], None, 1e-6) and not any(n.op in ("pow", "mean", "rsqrt") for n in after.nodes())
     # expected: the same graph with the pow/mean/add/rsqrt/mul chain replaced by rms_norm
@@ -50,10 +51,10 @@ def test_before_expected_hf_rms_norm_becomes_one_node():
 def test_rms_norm_matches_torch_and_other_reductions_stay():
     torch.manual_seed(0)
     module, x = _HfRmsNorm(), torch.randn(3, 7, 16)
-    graph = recognise_norms(canonicalize(stof_cc.trace(module, (x,))))
+    graph = recognise_patterns(canonicalize(stof_cc.trace(module, (x,))), rules=(NORMS,))
     torch.testing.assert_close(stof_cc.interpret(graph, x), module(x))
     other = canonicalize(stof_cc.trace(_MeanOverTokens(), (x,)))
-    assert_structural_equal(recognise_norms(other), other)
+    assert_structural_equal(recognise_patterns(other, rules=(NORMS,)), other)
 
 
 class _RotaryTable(torch.nn.Module):
@@ -91,7 +92,7 @@ class _T5LayerNorm(torch.nn.Module):
 def test_t5_rms_norm_on_a_widened_input_is_recognised_in_half_precision():
     module = _T5LayerNorm().half()
     x = torch.randn(2, 5, 16, dtype=torch.float16)
-    graph = recognise_norms(canonicalize(stof_cc.trace(module, (x,))))
+    graph = recognise_patterns(canonicalize(stof_cc.trace(module, (x,))), rules=(NORMS,))
     (norm,) = [n for n in graph.nodes() if n.op == "rms_norm"]
     source = graph.node(norm.args[0].name)
     assert source.op == "cast" and source.spec.dtype == torch.float32  # rms_norm of x.float(): T5's arithmetic
@@ -118,7 +119,7 @@ class _WrittenLayerNorm(torch.nn.Module):
 @pytest.mark.parametrize("shared", [True, False])
 def test_a_written_out_layer_norm_becomes_one_layer_norm_node(shared):
     module, x = _WrittenLayerNorm(shared), torch.randn(3, 7, 16)
-    graph = recognise_norms(canonicalize(stof_cc.trace(module, (x,))))
+    graph = recognise_patterns(canonicalize(stof_cc.trace(module, (x,))), rules=(NORMS,))
     (norm,) = [n for n in graph.nodes() if n.op == "layer_norm"]
     assert norm.args[0].name == "x" and norm.args[1:] == ([16], None, None, 1e-5)
     assert sorted(n.op for n in graph.nodes() if n.op not in ("input", "constant")) == ["layer_norm", "mul"]
@@ -131,6 +132,6 @@ def test_a_mean_read_outside_the_norm_stays_computed():
     graph = canonicalize(stof_cc.trace(module, (x,)))
     mean = next(n for n in graph.nodes() if n.op == "mean")
     graph.outputs = [*graph.outputs, Ref(mean.name)]  # the mean is also an output: no rewrite
-    result = recognise_norms(graph)  # at most an RMSNorm of x - mean, the mean kept
+    result = recognise_patterns(graph, rules=(NORMS,))  # at most an RMSNorm of x - mean, the mean kept
     assert not any(n.op == "layer_norm" for n in result.nodes()) and any(n.op == "mean" for n in result.nodes())
 

@@ -50,7 +50,7 @@ def test_the_guard_becomes_one_node_and_keeps_its_meaning():
     for x, r in (_inputs(), _special(inf=False), _special(inf=True)):
         reports = PassReports()
         graph, _ = lower(module, (x, r), reports=reports)
-        assert len(reports.overflow_clamp.rewritten) == 1
+        assert len(reports.patterns.rewritten["overflow_clamp"]) == 1
         assert {n.op for n in graph.nodes()} >= {"overflow_clamp"}
         assert not any((n.target or "").startswith(("aten.isinf", "aten.any")) for n in graph.nodes())
         torch.testing.assert_close(interpret(graph, x, r), module(x, r), rtol=0, atol=0, equal_nan=True)
@@ -59,7 +59,7 @@ def test_the_guard_becomes_one_node_and_keeps_its_meaning():
 def test_a_guard_whose_parts_are_read_elsewhere_stays():
     reports = PassReports()
     lower(GuardedTwice(), _inputs(), reports=reports)
-    assert reports.overflow_clamp.rewritten == []
+    assert reports.patterns.rewritten["overflow_clamp"] == []
 
 
 def test_the_template_validates_and_serves_the_guard_alone_or_with_a_cast():

@@ -1,4 +1,4 @@
-"""recognise_rotary: HF's rotary embedding becomes one ``rotary`` node only where it is exactly
+"""The rotary rule: HF's rotary embedding becomes one ``rotary`` node only where it is exactly
 x * cos + rotate_half(x) * sin; the result equals the original on fresh random inputs. On the
 GPU the rotary kernel matches the reference for strided inputs, both dtypes and head dims."""
 
@@ -11,7 +11,8 @@ from stof_cc.ir.frontend import trace
 from stof_cc.ir.interpret import interpret
 from stof_cc.ir.ops import rotary_reference
 from stof_cc.ir.reference import relative_error
-from stof_cc.passes import RotaryReport, recognise_rotary
+from stof_cc.passes import RulesReport, recognise_patterns
+from stof_cc.passes.rotary import ROTARY
 
 
 def _rotate_half(x):
@@ -35,9 +36,9 @@ class Rotary(torch.nn.Module):
 
 def test_the_rotary_embedding_becomes_one_node_with_the_same_result():
     module, x = Rotary(), torch.randn(2, 16, 24)
-    report = RotaryReport()
-    graph = recognise_rotary(trace(module, (x,)), report=report)
-    assert len(report.rewritten) == 1 and [n.op for n in graph.nodes()].count("rotary") == 1
+    report = RulesReport()
+    graph = recognise_patterns(trace(module, (x,)), report=report, rules=(ROTARY,))
+    assert len(report.rewritten["rotary"]) == 1 and [n.op for n in graph.nodes()].count("rotary") == 1
     assert not any(n.op in ("cat", "neg", "slice") for n in graph.nodes())
     fresh = torch.randn(2, 16, 24)
     torch.testing.assert_close(interpret(graph, fresh), module(fresh), rtol=1e-6, atol=1e-6)
@@ -46,9 +47,9 @@ def test_the_rotary_embedding_becomes_one_node_with_the_same_result():
 def test_a_different_rotation_stays():
     """The halves swapped without the negation is not the rotary embedding."""
     module, x = Rotary(lambda x: torch.cat((x[..., 4:], x[..., :4]), dim=-1)), torch.randn(2, 16, 24)
-    report = RotaryReport()
-    graph = recognise_rotary(trace(module, (x,)), report=report)
-    assert not report.rewritten
+    report = RulesReport()
+    graph = recognise_patterns(trace(module, (x,)), report=report, rules=(ROTARY,))
+    assert not report.rewritten["rotary"]
     torch.testing.assert_close(interpret(graph, x), module(x))
 
 

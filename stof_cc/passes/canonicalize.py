@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import networkx as nx
 import torch
@@ -303,25 +303,12 @@ def remove_dead_nodes(graph: Graph, removed: list[str] | None = None) -> Graph:
     return out
 
 
-@dataclass
-class RewriteReport:
-    """The nodes a recognition pass replaced; subclasses name the pass and what it found."""
-
-    rewritten: list[str] = field(default_factory=list)
-    title: ClassVar[str] = "rewrite"
-    found: ClassVar[str] = "node(s)"
-
-    def __str__(self) -> str:
-        return f"{self.title}: {len(self.rewritten)} {self.found}" + (
-            f" ({', '.join('%' + n for n in self.rewritten)})" if self.rewritten else "")
-
-
 def replace_matches(graph: Graph, match: Callable[[Graph, Node], Any],
                     build: Callable[[Node, Any], Node], rewritten: list[str]) -> Graph:
     """A copy of ``graph`` in which each node that ``match(graph, node)`` answers (not None)
     becomes ``build(node, answer)`` (keeping its name, so readers do not change), and the
     nodes only the old ones read go away. The names replaced are appended to ``rewritten``.
-    The recognition passes (RMSNorm, the rotary embedding) build on this."""
+    The recognition rules (passes/rules.py) and the GQA pass build on this."""
     found = {}
     for node in graph.nodes():
         answer = match(graph, node)

@@ -30,9 +30,8 @@ from stof_cc.passes.gqa import GqaReport, read_kv_heads_directly
 from stof_cc.passes.horizontal import HorizontalReport, merge_parallel_linears
 from stof_cc.passes.key_padding import KeyPaddingReport, describe_key_padding
 from stof_cc.passes.layout import LayoutReport, simplify_gemm_layouts
-from stof_cc.passes.norms import NormsReport, recognise_norms
-from stof_cc.passes.overflow_clamp import OverflowClampReport, recognise_overflow_clamp
-from stof_cc.passes.rotary import RotaryReport, recognise_rotary
+from stof_cc.passes.patterns import RULES, recognise_patterns
+from stof_cc.passes.rules import RulesReport
 
 Instrument = Callable[[str, Graph], None]  # (stage name, the graph after it)
 
@@ -54,7 +53,8 @@ PIPELINE: tuple[Pass, ...] = (
          "exact in-place ops made out-of-place, constants folded, identities dropped"),
     Pass("canonical_gemms", "gemms", canonical_gemms,
          "addmm and x @ W.T -> linear; a linear read through pieces -> one per piece"),
-    Pass("recognise_norms", "norms", recognise_norms, "RMSNorm and LayerNorm written out -> one node"),
+    Pass("recognise_patterns", "patterns", recognise_patterns,
+         "the rules of passes/patterns.py: " + ", ".join(rule.name for rule in RULES)),
     Pass("merge_parallel_linears", "horizontal", merge_parallel_linears,
          "linears of one input read through views -> one wider linear"),
     Pass("recognise_attention", "attention", recognise_attention,
@@ -62,9 +62,6 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("describe_key_padding", "padding", describe_key_padding,
          "masks -> key padding + causal / window + a bias"),
     Pass("read_kv_heads_directly", "gqa", read_kv_heads_directly, "repeat_kv dropped: GQA reads H_kv heads"),
-    Pass("recognise_rotary", "rotary", recognise_rotary, "HF's rotate_half arithmetic -> one rotary node"),
-    Pass("recognise_overflow_clamp", "overflow_clamp", recognise_overflow_clamp,
-         "T5's fp16 isinf().any() guard -> one node"),
     Pass("simplify_gemm_layouts", "layouts", simplify_gemm_layouts, "layouts moved off GEMM inputs and epilogues"),
 )
 
@@ -75,13 +72,11 @@ class PassReports:
 
     canonical: CanonicalizeReport = field(default_factory=CanonicalizeReport)
     gemms: GemmFormsReport = field(default_factory=GemmFormsReport)
-    norms: NormsReport = field(default_factory=NormsReport)
+    patterns: RulesReport = field(default_factory=RulesReport)
     horizontal: HorizontalReport = field(default_factory=HorizontalReport)
     attention: AttentionReport = field(default_factory=AttentionReport)
     padding: KeyPaddingReport = field(default_factory=KeyPaddingReport)
     gqa: GqaReport = field(default_factory=GqaReport)
-    rotary: RotaryReport = field(default_factory=RotaryReport)
-    overflow_clamp: OverflowClampReport = field(default_factory=OverflowClampReport)
     layouts: LayoutReport = field(default_factory=LayoutReport)
 
     def __str__(self) -> str:

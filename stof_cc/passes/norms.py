@@ -1,5 +1,5 @@
-"""Recognise norms written out in primitives, so that `row_reduce` generates them in one pass
-over the row. RMSNorm as HuggingFace writes it:
+"""The norms rule (passes/patterns.py): norms written out in primitives become one node, so
+that `row_reduce` generates them in one pass over the row. RMSNorm as HuggingFace writes it:
 
     variance = x.pow(2).mean(-1, keepdim=True)          # pow(x, 2) or x * x
     x = x * torch.rsqrt(variance + eps)                 # (or rsqrt(...) * x)
@@ -25,28 +25,15 @@ from __future__ import annotations
 import torch
 
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import RewriteReport, replace_matches
+from stof_cc.passes.rules import Rule
 
 
-class NormsReport(RewriteReport):
-    title = "recognise_norms"
-    found = "norm(s)"
-
-
-def recognise_norms(graph: Graph, report: NormsReport | None = None) -> Graph:
-    """A copy of ``graph`` with every recognised RMSNorm as one ``rms_norm`` node and every
-    written-out LayerNorm as one ``layer_norm`` node."""
-    report = report if report is not None else NormsReport()
-
-    def build(node: Node, found: tuple[str, Ref, float]) -> Node:
-        kind, x, eps = found
-        hidden = graph.node(x.name).spec.shape[-1]
-        if kind == "layer_norm":
-            return Node(node.name, "layer_norm", "aten.layer_norm.default", (x, [hidden], None, None, eps), {},
-                        node.spec)
-        return Node(node.name, "rms_norm", "aten.rms_norm.default", (x, [hidden], None, eps), {}, node.spec)
-
-    return replace_matches(graph, _match, build, report.rewritten)
+def _build(graph: Graph, node: Node, found: tuple[str, Ref, float]) -> Node:
+    kind, x, eps = found
+    hidden = graph.node(x.name).spec.shape[-1]
+    if kind == "layer_norm":
+        return Node(node.name, "layer_norm", "aten.layer_norm.default", (x, [hidden], None, None, eps), {}, node.spec)
+    return Node(node.name, "rms_norm", "aten.rms_norm.default", (x, [hidden], None, eps), {}, node.spec)
 
 
 def _match(graph: Graph, mul: Node) -> tuple[str, Ref, float] | None:
@@ -136,3 +123,6 @@ def _squares(node: Node, x: Ref) -> bool:
     if node.op == "pow":
         return node.args[0] == x and node.args[1] == 2
     return node.op == "mul" and node.args == (x, x)
+
+
+NORMS = Rule("norms", _match, _build, "RMSNorm and LayerNorm written out -> one rms_norm / layer_norm node")

@@ -1,4 +1,5 @@
-"""Recognise T5's fp16 overflow guard, which transformers applies after every sub-layer:
+"""The overflow-clamp rule (passes/patterns.py): T5's fp16 overflow guard, which transformers
+applies after every sub-layer:
 
     w = where(isinf(x).any(), finfo.max - 1000, finfo.max)
     x = clamp(x, -w, w)
@@ -14,20 +15,7 @@ reader. Pure: the input graph is not modified.
 from __future__ import annotations
 
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import RewriteReport, replace_matches
-
-
-class OverflowClampReport(RewriteReport):
-    title = "recognise_overflow_clamp"
-    found = "overflow clamp(s)"
-
-
-def recognise_overflow_clamp(graph: Graph, report: OverflowClampReport | None = None) -> Graph:
-    """A copy of ``graph`` with every recognised overflow guard as one ``overflow_clamp`` node."""
-    report = report if report is not None else OverflowClampReport()
-    return replace_matches(graph, _match,
-                           lambda node, found: Node(node.name, "overflow_clamp", None, found, {}, node.spec),
-                           report.rewritten)
+from stof_cc.passes.rules import Rule
 
 
 def _match(graph: Graph, node: Node) -> tuple[Ref, float, float] | None:
@@ -60,3 +48,8 @@ def _match(graph: Graph, node: Node) -> tuple[Ref, float, float] | None:
 def _aten(node: Node, packet: str) -> bool:
     """Whether ``node`` is an overload of the ATen packet (``aten.any`` matches ``aten.any.default``)."""
     return isinstance(node.args[0] if node.args else None, Ref) and (node.target or "").startswith(packet + ".")
+
+
+OVERFLOW_CLAMP = Rule("overflow_clamp", _match,
+                      lambda graph, node, found: Node(node.name, "overflow_clamp", None, found, {}, node.spec),
+                      "T5's fp16 isinf().any() guard -> one overflow_clamp node")

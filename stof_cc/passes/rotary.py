@@ -1,4 +1,4 @@
-"""Recognise the rotary position embedding as HuggingFace applies it (Llama, Mistral, Qwen2):
+"""The rotary rule (passes/patterns.py): the rotary position embedding as HuggingFace applies it (Llama, Mistral, Qwen2):
 
     x * cos + cat(-x[..., D/2:], x[..., :D/2], dim=-1) * sin         # rotate_half, spelled out
 
@@ -12,21 +12,9 @@ ops (`backends/rotary_launch.py`). Pure: the input graph is not modified.
 from __future__ import annotations
 
 from stof_cc.ir.graph import Graph, Node, Ref
-from stof_cc.passes.canonicalize import RewriteReport, replace_matches
+from stof_cc.passes.rules import Rule
 
 LAST_DIMS = (3, -1)
-
-
-class RotaryReport(RewriteReport):
-    title = "recognise_rotary"
-    found = "rotary embedding(s)"
-
-
-def recognise_rotary(graph: Graph, report: RotaryReport | None = None) -> Graph:
-    """A copy of ``graph`` with every recognised rotary embedding as one ``rotary`` node."""
-    report = report if report is not None else RotaryReport()
-    return replace_matches(graph, _match, lambda node, found: Node(node.name, "rotary", None, found, {}, node.spec),
-                           report.rewritten)
 
 
 def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref] | None:
@@ -95,3 +83,7 @@ def _broadcast_table(graph: Graph, table: Ref, x: Ref) -> bool:
 def _private(graph: Graph, *nodes: Node) -> bool:
     """Each node's value is read by exactly one node (the pattern's next step)."""
     return all(len(graph.users(n.name)) == 1 and not graph.is_output(n.name) for n in nodes)
+
+
+ROTARY = Rule("rotary", _match, lambda graph, node, found: Node(node.name, "rotary", None, found, {}, node.spec),
+              "HF's rotate_half arithmetic -> one rotary node")
