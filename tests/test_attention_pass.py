@@ -225,3 +225,34 @@ def test_softcap_finite_fills_and_a_bias_under_the_fill_are_kept_on_the_node(cap
     assert node.kwargs["bias"].name == "bias" and not {"softmax", "tanh", "masked_fill"} & set(result.op_histogram())
     got, want = interpret(result, *inputs), module(*inputs)
     torch.testing.assert_close(got, want, equal_nan=True)
+
+
+class ScaledOperands(torch.nn.Module):
+    """GPT-NeoX / Falcon style: the scale written on q (and on k), not on the scores."""
+
+    def __init__(self, batched: bool) -> None:
+        super().__init__()
+        self.batched = batched
+
+    def forward(self, q, k, v, alibi):
+        b, h, s, d = q.shape
+        q, k = q / 4.0, k * 0.5
+        if self.batched:  # with baddbmm's bias: the bias is not scaled by q's scale
+            scores = torch.baddbmm(alibi, q.reshape(b * h, s, d), k.reshape(b * h, s, d).transpose(1, 2),
+                                   beta=2.0, alpha=1.0).view(b, h, s, s)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2))
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_scale_written_on_q_or_k_is_the_nodes_scale(batched):
+    b, h, s, d = 2, 3, 8, 16
+    inputs = (torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b, h, s, d), torch.randn(b * h, 1, s))
+    module = ScaledOperands(batched)
+    result = recognise_attention(canonicalize(trace(module, inputs, {})))
+    (node,) = _attention_nodes(result)
+    assert node.kwargs["scale"] == 0.125 and [a.name for a in node.args[:2]] == ["q", "k"]
+    histogram = result.op_histogram()  # q's and k's scaling gone; the bias keeps its own (beta)
+    assert "div" not in histogram and histogram.get("mul", 0) == (1 if batched else 0), histogram
+    torch.testing.assert_close(interpret(result, *inputs), module(*inputs))

@@ -226,14 +226,14 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             continue
         elif scores.op in ("mul", "div") and isinstance(scores.args[1], (int, float)):
             factor *= float(scores.args[1]) if scores.op == "mul" else 1.0 / float(scores.args[1])
-        elif merged and batch_view is None and scores.op == "view" and isinstance(scores.args[0], Ref) \
+        elif batch_view is None and scores.op == "view" and isinstance(scores.args[0], Ref) \
                 and _splits_batch(graph, graph.node(scores.args[0].name), scores):
             batch_view = scores
         else:
             break
         reader, scores = scores, take(graph.node(scores.args[0].name))
-    product = scores.op in ("bmm", "baddbmm") if merged else scores.op == "matmul"
-    if not product or (merged and batch_view is None):
+    product = scores.op in ("bmm", "baddbmm") if batch_view is not None else scores.op == "matmul"
+    if not product:
         return refuse(f"the scores come from {scores.op}, not a q k^T product")
     if not _reads_only(graph, scores, reader):
         return refuse("the q k^T product is read elsewhere too")
@@ -243,11 +243,24 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
     if key_t is None or not _is_last_two_transpose(graph, key_t) or not _reads_only(graph, key_t, scores):
         return refuse("the second operand of q k^T is not a transposed key read only there")
     k = key_t.args[0]
-    if merged:
+    q_reader, k_reader = scores, key_t
+    if batch_view is not None:
+        q_reader, k_reader = graph.node(q.name), graph.node(k.name)
         q, k = _batch_source(graph, q), _batch_source(graph, k)
         if q is None or k is None:
             return refuse("q or k of the batched product is not a [B*H, S, D] view of a [B, H, S, D] tensor")
     chain += [scores.name, key_t.name]
+    outer = factor  # what scales the whole scores; a scale on q or k scales the product alone
+    for side, reader_of in (("q", q_reader), ("k", k_reader)):  # scaling written on q or k (GPT-NeoX, Falcon)
+        ref = q if side == "q" else k
+        scaled = graph.node(ref.name)
+        batched_view = reader_of if reader_of.op == "view" else None  # [B*H, S, D] view of the scaled tensor
+        if scaled.op in ("mul", "div") and isinstance(scaled.args[0], Ref) \
+                and isinstance(scaled.args[1], (int, float)) and _reads_only(graph, scaled, reader_of) \
+                and (batched_view is None or _reads_only(graph, batched_view, scores if side == "q" else key_t)):
+            factor *= float(scaled.args[1]) if scaled.op == "mul" else 1.0 / float(scaled.args[1])
+            chain += [scaled.name] + ([batched_view.name] if batched_view is not None else [])
+            q, k = (scaled.args[0], k) if side == "q" else (q, scaled.args[0])
     if scores.op == "baddbmm":  # beta * bias + alpha * q k^T (BLOOM's ALiBi)
         added = scores.args[0] if isinstance(scores.args[0], Ref) else None
         heads = tuple(batch_view.spec.shape[:2])
@@ -256,7 +269,7 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             return refuse("baddbmm's added term is not a [B*H | 1, S | 1, S] tensor")
         if bias is not None:
             return refuse("baddbmm adds a term and so does the chain")
-        bias = AddedBias(scores.args[0], heads, factor * float(scores.kwargs.get("beta", 1.0)))
+        bias = AddedBias(scores.args[0], heads, outer * float(scores.kwargs.get("beta", 1.0)))
         factor *= float(scores.kwargs.get("alpha", 1.0))
     return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
                           softcap)
