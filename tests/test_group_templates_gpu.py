@@ -136,3 +136,22 @@ def test_gemm_output_layouts_and_dtypes(module_type):
         err = relative_error(got, want)
         assert got.dtype == problem.dtype  # bf16 for the cast, fp16 for the view
         assert err < 1e-2, f"{module_type.__name__} {params}: relative error {err}"
+
+
+@pytest.mark.parametrize("module_type", ["RowAmax", "RowMean"])
+def test_a_row_value_with_nan_in_its_row_is_nan(module_type):
+    """torch.amax and mean give NaN for a row holding a NaN; so does every point of the kernel."""
+    import group_cases
+
+    from stof_cc.templates.row_reduce import ROW_REDUCE
+
+    module, (x, r), graph, group = build(getattr(group_cases, module_type), "reduction", (3, 7, 1000), torch.float16)
+    x[1, 2, 500] = float("nan")
+    problem = ROW_REDUCE.match(graph, group)
+    values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
+    values |= {name: t.cuda() for name, t in graph.constants.items()}
+    want = module.float()(x.float(), r.float()).cuda()
+    for params in ROW_REDUCE.space(problem):
+        got = run_group(ROW_REDUCE, problem, params, values).float()
+        assert torch.equal(got.isnan(), want.isnan()), params
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2, equal_nan=True)
