@@ -53,3 +53,21 @@ def test_a_write_through_a_view_is_refused_and_named():
     canonicalize(graph, report=report)
     assert "in-place ops (%fill_)" in report.skipped
     torch.testing.assert_close(stof_cc.interpret(canonicalize(graph), x), _ThroughAView()(x))
+
+
+class _Router(torch.nn.Module):
+    """Mixtral's router: top-k weights renormalised in place (``/=`` on a piece of topk's result)."""
+
+    def forward(self, logits):
+        weights, experts = torch.topk(logits.softmax(-1), 2, dim=-1)
+        weights /= weights.sum(dim=-1, keepdim=True)
+        return weights * 2, experts
+
+
+def test_an_inplace_op_on_a_fresh_piece_of_a_multi_output_op_becomes_out_of_place():
+    x = torch.randn(5, 8)
+    graph = stof_cc.trace(_Router(), (x,))
+    functional, refused = functionalize(graph)
+    assert mutating_nodes(graph) and not refused and not mutating_nodes(functional)
+    for got, want in zip(stof_cc.interpret(functional, x), _Router()(x), strict=True):
+        torch.testing.assert_close(got, want)

@@ -178,14 +178,18 @@ def _functional_target(graph: Graph, node: Node) -> str | None:
     except GraphError:
         return None
     written = graph.node(node.args[0].name)
-    if functional._schema.is_mutable or written.op in (INPUT, CONSTANT) or _aliases(written):
+    if functional._schema.is_mutable or written.op in (INPUT, CONSTANT) or _aliases(written, graph):
         return None
     readers = [u for u in graph.users(written.name) if u.name != node.name]
-    return None if any(_aliases(u) for u in readers) else target
+    return None if any(_aliases(u, graph) for u in readers) else target
 
 
-def _aliases(node: Node) -> bool:
-    """Whether ``node``'s result may share memory with an input (a view, or an unknown op)."""
+def _aliases(node: Node, graph: Graph | None = None) -> bool:
+    """Whether ``node``'s result may share memory with an input (a view, or an unknown op); a
+    piece of a multi-output op's result (``getitem``) aliases where that op's result does
+    (split's pieces are views, topk's values are fresh)."""
+    if node.target == "operator.getitem" and graph is not None and isinstance(node.args[0], Ref):
+        return _aliases(graph.node(node.args[0].name), graph)
     if node.target is None or not node.target.startswith("aten."):
         return node.op not in (INPUT, CONSTANT)
     try:
