@@ -148,3 +148,23 @@ def test_an_index_by_a_run_of_integers_is_a_slice_and_empty_pieces_leave_a_cat()
     fresh = torch.randn(2, 5, 6, 4)
     for got, want in zip(interpret(graph, fresh), _QkvSplit()(fresh), strict=True):
         torch.testing.assert_close(got, want)
+
+
+class _Pooling(torch.nn.Module):
+    """Sentence-embedding mean pooling over tokens, and other reductions over a middle dimension."""
+
+    def forward(self, x, mask):
+        pooled = (x * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return pooled, x.amax(dim=1, keepdim=True), torch.var(x, dim=0, correction=0), x.mean(-1)
+
+
+def test_a_reduction_over_a_middle_dim_is_one_over_the_last_dim_of_a_permuted_view():
+    x, mask = torch.randn(2, 6, 4), (torch.rand(2, 6) > 0.3).float()
+    graph = canonicalize(trace(_Pooling(), (x, mask)))
+    for node in graph.nodes():
+        if node.op in ("sum", "mean", "amax", "var"):
+            rank = len(graph.node(node.args[0].name).spec.shape)
+            assert node.args[1] in ([-1], [rank - 1]), node
+    fresh = (torch.randn(2, 6, 4), (torch.rand(2, 6) > 0.3).float())
+    for got, want in zip(interpret(graph, *fresh), _Pooling()(*fresh), strict=True):
+        torch.testing.assert_close(got, want)

@@ -111,7 +111,7 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
                 out.add_constant(node.name, value)
                 report.folded.append(node.name)
             else:
-                out.add_node(replace(node, args=args, kwargs=kwargs))
+                out.add_node(_over_the_last_dim(out, replace(node, args=args, kwargs=kwargs)))
     out.outputs = [rename(r) if isinstance(r, Ref) else r for r in graph.outputs]
     return remove_dead_nodes(out, report.dead)
 
@@ -234,6 +234,40 @@ def _index_as_slice(out: Graph, node: Node, args: tuple) -> tuple | None:
     if values != list(range(values[0], values[0] + len(values))):
         return None
     return (args[0], dim, values[0], values[0] + len(values))
+
+
+ROW_VALUE_OPS = ("sum", "mean", "amax", "var")  # what templates/row_reduce.py reduces to one value per row
+
+
+def _over_the_last_dim(out: Graph, node: Node) -> Node:
+    """A sum / mean / amax / var over one dimension that is not the last (mean pooling over
+    tokens) as the same reduction over the last dimension of a permuted view (added to ``out``),
+    viewed back where keepdim puts the 1 elsewhere: the form row_reduce generates. Else ``node``."""
+    if node.op not in ROW_VALUE_OPS or not isinstance(node.spec, TensorSpec) or not node.args \
+            or not isinstance(node.args[0], Ref):
+        return node
+    rank = len(out.node(node.args[0].name).spec.shape)
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims
+    if rank < 2 or not isinstance(dims, (list, tuple)) or len(dims) != 1 or dims[0] % rank == rank - 1:
+        return node
+    dim = dims[0] % rank
+    order = [d for d in range(rank) if d != dim] + [dim]
+    x_spec = out.node(node.args[0].name).spec
+    moved = out.add_node(Node(out.fresh_name(f"{node.name}_moved"), "transpose", "aten.permute.default",
+                              (node.args[0], order), {}, TensorSpec(tuple(x_spec.shape[d] for d in order), x_spec.dtype)))
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    args = (Ref(moved.name), *([[-1]] if len(node.args) > 1 else []), *([False] if len(node.args) > 2 else []),
+            *node.args[3:])  # each argument where the node had it (var takes keepdim by keyword)
+    kwargs = node.kwargs | ({"dim": [-1]} if "dim" in node.kwargs else {}) | (
+        {"keepdim": False} if "keepdim" in node.kwargs else {})
+    reduced_shape = tuple(s for d, s in enumerate(x_spec.shape) if d != dim)
+    reduced = Node(node.name if not keepdim else out.fresh_name(f"{node.name}_last"), node.op, node.target,
+                   args, kwargs, TensorSpec(reduced_shape, node.spec.dtype))
+    if not keepdim:
+        return reduced
+    out.add_node(reduced)
+    return Node(node.name, "view", "aten.view.default", (Ref(reduced.name), list(node.spec.shape)), {}, node.spec)
 
 
 def _without_empty_pieces(out: Graph, pieces: list) -> list:
