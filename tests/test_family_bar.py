@@ -83,3 +83,14 @@ def test_a_softcapped_family_runs_its_attention_in_torch_and_says_so(family):
         compiled = stof_cc.compile(model, (), kwargs, tune=False)
     got = last_hidden(compiled(**kwargs))[tokens.cuda()]
     assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < 1e-2
+
+
+def test_an_attention_prologue_is_split_per_operand(tmp_path):
+    """Cohere's q and k each go fp32, rotate (interleaved, by stack) and come back to fp16 in
+    front of the attention: one generated kernel per operand, not one per op."""
+    model, kwargs, _ = build("cohere")
+    graph, plan = lower(model, (), kwargs, dtype=torch.float16)
+    builds = build_groups(graph, choose_scheme(graph, plan), tmp_path, compile_kernels=False)
+    rotations = [b for b in builds if any(graph.node(n).op == "stack" for n in b.group.nodes)]
+    assert len(rotations) == 2 * LAYERS and all(b.template == "elementwise" for b in rotations)
+    assert all([graph.node(n).op for n in b.group.nodes].count("cast") == 2 for b in rotations)

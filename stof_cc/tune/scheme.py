@@ -124,10 +124,33 @@ def _split_attention(graph: Graph, group: FusionGroup, capability: tuple[int, in
     """The attention group whole when only views and rotary nodes come before its anchor, else
     what comes before split off as its own (possibly generated) groups."""
     at = group.nodes.index(group.anchor)
-    if all(graph.node(n).op in VIEW_OPS or graph.node(n).op == "rotary" for n in group.nodes[:at]):
+    before = group.nodes[:at]
+    if all(graph.node(n).op in VIEW_OPS or graph.node(n).op == "rotary" for n in before):
         return [group]
-    return _split(graph, _piece(graph, group, group.nodes[:at], "a"), capability) \
-        + [_piece(graph, group, group.nodes[at:], "b")]
+    pieces = [_split(graph, _piece(graph, group, nodes, f"a{i}"), capability)
+              for i, nodes in enumerate(_per_operand(graph, group, before), start=1) if nodes]
+    return [p for split in pieces for p in split] + [_piece(graph, group, group.nodes[at:], "b")]
+
+
+def _per_operand(graph: Graph, group: FusionGroup, before: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The attention prologue as its shared part (what two operands read, first), then each
+    operand's own chain (Cohere's q and k: cast, rotation, cast each), in graph order; the whole
+    prologue as one part when some node feeds no operand (it might read an operand's chain)."""
+    inside = set(before)
+    cones = []
+    for ref in graph.node(group.anchor).refs():
+        cone, todo = set(), [ref.name]
+        while todo:
+            name = todo.pop()
+            if name in inside and name not in cone:
+                cone.add(name)
+                todo += [r.name for r in graph.node(name).refs()]
+        cones.append(cone)
+    if set().union(*cones) != inside:
+        return [before]
+    shared = {n for n in inside if sum(n in cone for cone in cones) > 1}
+    return [tuple(n for n in before if n in shared)] + [tuple(n for n in before if n in cone and n not in shared)
+                                                        for cone in cones]
 
 
 def _piece(graph: Graph, group: FusionGroup, nodes: tuple[str, ...], suffix: str) -> FusionGroup:
