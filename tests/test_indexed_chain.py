@@ -165,6 +165,12 @@ class Pieces(torch.nn.Module):  # every way a model cuts a tensor: chunk (Phi-3'
         return pieces[0] * pieces[2]
 
 
+class IntegerDivision(torch.nn.Module):  # floor, trunc and Python's remainder, negative values included
+    def forward(self, p):
+        return torch.div(p, 7, rounding_mode="floor") * 1000 + torch.div(p, -3, rounding_mode="trunc") * 10 \
+            + torch.remainder(p, -5) + p % 6
+
+
 class Stack(torch.nn.Module):  # Cohere's rotate_half: pairs interleaved by stack, then flattened
     def forward(self, x):
         return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2) * 2
@@ -195,6 +201,7 @@ CASES = {
     "embedding": (Embedding(), lambda: (torch.randint(0, 50, (B, S)),)),
     "where and masked_fill": (WhereMaskedFill(), lambda: (torch.randn(B, S, D), torch.rand(B, S, D) < 0.3)),
     "integer math": (IntegerMath(), lambda: (torch.randint(-1000, 1000, (B, S)),)),
+    "integer division": (IntegerDivision(), lambda: (torch.randint(-1000, 1000, (B, S)),)),
     **{f"pieces by {how}": (Pieces(how), lambda: (torch.randn(B, S, D),))
        for how in ("chunk", "split", "split_with_sizes", "unbind")},
     "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
@@ -233,12 +240,12 @@ def test_the_vectorised_chain_is_kept_where_it_applies_and_the_indexed_one_says_
     problem = ELEMENTWISE.match(graph, group)
     assert isinstance(problem.details.chain, Chain) and {p["vec"] for p in ELEMENTWISE.space(problem)} == {1, 8}
 
-    class FloorDivision(torch.nn.Module):  # integer division is not generated yet: refused by name
+    class IntegerPower(torch.nn.Module):  # an integer power is not generated yet: refused by name
         def forward(self, p):
-            return torch.div(p * 2, 3, rounding_mode="floor")
+            return (p * 2) ** 3
 
-    graph, group, _ = _only_group(FloorDivision(), (torch.randint(-9, 9, (B, S)),))
-    with pytest.raises(NotFusable, match=r"%div: div on i64\[2,8\]"):
+    graph, group, _ = _only_group(IntegerPower(), (torch.randint(-9, 9, (B, S)),))
+    with pytest.raises(NotFusable, match=r"%pow\w*: pow on i64\[2,8\]"):
         ELEMENTWISE.match(graph, group)
 
 
@@ -314,6 +321,7 @@ POINTWISE = {  # the ATen core set's pointwise ops transformer models use, as us
     "gelu tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"), "silu": torch.nn.functional.silu,
     "mish": torch.nn.functional.mish, "elu": torch.nn.functional.elu, "selu": torch.nn.functional.selu,
     "leaky_relu": lambda x: torch.nn.functional.leaky_relu(x, 0.2), "relu": torch.relu,
+    "floor division": lambda x: torch.div(x, 0.7, rounding_mode="floor"), "remainder": lambda x: x % -1.5,
     "hardtanh": torch.nn.functional.hardtanh, "erf": torch.erf,
 }
 

@@ -88,9 +88,12 @@ def _sub(node: Node, a: list[str]) -> str:
 
 
 def _div(node: Node, a: list[str]) -> str:
-    if node.kwargs.get("rounding_mode") is not None:
-        raise NotFusable(f"%{node.name}: div with rounding_mode={node.kwargs['rounding_mode']!r}")
-    return f"{a[0]} / {a[1]}"
+    mode = node.kwargs.get("rounding_mode")
+    if mode not in (None, "floor", "trunc"):
+        raise NotFusable(f"%{node.name}: div with rounding_mode={mode!r}")
+    if mode is None:
+        return f"{a[0]} / {a[1]}"
+    return f"floor_divide({a[0]}, {a[1]})" if mode == "floor" else f"truncf({a[0]} / {a[1]})"  # group_common.j2
 
 
 def _clamp(node: Node, a: list[str]) -> str:
@@ -160,6 +163,8 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
     "cast": (1, _identity),     # fp32 inside; the store rounds to the output dtype
     "clone": (1, _identity),
+    "remainder": (2, lambda n, a: f"(fmodf({a[0]}, {a[1]}) + (fmodf({a[0]}, {a[1]}) != 0.f && "
+                                  f"(fmodf({a[0]}, {a[1]}) < 0.f) != ({a[1]} < 0.f) ? {a[1]} : 0.f))"),  # as torch
     "abs": (1, lambda n, a: f"fabsf({a[0]})"),
     "exp2": (1, lambda n, a: f"exp2f({a[0]})"),
     "expm1": (1, lambda n, a: f"expm1f({a[0]})"),

@@ -39,7 +39,7 @@ HALF_TYPES = ("__half", "__nv_bfloat16")
 COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 # ops whose integer and boolean forms are generated (every floating op of `chain.EMITTERS` is too)
 TYPED_OPS = ("add", "sub", "mul", "neg", "maximum", "minimum", "clamp", "compare", "logical", "logical_not",
-             "where", "masked_fill", "cast", "clone", "dropout", "full_like")
+             "where", "masked_fill", "cast", "clone", "dropout", "full_like", "div", "remainder")
 INDEXED_OPS = ("rotary",)  # floating ops that read their input at other coordinates
 LAYOUT_OPS = ("view", "transpose", "expand", "repeat_interleave", "unsqueeze", "squeeze", "slice", "select", "split", "getitem",
               "contiguous", "cat", "stack", "embedding", "gather")
@@ -222,6 +222,14 @@ class IndexedChain:
             return f"({arg(args[0])} {symbol} {arg(args[1])})"
         if op == "logical_not":
             return f"!({self._arg(node, args[0], coords, 'bool')})" if ctype == "bool" else f"~({arg(args[0])})"
+        if op == "div" and node.kwargs.get("rounding_mode") in ("floor", "trunc") and ctype != "float":
+            a, b = arg(args[0]), arg(args[1])  # C truncates; floor steps down where the signs differ
+            if node.kwargs["rounding_mode"] == "trunc":
+                return f"({a} / {b})"
+            return f"({a} / {b} - (({a} % {b} != 0) && (({a} < 0) != ({b} < 0))))"
+        if op == "remainder" and ctype != "float":  # the divisor's sign, as Python's %
+            a, b = arg(args[0]), arg(args[1])
+            return f"({a} % {b} + ((({a} % {b} != 0) && ((({a} % {b}) < 0) != ({b} < 0))) ? {b} : 0))"
         if op == "clamp" and ctype != "float":
             low = args[1] if len(args) > 1 else node.kwargs.get("min")
             high = args[2] if len(args) > 2 else node.kwargs.get("max")

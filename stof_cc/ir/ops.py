@@ -355,6 +355,7 @@ _ops("broadcast", "binary elementwise ops whose operands broadcast", {
     "sub": ("aten.sub", "aten.rsub"),
     "mul": ("aten.mul",),
     "div": ("aten.div",),
+    "remainder": ("aten.remainder",),
     "maximum": ("aten.maximum",),
     "minimum": ("aten.minimum",),
     "where": ("aten.where",),
