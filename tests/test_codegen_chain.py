@@ -119,6 +119,21 @@ def test_powers_of_negative_values_hold_under_fast_math(tmp_path: Path):
     torch.testing.assert_close(got, Powers()(x, r), rtol=1e-5, atol=1e-4)
 
 
+class TensorPower(torch.nn.Module):
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return x.pow(r) + r
+
+
+@pytest.mark.nvcc
+def test_a_negative_base_to_an_integer_valued_tensor_power_is_a_number(tmp_path: Path):
+    """Only a constant fractional exponent makes a negative base NaN up front; a tensor exponent
+    is C's pow per element (x ** 2 of a negative x is positive)."""
+    torch.manual_seed(0)
+    x, r = torch.randn(SHAPE) * 3, torch.randint(-3, 4, SHAPE).float()
+    got = _run_on_host(tmp_path, TensorPower(), x, r, ["--use_fast_math"])
+    torch.testing.assert_close(got, TensorPower()(x, r), rtol=1e-4, atol=1e-4)
+
+
 def _run_on_host(tmp_path: Path, module: torch.nn.Module, x: torch.Tensor, r: torch.Tensor,
                  flags: list[str]) -> torch.Tensor:
     """``module``'s elementwise group generated as a chain, compiled for the host by nvcc with

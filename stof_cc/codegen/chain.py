@@ -72,8 +72,10 @@ def _pow(node: Node, a: list[str]) -> str:
             return f"({product})" if n >= 0 else f"(1.f / ({product}))"
         magnitude = f"powf(fabsf({a[0]}), {_float(n)})"
         return f"copysignf({magnitude}, {a[0]})" if n % 2 else magnitude
-    # torch: a negative base to a fractional power is NaN, -inf too (C's pow gives +inf there)
-    return f"({a[0]} < 0.f ? NAN : (float)pow((double)({a[0]}), (double)({a[1]})))"
+    if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
+        # torch: a negative base to a fractional power is NaN, -inf too (C's pow gives +inf there)
+        return f"({a[0]} < 0.f ? NAN : (float)pow((double)({a[0]}), {_float(exponent)}))"
+    return f"(float)pow((double)({a[0]}), (double)({a[1]}))"  # a tensor exponent: C's pow, per element
 
 
 def _add(node: Node, a: list[str]) -> str:
@@ -114,6 +116,8 @@ def _identity(node: Node, a: list[str]) -> str:
 def _argument(node: Node, position: int, name: str, default: float) -> float:
     """A number argument of ``node``, positional or keyword, else ``default``."""
     value = node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+    if value is not None and not isinstance(value, (int, float)):
+        raise NotFusable(f"%{node.name}: {node.op}'s {name} is a tensor, not a number")
     return float(default if value is None else value)
 
 

@@ -227,9 +227,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     score and a fully masked row is the mean of V, which fp32 arithmetic would not give.
     ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2)."""
     gqa = k.shape[-3] != q.shape[-3]
-    if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None \
-            and softcap is None:
-        return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, in_dtype=True)
+    if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None:
+        return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, in_dtype=True,
+                            softcap=softcap)
     additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
     added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
     if key_padding is None and window is None and empty_rows is None and softcap is None:
@@ -266,7 +266,8 @@ def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(dtype)
+    # a floating mask adds with type promotion, as the chain's own add (fp16 scores + an fp32 mask: fp32)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     if is_causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
                                     float("-inf"))

@@ -213,6 +213,8 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             inner, added = _split_mask(graph, scores)
             if inner is None:
                 return refuse("the added term is not a mask beside a q k^T product")
+            if not is_bias(graph, added):  # a boolean or integer term adds 1 where True: no attend-mask
+                return refuse(f"the added term %{added.name} is not floating")
             if mask is None:
                 mask = added
             else:  # a second term (MPT's ALiBi under its masked_fill): a bias
@@ -261,7 +263,8 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             factor *= float(scaled.args[1]) if scaled.op == "mul" else 1.0 / float(scaled.args[1])
             chain += [scaled.name] + ([batched_view.name] if batched_view is not None else [])
             q, k = (scaled.args[0], k) if side == "q" else (q, scaled.args[0])
-    if scores.op == "baddbmm":  # beta * bias + alpha * q k^T (BLOOM's ALiBi)
+    beta = float(scores.kwargs.get("beta", 1.0)) if scores.op == "baddbmm" else 0.0
+    if beta != 0.0:  # beta * bias + alpha * q k^T (BLOOM's ALiBi); beta = 0 ignores the input, as torch does
         added = scores.args[0] if isinstance(scores.args[0], Ref) else None
         heads = tuple(batch_view.spec.shape[:2])
         if added is None or len(graph.node(added.name).spec.shape) != 3 \
@@ -269,8 +272,12 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             return refuse("baddbmm's added term is not a [B*H | 1, S | 1, S] tensor")
         if bias is not None:
             return refuse("baddbmm adds a term and so does the chain")
-        bias = AddedBias(scores.args[0], heads, outer * float(scores.kwargs.get("beta", 1.0)))
+        bias = AddedBias(scores.args[0], heads, outer * beta)
+    if scores.op == "baddbmm":
         factor *= float(scores.kwargs.get("alpha", 1.0))
+    dtypes = {graph.node(r.name).spec.dtype for r in (q, k, v)}
+    if len(dtypes) > 1:  # e.g. q and k upcast to fp32, the probabilities cast to v's fp16
+        return refuse(f"q, k and v have different dtypes ({', '.join(sorted(map(str, dtypes)))})")
     return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
                           softcap)
 

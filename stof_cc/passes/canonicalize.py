@@ -244,8 +244,8 @@ def _over_the_last_dim(out: Graph, node: Node) -> Node:
     tokens) as the same reduction over the last dimension of a permuted view (added to ``out``),
     viewed back where keepdim puts the 1 elsewhere: the form row_reduce generates. Else ``node``."""
     if node.op not in ROW_VALUE_OPS or not isinstance(node.spec, TensorSpec) or not node.args \
-            or not isinstance(node.args[0], Ref):
-        return node
+            or not isinstance(node.args[0], Ref) or (node.op == "var" and node.target != "aten.var.correction"):
+        return node  # (var.dim's third argument is unbiased, not keepdim: left as it is)
     rank = len(out.node(node.args[0].name).spec.shape)
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     dims = [dims] if isinstance(dims, int) else dims

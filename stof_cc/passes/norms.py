@@ -70,7 +70,7 @@ def _row_mean(mean: Node) -> bool:
     """``mean`` averages its tensor input over the last dimension alone, keeping it."""
     dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    return mean.op == "mean" and isinstance(mean.args[0], Ref) and bool(keepdim) \
+    return mean.op == "mean" and isinstance(mean.args[0], Ref) and bool(keepdim) and "dtype" not in mean.kwargs \
         and list(dims or []) in ([-1], [len(mean.spec.shape) - 1])
 
 

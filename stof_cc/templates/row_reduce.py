@@ -211,8 +211,10 @@ def row_value_inputs(graph: Graph, node: Node) -> tuple[str, Ref, float]:
     if math.prod(node.spec.shape) != math.prod(in_shape[:-1]):
         raise NotFusable(f"%{node.name}: {node.op} gives {node.spec}, not one value per row")
     correction = 0.0
-    if node.op == "var":
-        correction = node.kwargs.get("correction", 1 if node.kwargs.get("unbiased", True) else 0)
+    if node.op == "var":  # var.correction(x, dim, *, correction, keepdim); var.dim(x, dim, unbiased, keepdim)
+        unbiased = node.args[2] if node.target == "aten.var.dim" and len(node.args) > 2 \
+            else node.kwargs.get("unbiased", True)
+        correction = node.kwargs.get("correction", 1 if unbiased else 0)
         correction = 1.0 if correction is None else float(correction)
     if node.op == "amax" and node.target not in (None, "aten.amax.default"):
         raise NotFusable(f"%{node.name}: {node.target} returns indices too; only amax is generated")
