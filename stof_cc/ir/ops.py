@@ -232,7 +232,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                             softcap=softcap)
     additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
     added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
-    if key_padding is None and window is None and empty_rows is None and softcap is None:
+    if key_padding is None and window is None and empty_rows is None and softcap is None \
+            and not (is_causal and (added is not None or mask is not None)):  # SDPA takes one or the other
         if added is not None and mask is not None and mask.dtype == torch.bool:
             added = torch.where(mask, added, float("-inf"))
         return torch.nn.functional.scaled_dot_product_attention(

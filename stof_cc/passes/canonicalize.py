@@ -92,7 +92,7 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
         if node.op == "gather" and (piece := _index_as_slice(out, node, args)) is not None:
             node, args, kwargs = replace(node, op="slice", target="aten.slice.Tensor"), piece, {}
         if node.op == "cat":  # empty pieces add nothing (Phi-3's rotary: q[..., D:] is empty)
-            args = (_without_empty_pieces(out, args[0]), *args[1:])
+            args = (_without_empty_pieces(out, args[0], node.spec.dtype), *args[1:])
         if isinstance(node.spec, TensorSpec) and node.spec.numel == 0:  # no data: whatever computed it
             out.add_constant(node.name, torch.empty(node.spec.shape, dtype=node.spec.dtype))
             report.folded.append(node.name)
@@ -270,11 +270,11 @@ def _over_the_last_dim(out: Graph, node: Node) -> Node:
     return Node(node.name, "view", "aten.view.default", (Ref(reduced.name), list(node.spec.shape)), {}, node.spec)
 
 
-def _without_empty_pieces(out: Graph, pieces: list) -> list:
-    """cat's pieces without those that hold no element."""
+def _without_empty_pieces(out: Graph, pieces: list, dtype: torch.dtype) -> list:
+    """cat's pieces without those that hold no element (and would not change its ``dtype``)."""
     def empty(piece) -> bool:
         spec = out.node(piece.name).spec if isinstance(piece, Ref) else None
-        return isinstance(spec, TensorSpec) and spec.numel == 0
+        return isinstance(spec, TensorSpec) and spec.numel == 0 and spec.dtype == dtype
     kept = [p for p in pieces if not empty(p)]
     return kept if kept else list(pieces[:1])
 
@@ -283,8 +283,10 @@ def _is_identity(graph: Graph, node: Node) -> bool:
     if node.op == "dropout":
         train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
         return train is False
-    if node.op == "clone":  # values, not storage: a kernel copies what it must read contiguously
-        return not graph.is_output(node.name)
+    if node.op == "clone":  # values, not storage: a kernel copies what it must read contiguously;
+        source = graph.node(node.args[0].name) if node.args and isinstance(node.args[0], Ref) else None
+        # kept where it copies an input or a weight (a result must never share their storage)
+        return source is not None and source.op not in (INPUT, CONSTANT) and not graph.is_output(node.name)
     if node.op == "cast" and node.args and isinstance(node.args[0], Ref):
         source = graph.node(node.args[0].name).spec
         return isinstance(source, TensorSpec) and source == node.spec
