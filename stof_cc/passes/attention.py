@@ -275,6 +275,9 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         bias = AddedBias(scores.args[0], heads, outer * beta)
     if scores.op == "baddbmm":
         factor *= float(scores.kwargs.get("alpha", 1.0))
+    if (merged or batch_view is not None) and any(  # [B*H] split the same way round everywhere
+            tuple(graph.node(r.name).spec.shape[:2]) != tuple(node.spec.shape[:2]) for r in (q, k, v)):
+        return refuse("q, k, v and the output split their [B*H] batch differently")
     dtypes = {graph.node(r.name).spec.dtype for r in (q, k, v)}
     if len(dtypes) > 1:  # e.g. q and k upcast to fp32, the probabilities cast to v's fp16
         return refuse(f"q, k and v have different dtypes ({', '.join(sorted(map(str, dtypes)))})")
