@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from group_cases import ResidualLayerNormSilu, RmsNorm, ScaledSoftmax, build
+from group_cases import (
+    ResidualLayerNormSilu,
+    RmsNorm,
+    RowAmax,
+    RowMean,
+    RowVar,
+    ScaledSoftmax,
+    build,
+)
 
 from stof_cc.backends.nvcc import nvcc_path
 from stof_cc.ir.frontend import trace
@@ -155,7 +163,8 @@ inline float emu_reduce(float v, bool is_max) {  // every thread of the row gets
     emu_values[emu_lane] = v;
     emu_barrier->arrive_and_wait();
     float r = is_max ? -INFINITY : 0.f;
-    for (int i = 0; i < emu_threads; ++i) r = is_max ? fmaxf(r, emu_values[i]) : r + emu_values[i];
+    for (int i = 0; i < emu_threads; ++i)  // max keeps NaN, as the device's max.NaN
+        r = is_max ? (r != r || emu_values[i] != emu_values[i] ? NAN : fmaxf(r, emu_values[i])) : r + emu_values[i];
     emu_barrier->arrive_and_wait();
     return r;
 }
@@ -186,7 +195,7 @@ def _host_program(problem, params, tensors: list[torch.Tensor]) -> str:
     ops, out_type = problem.operands, {2: "uint16_t", 4: "float"}[problem.dtype.itemsize]
     out_ctype = {torch.float16: "__half", torch.bfloat16: "__nv_bfloat16", torch.float32: "float"}[problem.dtype]
     rows, row_threads = params["rows"], params["row_threads"]
-    m = math.prod(problem.shape[:-1])
+    (ctas, _, _), _, _ = ROW_REDUCE.launch(problem, params)  # the grid the GPU runs
     args = "".join(f"(const {op.ctype}*)bufs[{i}], " for i, op in enumerate(ops)) + f"({out_ctype}*)out"
     sizes = ", ".join(str(t.numel() * t.element_size()) for t in tensors)
     return HOST_SHIM + device_code + f"""
@@ -203,7 +212,7 @@ int main(int, char** argv) {{
     const long long out_bytes = {math.prod(problem.shape)}LL * sizeof({out_type});
     void* out = std::aligned_alloc(64, (out_bytes + 63) / 64 * 64);
     std::memset(out, 0xff, out_bytes);  // NaN: an element no thread stores shows
-    for (unsigned b = 0; b < {-(-m // rows)}u; ++b) {{
+    for (unsigned b = 0; b < {ctas}u; ++b) {{
         std::vector<std::unique_ptr<std::barrier<>>> barriers;
         for (int r = 0; r < {rows}; ++r) barriers.push_back(std::make_unique<std::barrier<>>({row_threads}));
         std::vector<std::vector<float>> values({rows}, std::vector<float>({row_threads}));
@@ -247,6 +256,9 @@ def _run_on_host(tmp_path: Path, problem, params, values) -> torch.Tensor:
     (ScaledSoftmax, (5, 100), torch.bfloat16),             # no vectors (100 % 8)
     (RmsNorm, (2, 3, 264), torch.float32),                 # 4-element vectors
     (LayerNormOnly, (9, 40), torch.bfloat16),              # no prologue; 5 vectors a row
+    (RowMean, (3, 7, 1000), torch.float16),                # one value per row, after a prologue
+    (RowVar, (9, 40), torch.bfloat16),
+    (RowAmax, (2, 3, 264), torch.float32),                 # not keepdim
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_every_point_matches_torch_on_the_host(tmp_path: Path, module_type, shape, dtype):
     torch.manual_seed(0)
@@ -269,3 +281,21 @@ def test_every_point_matches_torch_on_the_host(tmp_path: Path, module_type, shap
         assert not torch.isnan(got).any(), params
         err = relative_error(got, want)
         assert err < 1e-2, f"{params}: relative error {err}"
+
+
+@pytest.mark.nvcc
+def test_a_row_max_keeps_nan_on_the_host(tmp_path: Path):
+    """torch.amax of a row holding a NaN is NaN; the warp and CTA layouts' max keeps it too."""
+    torch.manual_seed(0)
+    shape = (2, 3, 264)
+    module = RowAmax(shape[-1]).float()
+    x, r = torch.randn(shape), torch.randn(shape)
+    x[1, 0, 100] = float("nan")
+    graph = canonicalize(trace(module, (x, r), {}))
+    (group,) = [g for g in choose_scheme(graph, partition(graph), H100).scheme.groups if g.kind == "reduction"]
+    problem = ROW_REDUCE.match(graph, group)
+    values = {n.name: t for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
+    want = module(x, r)
+    for params in (ROW_REDUCE.space(problem)[0], ROW_REDUCE.space(problem)[-1]):  # a warp and a CTA layout
+        got = _run_on_host(tmp_path, problem, params, values)
+        torch.testing.assert_close(got, want, equal_nan=True, msg=str(params))
