@@ -52,10 +52,22 @@ class LayerNormOnly(torch.nn.Module):
 
 
 class MixedSoftmax(torch.nn.Module):
-    """An fp16 input, an fp32 residual and output: item sizes differ, so no vectors."""
+    """An fp16 input, an fp32 residual and output: vectors of the output's item size."""
 
     def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x.float() * 0.125 + r, dim=-1)
+
+
+class Fp32WeightNorm(torch.nn.Module):
+    """Cohere's LayerNorm: computed in fp32 with an fp32 weight, stored in the model's dtype."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.layer_norm((x + r).float(), (x.shape[-1],))
+        return (self.weight.float() * y).to(x.dtype)
 
 
 def test_space_holds_the_warp_and_cta_layouts_with_vectors():
@@ -74,7 +86,7 @@ def test_space_holds_the_warp_and_cta_layouts_with_vectors():
         assert math.ceil(vectors / params["row_threads"]) * params["vec"] <= MAX_ITEMS
 
 
-def test_vectors_need_whole_vectors_per_row_and_one_item_size():
+def test_vectors_need_whole_vectors_per_row_and_load_by_the_outputs_item_size():
     _, _, _, problem = _problem(ScaledSoftmax, (5, 100))  # 100 is not a multiple of 8
     assert {params["vec"] for params in ROW_REDUCE.space(problem)} == {1}
     _, _, _, problem = _problem(RmsNorm, (4, 96), torch.float32)
@@ -82,7 +94,10 @@ def test_vectors_need_whole_vectors_per_row_and_one_item_size():
     x, r = torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64)
     graph = canonicalize(trace(MixedSoftmax(), (x, r), {}))
     (group,) = [g for g in choose_scheme(graph, partition(graph), H100).scheme.groups if g.kind == "reduction"]
-    assert {params["vec"] for params in ROW_REDUCE.space(ROW_REDUCE.match(graph, group))} == {1}
+    problem = ROW_REDUCE.match(graph, group)  # fp32 vectors of 4: r in 16-byte loads, x (fp16) element by element
+    assert {params["vec"] for params in ROW_REDUCE.space(problem)} == {1, 4}
+    assert ROW_REDUCE.packed_operands(problem) == ["r"]
+    assert ROW_REDUCE.aligned_operands(problem, {"row_threads": 32, "rows": 4, "vec": 4}) == ["r"]
 
 
 def test_long_rows_have_only_the_cta_layout():
@@ -259,10 +274,12 @@ def _run_on_host(tmp_path: Path, problem, params, values) -> torch.Tensor:
     (RowMean, (3, 7, 1000), torch.float16),                # one value per row, after a prologue
     (RowVar, (9, 40), torch.bfloat16),
     (RowAmax, (2, 3, 264), torch.float32),                 # not keepdim
+    (MixedSoftmax, (3, 7, 96), torch.float16),             # fp16 x element by element in fp32 vectors
+    (Fp32WeightNorm, (3, 7, 1000), torch.float16),         # Cohere: an fp16 row, an fp32 weight
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_every_point_matches_torch_on_the_host(tmp_path: Path, module_type, shape, dtype):
     torch.manual_seed(0)
-    module = module_type(shape[-1]) if module_type is not ScaledSoftmax else module_type()
+    module = module_type() if module_type in (ScaledSoftmax, MixedSoftmax) else module_type(shape[-1])
     module = module.to(dtype)
     x, r = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     graph = canonicalize(trace(module, (x, r), {}))

@@ -4,8 +4,8 @@ epilogue fused, or one value per row (sum, mean, amax, var over the last dimensi
 written out in primitives, as Cohere's LayerNorm, with the prologue fused; what reads the
 value runs in the next group, which broadcasts it); the row held in registers (at most MAX_ITEMS elements per thread), by one
 warp (several rows per CTA, warp-shuffle reductions only) or by a whole CTA (one row per CTA,
-CTA-wide reductions), with 16-byte vector loads and stores where every tensor it reads and
-writes has one item size and rows hold whole vectors."""
+CTA-wide reductions), with 16-byte vector loads and stores where rows hold whole vectors (operands
+of another item size than the output's read element by element within each vector)."""
 
 from __future__ import annotations
 
@@ -121,12 +121,17 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
 
     @staticmethod
     def vector_width(problem: Problem) -> int:
-        """Elements per 16-byte vector when every tensor the kernel reads or writes (scalars
-        aside: they are read as p[0]) has the same item size, else 1."""
+        """Elements per vector: 16 bytes of the output's type. Operands of that item size are
+        read as one 16-byte load a vector; the others (an fp32 weight beside fp16 rows: Cohere's
+        and T5's norms) element by element within it (`packed_operands`)."""
+        return 16 // problem.dtype.itemsize
+
+    @staticmethod
+    def packed_operands(problem: Problem) -> list[str]:
+        """The operands read with 16-byte loads at vector points: tensors of the output's item size."""
         graph = problem.graph
-        specs = [graph.node(op.ref).spec for op in problem.operands if op.access != "scalar"]
-        widths = {spec.dtype.itemsize for spec in specs} | {problem.dtype.itemsize}
-        return 16 // widths.pop() if len(widths) == 1 else 1
+        return [op.ref for op in problem.operands
+                if op.access != "scalar" and graph.node(op.ref).spec.dtype.itemsize == problem.dtype.itemsize]
 
     def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
         """Bandwidth at the layout's rate (`pricing.ROW_*_RATE`), or waves of CTAs when rows
@@ -146,7 +151,7 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
     def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         if params["vec"] == 1:
             return []
-        return [op.ref for op in problem.operands if op.access != "scalar"]
+        return self.packed_operands(problem)
 
     def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
         return (f"stof_row_reduce_{problem.details.reduction}"
@@ -155,7 +160,9 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         d, row = problem.details, problem.details.row
         vectors = row // params["vec"]
-        return {"row": row, "m": d.rows, "row_value": d.reduction in ROW_VALUES, "items": -(-vectors // params["row_threads"]),
+        packed = set(self.packed_operands(problem))
+        return {"row": row, "m": d.rows, "row_value": d.reduction in ROW_VALUES,
+                "packed": {op.name for op in problem.operands if op.ref in packed}, "items": -(-vectors // params["row_threads"]),
                 "threads": params["row_threads"] * params["rows"], "reduction": d.reduction, "eps": f"{d.eps!r}f",
                 "prologue_operands": d.prologue_operands, "epilogue_operands": d.epilogue_operands,
                 "weight": d.weight, "bias": d.bias, "prologue": d.prologue, "input": d.input,
