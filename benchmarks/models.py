@@ -8,7 +8,7 @@ WORKLOADS.md's "Real models": hidden 768, 12 heads (decoders 12 query / 4 key-va
 ``--layers`` layers, batch and sequence as given; encoders get right padding (the last quarter
 of the second half of the batch), decoders an all-ones ``attention_mask``. ``encoder_layer`` is
 torch.nn's ``TransformerEncoder`` of ``TransformerEncoderLayer`` (batch first, GELU) with a
-``src_key_padding_mask``. ``--tiny`` builds
+``src_key_padding_mask`` (``encoder_layer_nomask``: the same without one). ``--tiny`` builds
 the small test configs instead (a correctness run). ``--serving`` is the serving row: hidden
 1024, 16 heads, every eighth sequence entirely padding (``attention_mask`` all 0: each
 implementation gives those rows the model's own value, uniform attention in HF's masks), the
@@ -45,7 +45,7 @@ import stof_cc  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 
 TOLERANCE = 1e-2
-ENCODERS = ("bert", "roberta", "distilbert", "vit", "t5", "encoder_layer")
+ENCODERS = ("bert", "roberta", "distilbert", "vit", "t5", "encoder_layer", "encoder_layer_nomask")
 
 
 def build(family: str, layers: int, tiny: bool, serving: bool = False):
@@ -91,6 +91,7 @@ def build(family: str, layers: int, tiny: bool, serving: bool = False):
             torch.nn.TransformerEncoderLayer(hidden, heads, ffn, dropout=0.0, activation="gelu", batch_first=True),
             layers, enable_nested_tensor=False),
     }
+    models["encoder_layer_nomask"] = models["encoder_layer"]
     torch.manual_seed(0)
     model = models[family]().eval()
 
@@ -98,6 +99,8 @@ def build(family: str, layers: int, tiny: bool, serving: bool = False):
         if family == "vit":
             size = model.config.image_size
             return {"pixel_values": torch.randn(batch, 3, size, size, device=device)}
+        if family == "encoder_layer_nomask":  # WORKLOADS.md: nn.TransformerEncoderLayer without a mask too
+            return {"src": torch.randn(batch, seq, hidden, device=device)}
         if family == "encoder_layer":  # True = padding, right padding in half the batch
             padded = torch.zeros(batch, seq, dtype=torch.bool, device=device)
             padded[batch // 2:, seq - seq // 4:] = True
@@ -260,7 +263,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,llama_eager,mistral,qwen2,qwen3,olmo2,gemma3,"
                                                 "phi3,bloom,falcon,cohere,"
-                                                "vit,t5,encoder_layer")
+                                                "vit,t5,encoder_layer,encoder_layer_nomask")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
