@@ -316,3 +316,33 @@ def test_a_row_max_keeps_nan_on_the_host(tmp_path: Path):
     for params in (ROW_REDUCE.space(problem)[0], ROW_REDUCE.space(problem)[-1]):  # a warp and a CTA layout
         got = _run_on_host(tmp_path, problem, params, values)
         torch.testing.assert_close(got, want, equal_nan=True, msg=str(params))
+
+
+class PooledTokens(torch.nn.Module):
+    """Mean pooling over tokens: a reduction over a middle axis, read through a permute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return (x * r).sum(1)
+
+
+@pytest.mark.nvcc
+def test_a_prologue_with_layout_ops_is_an_indexed_chain_checked_on_the_host(tmp_path: Path):
+    """The permute that moves the reduced axis last is read in the kernel's prologue (index
+    arithmetic at scalar points): one kernel, no copy of the permuted tensor."""
+    torch.manual_seed(0)
+    shape = (3, 40, 24)
+    module = PooledTokens(shape[-1])
+    x, r = torch.randn(shape), torch.randn(shape)
+    graph = canonicalize(trace(module, (x, r), {}))
+    groups = choose_scheme(graph, partition(graph), H100).scheme.groups
+    (group,) = [g for g in groups if g.kind == "reduction"]
+    assert len(groups) == 1 and "transpose" in [graph.node(n).op for n in group.nodes]
+    problem = ROW_REDUCE.match(graph, group)
+    assert problem.details.indexed and {p["vec"] for p in ROW_REDUCE.space(problem)} == {1}
+    values = {n.name: t for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
+    for params in ROW_REDUCE.space(problem):
+        got = _run_on_host(tmp_path, problem, params, values)
+        torch.testing.assert_close(got, module(x, r), rtol=1e-4, atol=1e-4, msg=str(params))

@@ -236,7 +236,7 @@ class AnchorInput:
     group's nodes before the anchor (None: the input itself, read as ``x_in``), the operands that
     reads, and the group's nodes after the anchor."""
 
-    prologue: Chain | None
+    prologue: Chain | IndexedChain | None
     operands: list[KernelOperand]
     after: tuple[str, ...]
 
@@ -249,9 +249,12 @@ class AnchorInput:
         return self.prologue.result if self.prologue is not None else "LOAD_FULL(x_in)"
 
 
-def anchor_input(graph: Graph, group: FusionGroup, source: str, shape: tuple[int, ...]) -> AnchorInput:
+def anchor_input(graph: Graph, group: FusionGroup, source: str, shape: tuple[int, ...],
+                 indexed: bool = False) -> AnchorInput:
     """The group's nodes before its anchor as the prologue computing the anchor's input
-    ``source`` (it must end there), or ``source`` read directly when there are none."""
+    ``source`` (it must end there), or ``source`` read directly when there are none. With
+    ``indexed`` a prologue the vectorised chain refuses (a layout op, a broadcast of another
+    shape) is an `IndexedChain` over the flat index ``idx`` (the template's scalar points)."""
     anchor = group.anchor
     position = group.nodes.index(anchor)
     before, after = group.nodes[:position], tuple(group.nodes[position + 1:])
@@ -259,7 +262,12 @@ def anchor_input(graph: Graph, group: FusionGroup, source: str, shape: tuple[int
         return AnchorInput(None, [kernel_operand(graph, source, "x_in", "full")], after)
     if source != before[-1]:
         raise NotFusable(f"%{anchor}: its input %{source} is not the end of the group's prologue")
-    prologue = Chain(graph, before, {}, shape, operand_prefix="in")
+    try:
+        prologue: Chain | IndexedChain = Chain(graph, before, {}, shape, operand_prefix="in")
+    except NotFusable:
+        if not indexed:
+            raise
+        prologue = IndexedChain(graph, before, shape, index="idx", operand_prefix="in")
     return AnchorInput(prologue, chain_operands(graph, group, prologue), after)
 
 

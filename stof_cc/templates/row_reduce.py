@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, NotFusable, NotItsPattern
+from stof_cc.codegen import Chain, IndexedChain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
@@ -52,6 +52,7 @@ class RowReduceDetails:
     eps: float  # the norm's (0 for softmax); var's correction
     row: int  # the reduced (last) dimension of the input
     rows: int  # rows reduced
+    indexed: bool  # the prologue is an IndexedChain (layout ops, broadcasts): scalar points only
     prologue_operands: tuple[KernelOperand, ...]  # read before the reduction (or the input itself)
     epilogue_operands: tuple[KernelOperand, ...]  # read after it: the norm's weight and bias, the epilogue's
     weight: str  # the norm weight's C name ("weight"), "" without one
@@ -86,7 +87,7 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
 
         # read before the reduction (the prologue, or the input itself) / after it (the norm's
         # weight and bias, the epilogue): each loop of the kernel loads only its own operands
-        read = anchor_input(graph, group, source.name, in_shape)
+        read = anchor_input(graph, group, source.name, in_shape, indexed=True)
         prologue_operands = read.operands
         prologue_code, input_expr = read.code(" " * 16), read.expression
         epilogue_operands = [kernel_operand(graph, ref.name, name, "row")
@@ -95,6 +96,7 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
         epilogue_operands += chain_operands(graph, group, epilogue)
         details = RowReduceDetails(
             reduction=reduction, eps=eps, row=in_shape[-1], rows=math.prod(in_shape[:-1]),
+            indexed=isinstance(read.prologue, IndexedChain),
             prologue_operands=tuple(prologue_operands),
             epilogue_operands=tuple(epilogue_operands), weight="weight" if weight is not None else "",
             bias="bias" if bias is not None else "", prologue=prologue_code, input=input_expr,
@@ -111,7 +113,8 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
         row = problem.details.row
         widest = self.vector_width(problem)
         points = []
-        for vec in ((widest, 1) if widest > 1 and row % widest == 0 else (1,)):
+        vectorised = widest > 1 and row % widest == 0 and not problem.details.indexed
+        for vec in ((widest, 1) if vectorised else (1,)):
             vectors = row // vec
             points += [{"row_threads": 32, "rows": rows, "vec": vec} for rows in WARP_ROWS
                        if -(-vectors // 32) * vec <= MAX_ITEMS]
