@@ -149,10 +149,23 @@ class RowAmax(RowMean):
         return (x - r).amax(-1)
 
 
+class Fp32WeightNorm(torch.nn.Module):
+    """Cohere's LayerNorm: computed in fp32 with an fp32 weight, stored in the model's dtype."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        y = torch.nn.functional.layer_norm((x + r).float(), (x.shape[-1],))
+        return (self.weight.float() * y).to(x.dtype)
+
+
 # (module type, template, group kind)
 CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
          (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction"),
-         (RowMean, ROW_REDUCE, "reduction"), (RowVar, ROW_REDUCE, "reduction"), (RowAmax, ROW_REDUCE, "reduction")]
+         (RowMean, ROW_REDUCE, "reduction"), (RowVar, ROW_REDUCE, "reduction"), (RowAmax, ROW_REDUCE, "reduction"),
+         (Fp32WeightNorm, ROW_REDUCE, "reduction")]
 GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearTanhGelu, GEMM_EPILOGUE, "gemm"),
               (LinearResidual, GEMM_EPILOGUE, "gemm"),
               (HeadSplit, GEMM_EPILOGUE, "gemm"), (LinearResidualLayerNorm, GEMM_LAYERNORM, "gemm"),

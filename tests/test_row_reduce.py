@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from group_cases import (
+    Fp32WeightNorm,
     ResidualLayerNormSilu,
     RmsNorm,
     RowAmax,
@@ -56,18 +57,6 @@ class MixedSoftmax(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         return torch.softmax(x.float() * 0.125 + r, dim=-1)
-
-
-class Fp32WeightNorm(torch.nn.Module):
-    """Cohere's LayerNorm: computed in fp32 with an fp32 weight, stored in the model's dtype."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(width))
-
-    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.layer_norm((x + r).float(), (x.shape[-1],))
-        return (self.weight.float() * y).to(x.dtype)
 
 
 def test_space_holds_the_warp_and_cta_layouts_with_vectors():
