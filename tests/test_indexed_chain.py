@@ -335,17 +335,22 @@ class _Pointwise(torch.nn.Module):
         return self.fn(x * 1.0)
 
 
+def _special_values(op: str) -> torch.Tensor:
+    """Random values with NaN, 0, -0 and (not for GELU, see below) +-inf among them."""
+    torch.manual_seed(0)
+    x = torch.randn(B, S, D) * 3
+    specials = [float("nan"), 0.0, -0.0] + ([] if op.startswith("gelu") else [float("inf"), float("-inf")])
+    x.view(-1)[:len(specials)] = torch.tensor(specials)
+    return x
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("op", sorted(POINTWISE))
 def test_every_pointwise_op_keeps_nan_and_inf_as_torch_does(tmp_path: Path, op: str):
     """Each op generated (one group: no op of it in torch) and run on the host against torch on
     random values with NaN, +-inf, 0 and -0 among them. GELU at +-inf is left out: torch's CPU
     kernel gives NaN at both, its CUDA kernel inf and NaN; the generated one gives the limits."""
-    torch.manual_seed(0)
-    x = torch.randn(B, S, D) * 3
-    specials = [float("nan"), 0.0, -0.0] + ([] if op.startswith("gelu") else [float("inf"), float("-inf")])
-    x.view(-1)[:len(specials)] = torch.tensor(specials)
-    module = _Pointwise(POINTWISE[op])
+    x, module = _special_values(op), _Pointwise(POINTWISE[op])
     graph, group, values = _only_group(module, (x,))
     assert group.nodes[-1] == graph.outputs[0].name  # the whole computation, nothing left over
     ELEMENTWISE.match(graph, group)  # generated, or NotFusable naming the op
@@ -360,11 +365,7 @@ def test_every_pointwise_op_keeps_nan_and_inf_on_the_gpu(op: str):
     """The same values through the kernel the GPU runs (fast math): against torch on the GPU."""
     from stof_cc.backends.group_launch import GroupLaunch
 
-    torch.manual_seed(0)
-    x = torch.randn(B, S, D) * 3
-    specials = [float("nan"), 0.0, -0.0] + ([] if op.startswith("gelu") else [float("inf"), float("-inf")])
-    x.view(-1)[:len(specials)] = torch.tensor(specials)
-    module = _Pointwise(POINTWISE[op])
+    x, module = _special_values(op), _Pointwise(POINTWISE[op])
     graph, group, values = _only_group(module, (x,))
     problem = ELEMENTWISE.match(graph, group)
     want = module(x.cuda())

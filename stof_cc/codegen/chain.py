@@ -113,6 +113,11 @@ def _identity(node: Node, a: list[str]) -> str:
     return a[0]
 
 
+def _call(function: str) -> tuple[int, Callable[[Node, list[str]], str]]:
+    """A one-argument C math function applied to the value: ``function(x)``."""
+    return 1, lambda node, a: f"{function}({a[0]})"
+
+
 def _argument(node: Node, position: int, name: str, default: float) -> float:
     """A number argument of ``node``, positional or keyword, else ``default``."""
     value = node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
@@ -156,26 +161,25 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "gelu": (1, _gelu),
     "silu": (1, lambda n, a: f"{a[0]} / (1.f + expf(-{a[0]}))"),
     "sigmoid": (1, lambda n, a: f"1.f / (1.f + expf(-{a[0]}))"),
-    "tanh": (1, lambda n, a: f"tanhf({a[0]})"),
-    "exp": (1, lambda n, a: f"expf({a[0]})"),
-    "erf": (1, lambda n, a: f"erff({a[0]})"),
-    "sqrt": (1, lambda n, a: f"sqrtf({a[0]})"),
-    "rsqrt": (1, lambda n, a: f"rsqrtf({a[0]})"),
+    "tanh": _call("tanhf"),
+    "exp": _call("expf"),
+    "erf": _call("erff"),
+    "sqrt": _call("sqrtf"),
+    "rsqrt": _call("rsqrtf"),
     "neg": (1, lambda n, a: f"-{a[0]}"),
     "pow": (2, _pow),
     "clamp": (1, _clamp),
     "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
     "cast": (1, _identity),     # fp32 inside; the store rounds to the output dtype
     "clone": (1, _identity),
-    "remainder": (2, lambda n, a: f"(fmodf({a[0]}, {a[1]}) + (fmodf({a[0]}, {a[1]}) != 0.f && "
-                                  f"(fmodf({a[0]}, {a[1]}) < 0.f) != ({a[1]} < 0.f) ? {a[1]} : 0.f))"),  # as torch
-    "abs": (1, lambda n, a: f"fabsf({a[0]})"),
-    "exp2": (1, lambda n, a: f"exp2f({a[0]})"),
-    "expm1": (1, lambda n, a: f"expm1f({a[0]})"),
-    "log": (1, lambda n, a: f"logf({a[0]})"),
-    "log1p": (1, lambda n, a: f"log1pf({a[0]})"),
-    "sin": (1, lambda n, a: f"sinf({a[0]})"),
-    "cos": (1, lambda n, a: f"cosf({a[0]})"),
+    "remainder": (2, lambda n, a: f"remainder_of({a[0]}, {a[1]})"),  # group_common.j2, as torch
+    "abs": _call("fabsf"),
+    "exp2": _call("exp2f"),
+    "expm1": _call("expm1f"),
+    "log": _call("logf"),
+    "log1p": _call("log1pf"),
+    "sin": _call("sinf"),
+    "cos": _call("cosf"),
     "reciprocal": (1, lambda n, a: f"1.f / {a[0]}"),
     "square": (1, lambda n, a: f"{a[0]} * {a[0]}"),
     "softplus": (1, _softplus),
