@@ -14,6 +14,7 @@ import torch
 import stof_cc
 from stof_cc.passes import lower
 from stof_cc.runtime.build import build_groups
+from stof_cc.runtime.compiled import CompiledModule, _lifetimes
 from stof_cc.tune.scheme import choose_scheme
 
 pytest.importorskip("transformers")
@@ -94,3 +95,22 @@ def test_an_attention_prologue_is_split_per_operand(tmp_path):
     rotations = [b for b in builds if any(graph.node(n).op == "stack" for n in b.group.nodes)]
     assert len(rotations) == 2 * LAYERS and all(b.template == "elementwise" for b in rotations)
     assert all([graph.node(n).op for n in b.group.nodes].count("cast") == 2 for b in rotations)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_step_reads_only_values_an_earlier_step_wrote(family):
+    """The GPU's steps, built on the host: each value a generated kernel reads is still alive
+    when it runs (a kernel reads through a `split` to the merged GEMM under it, a value no node
+    of its group names: the first lifetimes dropped it after the split's own step)."""
+    model, kwargs, _ = build(family)
+    graph, plan = lower(model, (), kwargs, dtype=torch.float16)
+    plan = choose_scheme(graph, plan)
+    steps = CompiledModule(model, torch.float16, None, use_gpu_kernels=False, build_dir=None).steps(graph, plan, gpu=True)
+    dies_after = _lifetimes(graph, steps)
+    alive = {n.name for n in graph.nodes() if n.op in ("input", "constant")}
+    for step, dead in zip(steps, dies_after, strict=True):
+        # what the launch is handed (`GroupLaunch` reads its problem's operands), not what the step says
+        reads = {o.ref for o in step.kernel[1].operands} if step.kind == "kernel" else step.reads(graph)
+        assert reads <= alive | set(step.group.nodes), (step.group.name, reads - alive)
+        alive = (alive | step.writes()) - set(dead)
+    assert any(s.kind == "kernel" for s in steps)

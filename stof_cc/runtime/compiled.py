@@ -39,6 +39,7 @@ from stof_cc.backends.pycuda_backend import current_device, device_arch
 from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
+from stof_cc.ir.node import CONSTANT, INPUT
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, from_dense
@@ -72,6 +73,19 @@ class Step:
     bias: tuple[str, ...] = ()  # attention steps: the values the kernel adds to the scores (float mask, ALiBi)
     empty_rows: str | None = None  # attention steps: what a query with no allowed key gives, if not 0
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
+
+    def writes(self) -> set[str]:
+        """The values this step leaves for later steps: a kernel its one output, any other
+        step every node it runs."""
+        return {self.kernel[1].output} if self.kind == "kernel" else set(self.group.nodes)
+
+    def reads(self, graph: Graph) -> set[str]:
+        """The values this step reads: a kernel its operands (which may lie behind views the
+        group's own nodes name, e.g. the merged GEMM under a `split`), any other step what its
+        nodes' arguments name."""
+        if self.kind == "kernel":
+            return {operand.ref for operand in self.kernel[1].operands}
+        return {ref.name for name in self.group.nodes for ref in graph.node(name).refs()}
 
 
 @dataclass
@@ -209,9 +223,15 @@ class CompiledModule:
             plan = choose_scheme(graph, plan)
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
-        steps = [self._step(graph, group, gpu) for group in plan.scheme.groups]
+        steps = self.steps(graph, plan, gpu)
+        dies_after = _lifetimes(graph, steps)
         _load_kernels(steps)
-        return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
+        return Variant(graph, plan, steps, dies_after, gpu=gpu)
+
+    def steps(self, graph: Graph, plan: FusionPlan, gpu: bool) -> list[Step]:
+        """One step per group of ``plan``, in order: a generated kernel, stof-cc's attention or
+        torch (``gpu`` False: every step runs in torch)."""
+        return [self._step(graph, group, gpu) for group in plan.scheme.groups]
 
     def _step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
         if group.kind == "attention":
@@ -513,12 +533,19 @@ def _key_padding(given: dict[str, Any], env: dict[str, Any]) -> KeyPadding | Non
 
 
 def _lifetimes(graph: Graph, steps: list[Step]) -> list[list[str]]:
-    """For each step, the values no later step reads (graph outputs live to the end)."""
+    """For each step, the values no later step reads (graph outputs live to the end). Raises
+    if a step reads a value no earlier step wrote: a scheduling error of stof-cc's, named here
+    at compile time rather than as a missing input at the first call."""
     last: dict[str, int] = {}
+    written = {n.name for n in graph.nodes() if n.op in (INPUT, CONSTANT)}
     for index, step in enumerate(steps):
-        for name in step.group.nodes:
-            for ref in graph.node(name).refs():
-                last[ref.name] = index
+        missing = sorted(step.reads(graph) - written - set(step.group.nodes))
+        if missing:
+            raise RuntimeError(f"stof_cc internal error: step {index} (group {step.group.name}, {step.kind}) "
+                               f"reads %{', %'.join(missing)} before any step writes it")
+        for name in step.reads(graph):
+            last[name] = index
+        written |= step.writes()
     outputs = {r.name for r in graph.outputs if isinstance(r, Ref)}
     dies: list[list[str]] = [[] for _ in steps]
     for name, index in last.items():
