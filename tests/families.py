@@ -37,7 +37,8 @@ FAMILIES = {
     "starcoder2": lambda: T.Starcoder2Model(T.Starcoder2Config(**DECODER)),
     "stablelm": lambda: T.StableLmModel(T.StableLmConfig(**DECODER)),
     "granite": lambda: T.GraniteModel(T.GraniteConfig(**DECODER)),
-    "gemma2": lambda: T.Gemma2Model(T.Gemma2Config(head_dim=HIDDEN // HEADS, **DECODER)),
+    # eager: the one implementation that softcaps in every transformers release (5.17 defaults to sdpa, which drops it)
+    "gemma2": lambda: T.Gemma2Model(T.Gemma2Config(head_dim=HIDDEN // HEADS, attn_implementation="eager", **DECODER)),
     "t5": lambda: T.T5EncoderModel(T.T5Config(num_layers=LAYERS, d_model=HIDDEN, num_heads=HEADS,
                                               d_kv=HIDDEN // HEADS, d_ff=FFN, vocab_size=VOCAB)),
     "vit": lambda: T.ViTModel(T.ViTConfig(num_hidden_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,

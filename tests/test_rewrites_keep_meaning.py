@@ -77,7 +77,8 @@ def test_a_fully_masked_row_keeps_the_chains_own_arithmetic():
 
 
 class _Upcast(torch.nn.Module):
-    """q and k upcast to fp32, the probabilities cast to v's fp16: not one attention node."""
+    """q and k upcast to fp32, the probabilities cast to v's fp16 (GPT-J's eager attention in
+    transformers 5.17): one attention, the upcasts being exact."""
 
     def forward(self, q, k, v):
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * 0.3
@@ -91,9 +92,13 @@ class _BoolAdded(torch.nn.Module):
         return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + m, -1), v)
 
 
-def test_chains_that_are_not_one_attention_stay_as_they_are():
+def test_q_and_k_upcast_to_fp32_are_one_attention():
     graph = _same(_Upcast(), *_qkv(), dtype=torch.float16, atol=1e-2)
-    assert not any(n.op == "attention" for n in graph.nodes())
+    ops = [n.op for n in graph.nodes()]
+    assert ops.count("attention") == 1 and "cast" not in ops and "matmul" not in ops, ops
+
+
+def test_chains_that_are_not_one_attention_stay_as_they_are():
     graph = _same(_BoolAdded(), *_qkv(), torch.rand(B, 1, S, S) > 0.5)
     assert not any(n.op == "attention" for n in graph.nodes())
 

@@ -342,7 +342,7 @@ _ops("elementwise", "one output element from the same input element", {
     "logical_not": ("aten.logical_not", "aten.bitwise_not"),
     "dropout": ("aten.dropout",),  # identity in eval mode (train=False)
     "cast": ("aten.to", "aten._to_copy", "aten.type_as"),
-    "clone": ("aten.clone", "aten.alias", "aten.detach"),
+    "clone": ("aten.clone", "aten.alias", "aten.detach", "aten.lift_fresh_copy"),
 })
 
 _ops("elementwise", "creation ops: no tensor inputs, folded to constants by canonicalize", {

@@ -263,6 +263,12 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             factor *= float(scaled.args[1]) if scaled.op == "mul" else 1.0 / float(scaled.args[1])
             chain += [scaled.name] + ([batched_view.name] if batched_view is not None else [])
             q, k = (scaled.args[0], k) if side == "q" else (q, scaled.args[0])
+            q_reader, k_reader = (scaled, k_reader) if side == "q" else (q_reader, scaled)
+    for side, reader_of in (("q", q_reader), ("k", k_reader)):  # GPT-J: q k^T in fp32 of fp16 q and k
+        upcast = graph.node((q if side == "q" else k).name)
+        if _exact_upcast(graph, upcast) and _reads_only(graph, upcast, reader_of):
+            chain.append(upcast.name)  # exact, and the kernels' product accumulates in fp32 already
+            q, k = (upcast.args[0], k) if side == "q" else (q, upcast.args[0])
     beta = float(scores.kwargs.get("beta", 1.0)) if scores.op == "baddbmm" else 0.0
     if beta != 0.0:  # beta * bias + alpha * q k^T (BLOOM's ALiBi); beta = 0 ignores the input, as torch does
         added = scores.args[0] if isinstance(scores.args[0], Ref) else None
@@ -283,6 +289,12 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         return refuse(f"q, k and v have different dtypes ({', '.join(sorted(map(str, dtypes)))})")
     return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
                           softcap)
+
+
+def _exact_upcast(graph: Graph, node: Node) -> bool:
+    """``node`` casts an fp16 or bf16 value to fp32 (every value kept exactly)."""
+    return node.op == "cast" and isinstance(node.args[0], Ref) and node.spec.dtype == torch.float32 \
+        and graph.node(node.args[0].name).spec.dtype in (torch.float16, torch.bfloat16)
 
 
 def _splits_batch(graph: Graph, batched: Node, view: Node) -> bool:
