@@ -182,6 +182,7 @@ def run_family(family: str, args, database: Path) -> dict:
             row["steps"] = compiled.explain()
             row["torch_steps"] = sum(s.kind == "torch" and "views only" not in s.note
                                      for v in compiled.variants.values() for s in v.steps)
+            row["library_steps"] = sum(s.kind == "library" for v in compiled.variants.values() for s in v.steps)
         except Exception as exc:  # reported, not hidden
             row.update(stof_err=math.inf, stof_ms=math.inf, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         print(f"  {family}: stof-cc {row['stof_ms']:.3f} ms, error {row['stof_err']:.1e}"
@@ -293,15 +294,16 @@ def main() -> None:
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}"
           f"{' (serving: every eighth sequence all padding)' if args.serving else ''}")
-    print("| family | stof ms (error) | torch steps | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
+    print("| family | stof ms (error) | torch steps | cuBLAS steps | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
           + "speedup |")
-    print("|" + "---|" * (len(names) + 5))
+    print("|" + "---|" * (len(names) + 6))
     for r in rows:
         cells = "".join((f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)")
                          if n in r["peers"] else "-") + " | " for n in names)
         backend = f"{r.get('backend_ms', math.inf):.3f} ({r.get('backend_err', math.inf):.1e})"
         speedup = f"{r['speedup']:.2f}x" if math.isfinite(r["best_peer_ms"]) else "- (no peer)"
-        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {r.get('torch_steps', '-')} | {backend} | "
+        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {r.get('torch_steps', '-')} | "
+              f"{r.get('library_steps', '-')} | {backend} | "
               f"{cells}{speedup} |")
 
 

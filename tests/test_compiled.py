@@ -394,14 +394,13 @@ def test_stof_cc_tune_records_what_compile_looks_up(fake_gpu, example_path):
     the fp16 cast and tuned fp32 signatures that compile never looked up)."""
     import stof_cc.cli
     from stof_cc.tune.database import TuningDatabase
-    from stof_cc.tune.model import group_signature
+    from stof_cc.tune.model import group_signature, groups_to_tune
 
     monkeypatch = fake_gpu
     tuned: set[str] = set()
 
     def record_groups(graph, plan, *args, **kwargs):
-        groups = [*plan.default.groups, *(g for _, scheme in plan.alternatives for g in scheme.groups)]
-        tuned.update(group_signature(graph, g) for g in groups)
+        tuned.update(group_signature(graph, g) for g in groups_to_tune(graph, plan, (9, 0)))
         return plan, []
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a fake H100 (fake_gpu: sm_90)

@@ -53,6 +53,7 @@ from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase, check_database_argument
+from stof_cc.tune.library import LIBRARY_GEMM, is_lone_linear, library_wins
 from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
@@ -63,7 +64,7 @@ NO_GPU = "no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA)"
 @dataclass
 class Step:
     group: FusionGroup
-    kind: str  # "kernel" | "attention" | "torch"
+    kind: str  # "kernel" | "attention" | "library" (cuBLAS, measured faster) | "torch"
     note: str
     kernel: tuple | None = None  # kernel steps: (template, problem, params)
     tuned: bool = False  # kernel steps: params are a measured winner (else stage 1's default point)
@@ -244,9 +245,16 @@ class CompiledModule:
             note = "; ".join(refused) + (f"; {len(rotary)} rotary kernel(s)" if rotary else "")
             return Step(group, "torch", note, rotary=rotary)
         template, problem = found[0].template, found[0].problem
-        params, how = self._params(template, problem, graph, group)
+        record = self._record(template, graph, group)
+        tuned = record is not None and record.params in template.space(problem)
+        library = self._record(LIBRARY_GEMM, graph, group) if is_lone_linear(graph, group) else None
+        if library is not None and library_wins(library.micros, record.micros if tuned else None):
+            return Step(group, "library", f"cuBLAS through F.linear ({library.micros:.1f} us measured against "
+                                          + (f"{record.micros:.1f} us generated)" if tuned else "no generated record)"))
+        params = record.params if tuned else template.default_params(problem)
+        how = f"tuned, {record.micros:.1f} us" if tuned else "default point, not tuned"
         return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),
-                    tuned=how.startswith("tuned"))
+                    tuned=tuned)
 
     def _attention_step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
         """stof_cc.attention for the anchor, or torch with the reason; ``mask=`` holds in both
@@ -281,14 +289,13 @@ class CompiledModule:
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
                     bias=tuple(r.name for r in bias), empty_rows=empty_rows)
 
-    def _params(self, template, problem, graph: Graph, group: FusionGroup) -> tuple[dict[str, Any], str]:
-        """The tuning database's winner for this group when it has one (and it is still a legal
-        point), else the template's default point."""
-        if self.database is not None:
-            record = self.database.lookup(template, group_signature(graph, group), Device.current())
-            if record is not None and record.params in template.space(problem):
-                return record.params, f"tuned, {record.micros:.1f} us"
-        return template.default_params(problem), "default point, not tuned"
+    def _record(self, template, graph: Graph, group: FusionGroup):
+        """The tuning database's record of ``template`` (or `LIBRARY_GEMM`) for ``group``, or None.
+        A kernel step runs a record's parameters where they are still a legal point, else the
+        template's default point."""
+        if self.database is None:
+            return None
+        return self.database.lookup(template, group_signature(graph, group), Device.current())
 
     # -- running ----------------------------------------------------------------------------------
     def _run(self, graph: Graph, step: Step, env: dict[str, Any], device: torch.device) -> None:

@@ -51,10 +51,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from stof_cc.ir.paths import blocking_file
 from stof_cc.templates.registry import KernelTemplate, template_file_text
+
+if TYPE_CHECKING:
+    from stof_cc.tune.library import LibraryGemm
 
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT = 60.0  # seconds a write waits for another process's lock before it is skipped
@@ -358,12 +361,14 @@ class TuningDatabase:
         self._db.close()
 
     @staticmethod
-    def key(template: KernelTemplate, signature: str, device: Device) -> str:
-        parts = [str(SCHEMA_VERSION), template.name, template_digest(template), signature, device.name,
+    def key(template: KernelTemplate | LibraryGemm, signature: str, device: Device) -> str:
+        # a library choice (tune/library.py) has no sources: it digests its versions itself
+        digest = template.digest() if hasattr(template, "digest") else template_digest(template)
+        parts = [str(SCHEMA_VERSION), template.name, digest, signature, device.name,
                  f"{device.capability[0]}.{device.capability[1]}", device.cuda]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
-    def lookup(self, template: KernelTemplate, signature: str, device: Device) -> Record | None:
+    def lookup(self, template: KernelTemplate | LibraryGemm, signature: str, device: Device) -> Record | None:
         """The stored winner, or None (never stored, stored for an older template/device, or
         the database could not be read)."""
         key = self.key(template, signature, device)
@@ -385,7 +390,7 @@ class TuningDatabase:
                 self._db.execute("DELETE FROM records WHERE key = ?", (row[0],))
             return None
 
-    def store(self, template: KernelTemplate, signature: str, device: Device, params: dict[str, Any],
+    def store(self, template: KernelTemplate | LibraryGemm, signature: str, device: Device, params: dict[str, Any],
               micros: float) -> Record:
         """Remember ``params`` (measured at ``micros``) as the winner; replaces an older record.
         Busy past the timeout or read-only: not saved, with a warning."""

@@ -4,8 +4,10 @@ For each group a template covers: stage 1 scores every (template, parameter poin
 template's `estimate`; stage 2 (`search`) measures the top k on the group's real inputs
 (computed by the interpreter from the example inputs) and on random copies of them, checks
 each against the interpreter's value of the group's output, and stores the winner in the
-tuning database. Attention groups go through `tune_attention`. Groups no template covers
-are reported and skipped.
+tuning database. A lone linear is also timed in cuBLAS (`F.linear`), and every GEMM group with an
+epilogue is tuned cut in two as well (its linear, its epilogue), so that `choose_scheme` can
+keep the library and a generated epilogue where they measure faster (tune/library.py).
+Attention groups go through `tune_attention`. Groups no template covers are reported and skipped.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from stof_cc.templates.pricing import sm_count
 from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.scheme import choose_scheme, split_refused
-from stof_cc.tune.search import DEFAULT_TOP_K, Candidate, SearchReport, search
+from stof_cc.tune.library import LIBRARY_GEMM, is_lone_linear, linear_and_epilogue
+from stof_cc.tune.search import DEFAULT_TOP_K, MAX_ERROR, Candidate, SearchReport, cuda_timer, search
 from stof_cc.tune.tune_attention import tune_attention
 
 INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2
@@ -50,10 +53,21 @@ def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Ca
     """A group's measured best time in ``database`` (the fastest of its templates' records) or
     None: what `choose_scheme` decides merges by once both sides were tuned."""
     def measured(group: FusionGroup) -> float | None:
-        times = [record.micros for template in group_templates(group.kind)
+        templates = [*group_templates(group.kind), *([LIBRARY_GEMM] if is_lone_linear(graph, group) else [])]
+        times = [record.micros for template in templates
                  if (record := database.lookup(template, group_signature(graph, group), device)) is not None]
         return min(times) if times else None
     return measured
+
+
+def groups_to_tune(graph: Graph, plan: FusionPlan, capability: tuple[int, int]) -> list[FusionGroup]:
+    """Every group a scheme `choose_scheme` may pick can run: both sides of each alternative
+    merge, the pieces of the groups no template generates whole, and each GEMM group's linear
+    and epilogue apart."""
+    groups = list(dict.fromkeys([*plan.default.groups, *(g for _, s in plan.alternatives for g in s.groups)]))
+    pieces, _ = split_refused(graph, groups, capability)
+    apart = [piece for g in pieces if (parts := linear_and_epilogue(graph, g)) is not None for piece in parts]
+    return list(dict.fromkeys([*groups, *pieces, *apart]))
 
 
 def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
@@ -66,9 +80,7 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
     (``plan`` itself is not changed) and one report per tuned group."""
     if not torch.cuda.is_available():
         raise RuntimeError("tuning measures kernels on the GPU, and no CUDA device is visible")
-    groups = list(dict.fromkeys([*plan.default.groups, *(g for _, s in plan.alternatives for g in s.groups)]))
-    pieces, _ = split_refused(graph, groups, torch.cuda.get_device_capability())
-    groups = list(dict.fromkeys([*groups, *pieces]))  # what the chosen scheme runs, split pieces included
+    groups = groups_to_tune(graph, plan, torch.cuda.get_device_capability())
     needed = {r.name for g in groups for n in g.nodes for r in graph.node(n).refs()}
     needed |= {group_output(graph, g) for g in groups if _has_single_output(graph, g)}
     inputs = tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in example_inputs)
@@ -81,6 +93,8 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
             report = _tune_attention_group(graph, group, values, database, top_k, progress, mask)
         else:
             report = _tune_group(graph, group, values, database, device, top_k, progress)
+            if is_lone_linear(graph, group):
+                _time_library(graph, group, values, database, device, progress)
         if report is not None:
             progress(report)  # print shows str(report); compile's progress reads the counts
             reports.append(report)
@@ -124,6 +138,25 @@ def _tune_group(graph, group, values, database, device, top_k, progress) -> Sear
     return search(candidates, build, lambda out: relative_error(out, reference),
                   signature=group_signature(graph, group), arch=device_arch(), top_k=top_k, database=database,
                   device=device, progress=progress)
+
+
+def _time_library(graph, group, values, database, device, progress) -> None:
+    """Time the lone linear ``group`` in cuBLAS (`F.linear`, on the real input and random copies,
+    as stage 2 times the generated candidates) and record it as `LIBRARY_GEMM`'s; a wrong
+    result (never expected) records nothing."""
+    signature = group_signature(graph, group)
+    if database.lookup(LIBRARY_GEMM, signature, device) is not None:
+        return
+    node = graph.node(group.anchor)
+    x, weight, *bias = (values[r.name] if r is not None else None for r in node.args)
+    inputs = [x] + [torch.randn_like(x) for _ in range(INPUT_SETS - 1)]
+    error = relative_error(torch.nn.functional.linear(x, weight, *bias), values[node.name])
+    if not error < MAX_ERROR:
+        progress(f"{group.name}: the library GEMM is off by {error:.3g} against the reference; not recorded")
+        return
+    micros = cuda_timer(lambda i: torch.nn.functional.linear(inputs[i % INPUT_SETS], weight, *bias), runs=20)
+    database.store(LIBRARY_GEMM, signature, device, {}, micros)
+    progress(f"{group.name}: library GEMM (cuBLAS through F.linear) {micros:.1f} us")
 
 
 def _tune_attention_group(graph, group, values, database, top_k, progress, override=None) -> SearchReport | None:

@@ -5,7 +5,9 @@ merged group and for every group it replaces (`stof-cc tune` / `tune_model` meas
 sides: stage 2 over schemes), else by stage 1's estimates.
 
 Merges are independent of each other (each folds one reduction group into the GEMM group
-that alone feeds it), so they are judged one at a time and applied together.
+that alone feeds it), so they are judged one at a time and applied together. Where measured
+(only then), a GEMM group whose linear and epilogue apart beat it is cut in two, the linear
+then running in cuBLAS or the generated GEMM, whichever measured faster (tune/library.py).
 
 Then every group that no template generates whole is split (`split_refused`): a refusal ends
 the group at the op a template cannot take, it does not send the whole group to torch. The
@@ -38,6 +40,7 @@ from stof_cc.passes.fusion import (
 )
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
+from stof_cc.tune.library import library_split
 
 
 def best_estimate(graph: Graph, group: FusionGroup, capability: tuple[int, int], sms: int) -> float:
@@ -75,6 +78,9 @@ def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | 
         else:
             why = "no template generates it" if math.isinf(fused_us) else f"{fused_us:.1f} us {how} against {apart_us:.1f}"
             choices.append(f"{label}: kept apart ({why})")
+    if measured is not None:  # cuBLAS and a generated epilogue, where measured faster than the fused GEMM
+        groups, apart = library_split(graph, groups, measured)
+        choices += apart
     groups, splits = split_refused(graph, groups, capability)
     # a merged or split group may read later ones: dependency order
     return dataclasses.replace(plan, chosen=FusionScheme(in_dependency_order(graph, groups)), choices=choices + splits)
