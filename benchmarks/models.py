@@ -1,18 +1,22 @@
 """Real models end to end (issue 20): HuggingFace families from configs with random weights.
 
-    python benchmarks/models.py [--families bert,gpt2,...] [--dtype float16] [--batch 4] [--seq 1024]
-                                [--layers 4] [--tiny] [--serving] [--no-tune] [--no-peers] [--no-backend]
+    python benchmarks/models.py [--families bert,gpt2,...] [--dtype float16] [--size base|8b|serving|tiny]
+                                [--batch B] [--seq S] [--layers L] [--no-tune] [--no-peers] [--no-backend]
                                 [--db tuning.sqlite] [--json out.json]
 
 WORKLOADS.md's "Real models": hidden 768, 12 heads (decoders 12 query / 4 key-value heads),
 ``--layers`` layers, batch and sequence as given; encoders get right padding (the last quarter
 of the second half of the batch), decoders an all-ones ``attention_mask``. ``encoder_layer`` is
 torch.nn's ``TransformerEncoder`` of ``TransformerEncoderLayer`` (batch first, GELU) with a
-``src_key_padding_mask`` (``encoder_layer_nomask``: the same without one). ``--tiny`` builds
-the small test configs instead (a correctness run). ``--serving`` is the serving row: hidden
-1024, 16 heads, every eighth sequence entirely padding (``attention_mask`` all 0: each
-implementation gives those rows the model's own value, uniform attention in HF's masks), the
-whole output compared, padded positions included (use with ``--batch 64 --seq 128``). Each model's fp16/bf16 output is checked
+``src_key_padding_mask`` (``encoder_layer_nomask``: the same without one). ``--size`` picks the
+dimensions and, unless given, batch, sequence and layers (`SIZES`): ``base`` (the above, B = 4,
+S = 1024, 4 layers), ``8b`` (a 7-8B decoder layer: hidden 4096, 32 query / 8 key-value heads,
+FFN 14336; B = 1, S = 4096, 2 layers; issue 34), ``tiny`` (the small test configs: a
+correctness run) and ``serving``: hidden 1024, 16 heads, B = 64, S = 128, every eighth sequence
+entirely padding (``attention_mask`` all 0: each implementation gives those rows the model's
+own value, uniform attention in HF's masks), the whole output compared, padded positions
+included. ``--tiny`` and ``--serving`` are the same as ``--size tiny`` / ``--size serving``.
+Each model's fp16/bf16 output is checked
 against its fp32 eager output on the real tokens before timing (relative error below 1e-2, or
 below 1.25x eager's own error in that dtype where that is larger: at S = 16384 eager fp16 itself
 is 1.1e-2 from fp32 on these random-weight models); then
@@ -45,19 +49,20 @@ import stof_cc  # noqa: E402
 from stof_cc.ir.reference import relative_error  # noqa: E402
 
 TOLERANCE = 1e-2
+# --size: (hidden, heads, key-value heads, FFN) and the default (batch, sequence, layers)
+SIZES = {"base": ((768, 12, 4, 3072), (4, 1024, 4)),
+         "8b": ((4096, 32, 8, 14336), (1, 4096, 2)),
+         "serving": ((1024, 16, 4, 4096), (64, 128, 4)),
+         "tiny": ((128, 4, 2, 256), (4, 64, 2))}  # head dim 32: the kernels run it
 ENCODERS = ("bert", "roberta", "distilbert", "vit", "t5", "encoder_layer", "encoder_layer_nomask")
 
 
-def build(family: str, layers: int, tiny: bool, serving: bool = False):
-    """(model, kwargs maker) for one family; the maker takes (batch, seq, device)."""
+def build(family: str, layers: int, size: str = "base"):
+    """(model, kwargs maker) for one family at ``size`` (`SIZES`); the maker takes (batch, seq, device)."""
     import transformers as T
 
-    if tiny:
-        hidden, heads, kv, ffn, layers = 128, 4, 2, 256, 2  # head dim 32: the kernels run it
-    elif serving:
-        hidden, heads, kv, ffn = 1024, 16, 4, 4096
-    else:
-        hidden, heads, kv, ffn = 768, 12, 4, 3072
+    (hidden, heads, kv, ffn), _ = SIZES[size]
+    tiny, serving = size == "tiny", size == "serving"
     common = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
               "intermediate_size": ffn, "vocab_size": 1000, "max_position_embeddings": 32768}
     decoder = {"num_key_value_heads": kv, **common}
@@ -145,7 +150,7 @@ def run_family(family: str, args, database: Path) -> dict:
     work, failed with 'source code string cannot contain null bytes' in every run of a
     session, while the same imports in a process that had not run stof-cc read clean."""
     dtype = getattr(torch, args.dtype)
-    model, make = build(family, args.layers, args.tiny, args.serving)
+    model, make = build(family, args.layers, args.size)
     model = model.cuda()
     kwargs = make(args.batch, args.seq, "cuda")
     with torch.no_grad():
@@ -240,9 +245,10 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
     """One family in its own process (a failure cannot leak into the next family), run again
     once when its import of torch.compile's modules hit the lent machine's intermittent
     'source code string cannot contain null bytes' (a fresh process reads the files clean)."""
-    argv = ["--dtype", args.dtype, "--batch", str(args.batch), "--seq", str(args.seq), "--layers", str(args.layers)]
-    argv += [flag for flag, on in (("--tiny", args.tiny), ("--serving", args.serving), ("--no-tune", args.no_tune),
-                                   ("--no-peers", args.no_peers), ("--no-backend", args.no_backend)) if on]
+    argv = ["--dtype", args.dtype, "--size", args.size, "--batch", str(args.batch), "--seq", str(args.seq),
+            "--layers", str(args.layers)]
+    argv += [flag for flag, on in (("--no-tune", args.no_tune), ("--no-peers", args.no_peers),
+                                   ("--no-backend", args.no_backend)) if on]
     for attempt in range(2):
         proc = subprocess.run([sys.executable, __file__, *argv, "--families", family, "--child", str(database)],
                               capture_output=True, text=True)
@@ -260,27 +266,38 @@ def run_in_fresh_process(family: str, args, database: Path) -> dict:
     raise AssertionError("unreachable")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with batch, sequence and layers defaulting to the size's."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", default="bert,roberta,distilbert,gpt2,llama,llama_eager,mistral,qwen2,qwen3,olmo2,gemma3,"
                                                 "phi3,bloom,falcon,cohere,"
                                                 "vit,t5,encoder_layer,encoder_layer_nomask")
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tiny", action="store_true", help="the small test configs: a correctness run")
-    parser.add_argument("--serving", action="store_true",
-                        help="hidden 1024, every eighth sequence all padding, whole outputs compared")
+    parser.add_argument("--size", choices=sorted(SIZES), default="base",
+                        help="model dimensions and default batch / sequence / layers (the docstring says which)")
+    parser.add_argument("--batch", type=int, help="default: the size's")
+    parser.add_argument("--seq", type=int, help="default: the size's")
+    parser.add_argument("--layers", type=int, help="default: the size's")
+    parser.add_argument("--tiny", action="store_const", dest="size", const="tiny", help="--size tiny")
+    parser.add_argument("--serving", action="store_const", dest="size", const="serving", help="--size serving")
     parser.add_argument("--no-tune", action="store_true", help="compile with tune=False (stage 1's picks)")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--no-backend", action="store_true", help="skip the torch.compile(backend=stof_cc) column")
     parser.add_argument("--db", help="the tuning database (default: a fresh one in a temporary folder)")
     parser.add_argument("--json")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # the tuning database of a one-family run
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    defaults = dict(zip(("batch", "seq", "layers"), SIZES[args.size][1], strict=True))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     global SERVING
-    SERVING = args.serving
+    SERVING = args.size == "serving"
     if args.child:
         print(json.dumps(run_family(args.families, args, Path(args.child))))
         return
@@ -292,8 +309,8 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(rows, indent=1, default=str))
     names = sorted({n for r in rows for n in r["peers"]})
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
-          f"B={args.batch} S={args.seq} layers={args.layers}{' (tiny)' if args.tiny else ''}"
-          f"{' (serving: every eighth sequence all padding)' if args.serving else ''}")
+          f"B={args.batch} S={args.seq} layers={args.layers}, size {args.size}"
+          f"{' (every eighth sequence all padding)' if SERVING else ''}")
     print("| family | stof ms (error) | torch steps | cuBLAS steps | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
           + "speedup |")
     print("|" + "---|" * (len(names) + 6))

@@ -20,7 +20,7 @@ FAMILIES = ("bert", "roberta", "distilbert", "gpt2", "llama", "mistral", "qwen2"
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_builds_runs_and_keeps_its_real_tokens(family):
-    model, make = models.build(family, layers=2, tiny=True)
+    model, make = models.build(family, layers=2, size="tiny")
     kwargs = make(4, 32, "cpu")
     with torch.no_grad():
         kept = models.real_tokens(model(**kwargs), kwargs)
@@ -30,3 +30,14 @@ def test_every_family_builds_runs_and_keeps_its_real_tokens(family):
     else:  # encoders: the last quarter of the second half of the batch is padding; decoders: none
         padded = 2 * 8 if family in models.ENCODERS else 0
         assert kept.shape == (4 * 32 - padded, 128)
+
+
+def test_a_size_sets_the_dimensions_and_the_default_shapes():
+    args = models.parse_args(["--size", "8b"])
+    assert (args.batch, args.seq, args.layers) == (1, 4096, 2)
+    assert models.SIZES["8b"][0] == (4096, 32, 8, 14336)  # issue 34's 7-8B decoder layer
+    args = models.parse_args(["--size", "8b", "--seq", "16384"])
+    assert (args.batch, args.seq, args.layers) == (1, 16384, 2)
+    args = models.parse_args(["--serving"])
+    assert args.size == "serving" and (args.batch, args.seq) == (64, 128)
+    assert models.parse_args([]).size == "base"
