@@ -17,7 +17,13 @@ from stof_cc.passes import partition
 from stof_cc.runtime.compiled import CompiledModule, _lifetimes
 from stof_cc.templates.group import applicable_templates
 from stof_cc.tune.database import Device, TuningDatabase
-from stof_cc.tune.library import LIBRARY_GEMM, is_lone_linear, library_split, library_wins, linear_and_epilogue
+from stof_cc.tune.library import (
+    LIBRARY_GEMM,
+    is_lone_linear,
+    library_split,
+    library_wins,
+    linear_and_epilogue,
+)
 from stof_cc.tune.model import group_signature, measured_times
 from stof_cc.tune.scheme import choose_scheme
 

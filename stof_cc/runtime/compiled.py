@@ -39,8 +39,8 @@ from stof_cc.backends.pycuda_backend import current_device, device_arch
 from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
-from stof_cc.ir.node import CONSTANT, INPUT
 from stof_cc.ir.interpret import bind_inputs, node_runner
+from stof_cc.ir.node import CONSTANT, INPUT
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, from_dense
 from stof_cc.passes import cast_floating, lower

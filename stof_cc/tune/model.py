@@ -32,9 +32,16 @@ from stof_cc.templates.group import applicable_templates, group_output, group_te
 from stof_cc.templates.pricing import sm_count
 from stof_cc.tune.attention import attention_kernel, node_mask
 from stof_cc.tune.database import Device, TuningDatabase
-from stof_cc.tune.scheme import choose_scheme, split_refused
 from stof_cc.tune.library import LIBRARY_GEMM, is_lone_linear, linear_and_epilogue
-from stof_cc.tune.search import DEFAULT_TOP_K, MAX_ERROR, Candidate, SearchReport, cuda_timer, search
+from stof_cc.tune.scheme import choose_scheme, split_refused
+from stof_cc.tune.search import (
+    DEFAULT_TOP_K,
+    MAX_ERROR,
+    Candidate,
+    SearchReport,
+    cuda_timer,
+    search,
+)
 from stof_cc.tune.tune_attention import tune_attention
 
 INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2
@@ -92,7 +99,7 @@ def tune_model(graph: Graph, plan: FusionPlan, example_inputs: tuple[Any, ...],
         if group.kind == "attention":
             report = _tune_attention_group(graph, group, values, database, top_k, progress, mask)
         else:
-            report = _tune_group(graph, group, values, database, device, top_k, progress)
+            report = tune_group(graph, group, values, database, device, top_k, progress)
             if is_lone_linear(graph, group):
                 _time_library(graph, group, values, database, device, progress)
         if report is not None:
@@ -112,7 +119,12 @@ def _has_single_output(graph: Graph, group: FusionGroup) -> bool:
     return True
 
 
-def _tune_group(graph, group, values, database, device, top_k, progress) -> SearchReport | None:
+def tune_group(graph: Graph, group: FusionGroup, values: dict[str, torch.Tensor], database: TuningDatabase | None,
+               device: Device, top_k: int = DEFAULT_TOP_K,
+               progress: Callable[[str], None] = print) -> SearchReport | None:
+    """Stage 1 and 2 over every template point that generates ``group`` (its inputs and output
+    in ``values``: the interpreter's), the winner stored in ``database``; None, with a progress
+    line, when no template applies."""
     candidates, problems = [], {}
     found, refused = applicable_templates(graph, group, torch.cuda.get_device_capability())
     for why in refused:

@@ -1,0 +1,75 @@
+"""What benchmarks/gemm.py and memory_bound.py share: one group's searched kernel as a callable,
+each implementation checked against the fp32 result, then timed, and the run over the points."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from fusion import bench
+from work_log import append_to_work_log
+
+from stof_cc.backends.group_launch import GroupLaunch
+from stof_cc.ir.graph import Graph
+from stof_cc.ir.interpret import interpret_values
+from stof_cc.ir.reference import relative_error
+from stof_cc.passes.fusion import FusionGroup
+from stof_cc.templates.group import applicable_templates, group_output
+from stof_cc.tune.database import Device
+from stof_cc.tune.model import tune_group
+
+TOLERANCE = 1e-2
+
+
+def searched_kernel(graph: Graph, group: FusionGroup, inputs: tuple[torch.Tensor, ...], top_k: int = 8) \
+        -> tuple[Callable[[], torch.Tensor], str, dict[str, torch.Tensor]]:
+    """(run the winner of the search `stof-cc tune` runs for ``group``, its template and point,
+    the values it reads and writes): stage 1 over every point, stage 2 measuring ``top_k``."""
+    values = interpret_values(graph, [*(r.name for n in group.nodes for r in graph.node(n).refs()),
+                                      group_output(graph, group)], *inputs)
+    report = tune_group(graph, group, values, None, Device.current(), top_k, progress=lambda _: None)
+    found, _ = applicable_templates(graph, group, torch.cuda.get_device_capability())
+    problem = next(a.problem for a in found if a.template is report.winner.template)
+    launch = GroupLaunch(report.winner.template, problem, report.winner.params)
+    return (lambda: launch(values)), f"{report.winner.template.name} {report.winner.params}", values
+
+
+def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: dict) -> None:
+    """``row[name_err]`` and ``row[name_ms]`` for each run: its relative error against ``want``,
+    and its median time where that is under `TOLERANCE` (else infinite); a run that raises gets
+    ``row[name_error]`` and an infinite time, reported, not hidden."""
+    for name, run in runs.items():
+        try:
+            error = relative_error(run(), want)
+            row[f"{name}_err"] = error
+            row[f"{name}_ms"] = bench(run) if error < TOLERANCE else math.inf
+        except Exception as exc:  # noqa: BLE001
+            row[f"{name}_ms"], row[f"{name}_error"] = math.inf, f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """``"4096x14336,768x768"`` -> [(4096, 14336), (768, 768)]."""
+    return [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+
+
+def run_points(points: Iterable[Callable[[], dict]], table: Callable[[list[dict], str], str], dtype: str,
+               json_path: str | None, append: bool, title: str) -> None:
+    """Run each point (printing its row, rewriting ``json_path`` after each: a run cut short keeps
+    what it measured), then print the table and, with ``append``, add it to the work log."""
+    rows = []
+    for point in points:
+        rows.append(point())
+        print(rows[-1], flush=True)
+        if json_path:
+            Path(json_path).write_text(json.dumps(rows, indent=1))
+    head = (f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"CUDA {torch.version.cuda}, {dtype}")
+    text = table(rows, head)
+    print(text)
+    if append:
+        append_to_work_log(f"\n## {title}\n\n{text}\n")
