@@ -7,8 +7,12 @@ the fp32 torch reference (above MAX_DENSE_SEQ on 256 sampled query rows, the den
 too large); only correct peers count. Peers, as their users run them (WORKLOADS.md):
 SDPA with the boolean mask (up to MAX_DENSE_SEQ), SDPA `is_causal` under the FlashAttention and
 the cuDNN backends (causal), and `torch.compile(flex_attention)` with the mask_mod a user writes
-(`stof_cc.masks.workloads.user_mask_mod`). The floor: the fastest dense kernel (SDPA without a
-mask under the flash and cuDNN backends) times the mask's density; each row reports stof-cc's
+(`stof_cc.masks.workloads.user_mask_mod`); where FlashAttention-4 imports (`flash_attn.cute`,
+staged on the lent machine by ../shared/device/stage_fa4.sh), also FA4's `flash_attn_func`
+(causal, and the sliding window as `window_size=(w, w)`) on [B, S, H, D] tensors and Flex with
+`kernel_options={"BACKEND": "FLASH"}` (FA4's kernels, block-sparse) for every mask. The floor: the
+fastest dense kernel (SDPA without a mask under the flash and cuDNN backends, and FA4 without a
+mask where it imports) times the mask's density; each row reports stof-cc's
 fraction of it. Times are medians of `triton.testing.do_bench` after warm-up (stof-cc's kernel is
 compiled and its mask converted before timing, as a user's second call would find them). Prints
 one row per case, then the geomean; `--append` adds the table to the work log (benchmarks/history/) with date,
@@ -51,6 +55,7 @@ from stof_cc.masks.workloads import (  # noqa: E402
     GRID_SEQS,
     grid_batch,
     grid_mask,
+    grid_window,
     user_mask_mod,
 )
 from stof_cc.runtime.attention import attention  # noqa: E402
@@ -69,9 +74,39 @@ def bench(fn) -> float:
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def flex_peer(name, batch, heads, seq):
+def fa4_available() -> bool:
+    """FlashAttention-4 (flash-attn-4's CuTe DSL kernels) imports: ../shared/device/stage_fa4.sh
+    stages it on the lent machine."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means the peer is absent, and is said so
+        return False
+    return True
+
+
+def fa4_peer(**options):
+    """FA4's `flash_attn_func` as its users call it, on [B, S, H, D] tensors: the inputs are laid
+    out that way once per tensor (not timed), the output read back as a [B, H, S, D] view."""
+    from flash_attn.cute import flash_attn_func
+
+    laid_out = {}
+
+    def bshd(t):
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in laid_out:
+            laid_out[key] = t.transpose(1, 2).contiguous()
+        return laid_out[key]
+
+    def run(q, k, v):
+        out = flash_attn_func(bshd(q), bshd(k), bshd(v), **options)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+    return run
+
+
+def flex_peer(name, batch, heads, seq, kernel_options=None):
     """torch.compile(flex_attention) with the user's mask_mod; create_block_mask compiled above
-    MAX_DENSE_SEQ, as FlexAttention's docs advise for long sequences."""
+    MAX_DENSE_SEQ, as FlexAttention's docs advise for long sequences. ``kernel_options``
+    ``{"BACKEND": "FLASH"}`` runs it on FA4's kernels (block-sparse)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = flex_peer.compiled
@@ -81,7 +116,7 @@ def flex_peer(name, batch, heads, seq):
         compiled = flex_peer.compiled = torch.compile(flex_attention)
     block_mask = create_block_mask(user_mask_mod(name, seq, "cuda"), None, None, seq, seq, device="cuda",
                                    _compile=seq > MAX_DENSE_SEQ)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, kernel_options=kernel_options)
 
 
 flex_peer.compiled = None
@@ -101,14 +136,25 @@ def peers(name, dense, batch, heads, seq):
     if name == "causal":
         out["flash_causal"] = under(SDPBackend.FLASH_ATTENTION, is_causal=True)
         out["cudnn_causal"] = under(SDPBackend.CUDNN_ATTENTION, is_causal=True)
-    try:
-        out["flex"] = flex_peer(name, batch, heads, seq)
-    except Exception as exc:  # record why a peer is missing rather than dropping it silently
-        print(f"  flex unavailable for {name} S={seq}: {type(exc).__name__}: {exc}")
+    flex = {"flex": None}
+    if fa4_available():  # FA4 itself where it has the mask, and FA4's kernels under Flex for every mask
+        if name == "causal":
+            out["fa4"] = fa4_peer(causal=True)
+        elif name == "sliding":
+            w = grid_window(seq)
+            out["fa4"] = fa4_peer(window_size=(w, w))  # |q - k| <= w, the grid's sliding mask
+        flex["flex_flash"] = {"BACKEND": "FLASH"}
+    for label, options in flex.items():
+        try:
+            out[label] = flex_peer(name, batch, heads, seq, options)
+        except Exception as exc:  # record why a peer is missing rather than dropping it silently
+            print(f"  {label} unavailable for {name} S={seq}: {type(exc).__name__}: {exc}")
     return out
 
 
 DENSE_FLOORS = {"flash": under(SDPBackend.FLASH_ATTENTION), "cudnn": under(SDPBackend.CUDNN_ATTENTION)}
+if fa4_available():
+    DENSE_FLOORS["fa4"] = fa4_peer()
 
 
 def sampled_reference(q, k, v, desc, rows):
@@ -195,7 +241,7 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
 
 
 def format_table(rows: list[dict]) -> str:
-    peer_names = ["sdpa_mask", "flash_causal", "cudnn_causal", "flex"]
+    peer_names = ["sdpa_mask", "flash_causal", "cudnn_causal", "flex", "fa4", "flex_flash"]
     head = "| mask | S | B | stof ms | " + " | ".join(f"{p} ms" for p in peer_names) + \
            " | floor ms | of floor | speedup | TFLOP/s | kernel |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
