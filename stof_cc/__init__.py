@@ -4,6 +4,8 @@ The public entry points live here; each stage of the pipeline (ir, masks, passes
 templates, tune, backends, runtime) is a subpackage with one job. See docs/architecture.md.
 """
 
+import sys
+
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
@@ -22,6 +24,10 @@ from stof_cc.tune.attention import explain_attention
 __version__ = "0.1.0"
 
 register_name()  # torch.compile(model, backend="stof_cc") from a checkout too, not only where pip-installed
+if "transformers" in sys.modules:  # attn_implementation="stof_cc"; else stof_cc.hf.register() (no transformers import here)
+    import stof_cc.hf
+
+    stof_cc.hf.register()
 
 __all__ = [
     "AttentionInputError",

@@ -1,0 +1,179 @@
+"""HuggingFace's ``attn_implementation="stof_cc"`` (issue 36, first part), through transformers'
+own registries: `AttentionMaskInterface` gets a mask function that returns a stof-cc mask
+description (`HFMask`), never a dense S x S tensor, and `AttentionInterface` an attention function
+that runs `stof_cc.attention` on it.
+
+    import stof_cc.hf
+    stof_cc.hf.register()   # also done by `import stof_cc` when transformers is already imported
+    model = AutoModel.from_config(config, attn_implementation="stof_cc")
+
+What the mask function recognises in transformers' mask functions (by identity, or by the
+closures `and_masks` and `sliding_window_overlay` keep): causal, bidirectional (no mask), a causal
+sliding window; anything else (chunked attention, packed sequences' `position_ids`, an image's
+bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its block
+mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
+
+Runs in transformers' own SDPA instead, with one warning naming why (`_fallback`): a CPU tensor
+(the kernels are CUDA), an fp32 model (the kernels are fp16/bf16), and the decode steps of
+``generate()`` (queries fewer than keys, or offsets into a cache: no decode kernel yet). Refused
+with a clear error: dropout while training (inference only), softcapping (Gemma 2: use
+``attn_implementation="eager"``). A query row whose keys are all padding gets 0 (SDPA attends
+every key there); such rows are padding themselves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stof_cc.masks import MaskDescription, causal, from_mask_mod, sliding_window
+from stof_cc.runtime.attention import attention
+
+NAME = "stof_cc"
+
+
+@dataclass
+class HFMask:
+    """What the mask function hands the attention function in place of a mask tensor: the
+    description, the key padding [B, KV] (True = attend; None when every key counts), and the
+    arguments transformers gave (to build its dense mask where SDPA runs instead)."""
+
+    description: MaskDescription | None
+    key_padding: torch.Tensor | None
+    arguments: dict[str, Any]
+    _dense: torch.Tensor | None = field(default=None, repr=False)
+
+    def dense(self) -> torch.Tensor | None:
+        """transformers' own SDPA mask for these arguments, built once."""
+        if self._dense is None:
+            from transformers.masking_utils import sdpa_mask
+
+            self._dense = sdpa_mask(**self.arguments, allow_is_causal_skip=False)
+        return self._dense
+
+
+def register() -> None:
+    """Make ``attn_implementation="stof_cc"`` available to every transformers model."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_for_layer)
+
+
+def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                   device: torch.device | str = "cpu", **_: Any) -> HFMask:
+    """transformers' mask-interface call (the arguments its ``sdpa_mask`` takes) as an `HFMask`."""
+    from transformers.masking_utils import causal_mask_function
+
+    mask_function = mask_function or causal_mask_function
+    arguments = {"batch_size": batch_size, "q_length": q_length, "kv_length": kv_length, "q_offset": q_offset,
+                 "kv_offset": kv_offset, "mask_function": mask_function, "attention_mask": attention_mask,
+                 "device": device}
+    key_padding = None
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        key_padding = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
+    return HFMask(describe(mask_function), key_padding, arguments)
+
+
+def describe(mask_function: Callable) -> MaskDescription | None:
+    """A stof-cc description of a transformers mask function (None: every key attends)."""
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        return causal()
+    if mask_function is mu.bidirectional_mask_function:
+        return None
+    captured = _captured(mask_function)
+    if _made_by(mask_function, "and_masks") and "mask_functions" in captured:
+        functions = list(captured["mask_functions"])
+        windows = [w for part in functions if (w := captured_window(part)) is not None]
+        if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
+            return sliding_window(windows[0] - 1, causal=True)  # 0 <= q - k < window
+        parts = [p for p in map(describe, functions) if p is not None]
+        if not parts:
+            return None
+        combined = parts[0]
+        for part in parts[1:]:
+            combined = combined & part
+        return combined
+    return from_mask_mod(mask_function, name=getattr(mask_function, "__qualname__", "transformers mask"))
+
+
+def captured_window(mask_function: Callable) -> int | None:
+    """The window of transformers' `sliding_window_overlay` (k > q - window), else None."""
+    if _made_by(mask_function, "sliding_window_overlay"):
+        window = _captured(mask_function).get("sliding_window")
+        return window if isinstance(window, int) else None
+    return None
+
+
+def _made_by(fn: Callable, factory: str) -> bool:
+    return getattr(fn, "__qualname__", "").startswith(f"{factory}.<locals>.")
+
+
+def _captured(fn: Callable) -> dict[str, Any]:
+    try:
+        return dict(inspect.getclosurevars(fn).nonlocals)
+    except TypeError:  # not a Python function (a builtin, a callable object)
+        return {}
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: HFMask | torch.Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, softcap: float | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface call: q [B, H, S, D], k and v [B, H_kv, S_k, D]; returns
+    the output as [B, S, H, D] (what every transformers attention function returns) and no weights."""
+    if dropout and module.training:
+        raise ValueError(f"attn_implementation='{NAME}' is inference-only: {type(module).__name__} is training "
+                         f"with attention dropout {dropout} (call model.eval())")
+    if softcap is not None:
+        raise ValueError(f"attn_implementation='{NAME}' does not softcap scores ({type(module).__name__} asks "
+                         f"for softcap={softcap}): use attn_implementation='eager' for this model")
+    if attention_mask is not None and not isinstance(attention_mask, HFMask):
+        raise TypeError(f"attn_implementation='{NAME}' got a {type(attention_mask).__name__} mask, not the "
+                        "description its own mask function makes: was the model's mask built by another "
+                        "implementation?")
+    why = _why_sdpa(query, key, attention_mask)
+    if why is not None:
+        return _fallback(module, query, key, value, attention_mask, scaling, why, **kwargs)
+    description = None if attention_mask is None else attention_mask.description
+    if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
+        description = causal()  # transformers' convention: no mask tensor on a causal module
+    key_padding = None if attention_mask is None else attention_mask.key_padding
+    out = attention(query, key, value, description, scale=scaling, key_padding=key_padding)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _why_sdpa(query: torch.Tensor, key: torch.Tensor, mask: HFMask | None) -> str | None:
+    """Why this call runs in transformers' SDPA rather than stof-cc's kernels, or None."""
+    if not query.is_cuda:
+        return "its tensors are on the CPU (the kernels run on CUDA devices)"
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with torch_dtype=torch.bfloat16)"
+    offsets = mask is not None and (mask.arguments["q_offset"] or mask.arguments["kv_offset"])
+    if query.shape[2] != key.shape[2] or offsets:
+        return "a decode step (queries against a longer cache): stof-cc has no decode kernel yet"
+    return None
+
+
+_WARNED: set[str] = set()
+
+
+def _fallback(module, query, key, value, mask: HFMask | None, scaling, why: str, **kwargs) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("is_causal", None)  # decided here, from the mask
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"attn_implementation='{NAME}': transformers' sdpa runs this attention: {why}", stacklevel=3)
+    dense = None if mask is None else mask.dense()
+    return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling,
+                                  is_causal=dense is None and getattr(module, "is_causal", False), **kwargs)[0], None

@@ -1,0 +1,142 @@
+"""attn_implementation="stof_cc" (stof_cc/hf.py): registration, the description the mask function
+makes of each transformers mask (checked element for element against transformers' own dense
+mask), key padding, the refusals; models run end to end on the CPU (through transformers' SDPA,
+as documented) with the descriptions each layer type gets; on the GPU, stof-cc's kernels run the
+prefill and match sdpa."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import transformers as T  # noqa: E402
+from transformers import masking_utils as mu  # noqa: E402
+
+import stof_cc.hf  # noqa: E402
+
+SEQ = 48
+SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 256, "vocab_size": 100}
+
+
+def _transformers_dense(mask_function, batch: int = 2, attention_mask=None) -> torch.Tensor:
+    return mu.sdpa_mask(batch_size=batch, q_length=SEQ, kv_length=SEQ, mask_function=mask_function,
+                        attention_mask=attention_mask, allow_is_causal_skip=False)
+
+
+def _same_mask(description, mask_function) -> None:
+    want = _transformers_dense(mask_function)
+    got = torch.ones_like(want) if description is None else description.to_dense(SEQ, SEQ, batch=want.shape[0]).expand_as(want)
+    assert torch.equal(got, want)
+
+
+def test_registering_makes_the_implementation_available():
+    stof_cc.hf.register()
+    assert T.AttentionInterface._global_mapping["stof_cc"] is stof_cc.hf.attention_forward
+    assert mu.AttentionMaskInterface._global_mapping["stof_cc"] is stof_cc.hf.mask_for_layer
+    model = T.LlamaModel._from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc")
+    assert model.config._attn_implementation == "stof_cc"
+
+
+@pytest.mark.parametrize(("name", "mask_function", "label"), [
+    ("causal", mu.causal_mask_function, "causal()"),
+    ("bidirectional", mu.bidirectional_mask_function, None),
+    ("sliding window", mu.sliding_window_causal_mask_function(8), "sliding_window(w=7, causal=True)"),
+])
+def test_known_masks_become_zoo_descriptions(name, mask_function, label):
+    description = stof_cc.hf.describe(mask_function)
+    assert (None if description is None else repr(description)) == label, name
+    _same_mask(description, mask_function)
+
+
+def test_other_masks_become_exact_mask_mods():
+    documents = torch.tensor([[0] * 20 + [1] * 28, [0] * 5 + [1] * 30 + [2] * 13])
+    packed = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(documents))
+    _same_mask(stof_cc.hf.describe(packed), packed)
+    chunked = mu.chunked_causal_mask_function(16, torch.zeros(2, dtype=torch.long))
+    _same_mask(stof_cc.hf.describe(chunked), chunked)
+
+
+def test_padding_becomes_key_padding():
+    attention_mask = torch.ones(2, SEQ, dtype=torch.long)
+    attention_mask[1, :7] = 0  # left padding
+    found = stof_cc.hf.mask_for_layer(2, SEQ, SEQ, mask_function=mu.causal_mask_function,
+                                      attention_mask=attention_mask)
+    assert torch.equal(found.key_padding, attention_mask.bool()) and repr(found.description) == "causal()"
+    assert stof_cc.hf.mask_for_layer(2, SEQ, SEQ, attention_mask=torch.ones(2, SEQ)).key_padding is None
+    want = _transformers_dense(mu.causal_mask_function, attention_mask=attention_mask)
+    assert torch.equal(found.dense(), want)  # what SDPA gets where it runs instead
+
+
+@pytest.mark.parametrize(("family", "config", "labels"), [
+    ("llama", T.LlamaConfig(**SMALL), {"causal()"}),
+    ("mistral", T.MistralConfig(sliding_window=16, **SMALL), {"sliding_window(w=15, causal=True)"}),
+    ("gemma3", T.Gemma3TextConfig(head_dim=32, sliding_window=16, sliding_window_pattern=2, **SMALL),
+     {"causal()", "sliding_window(w=15, causal=True)"}),
+    ("bert", T.BertConfig(**{k: v for k, v in SMALL.items() if k != "num_key_value_heads"}), {None}),
+])
+def test_a_model_on_the_cpu_matches_sdpa_and_each_layer_gets_its_mask(family, config, labels, monkeypatch):
+    stof_cc.hf.register()
+    seen = []
+    fallback = stof_cc.hf._fallback
+
+    def recording(module, query, key, value, mask, *args, **kwargs):
+        seen.append(None if mask is None or mask.description is None else repr(mask.description))
+        return fallback(module, query, key, value, mask, *args, **kwargs)
+
+    monkeypatch.setattr(stof_cc.hf, "_fallback", recording)
+    torch.manual_seed(0)
+    # each model its own config: transformers sets the implementation on the config it is given
+    ours = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    theirs = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 100, (2, SEQ))
+    attention_mask = torch.ones(2, SEQ, dtype=torch.long)
+    attention_mask[1, SEQ - 9:] = 0  # right padding in the second sequence
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = ours(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+        want = theirs(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    assert set(seen) == labels and len(seen) == config.num_hidden_layers
+    assert any("on the CPU" in str(w.message) for w in caught) or "on the CPU" in "".join(stof_cc.hf._WARNED)
+
+
+def test_what_is_refused_is_named():
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="softcap"):
+        stof_cc.hf.attention_forward(module, q, q, q, None, softcap=50.0)
+    module.train()
+    with pytest.raises(ValueError, match="inference-only"):
+        stof_cc.hf.attention_forward(module, q, q, q, None, dropout=0.1)
+    with pytest.raises(TypeError, match="not the description"):
+        stof_cc.hf.attention_forward(module.eval(), q, q, q, torch.ones(8, 8, dtype=torch.bool))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=16, **SMALL),
+                                    T.Gemma3TextConfig(head_dim=32, sliding_window=16, **SMALL)])
+def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config):
+    stof_cc.hf.register()
+    torch.manual_seed(0)
+    ours = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="stof_cc").half().cuda().eval()
+    theirs = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa").half().cuda().eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 100, (2, 256), device="cuda")
+    attention_mask = torch.ones(2, 256, dtype=torch.long, device="cuda")
+    attention_mask[1, :40] = 0  # left padding, as generation pads
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="attn_implementation='stof_cc'")  # no layer falls back to SDPA
+        got = ours(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    with torch.no_grad():
+        want = theirs(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    error = torch.linalg.norm((got - want)[real].float()) / torch.linalg.norm(want[real].float())
+    assert error < 1e-2
