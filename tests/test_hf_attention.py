@@ -140,3 +140,22 @@ def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config):
     real = attention_mask.bool()
     error = torch.linalg.norm((got - want)[real].float()) / torch.linalg.norm(want[real].float())
     assert error < 1e-2
+
+
+def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
+    """The prefill and every decode step (queries against a longer cache: SDPA, said once) on
+    the CPU, greedy: the same tokens as attn_implementation="sdpa"."""
+    stof_cc.hf.register()
+    config = T.LlamaConfig(**SMALL)
+    torch.manual_seed(0)
+    ours = T.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    theirs = T.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    prompt = torch.randint(0, 100, (2, 12))
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :3] = 0  # left padding, as generation pads
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        got = ours.generate(prompt, attention_mask=attention_mask, **settings)
+        want = theirs.generate(prompt, attention_mask=attention_mask, **settings)
+    assert torch.equal(got, want) and got.shape == (2, 18)

@@ -206,13 +206,14 @@ print(json.dumps(out))
 def test_planning_a_million_tokens_is_small_and_quick(mask):
     """explain_attention at S = 1,048,576 (the 16 x 16 class grid alone would be 4 GiB; it peaked
     near 9 GB and 32 s at S = 262144 and was killed at 524288). Measured on the 2-core CPU:
-    under 1 s and about 100 MiB."""
+    under 1 s and about 100 MiB alone; 25 s once with the whole suite on 8 workers sharing the
+    2 cores. Memory is the guard; the time bound only catches the quadratic build (minutes)."""
     got = _fresh_process(f"""
 choice = stof_cc.explain_attention(1, 1, 1 << 20, 1 << 20, 64, {mask})
 out["blocks"] = choice.estimates[0].blocks
 """)
     assert got["blocks"] > 0
-    assert got["grown_mib"] < 512 and got["seconds"] < 20, got
+    assert got["grown_mib"] < 512 and got["seconds"] < 120, got
 
 
 def test_showing_a_million_tokens_draws_from_the_runs(tmp_path):
