@@ -14,8 +14,9 @@ bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact
 mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
 
 Runs in transformers' own SDPA instead, with one warning naming why (`_fallback`): a CPU tensor
-(the kernels are CUDA), an fp32 model (the kernels are fp16/bf16), and the decode steps of
-``generate()`` (queries fewer than keys, or offsets into a cache: no decode kernel yet). Refused
+(the kernels are CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of
+``generate()`` (queries fewer than keys, or offsets into a cache: no decode kernel yet), and a
+4-D mask tensor the caller built (transformers hands it over as it is). Refused
 with a clear error: dropout while training (inference only), softcapping (Gemma 2: use
 ``attn_implementation="eager"``). A query row whose keys are all padding gets 0 (SDPA attends
 every key there); such rows are padding themselves.
@@ -137,6 +138,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if softcap is not None:
         raise ValueError(f"attn_implementation='{NAME}' does not softcap scores ({type(module).__name__} asks "
                          f"for softcap={softcap}): use attn_implementation='eager' for this model")
+    if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
+        return _fallback(module, query, key, value, attention_mask, scaling,
+                         "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
+                         **kwargs)
     if attention_mask is not None and not isinstance(attention_mask, HFMask):
         raise TypeError(f"attn_implementation='{NAME}' got a {type(attention_mask).__name__} mask, not the "
                         "description its own mask function makes: was the model's mask built by another "
@@ -167,13 +172,14 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, mask: HFMask | None) -> st
 _WARNED: set[str] = set()
 
 
-def _fallback(module, query, key, value, mask: HFMask | None, scaling, why: str, **kwargs) -> tuple[torch.Tensor, None]:
+def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, why: str,
+              **kwargs) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)  # decided here, from the mask
     if why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"attn_implementation='{NAME}': transformers' sdpa runs this attention: {why}", stacklevel=3)
-    dense = None if mask is None else mask.dense()
+    dense = mask.dense() if isinstance(mask, HFMask) else mask
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling,
                                   is_causal=dense is None and getattr(module, "is_causal", False), **kwargs)[0], None

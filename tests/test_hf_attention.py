@@ -105,7 +105,7 @@ def test_a_model_on_the_cpu_matches_sdpa_and_each_layer_gets_its_mask(family, co
     real = attention_mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
     assert set(seen) == labels and len(seen) == config.num_hidden_layers
-    assert any("on the CPU" in str(w.message) for w in caught) or "on the CPU" in "".join(stof_cc.hf._WARNED)
+    assert any("on the CPU" in str(w.message) for w in caught) or any("on the CPU" in w for w in stof_cc.hf._WARNED)
 
 
 def test_what_is_refused_is_named():
@@ -117,7 +117,20 @@ def test_what_is_refused_is_named():
     with pytest.raises(ValueError, match="inference-only"):
         stof_cc.hf.attention_forward(module, q, q, q, None, dropout=0.1)
     with pytest.raises(TypeError, match="not the description"):
-        stof_cc.hf.attention_forward(module.eval(), q, q, q, torch.ones(8, 8, dtype=torch.bool))
+        stof_cc.hf.attention_forward(module.eval(), q, q, q, "causal")
+
+
+def test_a_mask_tensor_the_caller_built_runs_in_sdpa_as_given(monkeypatch):
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())  # each reason is said once per process
+    module = torch.nn.Module().eval()
+    q, k, v = (torch.randn(1, 2, 8, 32) for _ in range(3))
+    allowed = torch.rand(1, 1, 8, 8) > 0.3
+    allowed[..., 0] = True
+    with pytest.warns(UserWarning, match="the caller passed a mask tensor"):
+        got, weights = stof_cc.hf.attention_forward(module, q, k, v, allowed)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+    torch.testing.assert_close(got, want)
+    assert weights is None
 
 
 @pytest.mark.gpu
