@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from group_cases import H100, LinearResidual, build
+from group_cases import H100, LinearResidual, LinearResidualLayerNorm, build
 
 import stof_cc
 from stof_cc.passes import partition
@@ -42,6 +42,14 @@ def test_a_gemm_group_is_cut_into_its_linear_and_the_epilogue():
     assert linear.nodes == group.nodes[:1] and is_lone_linear(graph, linear) and linear.kind == "gemm"
     assert epilogue.nodes == group.nodes[1:] and epilogue.kind == "elementwise" and epilogue.anchor is None
     assert linear_and_epilogue(graph, linear) is None  # nothing to cut off a lone linear
+
+
+def test_a_merged_norm_stays_a_reduction_when_cut_off():
+    _, _, graph, group = build(LinearResidualLayerNorm, "gemm", (8, 128, 256), torch.float16)
+    linear, epilogue = linear_and_epilogue(graph, group)
+    assert is_lone_linear(graph, linear)
+    assert epilogue.kind == "reduction" and graph.node(epilogue.anchor).op == "layer_norm"
+    assert applicable_templates(graph, epilogue, H100)[0][0].template.name == "row_reduce"
 
 
 @pytest.mark.parametrize(("fused_us", "split"), [(30.0, True), (10.0, False)])

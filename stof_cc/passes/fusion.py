@@ -281,3 +281,17 @@ def _reduction_merges(graph: Graph, scheme: FusionScheme, kind: dict[str, str],
 def _row_length(node: Node) -> int | None:
     spec = node.spec[0] if isinstance(node.spec, tuple) else node.spec
     return spec.shape[-1] if isinstance(spec, TensorSpec) and spec.shape else None
+
+
+def sub_group(graph: Graph, group: FusionGroup, nodes: tuple[str, ...], suffix: str) -> FusionGroup:
+    """``nodes`` of ``group`` as a group of their own: anchored by the group's anchor or by the
+    first anchor-kind op among them, else an elementwise run (or one opaque op)."""
+    name = f"{group.name}{suffix}"
+    if group.anchor in nodes:
+        return FusionGroup(name, group.kind, group.anchor, nodes)
+    kinds = {n: pattern_kind(graph.node(n).op) for n in nodes}
+    anchor = next((n for n in nodes if kinds[n] in ANCHOR_KINDS), None)
+    if anchor is not None:
+        return FusionGroup(name, kinds[anchor], anchor, nodes)
+    kind = "elementwise" if all(k in FOLDABLE_KINDS for k in kinds.values()) else "opaque"
+    return FusionGroup(name, kind, None, nodes)

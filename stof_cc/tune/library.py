@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from stof_cc.ir.graph import Graph
-from stof_cc.passes.fusion import FusionGroup
+from stof_cc.passes.fusion import FusionGroup, sub_group
 
 
 class LibraryGemm:
@@ -46,13 +46,13 @@ def is_lone_linear(graph: Graph, group: FusionGroup) -> bool:
 
 
 def linear_and_epilogue(graph: Graph, group: FusionGroup) -> tuple[FusionGroup, FusionGroup] | None:
-    """``group`` as its `linear` alone and the rest (an elementwise group), when it is a GEMM
-    group that starts at its `linear` and has an epilogue; else None."""
+    """``group`` as its `linear` alone and the rest (an elementwise group, or a reduction group
+    where a norm was merged in), when it is a GEMM group that starts at its `linear` and has an
+    epilogue; else None."""
     if group.kind != "gemm" or len(group.nodes) < 2 or group.nodes[0] != group.anchor \
             or graph.node(group.anchor).op != "linear":
         return None
-    return (FusionGroup(f"{group.name}l", "gemm", group.anchor, group.nodes[:1]),
-            FusionGroup(f"{group.name}e", "elementwise", None, group.nodes[1:]))
+    return sub_group(graph, group, group.nodes[:1], "l"), sub_group(graph, group, group.nodes[1:], "e")
 
 
 def library_split(graph: Graph, groups: list[FusionGroup],

@@ -70,10 +70,11 @@ def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Ca
 def groups_to_tune(graph: Graph, plan: FusionPlan, capability: tuple[int, int]) -> list[FusionGroup]:
     """Every group a scheme `choose_scheme` may pick can run: both sides of each alternative
     merge, the pieces of the groups no template generates whole, and each GEMM group's linear
-    and epilogue apart."""
+    and epilogue apart (where a template generates that epilogue)."""
     groups = list(dict.fromkeys([*plan.default.groups, *(g for _, s in plan.alternatives for g in s.groups)]))
     pieces, _ = split_refused(graph, groups, capability)
-    apart = [piece for g in pieces if (parts := linear_and_epilogue(graph, g)) is not None for piece in parts]
+    apart = [piece for g in pieces if (parts := linear_and_epilogue(graph, g)) is not None
+             and applicable_templates(graph, parts[1], capability)[0] for piece in parts]  # an epilogue generated
     return list(dict.fromkeys([*groups, *pieces, *apart]))
 
 

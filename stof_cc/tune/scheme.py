@@ -28,15 +28,13 @@ from collections.abc import Callable
 
 import stof_cc.templates.builtin  # noqa: F401 (registers the built-in templates before they are chosen)
 from stof_cc.ir.graph import Graph
-from stof_cc.ir.ops import pattern_kind
 from stof_cc.passes.fusion import (
-    ANCHOR_KINDS,
-    FOLDABLE_KINDS,
     VIEW_OPS,
     FusionGroup,
     FusionPlan,
     FusionScheme,
     in_dependency_order,
+    sub_group,
 )
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
@@ -113,15 +111,15 @@ def _split(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> lis
              if (i, j) != (0, len(nodes)) and (anchor is None or i <= anchor < j)]
     spans.sort(key=lambda span: (span[0] - span[1], span[0]))  # largest first, then earliest
     for i, j in spans:
-        core = _piece(graph, group, nodes[i:j], "b")
+        core = sub_group(graph, group, nodes[i:j], "b")
         if _generated(graph, core, capability):
             break
     else:  # nothing with the anchor is generated: the anchor (or the first op) alone, the rest split
         i = anchor if anchor is not None else 0
         j = i + 1
-        core = _piece(graph, group, nodes[i:j], "b")
-    before = _split(graph, _piece(graph, group, nodes[:i], "a"), capability) if i else []
-    after = _split(graph, _piece(graph, group, nodes[j:], "c"), capability) if j < len(nodes) else []
+        core = sub_group(graph, group, nodes[i:j], "b")
+    before = _split(graph, sub_group(graph, group, nodes[:i], "a"), capability) if i else []
+    after = _split(graph, sub_group(graph, group, nodes[j:], "c"), capability) if j < len(nodes) else []
     pieces = before + [core] + after
     return pieces if any(_generated(graph, p, capability) for p in pieces) else [group]
 
@@ -133,9 +131,9 @@ def _split_attention(graph: Graph, group: FusionGroup, capability: tuple[int, in
     before = group.nodes[:at]
     if all(graph.node(n).op in VIEW_OPS or graph.node(n).op == "rotary" for n in before):
         return [group]
-    pieces = [_split(graph, _piece(graph, group, nodes, f"a{i}"), capability)
+    pieces = [_split(graph, sub_group(graph, group, nodes, f"a{i}"), capability)
               for i, nodes in enumerate(_per_operand(graph, group, before), start=1) if nodes]
-    return [p for split in pieces for p in split] + [_piece(graph, group, group.nodes[at:], "b")]
+    return [p for split in pieces for p in split] + [sub_group(graph, group, group.nodes[at:], "b")]
 
 
 def _per_operand(graph: Graph, group: FusionGroup, before: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -157,20 +155,6 @@ def _per_operand(graph: Graph, group: FusionGroup, before: tuple[str, ...]) -> l
     shared = {n for n in inside if sum(n in cone for cone in cones) > 1}
     return [tuple(n for n in before if n in shared)] + [tuple(n for n in before if n in cone and n not in shared)
                                                         for cone in cones]
-
-
-def _piece(graph: Graph, group: FusionGroup, nodes: tuple[str, ...], suffix: str) -> FusionGroup:
-    """``nodes`` of ``group`` as a group of their own: anchored by the group's anchor or by the
-    first anchor-kind op among them, else an elementwise run (or one opaque op)."""
-    name = f"{group.name}{suffix}"
-    if group.anchor in nodes:
-        return FusionGroup(name, group.kind, group.anchor, nodes)
-    kinds = {n: pattern_kind(graph.node(n).op) for n in nodes}
-    anchor = next((n for n in nodes if kinds[n] in ANCHOR_KINDS), None)
-    if anchor is not None:
-        return FusionGroup(name, kinds[anchor], anchor, nodes)
-    kind = "elementwise" if all(k in FOLDABLE_KINDS for k in kinds.values()) else "opaque"
-    return FusionGroup(name, kind, None, nodes)
 
 
 def _generated(graph: Graph, group: FusionGroup, capability: tuple[int, int]) -> bool:
