@@ -10,6 +10,7 @@ from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
 from stof_cc.runtime.attention import attention
+from stof_cc.runtime.attention_op import attention_op  # torch.ops.stof_cc.attention
 from stof_cc.runtime.compiled import CompiledModule, compile  # noqa: A004 (stof_cc.compile, like torch.compile)
 from stof_cc.runtime.dynamo_backend import backend, register_name
 from stof_cc.templates.attention import AttentionInputError
@@ -42,6 +43,7 @@ __all__ = [
     "TensorSpec",
     "TraceError",
     "attention",
+    "attention_op",
     "backend",
     "compile",
     "explain_attention",

@@ -1,0 +1,56 @@
+"""`stof_cc.attention` as a PyTorch custom operator, ``torch.ops.stof_cc.attention`` (issue 36,
+item 3): one node that `torch.compile` traces without a graph break (its fake kernel gives the
+output's shape), which CUDA graphs capture as they capture the Python call.
+
+    out = torch.ops.stof_cc.attention(q, k, v, "causal", None, key_padding)
+
+The mask travels as a spec string (`stof_cc.masks.parse_spec`: ``"causal"``,
+``"sliding:w=255,causal=1"``, ``"longformer:w=128,g=32"``, combinations with ``&`` and ``|``), the
+one form of a mask an operator's schema can carry; None attends every key. Each spec is parsed
+once, so a compiled graph calling the op reuses the same description and so the same launch
+plan. On CUDA the op runs stof-cc's kernels; on the CPU it runs the torch reference
+(`ir.reference.masked_attention`: fp32 inside, a query with no allowed key gives 0, as the
+kernels do), so the op can be traced and checked anywhere. The output is contiguous [B, H, S_q, D].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from stof_cc.ir.reference import masked_attention
+from stof_cc.masks import MaskDescription, parse_spec
+from stof_cc.runtime.attention import attention
+
+
+@functools.lru_cache(maxsize=256)
+def _described(spec: str) -> MaskDescription:
+    return parse_spec(spec)
+
+
+@torch.library.custom_op("stof_cc::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
+                 key_padding: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H_kv, S_k, D]; ``mask`` a
+    spec string or None; ``key_padding`` [B, S_k] (nonzero = attend) or None."""
+    description = None if mask is None else _described(mask)
+    return attention(q, k, v, description, scale, key_padding=key_padding).contiguous()
+
+
+@attention_op.register_kernel("cpu")
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
+               key_padding: torch.Tensor | None) -> torch.Tensor:
+    allowed = None
+    if mask is not None:
+        allowed = _described(mask).to_dense(q.shape[2], k.shape[2], batch=q.shape[0], heads=q.shape[1])
+    if key_padding is not None:
+        keys = key_padding.bool()[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return masked_attention(q, k, v, allowed, scale).contiguous()
+
+
+@attention_op.register_fake
+def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
+           key_padding: torch.Tensor | None) -> torch.Tensor:
+    return q.new_empty(q.shape)

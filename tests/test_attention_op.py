@@ -1,0 +1,69 @@
+"""torch.ops.stof_cc.attention (runtime/attention_op.py): torch.library's own checks of the
+operator (schema, fake kernel, dispatch), its values against the reference on the CPU (the
+kernel it registers there), one graph under torch.compile(fullgraph=True); on the GPU, stof-cc's
+kernels through the op, compiled, against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stof_cc
+from stof_cc.ir.reference import masked_attention
+from stof_cc.masks import parse_spec
+
+B, H, H_KV, S, D = 2, 4, 2, 96, 32
+
+
+def _inputs(device: str = "cpu", dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(B, H, S, D, device=device, dtype=dtype)
+    k, v = (torch.randn(B, H_KV, S, D, device=device, dtype=dtype) for _ in range(2))
+    padding = torch.ones(B, S, dtype=torch.bool, device=device)
+    padding[1, S - 20:] = False
+    return q, k, v, padding
+
+
+def _want(q, k, v, spec, padding, scale=None):
+    allowed = parse_spec(spec).to_dense(S, S).to(q.device) & padding[:, None, None, :]
+    return masked_attention(q.float(), k.float(), v.float(), allowed, scale)
+
+
+@pytest.mark.parametrize("spec", ["causal", "sliding:w=16,causal=1", "longformer:w=16,g=4"])
+def test_the_op_passes_torch_library_checks_and_matches_the_reference(spec):
+    q, k, v, padding = _inputs()
+    torch.library.opcheck(torch.ops.stof_cc.attention.default, (q, k, v, spec, None, padding))
+    got = torch.ops.stof_cc.attention(q, k, v, spec, 0.25, padding)
+    torch.testing.assert_close(got, _want(q, k, v, spec, padding, 0.25))
+    assert got.is_contiguous() and got.shape == q.shape
+
+
+def test_no_mask_and_no_padding_is_plain_attention():
+    q, k, v, _ = _inputs()
+    got = stof_cc.attention_op(q, k, v, None, None, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q, *(t.repeat_interleave(2, 1) for t in (k, v)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_compile_traces_it_as_one_node():
+    q, k, v, padding = _inputs()
+
+    def block(q, k, v, padding):
+        return torch.ops.stof_cc.attention(q * 2.0, k, v, "causal", None, padding) + 1.0
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")  # a graph break would raise
+    torch.testing.assert_close(compiled(q, k, v, padding), block(q, k, v, padding))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_on_the_gpu_the_op_runs_the_kernels_compiled_and_matches(dtype):
+    q, k, v, padding = _inputs("cuda", dtype)
+
+    def block(q, k, v, padding):
+        return torch.ops.stof_cc.attention(q, k, v, "sliding:w=16,causal=1", None, padding)
+
+    want = _want(q, k, v, "sliding:w=16,causal=1", padding)
+    for run in (block, torch.compile(block, fullgraph=True)):
+        got = run(q, k, v, padding)
+        assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < 1e-2
