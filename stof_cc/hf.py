@@ -8,10 +8,11 @@ that runs `stof_cc.attention` on it.
     model = AutoModel.from_config(config, attn_implementation="stof_cc")
 
 What the mask function recognises in transformers' mask functions (by identity, or by the
-closures `and_masks` and `sliding_window_overlay` keep): causal, bidirectional (no mask), a causal
-sliding window; anything else (chunked attention, packed sequences' `position_ids`, an image's
-bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its block
-mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
+closures `and_masks`, `sliding_window_overlay` and `packed_sequence_mask_function` keep): causal,
+bidirectional (no mask), a causal sliding window, packed sequences (found by transformers from
+`position_ids` that restart at 0) as `masks.document`; anything else (chunked attention, an
+image's bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its
+block mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
 
 Runs in transformers' own SDPA instead, with one warning naming why (`_fallback`): a CPU tensor
 (the kernels are CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.masks import MaskDescription, causal, from_mask_mod, sliding_window
+from stof_cc.masks import MaskDescription, causal, document, from_mask_mod, sliding_window
 from stof_cc.runtime.attention import attention
 
 NAME = "stof_cc"
@@ -92,8 +93,13 @@ def describe(mask_function: Callable) -> MaskDescription | None:
     if mask_function is mu.bidirectional_mask_function:
         return None
     captured = _captured(mask_function)
+    packed = captured.get("packed_sequence_mask")
+    if _made_by(mask_function, "packed_sequence_mask_function") and isinstance(packed, torch.Tensor):
+        return document(segment_ids=packed)  # packed sequences: one document id per position
     if _made_by(mask_function, "and_masks") and "mask_functions" in captured:
         functions = list(captured["mask_functions"])
+        if any(_made_by(f, "packed_sequence_mask_function") for f in functions):
+            functions = [_within_documents(f) for f in functions]
         windows = [w for part in functions if (w := captured_window(part)) is not None]
         if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
             return sliding_window(windows[0] - 1, causal=True)  # 0 <= q - k < window
@@ -105,6 +111,19 @@ def describe(mask_function: Callable) -> MaskDescription | None:
             combined = combined & part
         return combined
     return from_mask_mod(mask_function, name=getattr(mask_function, "__qualname__", "transformers mask"))
+
+
+def _within_documents(mask_function: Callable) -> Callable:
+    """Beside packed sequences' document mask, transformers (5.2x) evaluates the other masks on
+    positions counted from each document's start (`remap_positions_for_packed_sequence`); inside
+    one document those are the indices minus a constant, so a mask of q - k alone (causal, a
+    window) is the same function of the indices: the function it wraps, for those masks."""
+    inner = _captured(mask_function).get("mask_function")
+    if _made_by(mask_function, "remap_positions_for_packed_sequence") and callable(inner):
+        described = describe(inner)
+        if described is None or repr(described) == "causal()" or repr(described).startswith("sliding_window("):
+            return inner
+    return mask_function
 
 
 def captured_window(mask_function: Callable) -> int | None:

@@ -54,11 +54,25 @@ def test_known_masks_become_zoo_descriptions(name, mask_function, label):
     _same_mask(description, mask_function)
 
 
-def test_other_masks_become_exact_mask_mods():
+def test_packed_sequences_become_documents():
     documents = torch.tensor([[0] * 20 + [1] * 28, [0] * 5 + [1] * 30 + [2] * 13])
     packed = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(documents))
-    _same_mask(stof_cc.hf.describe(packed), packed)
+    description = stof_cc.hf.describe(packed)
+    assert repr(description) == "(causal() & document(segment_ids=<2x48>))"
+    _same_mask(description, packed)
+    if hasattr(mu, "remap_positions_for_packed_sequence"):  # 5.2x: the window on per-document positions
+        positions = torch.cat([torch.cat([torch.arange(n) for n in lengths])[None]
+                               for lengths in ((20, 28), (5, 30, 13))])
+        window = mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(8), positions)
+        remapped = mu.and_masks(window, mu.packed_sequence_mask_function(documents))
+        description = stof_cc.hf.describe(remapped)
+        assert repr(description) == "(sliding_window(w=7, causal=True) & document(segment_ids=<2x48>))"
+        _same_mask(description, remapped)
+
+
+def test_other_masks_become_exact_mask_mods():
     chunked = mu.chunked_causal_mask_function(16, torch.zeros(2, dtype=torch.long))
+    assert "from_mask_mod" in repr(stof_cc.hf.describe(chunked))
     _same_mask(stof_cc.hf.describe(chunked), chunked)
 
 
@@ -172,3 +186,27 @@ def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
         got = ours.generate(prompt, attention_mask=attention_mask, **settings)
         want = theirs.generate(prompt, attention_mask=attention_mask, **settings)
     assert torch.equal(got, want) and got.shape == (2, 18)
+
+
+def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch):
+    """Two sequences packed in one row (position ids restarting at 0, no attention_mask): transformers
+    finds the packing, the mask function describes it, and each sequence's output equals running it alone."""
+    stof_cc.hf.register()
+    seen = []
+    fallback = stof_cc.hf._fallback
+
+    def recording(module, query, key, value, mask, *args, **kwargs):
+        seen.append(repr(mask.description))
+        return fallback(module, query, key, value, mask, *args, **kwargs)
+
+    monkeypatch.setattr(stof_cc.hf, "_fallback", recording)
+    torch.manual_seed(0)
+    model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
+    ids = torch.randint(0, 100, (1, SEQ))
+    positions = torch.cat([torch.arange(20), torch.arange(SEQ - 20)])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state  # no cache: packing found
+        first = model(input_ids=ids[:, :20]).last_hidden_state
+        second = model(input_ids=ids[:, 20:]).last_hidden_state
+    assert seen[0] == "(causal() & document(segment_ids=<1x48>))", seen
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-4, atol=1e-4)
