@@ -47,7 +47,7 @@ def old_template(folder: str) -> WarpSpecialisedWgmmaAttention:
 
 def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
     """Print one case's A/B; the number of wrong launches."""
-    from mha import DENSE_FLOORS, bench, under
+    from mha import bench, dense_floors, under
     from torch.nn.attention import SDPBackend
 
     from stof_cc.backends.attention_launch import launch_plan
@@ -63,7 +63,7 @@ def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
     q, k, v = (torch.randn(grid_batch(seq), heads, seq, d, device="cuda", dtype=dtype) for _ in range(3))
     problem = problem_of(q, k, v)
     ref = masked_attention(q, k, v, desc.to_dense(seq, seq).cuda()).float()
-    floor = min(bench(lambda fn=fn: fn(q, k, v)) for fn in DENSE_FLOORS.values()) \
+    floor = min(bench(lambda fn=fn: fn(q, k, v)) for fn in dense_floors().values()) \
         * desc.block_mask(seq, seq, 128, 128).element_density
     cudnn = bench(lambda: under(SDPBackend.CUDNN_ATTENTION, is_causal=True)(q, k, v)) if name == "causal" else math.nan
     points = []

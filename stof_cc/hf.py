@@ -14,12 +14,15 @@ bidirectional (no mask), a causal sliding window, packed sequences (found by tra
 image's bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its
 block mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
 
-Runs in transformers' own SDPA instead, with one warning naming why (`_fallback`): a CPU tensor
-(the kernels are CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of
-``generate()`` (queries fewer than keys, or offsets into a cache: no decode kernel yet), and a
-4-D mask tensor the caller built (transformers hands it over as it is). Refused
-with a clear error: dropout while training (inference only), softcapping (Gemma 2: use
-``attn_implementation="eager"``). A query row whose keys are all padding gets 0 (SDPA attends
+A position bias (T5's relative positions) is added to the scores. Runs in transformers' own SDPA
+instead (the torch reference where there is a position bias), with one warning naming why
+(`_fallback`): autograd on (the kernels are inference-only), a CPU tensor (the kernels are CUDA),
+an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate()`` (queries fewer than
+keys, or offsets into a cache: no decode kernel yet), and a 4-D mask tensor the caller built
+(transformers hands it over as it is). Refused with a clear error: dropout while training
+(inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
+``attn_implementation="eager"`` there. A model whose own code reads the mask tensor (MPT) cannot
+take this implementation. A query row whose keys are all padding gets 0 (SDPA attends
 every key there); such rows are padding themselves.
 """
 
@@ -33,8 +36,10 @@ from typing import Any
 
 import torch
 
-from stof_cc.masks import MaskDescription, causal, document, from_mask_mod, sliding_window
+from stof_cc.ir.reference import masked_attention
+from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.runtime.attention import attention
+from stof_cc.tune.attention import CAUSAL, causal_window
 
 NAME = "stof_cc"
 
@@ -70,14 +75,14 @@ def register() -> None:
 
 def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-                   device: torch.device | str = "cpu", **_: Any) -> HFMask:
+                   device: torch.device | str = "cpu", **extra: Any) -> HFMask:
     """transformers' mask-interface call (the arguments its ``sdpa_mask`` takes) as an `HFMask`."""
     from transformers.masking_utils import causal_mask_function
 
     mask_function = mask_function or causal_mask_function
     arguments = {"batch_size": batch_size, "q_length": q_length, "kv_length": kv_length, "q_offset": q_offset,
                  "kv_offset": kv_offset, "mask_function": mask_function, "attention_mask": attention_mask,
-                 "device": device}
+                 "device": device, "use_vmap": extra.get("use_vmap", False)}
     key_padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         key_padding = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
@@ -89,7 +94,7 @@ def describe(mask_function: Callable) -> MaskDescription | None:
     from transformers import masking_utils as mu
 
     if mask_function is mu.causal_mask_function:
-        return causal()
+        return CAUSAL  # one object per mask: choices and launch plans are cached per description
     if mask_function is mu.bidirectional_mask_function:
         return None
     captured = _captured(mask_function)
@@ -102,7 +107,7 @@ def describe(mask_function: Callable) -> MaskDescription | None:
             functions = [_within_documents(f) for f in functions]
         windows = [w for part in functions if (w := captured_window(part)) is not None]
         if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
-            return sliding_window(windows[0] - 1, causal=True)  # 0 <= q - k < window
+            return causal_window(windows[0] - 1)  # 0 <= q - k < window
         parts = [p for p in map(describe, functions) if p is not None]
         if not parts:
             return None
@@ -121,7 +126,7 @@ def _within_documents(mask_function: Callable) -> Callable:
     inner = _captured(mask_function).get("mask_function")
     if _made_by(mask_function, "remap_positions_for_packed_sequence") and callable(inner):
         described = describe(inner)
-        if described is None or repr(described) == "causal()" or repr(described).startswith("sliding_window("):
+        if described is None or described is CAUSAL or repr(described).startswith("sliding_window("):
             return inner
     return mask_function
 
@@ -157,27 +162,34 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if softcap is not None:
         raise ValueError(f"attn_implementation='{NAME}' does not softcap scores ({type(module).__name__} asks "
                          f"for softcap={softcap}): use attn_implementation='eager' for this model")
+    sinks = next((name for name in ("s_aux", "sinks") if kwargs.get(name) is not None), None)
+    if sinks is not None:
+        raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
+                         f"{sinks}): use attn_implementation='eager' for this model")
+    position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores
     if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
-        return _fallback(module, query, key, value, attention_mask, scaling,
+        return _fallback(module, query, key, value, attention_mask, scaling, position_bias,
                          "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
                          **kwargs)
     if attention_mask is not None and not isinstance(attention_mask, HFMask):
         raise TypeError(f"attn_implementation='{NAME}' got a {type(attention_mask).__name__} mask, not the "
                         "description its own mask function makes: was the model's mask built by another "
                         "implementation?")
-    why = _why_sdpa(query, key, attention_mask)
+    why = _why_sdpa(query, key, value, attention_mask)
     if why is not None:
-        return _fallback(module, query, key, value, attention_mask, scaling, why, **kwargs)
+        return _fallback(module, query, key, value, attention_mask, scaling, position_bias, why, **kwargs)
     description = None if attention_mask is None else attention_mask.description
     if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
-        description = causal()  # transformers' convention: no mask tensor on a causal module
+        description = CAUSAL  # transformers' convention: no mask tensor on a causal module
     key_padding = None if attention_mask is None else attention_mask.key_padding
-    out = attention(query, key, value, description, scale=scaling, key_padding=key_padding)
+    out = attention(query, key, value, description, scale=scaling, key_padding=key_padding, bias=position_bias)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _why_sdpa(query: torch.Tensor, key: torch.Tensor, mask: HFMask | None) -> str | None:
+def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None) -> str | None:
     """Why this call runs in transformers' SDPA rather than stof-cc's kernels, or None."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return "autograd is on (the kernels are inference-only: call the model under torch.no_grad())"
     if not query.is_cuda:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):
@@ -191,8 +203,10 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, mask: HFMask | None) -> st
 _WARNED: set[str] = set()
 
 
-def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, why: str,
+def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
               **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA on its own dense mask; with a position bias (which its SDPA takes in
+    some releases only) the torch reference, the bias added under the mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)  # decided here, from the mask
@@ -200,5 +214,10 @@ def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, sca
         _WARNED.add(why)
         warnings.warn(f"attn_implementation='{NAME}': transformers' sdpa runs this attention: {why}", stacklevel=3)
     dense = mask.dense() if isinstance(mask, HFMask) else mask
+    if position_bias is not None:
+        if dense is not None and dense.dtype != torch.bool:  # an additive mask adds to the bias
+            position_bias, dense = position_bias + dense, None
+        out = masked_attention(query, key, value, dense, scaling, bias=position_bias)
+        return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling,
                                   is_causal=dense is None and getattr(module, "is_causal", False), **kwargs)[0], None

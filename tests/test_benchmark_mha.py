@@ -51,7 +51,7 @@ def test_the_fa4_peer_keeps_its_layout_and_its_mask(monkeypatch):
     for name, module in _fake_fa4(calls).items():
         monkeypatch.setitem(sys.modules, name, module)
     mha = _load_mha()
-    assert mha.fa4_available() and "fa4" in mha.DENSE_FLOORS
+    assert mha.fa4_available() and "fa4" in mha.dense_floors()
     q, k, v = (torch.randn(2, 3, 256, 16) for _ in range(3))
     causal = mha.fa4_peer(causal=True)(q, k, v)
     torch.testing.assert_close(causal, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-5)
@@ -69,5 +69,5 @@ def test_without_fa4_the_peers_are_torchs_own(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import fails
     mha = _load_mha()
     monkeypatch.setattr(mha, "flex_peer", lambda *args, **kwargs: None)
-    assert not mha.fa4_available() and "fa4" not in mha.DENSE_FLOORS
+    assert not mha.fa4_available() and "fa4" not in mha.dense_floors()
     assert set(mha.peers("causal", None, 2, 3, 256)) == {"flash_causal", "cudnn_causal", "flex"}

@@ -122,11 +122,38 @@ def test_a_model_on_the_cpu_matches_sdpa_and_each_layer_gets_its_mask(family, co
     assert any("on the CPU" in str(w.message) for w in caught) or any("on the CPU" in w for w in stof_cc.hf._WARNED)
 
 
+def test_t5s_position_bias_is_added_to_the_scores():
+    stof_cc.hf.register()
+    config = T.T5Config(num_layers=2, d_model=128, num_heads=4, d_kv=32, d_ff=256, vocab_size=100)
+    torch.manual_seed(0)
+    ours = T.T5EncoderModel._from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    theirs = T.T5EncoderModel._from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 100, (2, 24))
+    attention_mask = torch.ones(2, 24, dtype=torch.long)
+    attention_mask[1, 18:] = 0
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+        want = theirs(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_on_runs_in_sdpa_and_says_why(monkeypatch):
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
+    q = torch.randn(1, 2, 8, 32, requires_grad=True)
+    with pytest.warns(UserWarning, match="autograd is on"):
+        out, _ = stof_cc.hf.attention_forward(torch.nn.Module().eval(), q, q, q, None)
+    assert out.requires_grad and out.shape == (1, 8, 2, 32)
+
+
 def test_what_is_refused_is_named():
     module = torch.nn.Module()
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(ValueError, match="softcap"):
         stof_cc.hf.attention_forward(module, q, q, q, None, softcap=50.0)
+    with pytest.raises(ValueError, match="attention sinks"):
+        stof_cc.hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
     module.train()
     with pytest.raises(ValueError, match="inference-only"):
         stof_cc.hf.attention_forward(module, q, q, q, None, dropout=0.1)
@@ -150,8 +177,9 @@ def test_a_mask_tensor_the_caller_built_runs_in_sdpa_as_given(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=16, **SMALL),
                                     T.Gemma3TextConfig(head_dim=32, sliding_window=16, **SMALL)])
-def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config):
+def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config, monkeypatch):
     stof_cc.hf.register()
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())  # any fallback warns here, even one said before
     torch.manual_seed(0)
     ours = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="stof_cc").half().cuda().eval()
     theirs = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa").half().cuda().eval()

@@ -92,10 +92,33 @@ class _BoolAdded(torch.nn.Module):
         return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + m, -1), v)
 
 
-def test_q_and_k_upcast_to_fp32_are_one_attention():
-    graph = _same(_Upcast(), *_qkv(), dtype=torch.float16, atol=1e-2)
+class _UpcastBatched(torch.nn.Module):
+    """The same with the product a bmm on [B*H, S, D] views of the upcast q and k."""
+
+    def forward(self, q, k, v):
+        q3, k3 = (t.float().reshape(B * H, S, D) for t in (q, k))
+        scores = torch.bmm(q3, k3.transpose(1, 2)).view(B, H, S, S) * 0.3
+        return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)
+
+
+class _AllUpcast(torch.nn.Module):
+    """q, k and v upcast: the attention runs in fp32 between the casts."""
+
+    def forward(self, q, k, v):
+        return torch.matmul(torch.softmax(torch.matmul(q.float(), k.float().transpose(-1, -2)) * 0.3, -1), v.float())
+
+
+@pytest.mark.parametrize("module", [_Upcast, _UpcastBatched])
+def test_q_and_k_upcast_to_fp32_are_one_attention(module):
+    graph = _same(module(), *_qkv(), dtype=torch.float16, atol=1e-2)
     ops = [n.op for n in graph.nodes()]
     assert ops.count("attention") == 1 and "cast" not in ops and "matmul" not in ops, ops
+
+
+def test_q_k_and_v_upcast_keep_their_casts():
+    graph = _same(_AllUpcast(), *_qkv(), dtype=torch.float16, atol=1e-2)
+    ops = [n.op for n in graph.nodes()]
+    assert ops.count("attention") == 1 and ops.count("cast") == 3, ops
 
 
 def test_chains_that_are_not_one_attention_stay_as_they_are():

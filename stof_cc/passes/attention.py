@@ -264,10 +264,15 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             chain += [scaled.name] + ([batched_view.name] if batched_view is not None else [])
             q, k = (scaled.args[0], k) if side == "q" else (q, scaled.args[0])
             q_reader, k_reader = (scaled, k_reader) if side == "q" else (q_reader, scaled)
+    v_dtype = graph.node(v.name).spec.dtype
     for side, reader_of in (("q", q_reader), ("k", k_reader)):  # GPT-J: q k^T in fp32 of fp16 q and k
         upcast = graph.node((q if side == "q" else k).name)
-        if _exact_upcast(graph, upcast) and _reads_only(graph, upcast, reader_of):
-            chain.append(upcast.name)  # exact, and the kernels' product accumulates in fp32 already
+        batched_view = reader_of if reader_of.op == "view" else None  # [B*H, S, D] view of the upcast
+        if _exact_upcast(graph, upcast) and graph.node(upcast.args[0].name).spec.dtype == v_dtype \
+                and _reads_only(graph, upcast, reader_of) \
+                and (batched_view is None or _reads_only(graph, batched_view, scores if side == "q" else key_t)):
+            # exact, and the kernels' product accumulates in fp32 already; kept where v stays fp32 too
+            chain += [upcast.name] + ([batched_view.name] if batched_view is not None else [])
             q, k = (upcast.args[0], k) if side == "q" else (q, upcast.args[0])
     beta = float(scores.kwargs.get("beta", 1.0)) if scores.op == "baddbmm" else 0.0
     if beta != 0.0:  # beta * bias + alpha * q k^T (BLOOM's ALiBi); beta = 0 ignores the input, as torch does

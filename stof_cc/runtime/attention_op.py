@@ -11,6 +11,8 @@ once, so a compiled graph calling the op reuses the same description and so the 
 plan. On CUDA the op runs stof-cc's kernels; on the CPU it runs the torch reference
 (`ir.reference.masked_attention`: fp32 inside, a query with no allowed key gives 0, as the
 kernels do), so the op can be traced and checked anywhere. The output is contiguous [B, H, S_q, D].
+Inference only, as `stof_cc.attention`: on CUDA, inputs that require grad under autograd are
+refused with `AttentionInputError` (no backward is registered).
 """
 
 from __future__ import annotations

@@ -225,9 +225,8 @@ class CompiledModule:
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = self.steps(graph, plan, gpu)
-        dies_after = _lifetimes(graph, steps)
-        _load_kernels(steps)
-        return Variant(graph, plan, steps, dies_after, gpu=gpu)
+        _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
+        return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
 
     def steps(self, graph: Graph, plan: FusionPlan, gpu: bool) -> list[Step]:
         """One step per group of ``plan``, in order: a generated kernel, stof-cc's attention or

@@ -192,7 +192,7 @@ def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
 CAUSAL = causal()  # one object: attention's choices (and tuned winners) are cached per description
 
 
-_causal_window = functools.cache(lambda window: sliding_window(window, causal=True))
+causal_window = functools.cache(lambda window: sliding_window(window, causal=True))  # one object per window, as CAUSAL
 
 
 def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
@@ -203,7 +203,7 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
         return override
     if not given.get("is_causal"):
         return None
-    return CAUSAL if given.get("window") is None else _causal_window(given["window"])
+    return CAUSAL if given.get("window") is None else causal_window(given["window"])
 
 
 def attention_kernel(graph: Graph, node: Node,

@@ -161,13 +161,15 @@ def _time_library(graph, group, values, database, device, progress) -> None:
     if database.lookup(LIBRARY_GEMM, signature, device) is not None:
         return
     node = graph.node(group.anchor)
-    x, weight, *bias = (values[r.name] if r is not None else None for r in node.args)
-    inputs = [x] + [torch.randn_like(x) for _ in range(INPUT_SETS - 1)]
-    error = relative_error(torch.nn.functional.linear(x, weight, *bias), values[node.name])
+    given = [values[r.name] if r is not None else None for r in node.args]
+    error = relative_error(torch.nn.functional.linear(*given), values[node.name])
     if not error < MAX_ERROR:
         progress(f"{group.name}: the library GEMM is off by {error:.3g} against the reference; not recorded")
         return
-    micros = cuda_timer(lambda i: torch.nn.functional.linear(inputs[i % INPUT_SETS], weight, *bias), runs=20)
+    # the real operands, then random copies of every one (weights too), as tune_group rotates the
+    # generated candidates' inputs: neither side finds its operands in L2
+    sets = [given] + [[None if t is None else torch.randn_like(t) for t in given] for _ in range(INPUT_SETS - 1)]
+    micros = cuda_timer(lambda i: torch.nn.functional.linear(*sets[i % INPUT_SETS]), runs=20)
     database.store(LIBRARY_GEMM, signature, device, {}, micros)
     progress(f"{group.name}: library GEMM (cuBLAS through F.linear) {micros:.1f} us")
 
