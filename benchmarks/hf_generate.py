@@ -1,0 +1,171 @@
+"""HuggingFace generation with attn_implementation="stof_cc" beside "sdpa" and "flex_attention"
+(issue 36's bar).
+
+    python benchmarks/hf_generate.py [--families llama,qwen2,mistral,gemma3] [--hidden 2048] [--layers 4]
+                                     [--prompt 4096] [--new 128] [--batch 1,8] [--dtype bfloat16] [--json out.json]
+
+Per family and batch: one random-weight model (``--hidden``, head dim 128, a quarter as many K/V
+heads, FFN 4 x hidden, ``--layers``), its weights loaded into each implementation's copy; a prompt
+of ``--prompt`` random tokens (with B > 1 the second half of the batch left-padded by a quarter,
+as generation pads); the prefill (one forward, no cache) timed with `triton.testing.do_bench`,
+then greedy `generate()` of ``--new`` tokens timed end to end (the median of 3 after one
+warm-up). Every implementation's tokens are compared with sdpa's: the bar asks for identical
+greedy tokens, and random weights make near-ties, so the row reports the first position where
+they differ. stof-cc's decode steps run in SDPA (no decode kernel yet; stof_cc/hf.py says so once).
+Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import stof_cc.hf  # noqa: E402
+
+IMPLEMENTATIONS = ("stof_cc", "sdpa", "flex_attention")
+VOCAB = 32000
+
+
+def config_of(family: str, hidden: int, layers: int):
+    """The family's config at ``hidden`` (head dim 128, K/V heads a quarter of the query heads)."""
+    import transformers as T
+
+    heads = hidden // 128
+    common = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": max(1, heads // 4), "intermediate_size": 4 * hidden, "vocab_size": VOCAB,
+              "max_position_embeddings": 32768, "pad_token_id": 0, "eos_token_id": None, "bos_token_id": None}
+    configs = {
+        "llama": lambda: T.LlamaConfig(**common),
+        "qwen2": lambda: T.Qwen2Config(**common),
+        "mistral": lambda: T.MistralConfig(sliding_window=2048, **common),
+        "gemma3": lambda: T.Gemma3TextConfig(head_dim=128, sliding_window=1024, **common),
+    }
+    return configs[family]()
+
+
+def prompt_of(batch: int, length: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids and their attention mask (left padding in the second half of the batch)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1:
+        mask[batch // 2:, : length // 4] = 0
+    ids[mask == 0] = 0
+    return ids.to(device), mask.to(device)
+
+
+def models_of(config, implementations, dtype: torch.dtype, device: str) -> dict:
+    """One model per implementation, all with the first one's random weights."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    models = {}
+    for name in implementations:
+        model = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name)
+        models[name] = model.to(device=device, dtype=dtype).eval()
+    first = next(iter(models.values()))
+    for model in models.values():
+        model.load_state_dict(first.state_dict())
+    return models
+
+
+def first_difference(tokens: torch.Tensor, reference: torch.Tensor) -> int | None:
+    """The first generated position where ``tokens`` and ``reference`` differ (None: identical)."""
+    differs = (tokens != reference).any(0).nonzero()
+    return None if differs.numel() == 0 else int(differs[0])
+
+
+def prefill_ms(forward, device: str) -> float:
+    """Median ms of ``forward()``: triton's do_bench on the GPU, the host clock elsewhere (the
+    CPU run is the script's own test)."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(forward, warmup=5, rep=50, return_mode="median"))
+    started = time.perf_counter()
+    forward()
+    return (time.perf_counter() - started) * 1e3
+
+
+def run(family: str, batch: int, args, implementations=IMPLEMENTATIONS, device: str = "cuda") -> dict:
+    dtype = getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    models = models_of(config_of(family, args.hidden, args.layers), implementations, dtype, device)
+    ids, mask = prompt_of(batch, args.prompt, device)
+    row = {"family": family, "batch": batch, "prefill_ms": {}, "generate_s": {}, "first_difference": {}}
+    tokens = {}
+    settings = {"max_new_tokens": args.new, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        for name, model in models.items():
+            try:
+                row["prefill_ms"][name] = prefill_ms(
+                    lambda model=model: model(input_ids=ids, attention_mask=mask, use_cache=False), device)
+                model.generate(ids, attention_mask=mask, **settings)  # warm-up
+                times = []
+                for _ in range(3):
+                    sync()
+                    started = time.perf_counter()
+                    tokens[name] = model.generate(ids, attention_mask=mask, **settings)[:, ids.shape[1]:]
+                    sync()
+                    times.append(time.perf_counter() - started)
+                row["generate_s"][name] = statistics.median(times)
+            except Exception as exc:  # reported, not hidden
+                row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if "sdpa" in tokens:
+        row["first_difference"] = {name: first_difference(t, tokens["sdpa"]) for name, t in tokens.items()}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| family | B | prefill ms stof_cc / sdpa / flex | prefill vs sdpa | vs flex | generate s stof_cc / sdpa "
+             "| generate vs sdpa | tokens differ from sdpa at |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, g = r["prefill_ms"], r["generate_s"]
+        ratio = lambda d, a, b: f"{d[b] / d[a]:.2f}x" if a in d and b in d else "-"  # noqa: E731
+        cell = lambda d, k, f: f.format(d[k]) if k in d else "-"  # noqa: E731
+        differ = r["first_difference"].get("stof_cc", "-")
+        lines.append(f"| {r['family']} | {r['batch']} | {cell(p, 'stof_cc', '{:.2f}')} / {cell(p, 'sdpa', '{:.2f}')} / "
+                     f"{cell(p, 'flex_attention', '{:.2f}')} | {ratio(p, 'stof_cc', 'sdpa')} | "
+                     f"{ratio(p, 'stof_cc', 'flex_attention')} | {cell(g, 'stof_cc', '{:.2f}')} / "
+                     f"{cell(g, 'sdpa', '{:.2f}')} | {ratio(g, 'stof_cc', 'sdpa')} | "
+                     f"{'identical' if differ is None else differ} |" + "".join(f" {k}: {v}" for k, v in
+                                                                                 r.get("errors", {}).items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="llama,qwen2,mistral,gemma3")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--new", type=int, default=128)
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    stof_cc.hf.register()
+    rows = []
+    for family in args.families.split(","):
+        for batch in map(int, args.batch.split(",")):
+            rows.append(run(family, batch, args))
+            print(rows[-1], flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+    print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
+          f"hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}, {args.new} new tokens")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
