@@ -23,7 +23,9 @@ is 1.1e-2 from fp32 on these random-weight models); then
 `stof_cc.compile` (CUDA graphs where the model allows), the same model under
 `torch.compile(backend=stof_cc.backend(...))` (its own column, not a peer), eager, `torch.compile`
 (default) and `torch.compile(mode="reduce-overhead")` are timed in this process: medians of
-`triton.testing.do_bench` after warm-up. A peer that fails is reported with its error, never
+`triton.testing.do_bench` after warm-up. Beside each row, the model's floor (benchmarks/floor.py:
+its GEMMs in cuBLAS, its attention at the dense kernels' speed times the mask's density, the
+rest of its bytes at 3 TB/s). A peer that fails is reported with its error, never
 dropped. Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 """
 
@@ -188,6 +190,7 @@ def run_family(family: str, args, database: Path) -> dict:
             row["torch_steps"] = sum(s.kind == "torch" and "views only" not in s.note
                                      for v in compiled.variants.values() for s in v.steps)
             row["library_steps"] = sum(s.kind == "library" for v in compiled.variants.values() for s in v.steps)
+            row["floor_ms"] = model_floor(compiled)
         except Exception as exc:  # reported, not hidden
             row.update(stof_err=math.inf, stof_ms=math.inf, error=f"{type(exc).__name__}: {str(exc)[:300]}")
         print(f"  {family}: stof-cc {row['stof_ms']:.3f} ms, error {row['stof_err']:.1e}"
@@ -239,6 +242,18 @@ def through_backend(half, kwargs: dict, want: torch.Tensor, args, database: Path
           + "".join(f"\n    {w}" for w in out.get("backend_warnings", []))
           + (f" ({out['backend_error']})" if "backend_error" in out else ""), flush=True)
     return out
+
+
+def model_floor(compiled) -> float:
+    """The floor of the compiled model's groups (benchmarks/floor.py: GEMMs in cuBLAS, attention
+    at the dense kernels' speed times the mask's density, the rest at 3 TB/s); inf if it fails."""
+    from floor import model_floor_ms  # benchmarks/, the script's folder
+
+    try:
+        return sum(model_floor_ms(v.graph, [s.group for s in v.steps], bench) for v in compiled.variants.values())
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        print(f"  floor not computed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        return math.inf
 
 
 def run_in_fresh_process(family: str, args, database: Path) -> dict:
@@ -311,15 +326,16 @@ def main() -> None:
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"B={args.batch} S={args.seq} layers={args.layers}, size {args.size}"
           f"{' (every eighth sequence all padding)' if SERVING else ''}")
-    print("| family | stof ms (error) | torch steps | cuBLAS steps | backend=stof_cc ms (error) | " + "".join(f"{n} ms | " for n in names)
-          + "speedup |")
-    print("|" + "---|" * (len(names) + 6))
+    print("| family | stof ms (error) | floor ms | torch steps | cuBLAS steps | backend=stof_cc ms (error) | "
+          + "".join(f"{n} ms | " for n in names) + "speedup |")
+    print("|" + "---|" * (len(names) + 7))
     for r in rows:
         cells = "".join((f"{r['peers'][n]['ms']:.3f}" + ("" if r["peers"][n]["ok"] else " (wrong)")
                          if n in r["peers"] else "-") + " | " for n in names)
         backend = f"{r.get('backend_ms', math.inf):.3f} ({r.get('backend_err', math.inf):.1e})"
         speedup = f"{r['speedup']:.2f}x" if math.isfinite(r["best_peer_ms"]) else "- (no peer)"
-        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {r.get('torch_steps', '-')} | "
+        print(f"| {r['family']} | {r['stof_ms']:.3f} ({r['stof_err']:.1e}) | {r.get('floor_ms', math.inf):.3f} | "
+              f"{r.get('torch_steps', '-')} | "
               f"{r.get('library_steps', '-')} | {backend} | "
               f"{cells}{speedup} |")
 
