@@ -21,8 +21,9 @@ an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate()`` (q
 keys, or offsets into a cache: no decode kernel yet), and a 4-D mask tensor the caller built
 (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
-``attn_implementation="eager"`` there. A model whose own code reads the mask tensor (MPT) cannot
-take this implementation. A query row whose keys are all padding gets 0 (SDPA attends
+``attn_implementation="eager"`` there. A model whose own code reads the mask tensor (BLOOM, MPT)
+gets a TypeError that says so where it first touches the description; one that picks its
+attention class by name (Falcon) fails in transformers with ``KeyError: 'stof_cc'``. A query row whose keys are all padding gets 0 (SDPA attends
 every key there); such rows are padding themselves.
 """
 
@@ -55,6 +56,16 @@ class HFMask:
     arguments: dict[str, Any]
     _dense: torch.Tensor | None = field(default=None, repr=False)
 
+    def __getattr__(self, name: str):  # a tensor's attribute: the model's own code reads its mask
+        if name.startswith("__"):  # protocols (copy, pickle) ask with getattr and expect AttributeError
+            raise AttributeError(name)
+        raise _not_a_tensor(f"reads .{name} of its attention mask")
+
+    def __add__(self, other):
+        raise _not_a_tensor("adds to its attention mask")
+
+    __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
+
     def dense(self) -> torch.Tensor | None:
         """transformers' own SDPA mask for these arguments, built once."""
         if self._dense is None:
@@ -62,6 +73,13 @@ class HFMask:
 
             self._dense = sdpa_mask(**self.arguments, allow_is_causal_skip=False)
         return self._dense
+
+
+def _not_a_tensor(what: str) -> TypeError:
+    return TypeError(f"attn_implementation='{NAME}': this model's own code {what}, which stof-cc hands over as a "
+                     "description, not a tensor; it serves models whose attention goes through transformers' "
+                     "AttentionInterface (Llama, Mistral, Qwen, Gemma, BERT, T5, ...). Use 'sdpa', or "
+                     "stof_cc.compile, for this model")
 
 
 def register() -> None:

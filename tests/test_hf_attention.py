@@ -238,3 +238,35 @@ def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch)
         second = model(input_ids=ids[:, 20:]).last_hidden_state
     assert seen[0] == "(causal() & document(segment_ids=<1x48>))", seen
     torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["bert", "cohere", "distilbert", "gemma3", "gpt2", "gpt_neox", "gptj", "granite",
+                                    "llama", "mistral", "olmo2", "phi3", "qwen2", "qwen3", "roberta", "stablelm",
+                                    "starcoder2", "t5", "vit"])
+def test_every_family_on_the_interface_matches_eager_on_the_cpu(family):
+    from families import build
+
+    stof_cc.hf.register()
+    model, kwargs, tokens = build(family)
+    try:
+        ours = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="stof_cc").eval()
+    except KeyError as missing:  # GPT-J in transformers 5.17 picks its attention class by name, as Falcon does
+        assert missing.args == ("stof_cc",)
+        pytest.skip(f"{family} picks its attention class by name in transformers {T.__version__}")
+    theirs = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="eager").eval()
+    theirs.load_state_dict(ours.state_dict())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU runs SDPA, said once
+        got, want = (m(**kwargs).last_hidden_state for m in (ours, theirs))
+    torch.testing.assert_close(got[tokens], want[tokens], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["bloom", "mpt"])
+def test_a_model_that_reads_its_mask_tensor_is_told_why(family):
+    from families import build
+
+    stof_cc.hf.register()
+    model, kwargs, _ = build(family)
+    ours = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="stof_cc").eval()
+    with torch.no_grad(), pytest.raises(TypeError, match="its attention mask, which stof-cc hands over as a description"):
+        ours(**kwargs)
