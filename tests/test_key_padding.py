@@ -112,8 +112,9 @@ def test_a_bias_with_boolean_padding_becomes_key_padding_and_the_bias_alone():
 
 class ModelsOwnTest(torch.nn.Module):
     """Padding tests that agree on 0 and 1 and differ elsewhere, and attention forms that give a
-    query with no key 0 (SDPA's boolean mask here), the mean of V (a finite additive mask) or
-    NaN (the chain's masked_fill with -inf)."""
+    query with no key 0 (SDPA's boolean mask here), the mean of V (a finite additive mask), NaN
+    (the chain's masked_fill with -inf) or the attention with no mask (a finite fill that only
+    shifts a row's scores)."""
 
     def __init__(self, test: str, form: str) -> None:
         super().__init__()
@@ -123,6 +124,8 @@ class ModelsOwnTest(torch.nn.Module):
         keep = {"== 1": padding == 1, "> 0": padding > 0, "!= 0": padding != 0}[self.test][:, None, None, :]
         if self.form == "sdpa":
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        if self.form == "shifting":  # T5 in fp16: a fill that shifts the scores alike, SDPA in fp32 inside
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(keep, 0.0, -65504.0))
         scores = q @ k.transpose(-2, -1) / 4.0
         if self.form == "additive":
             scores = scores + torch.where(keep, 0.0, torch.finfo(torch.float32).min)
@@ -131,7 +134,7 @@ class ModelsOwnTest(torch.nn.Module):
         return torch.softmax(scores, -1) @ v
 
 
-@pytest.mark.parametrize("form", ["sdpa", "additive", "masked_fill"])
+@pytest.mark.parametrize("form", ["sdpa", "additive", "masked_fill", "shifting"])
 @pytest.mark.parametrize("test", ["== 1", "> 0", "!= 0"])
 def test_key_padding_is_the_models_own_test_for_every_value(test, form):
     q, k, v = (torch.randn(3, 2, 8, 16) for _ in range(3))
@@ -140,11 +143,13 @@ def test_key_padding_is_the_models_own_test_for_every_value(test, form):
     graph = run_passes(trace(module, (q, k, v, torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 8]))), reports)
     (node,) = [n for n in graph.nodes() if n.op == "attention"]
     assert node.args[3] is None and node.kwargs["key_padding"] is not None, reports.padding
-    assert node.kwargs.get("empty_rows", "zero") == {"sdpa": "zero", "additive": "mean", "masked_fill": "nan"}[form]
+    assert node.kwargs.get("empty_rows", "zero") == {"sdpa": "zero", "additive": "mean", "masked_fill": "nan",
+                                                     "shifting": "unmasked"}[form]
     for padding in ([[2, 2, 1, 1, -1, 0, 0, 3], [1] * 5 + [0] * 3, [0] * 8], [[-1] * 8, [2] * 8, [5, 0] * 4]):
         padding = torch.tensor(padding)
+        tolerance = 1e-2 if form == "shifting" else 1e-5  # the model's shifted scores keep 2^-8 of 65504
         torch.testing.assert_close(interpret(graph, q, k, v, padding), module(q, k, v, padding),
-                                   rtol=1e-5, atol=1e-5, equal_nan=True)
+                                   rtol=tolerance, atol=tolerance, equal_nan=True)
 
 
 class PaddingDependentBias(torch.nn.Module):

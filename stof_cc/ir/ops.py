@@ -254,7 +254,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     else:
         out = _written_out(q, k, v, given, scale, False, softcap=softcap)
     empty = ~allowed.any(-1, keepdim=True)
-    return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows)
+    unmasked = None if empty_rows != "unmasked" else \
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows, unmasked)
 
 
 def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -28,18 +28,25 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-EMPTY_ROWS = ("zero", "mean", "nan")  # what a query row with no allowed key gives (an attention node's empty_rows)
+EMPTY_ROWS = ("zero", "mean", "nan", "unmasked")  # what a query row with no allowed key gives (empty_rows)
 
 
-def fill_empty_rows(out: torch.Tensor, v: torch.Tensor, empty: torch.Tensor, how: str | None) -> torch.Tensor:
+def fill_empty_rows(out: torch.Tensor, v: torch.Tensor, empty: torch.Tensor, how: str | None,
+                    unmasked: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` [B, H, S_q, D] with the query rows where ``empty`` (broadcast to [B, H, S_q, 1]) is
     True replaced by what the model's own attention gives there: ``"zero"`` (stof-cc's kernels,
     FlexAttention, SDPA's math backend), ``"mean"`` (the mean of V over every key: what softmax
-    gives when every score got the same finite -huge mask value, HF's additive masks) or
-    ``"nan"`` (softmax over a row of -inf). None and ``"zero"`` leave ``out`` as it is (the
-    kernels already write 0 there). V may have fewer heads than ``out`` (grouped-query)."""
+    gives when every score got the same finite -huge mask value, HF's additive masks),
+    ``"nan"`` (softmax over a row of -inf) or ``"unmasked"`` (the attention with no mask and no
+    bias, ``unmasked``: what an fp32-accumulating kernel gives when a finite fill such as fp16's
+    -65504 shifts every score of the row alike, T5 in fp16). None and ``"zero"`` leave ``out`` as
+    it is (the kernels already write 0 there). V may have fewer heads than ``out`` (grouped-query)."""
     if how in (None, "zero"):
         return out
+    if how == "unmasked":
+        if unmasked is None:
+            raise ValueError("empty_rows='unmasked' needs the attention without its mask (unmasked=)")
+        return torch.where(empty, unmasked, out)
     if how == "nan":
         fill = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
     elif how == "mean":

@@ -39,7 +39,7 @@ vector then marks padding and the node reads its negation.
 A query whose keys are all padding: the kernels give 0 there, the model's own attention may
 not (HF's ``finfo.min`` masks give the mean of V, ``masked_fill(-inf)`` NaN, SDPA's backends
 differ). The pass runs the node as the model wrote it on a fully padded probe, on the model's
-device, and records the answer as ``empty_rows`` ("mean" or "nan"; 0 needs nothing), which
+device, and records the answer as ``empty_rows`` ("mean", "nan" or "unmasked"; 0 needs nothing), which
 the compiled step writes after the kernel; an answer that is none of these keeps the mask a
 tensor.
 """
@@ -243,7 +243,8 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
     """What the model's attention gives a query whose keys are all padding, found by running the
     node as the model wrote it (its mask tensor, SDPA or the recognised chain) on the model's
     device, where the answer is decided (SDPA's backends differ): "zero", "mean" (of V over
-    every key), "nan", or None for anything else."""
+    every key), "nan", "unmasked" (the attention with no mask and no bias: a finite fill that
+    shifts every score alike, in a kernel that accumulates in fp32), or None for anything else."""
     keep = torch.ones(batch, seq_k, dtype=torch.bool)
     keep[0] = False
     value = evaluate(~keep if marks_padding else keep, device)
@@ -268,6 +269,9 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
         return "zero"
     if bool(((out - v.float().mean(-2, keepdim=True)).abs() <= tolerance).all()):
         return "mean"
+    plain = attention_reference(q, k, v, scale=kwargs.get("scale")).float()  # no mask, no bias
+    if bool(((out - plain).abs() <= tolerance).all()):
+        return "unmasked"
     return None
 
 

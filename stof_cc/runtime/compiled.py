@@ -329,7 +329,8 @@ class CompiledModule:
         if step.empty_rows is not None:
             empty = empty_query_rows(env[given["key_padding"].name] != 0, s, bool(given.get("is_causal")),
                                      given.get("window"))
-            out = fill_empty_rows(out, v, empty, step.empty_rows)
+            unmasked = None if step.empty_rows != "unmasked" else attention(q, k, v, None, given.get("scale"))
+            out = fill_empty_rows(out, v, empty, step.empty_rows, unmasked)
         return out.to(dtype)
 
     def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:
