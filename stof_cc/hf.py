@@ -14,16 +14,17 @@ bidirectional (no mask), a causal sliding window, packed sequences (found by tra
 image's bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its
 block mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
 
-A position bias (T5's relative positions) is added to the scores. Runs in transformers' own SDPA
-instead (the torch reference where there is a position bias), with one warning naming why
-(`_fallback`): autograd on (the kernels are inference-only), a CPU tensor (the kernels are CUDA),
-an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate()`` (queries fewer than
-keys, or offsets into a cache: no decode kernel yet), and a 4-D mask tensor the caller built
-(transformers hands it over as it is). Refused with a clear error: dropout while training
+A position bias (T5's relative positions) is added to the scores; cross-attention (no mask, other
+lengths) runs in the kernels too. Runs in transformers' own SDPA instead, with one warning naming
+why (`_fallback`): autograd on (the kernels are inference-only), a CPU tensor (the kernels are
+CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate()`` (offsets into
+a cache, or fewer queries than keys under a mask: no decode kernel yet), and a 4-D mask tensor the
+caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
-``attn_implementation="eager"`` there. A model whose own code reads the mask tensor (BLOOM, MPT)
-gets a TypeError that says so where it first touches the description; one that picks its
-attention class by name (Falcon) fails in transformers with ``KeyError: 'stof_cc'``. A query row whose keys are all padding gets 0 (SDPA attends
+``attn_implementation="eager"`` there. Code that needs the mask as a tensor (BLOOM's
+and MPT's own attention, ``generate()`` with a static cache) gets `MaskIsADescription` saying so
+where it first touches the description; a model that picks its attention class by name (Falcon)
+fails in transformers with ``KeyError: 'stof_cc'``. A query row whose keys are all padding gets 0 (SDPA attends
 every key there); such rows are padding themselves.
 """
 
@@ -37,7 +38,6 @@ from typing import Any
 
 import torch
 
-from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.runtime.attention import attention
 from stof_cc.tune.attention import CAUSAL, causal_window
@@ -56,13 +56,13 @@ class HFMask:
     arguments: dict[str, Any]
     _dense: torch.Tensor | None = field(default=None, repr=False)
 
-    def __getattr__(self, name: str):  # a tensor's attribute: the model's own code reads its mask
+    def __getattr__(self, name: str):  # a tensor's attribute: code that expects a mask tensor
         if name.startswith("__"):  # protocols (copy, pickle) ask with getattr and expect AttributeError
             raise AttributeError(name)
-        raise _not_a_tensor(f"reads .{name} of its attention mask")
+        raise MaskIsADescription(f"reads .{name} of the attention mask")
 
     def __add__(self, other):
-        raise _not_a_tensor("adds to its attention mask")
+        raise MaskIsADescription("adds to the attention mask")
 
     __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
 
@@ -75,11 +75,16 @@ class HFMask:
         return self._dense
 
 
-def _not_a_tensor(what: str) -> TypeError:
-    return TypeError(f"attn_implementation='{NAME}': this model's own code {what}, which stof-cc hands over as a "
-                     "description, not a tensor; it serves models whose attention goes through transformers' "
-                     "AttentionInterface (Llama, Mistral, Qwen, Gemma, BERT, T5, ...). Use 'sdpa', or "
-                     "stof_cc.compile, for this model")
+class MaskIsADescription(AttributeError, TypeError):
+    """Code that expects a mask tensor met an `HFMask`: an AttributeError (so ``hasattr`` says
+    False, as accelerate's device hooks ask) and a TypeError (what an operator raises)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"attn_implementation='{NAME}': code outside the attention {what}, which stof-cc hands "
+                         "over as a description, not a tensor: the model's own attention code (BLOOM, MPT), or "
+                         "generate() with a static cache (it builds the mask ahead of the model). stof-cc serves "
+                         "models whose attention goes through transformers' AttentionInterface (Llama, Mistral, "
+                         "Qwen, Gemma, BERT, T5, ...), with a dynamic cache; use 'sdpa', or stof_cc.compile, here")
 
 
 def register() -> None:
@@ -212,10 +217,11 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with torch_dtype=torch.bfloat16)"
-    offsets = mask is not None and (mask.arguments["q_offset"] or mask.arguments["kv_offset"])
-    if query.shape[2] != key.shape[2] or offsets:
-        return "a decode step (queries against a longer cache): stof-cc has no decode kernel yet"
-    return None
+    if mask is not None and (mask.arguments["q_offset"] or mask.arguments["kv_offset"]):
+        return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
+    if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:
+        return "a decode step (fewer queries than keys under a mask): stof-cc has no decode kernel yet"
+    return None  # cross-attention (no mask, other lengths) runs in the kernels
 
 
 _WARNED: set[str] = set()
@@ -223,8 +229,7 @@ _WARNED: set[str] = set()
 
 def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
               **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA on its own dense mask; with a position bias (which its SDPA takes in
-    some releases only) the torch reference, the bias added under the mask."""
+    """transformers' SDPA on its own dense mask (and the position bias, which it adds)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)  # decided here, from the mask
@@ -233,9 +238,6 @@ def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, sca
         warnings.warn(f"attn_implementation='{NAME}': transformers' sdpa runs this attention: {why}", stacklevel=3)
     dense = mask.dense() if isinstance(mask, HFMask) else mask
     if position_bias is not None:
-        if dense is not None and dense.dtype != torch.bool:  # an additive mask adds to the bias
-            position_bias, dense = position_bias + dense, None
-        out = masked_attention(query, key, value, dense, scaling, bias=position_bias)
-        return out.transpose(1, 2).contiguous(), None
+        kwargs["position_bias"] = position_bias
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling,
                                   is_causal=dense is None and getattr(module, "is_causal", False), **kwargs)[0], None

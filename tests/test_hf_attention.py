@@ -175,6 +175,27 @@ def test_a_mask_tensor_the_caller_built_runs_in_sdpa_as_given(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_t5s_position_bias_reaches_the_kernels_and_matches_eager(monkeypatch):
+    stof_cc.hf.register()
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
+    config = T.T5Config(num_layers=2, d_model=128, num_heads=4, d_kv=32, d_ff=256, vocab_size=100)
+    torch.manual_seed(0)
+    ours = T.T5EncoderModel._from_config(copy.deepcopy(config), attn_implementation="stof_cc").half().cuda().eval()
+    theirs = T.T5EncoderModel._from_config(copy.deepcopy(config), attn_implementation="eager").cuda().eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 100, (2, 256), device="cuda")
+    attention_mask = torch.ones(2, 256, dtype=torch.long, device="cuda")
+    attention_mask[1, 200:] = 0
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="attn_implementation='stof_cc'")  # no fallback
+        got = ours(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    with torch.no_grad():
+        want = theirs.float()(input_ids=ids, attention_mask=attention_mask).last_hidden_state
+    real = attention_mask.bool()
+    assert torch.linalg.norm((got.float() - want)[real]) / torch.linalg.norm(want[real]) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=16, **SMALL),
                                     T.Gemma3TextConfig(head_dim=32, sliding_window=16, **SMALL)])
 def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config, monkeypatch):
@@ -268,5 +289,22 @@ def test_a_model_that_reads_its_mask_tensor_is_told_why(family):
     stof_cc.hf.register()
     model, kwargs, _ = build(family)
     ours = type(model)._from_config(copy.deepcopy(model.config), attn_implementation="stof_cc").eval()
-    with torch.no_grad(), pytest.raises(TypeError, match="its attention mask, which stof-cc hands over as a description"):
+    with torch.no_grad(), pytest.raises(stof_cc.hf.MaskIsADescription, match="the model's own attention code"):
         ours(**kwargs)
+
+
+def test_a_description_has_no_tensor_attributes_to_ask_for():
+    """accelerate's device hooks ask hasattr(value, "to") of every argument: False, not a crash."""
+    found = stof_cc.hf.mask_for_layer(2, SEQ, SEQ, attention_mask=torch.ones(2, SEQ))
+    assert not hasattr(found, "to") and getattr(found, "shape", None) is None
+    assert repr(copy.deepcopy(found).description) == repr(found.description) == "causal()"
+
+
+def test_generate_with_a_static_cache_is_told_why():
+    stof_cc.hf.register()
+    model = T.LlamaForCausalLM._from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
+    prompt = torch.randint(1, 100, (1, 8))
+    with torch.no_grad(), warnings.catch_warnings(), pytest.raises(stof_cc.hf.MaskIsADescription,
+                                                                   match="static cache"):
+        warnings.simplefilter("ignore")
+        model.generate(prompt, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)

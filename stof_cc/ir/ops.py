@@ -254,8 +254,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     else:
         out = _written_out(q, k, v, given, scale, False, softcap=softcap)
     empty = ~allowed.any(-1, keepdim=True)
-    unmasked = None if empty_rows != "unmasked" else \
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    unmasked = None if empty_rows != "unmasked" else attention_reference(q, k, v, scale=scale, softcap=softcap)
     return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows, unmasked)
 
 
