@@ -4,7 +4,8 @@
 # (tests/test_devices.py) run once with all of them. With pytest-xdist installed each share runs
 # WORKERS test processes on its GPU (default 8: the tests compile their kernels with nvcc, which
 # the host's cores do in parallel). Logs go to LOGS (default: gpu-logs/); the last lines printed
-# are each share's pytest summary.
+# are each share's pytest summary, and LOGS/failures.txt holds every failure with its assertion
+# lines (the whole logs can be too large to bring back from a lent machine).
 #
 #     bash benchmarks/gpu_suite.sh [LOGS] [WORKERS]
 set -u
@@ -36,3 +37,7 @@ for log in "$logs"/gpu*.log "$logs/devices.log"; do
   echo "== $log: $(grep -E '^(FAILED|ERROR)' "$log" | head -5 | tr '\n' ' ')"
   tail -1 "$log"
 done
+# every failure and its assertion lines in one small file (the logs can be too large to bring back)
+for log in "$logs"/gpu*.log "$logs/devices.log"; do
+  echo "== $log"; grep -E '^(FAILED|ERROR|E  )' "$log" | head -200
+done > "$logs/failures.txt"
