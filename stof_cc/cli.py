@@ -170,7 +170,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         print()
     print(format_histogram(graph))
     opaque = [n for n in graph.nodes() if n.op == OPAQUE]
-    print(f"\nopaque ops (run through torch): {len(opaque)}")
+    checks = sum(n.op == "assert_metadata" for n in graph.nodes())  # kind "opaque" in the table, yet no work
+    print(f"\nopaque ops (run through torch): {len(opaque)}"
+          + (f"; trace-time checks (assert_metadata, dropped by canonicalize): {checks}" if checks else ""))
     for node in opaque:
         print(f"  %{node.name}: {node.target}")
     _print_attention_choices(graph)

@@ -27,6 +27,8 @@ def test_inspect_tiny_bert(example_path, tmp_path, capsys):
     assert rows["softmax"][0] == "reduction"
     assert rows["gelu"][0] == "elementwise"
     assert "opaque ops (run through torch): 0" in out
+    if "assert_metadata" in rows:  # the table's kind "opaque" for them is told apart from real opaque ops
+        assert "trace-time checks (assert_metadata, dropped by canonicalize): " in out
     assert "-> OK" in out
     dot = tmp_path / "tiny_bert" / "graph.dot"
     assert dot.read_text().startswith('digraph "tiny_bert"')
