@@ -54,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             BackendError, TuningDatabaseError, PathError) as exc:
         print(f"stof-cc: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`stof-cc inspect ... | head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 141
     except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
         print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
         return 2

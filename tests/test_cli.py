@@ -6,6 +6,8 @@ import argparse
 import errno
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -280,3 +282,14 @@ def test_compile_output_fits_120_columns(example_path, tmp_path, monkeypatch, ca
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= 120, out
     assert "--why adds" not in out
+
+
+def test_a_reader_that_goes_away_is_not_an_error(example_path):
+    """`stof-cc inspect ... | head -1`: no error line when the pipe closes."""
+    command = [sys.executable, "-m", "stof_cc.cli", "inspect", example_path("tiny_bert")]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        assert process.stdout.readline().startswith(b"graph tiny_bert")
+        process.stdout.close()  # as head does after its line
+        errors = process.stderr.read().decode()
+        process.wait(timeout=120)
+    assert "error" not in errors, errors
