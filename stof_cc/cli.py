@@ -39,7 +39,7 @@ from stof_cc.runtime.report import write_report
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem, config_label
 from stof_cc.templates.pricing import H100, H100_SM_COUNT
 from stof_cc.tune.attention import attention_kernel, explain_attention
-from stof_cc.tune.database import TuningDatabase, TuningDatabaseError
+from stof_cc.tune.database import TuningDatabase, TuningDatabaseError, default_path
 from stof_cc.tune.model import tune_model
 from stof_cc.tune.scheme import choose_scheme
 
@@ -230,7 +230,12 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "clear":
-        db = TuningDatabase(args.db)
+        path = Path(args.db) if args.db is not None else default_path()
+        if not path.exists():
+            print(f"{path}: no tuning database there; nothing to clear")
+            return 0
+        TuningDatabase(path, read_only=True).close()  # not a tuning database: an error, and the file untouched
+        db = TuningDatabase(path)
         print(f"{db.path}: removed {db.clear()} record(s)")
         return 0
     db = TuningDatabase(args.db, read_only=True)  # a listing creates, moves and writes nothing

@@ -400,3 +400,22 @@ def test_cache_list_reads_a_database_in_use_and_creates_nothing(tmp_path: Path, 
     assert main(["cache", "list", "--db", str(path)]) == 0
     assert "101 record(s)" in capsys.readouterr().out
 
+
+
+@pytest.mark.parametrize("case", ["missing", "not sqlite", "another tool's", "foreign layout"])
+def test_cache_clear_touches_only_a_tuning_database(tmp_path: Path, capsys, case: str):
+    """`cache clear --db notes.txt` renamed the user's file aside and made an empty database in
+    its place (noticed in an earlier session): now it refuses, and a missing one is nothing to clear."""
+    from stof_cc.cli import main
+
+    path, message = _listing_cases(tmp_path)[case]
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        code = main(["cache", "clear", "--db", str(path)])
+    captured = capsys.readouterr()
+    if case == "missing":
+        assert code == 0 and "nothing to clear" in captured.out and not path.parent.exists()
+    else:
+        assert code == 2 and captured.err == f"stof-cc: error: {message}\n"
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
