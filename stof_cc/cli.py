@@ -39,7 +39,12 @@ from stof_cc.runtime.report import write_report
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem, config_label
 from stof_cc.templates.pricing import H100, H100_SM_COUNT
 from stof_cc.tune.attention import attention_kernel, explain_attention
-from stof_cc.tune.database import TuningDatabase, TuningDatabaseError, default_path
+from stof_cc.tune.database import (
+    TuningDatabase,
+    TuningDatabaseError,
+    check_database_argument,
+    default_path,
+)
 from stof_cc.tune.model import tune_model
 from stof_cc.tune.scheme import choose_scheme
 
@@ -230,6 +235,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     if args.action == "clear":
+        check_database_argument(args.db if args.db is not None else default_path(), "--db")  # touches nothing
         path = Path(args.db) if args.db is not None else default_path()
         if not path.exists():
             print(f"{path}: no tuning database there; nothing to clear")

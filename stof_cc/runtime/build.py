@@ -1,6 +1,6 @@
 """The build folder of a partitioned graph: one `.cu` file per fusion group that a template
-covers, written to ``<build dir>/<model>/<group>.cu`` and (optionally) compiled by nvcc for
-sm_90, with a table of every group.
+covers, written to ``<build dir>/<model>/<group>.cu`` and (optionally) compiled by nvcc for the
+visible GPU (without one, the H100: sm_90), with a table of every group.
 
 Each group's file holds the kernel a compile would start from: attention groups the cost
 model's pick for their anchor (and the rotary kernel of their rotary nodes), other groups the first applicable template
@@ -26,7 +26,7 @@ from stof_cc.ir.graph import Graph
 from stof_cc.ir.paths import blocking_file, path_in
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_header
-from stof_cc.templates.pricing import H100, H100_SM_COUNT
+from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.templates.registry import KernelTemplate
 from stof_cc.templates.rotary import ROTARY, RotaryProblem
 from stof_cc.tune.attention import attention_kernel
@@ -72,7 +72,8 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
         path.write_text(source)
         resources = None
         if compile_kernels:
-            compiled = compile_cubin(source, arch="sm_90" + template.arch_features, source_path=path)
+            major, minor = target_capability()
+            compiled = compile_cubin(source, arch=f"sm_{major}{minor}" + template.arch_features, source_path=path)
             resources = next(iter(compiled.resources.values()), None)
         builds.append(GroupBuild(group, template.name, params, path, note, resources, estimate_us,
                                  measured(template, group) if measured else None))
@@ -124,14 +125,14 @@ def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, di
         views = any(n != group.anchor and graph.node(n).op != "rotary" for n in group.nodes)
         note = "; ".join([*rotary_notes, *(["the other fused ops stay torch views"] if views else [])])
         return template, "\n".join([header, template.render(problem, params), *rotary]), params, note, estimate_us
-    found, refused = applicable_templates(graph, group, H100)
+    found, refused = applicable_templates(graph, group, target_capability())
     if not found:
         raise _NoTemplate(refused)
     template, problem = found[0].template, found[0].problem
     params = template.default_params(problem)
     header = group_header(graph, group, template.name, params)
     return (template, f"{header}\n{template.render(problem, params)}", params, "",
-            template.estimate(problem, params, H100_SM_COUNT))
+            template.estimate(problem, params, sm_count()))
 
 
 TABLE_WIDTH = 120  # columns `format_builds` keeps within, where names allow
