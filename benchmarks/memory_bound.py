@@ -29,12 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from floor import group_bytes  # noqa: E402
 from kernel_timing import check_and_time, parse_pairs, run_points, searched_kernel  # noqa: E402
 
 from stof_cc.backends.rotary_launch import rotary  # noqa: E402
 from stof_cc.passes import lower  # noqa: E402
 from stof_cc.passes.fusion import is_views  # noqa: E402
-from stof_cc.templates.group import group_output  # noqa: E402
 
 SIZES = ((16384, 4096), (4096, 4096), (4096, 768), (1024, 768))  # 128 and 32 MB fp16, then small
 HEAD_DIM = 128  # the rotary case's
@@ -119,14 +119,6 @@ def kernel_group(module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]):
     return graph, group
 
 
-def bytes_moved(graph, group, values: dict[str, torch.Tensor]) -> int:
-    """What the group's kernel reads (each outside value once) and writes."""
-    inside = set(group.nodes)
-    reads = {r.name for n in group.nodes for r in graph.node(n).refs() if r.name not in inside}
-    out = values[group_output(graph, group)]
-    return sum(values[name].numel() * values[name].element_size() for name in reads) + out.numel() * out.element_size()
-
-
 def generated(case: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...]):
     """(run stof-cc's kernel, its label, bytes moved)."""
     if case == "rotary":  # the rotary kernel a compiled model's rotary nodes run (no parameters)
@@ -134,8 +126,8 @@ def generated(case: str, module: torch.nn.Module, inputs: tuple[torch.Tensor, ..
         return (lambda: rotary(x, cos, sin)), "rotary", sum(t.numel() * t.element_size() for t in inputs) + \
             x.numel() * x.element_size()
     graph, group = kernel_group(module, inputs)
-    run, label, values = searched_kernel(graph, group, inputs)
-    return run, label, bytes_moved(graph, group, values)
+    run, label, _ = searched_kernel(graph, group, inputs)
+    return run, label, group_bytes(graph, group)
 
 
 def run_point(case: str, rows: int, width: int, dtype: torch.dtype, compile_peer: bool) -> dict:

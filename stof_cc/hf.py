@@ -30,7 +30,9 @@ every key there); such rows are padding themselves.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import operator
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,12 +134,7 @@ def describe(mask_function: Callable) -> MaskDescription | None:
         if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
             return causal_window(windows[0] - 1)  # 0 <= q - k < window
         parts = [p for p in map(describe, functions) if p is not None]
-        if not parts:
-            return None
-        combined = parts[0]
-        for part in parts[1:]:
-            combined = combined & part
-        return combined
+        return functools.reduce(operator.and_, parts) if parts else None
     return from_mask_mod(mask_function, name=getattr(mask_function, "__qualname__", "transformers mask"))
 
 

@@ -546,11 +546,12 @@ def _lifetimes(graph: Graph, steps: list[Step]) -> list[list[str]]:
     last: dict[str, int] = {}
     written = {n.name for n in graph.nodes() if n.op in (INPUT, CONSTANT)}
     for index, step in enumerate(steps):
-        missing = sorted(step.reads(graph) - written - set(step.group.nodes))
+        reads = step.reads(graph)
+        missing = sorted(reads - written - set(step.group.nodes))
         if missing:
             raise RuntimeError(f"stof_cc internal error: step {index} (group {step.group.name}, {step.kind}) "
                                f"reads %{', %'.join(missing)} before any step writes it")
-        for name in step.reads(graph):
+        for name in reads:
             last[name] = index
         written |= step.writes()
     outputs = {r.name for r in graph.outputs if isinstance(r, Ref)}
