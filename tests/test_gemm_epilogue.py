@@ -185,3 +185,23 @@ def test_a_residual_of_another_dtype_or_under_a_permuted_store_is_read_from_glob
     (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
     problem = GEMM_EPILOGUE.match(graph, group)
     assert not problem.details.tma_store and problem.details.staged is None
+
+
+@pytest.mark.parametrize("m_tiles, n_tiles", [(1, 1), (3, 5), (32, 112), (7, 9)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+def test_the_banded_tile_order_visits_every_tile_once(m_tiles, n_tiles, rows):
+    from stof_cc.templates.gemm_epilogue import _tile_origin
+
+    seen = [_tile_origin(tile, rows, m_tiles, n_tiles) for tile in range(m_tiles * n_tiles)]
+    assert sorted(seen) == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+    if rows == 1:  # row-major, as before bands
+        assert seen == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+
+
+def test_bands_span_several_row_tiles_only_where_a_wave_reads_less_from_dram():
+    from stof_cc.templates.gemm_epilogue import raster_rows
+
+    point = {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 3}
+    assert raster_rows(4096, 28672, point, 132) > 1  # 112 column tiles: row-major re-reads all of W per row block
+    assert raster_rows(4096, 1024, point, 132) == 1  # 128 tiles, one wave: any order reads everything once
+    assert raster_rows(4096, 768, point, 132) == 1

@@ -46,16 +46,21 @@ def test_group_kernel_matches_torch(module_type, template, kind, shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("raster", [1, 2])
 @pytest.mark.parametrize("module_name", ["LinearGelu", "LinearResidual"])
-def test_persistent_gemm_walks_many_tiles_per_cta(module_name, ctas, dtype):
+def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dtype, monkeypatch):
     """At most one CTA per SM walks the tiles, so on the odd shapes every CTA has one tile at
     most; a grid of 1 or 3 CTAs makes each walk dozens: both ping-pong teams, the ring's laps
     across tile boundaries and ragged last tiles, and (the residual) the staged operand's tile
-    loaded into each warpgroup's staging tile again and again."""
+    loaded into each warpgroup's staging tile again and again. ``raster`` 2: the tiles in bands
+    of two row tiles, the last band (of M = 333's three or six row tiles) partial or whole."""
     import group_cases
 
+    import stof_cc.templates.gemm_epilogue as gemm_epilogue
     from stof_cc.backends.group_launch import GroupLaunch
     from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+
+    monkeypatch.setattr(gemm_epilogue, "raster_rows", lambda *_: raster)
 
     if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
         pytest.skip("gemm_epilogue needs sm_90")

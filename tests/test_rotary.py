@@ -57,11 +57,13 @@ def test_a_different_rotation_stays():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("table_batch", [1, 3])
-def test_the_rotary_kernel_matches_the_reference(dtype, head_dim, table_batch):
+@pytest.mark.parametrize("row_pad", [0, 1])  # 1: rows not 16-byte aligned (the one-pair entry point)
+def test_the_rotary_kernel_matches_the_reference(dtype, head_dim, table_batch, row_pad):
     from stof_cc.backends.rotary_launch import rotary
 
     b, h, s = 3, 5, 77
-    projection = torch.randn(b, s, 3 * h * head_dim, device="cuda", dtype=dtype)  # a merged Q/K/V output
+    # a merged Q/K/V output (with row_pad, each row one element longer and the view one element in)
+    projection = torch.randn(b, s, 3 * h * head_dim + row_pad, device="cuda", dtype=dtype)[..., row_pad:]
     x = projection[..., h * head_dim: 2 * h * head_dim].view(b, s, h, head_dim).transpose(1, 2)  # strided
     cos, sin = (torch.randn(table_batch, 1, s, head_dim, device="cuda", dtype=dtype) for _ in range(2))
     out = rotary(x, cos, sin)

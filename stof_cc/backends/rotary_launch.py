@@ -41,13 +41,15 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         cos, sin = (t.expand(b, 1, s, d).contiguous() for t in (cos, sin))  # one layout for both tables
     problem = RotaryProblem(b, h, s, d, x.dtype)
     params = ROTARY.space(problem)[0]
-    key = (x.dtype, d)
+    table_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
+    element_offsets = (*(t.data_ptr() // t.element_size() for t in (x, cos, sin)), *x.stride()[:3],
+                       table_batch_stride, cos.stride(2))
+    name, params = ROTARY.entry_point(problem, params, all(o % params["vec"] == 0 for o in element_offsets))
+    key = (x.dtype, d, name)
     if key not in _kernels:
-        _kernels[key] = load_kernel(ROTARY.render(problem, params), ROTARY.kernel_name(problem, params),
-                                    ROTARY.arg_format)
+        _kernels[key] = load_kernel(ROTARY.render(problem, ROTARY.space(problem)[0]), name, ROTARY.arg_format)
     out = torch.empty(b, h, s, d, dtype=x.dtype, device=x.device)
     grid, threads, shared = ROTARY.launch(problem, params)
-    table_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     _kernels[key].launch(grid, threads, shared, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                          h, s, *x.stride()[:3], table_batch_stride, cos.stride(2), problem.pairs)
     return out

@@ -142,9 +142,11 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         return f"stof_gemm_{point_tag(params)}"
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
-        """The details' fields, the register split and the consumer warpgroups per CTA."""
+        """The details' fields, the register split, the consumer warpgroups per CTA and the
+        tile raster's band height."""
         return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
-                "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params)}
+                "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
+                "raster_rows": raster_rows(problem.details.m, problem.details.n, params, sm_count())}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
         """Persistent: at most one CTA per SM (each walks tiles blockIdx.x + i gridDim.x)."""
@@ -160,6 +162,40 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         ring = params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2
         staging = _consumer_warpgroups(params) * _rows_per_warpgroup(params) * params["block_n"] * 2
         return ring + (staging if problem.details.tma_store else 0) + 1024
+
+
+def raster_rows(m: int, n: int, params: dict[str, Any], sm_count: int) -> int:
+    """How many row tiles a band of the tile order spans (1: row-major; the kernel's
+    ``tile_origin``). The tiles in flight at once (one per CTA, two under ping-pong) are
+    consecutive in that order; in bands of ``r`` row tiles, column-major inside a band, they
+    cover about ``r`` row blocks of A and ``in_flight / r`` column blocks of W, which is what one
+    wave reads from DRAM (the rest hits L2). The band height (a power of two) minimises those
+    bytes; ties keep the lower band. Row-major order at N = 28672 (112 column tiles of 256) reads
+    236 MB per wave for 50 us of products: it ran at 0.63x cuBLAS (benchmarks/RESULTS.md)."""
+    block_m, block_n = params["block_m"], params["block_n"]
+    m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
+    in_flight = min(m_tiles * n_tiles, sm_count * (2 if params["schedule"] == "pingpong" else 1))
+    best, best_bytes = 1, math.inf
+    rows = 1
+    while rows <= m_tiles:
+        touched_m, touched_n = set(), set()
+        for tile in range(in_flight):
+            m_tile, n_tile = _tile_origin(tile, rows, m_tiles, n_tiles)
+            touched_m.add(m_tile)
+            touched_n.add(n_tile)
+        wave_bytes = len(touched_m) * block_m + len(touched_n) * block_n  # x K x the element size
+        if wave_bytes < best_bytes:
+            best, best_bytes = rows, wave_bytes
+        rows *= 2
+    return best
+
+
+def _tile_origin(tile: int, rows: int, m_tiles: int, n_tiles: int) -> tuple[int, int]:
+    """(row tile, column tile) of ``tile`` in bands of ``rows`` row tiles: the kernel's ``tile_origin``."""
+    band, in_band = divmod(tile, rows * n_tiles)
+    first = band * rows
+    height = min(m_tiles - first, rows)
+    return first + in_band % height, in_band // height
 
 
 def point_tag(params: dict[str, Any]) -> str:

@@ -123,8 +123,9 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
         return super().kernel_name(problem, params).replace("_gemm_", "_gemm_ln_", 1)
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
-        """gemm_epilogue's, the norm's eps as a C float and the cluster size."""
-        return super().context(problem, params) | {"eps": f"{problem.details.eps!r}f",
+        """gemm_epilogue's, the norm's eps as a C float and the cluster size; row-major tiles
+        (a cluster's CTAs, consecutive in the grid, hold one row block)."""
+        return super().context(problem, params) | {"eps": f"{problem.details.eps!r}f", "raster_rows": 1,
                                                    "cluster": self._cluster(problem, params)}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
