@@ -32,6 +32,7 @@ dropped. Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -145,6 +146,26 @@ def real_tokens(out, kwargs: dict) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def heads_repeated_sdpa():
+    """SDPA with grouped K/V heads repeated first, for the fp32 reference: in fp32 only SDPA's
+    math backend takes ``enable_gqa`` (HF passes it without a mask), and it holds every score
+    (8 GiB and up per layer at S = 16384: the reference ran out of memory); the memory-efficient
+    backend runs the repeated heads."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def repeated(q, k, v, *args, enable_gqa=False, **kwargs):
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = repeated
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
 def run_family(family: str, args, database: Path) -> dict:
     """One family: the fp32 eager reference, the peers built and warmed up, then stof-cc
     compiled, then every one timed in this process. The torch.compile peers compile first:
@@ -155,7 +176,7 @@ def run_family(family: str, args, database: Path) -> dict:
     model, make = build(family, args.layers, args.size)
     model = model.cuda()
     kwargs = make(args.batch, args.seq, "cuda")
-    with torch.no_grad():
+    with torch.no_grad(), heads_repeated_sdpa():
         want = real_tokens(model(**kwargs), kwargs)
     half = model.to(dtype)
     kwargs = stof_cc.passes.cast_floating(kwargs, dtype)  # nn.TransformerEncoder's src; token ids stay

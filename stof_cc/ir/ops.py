@@ -226,7 +226,6 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     scores rounded to q's dtype (eager Llama, BLOOM): a finite -65504 mask then swamps every
     score and a fully masked row is the mean of V, which fp32 arithmetic would not give.
     ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2)."""
-    gqa = k.shape[-3] != q.shape[-3]
     if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None:
         return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, in_dtype=True,
                             softcap=softcap)
@@ -236,26 +235,37 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
             and not (is_causal and (added is not None or mask is not None)):  # SDPA takes one or the other
         if added is not None and mask is not None and mask.dtype == torch.bool:
             added = torch.where(mask, added, float("-inf"))
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask if added is None else added, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    distance = torch.arange(q.shape[-2], device=q.device)[:, None] - torch.arange(k.shape[-2], device=q.device)
-    allowed = torch.ones_like(distance, dtype=torch.bool)
+        return _sdpa(q, k, v, mask if added is None else added, scale, is_causal)
+    allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)  # 0 <= q - k <= window
     if is_causal:
-        allowed = allowed & (distance >= 0)
+        allowed = allowed.tril()
     if window is not None:
-        allowed = allowed & (distance <= window)
+        allowed = allowed.triu(-window)
     if key_padding is not None:
         allowed = allowed & (key_padding != 0)[:, None, None, :]
     if mask is not None and mask.dtype == torch.bool:
         allowed = allowed & mask
     given = allowed if added is None else torch.where(allowed, added, float("-inf"))
     if softcap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=given, scale=scale, enable_gqa=gqa)
+        out = _sdpa(q, k, v, given, scale, False)
     else:
         out = _written_out(q, k, v, given, scale, False, softcap=softcap)
     empty = ~allowed.any(-1, keepdim=True)
     unmasked = None if empty_rows != "unmasked" else attention_reference(q, k, v, scale=scale, softcap=softcap)
     return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows, unmasked)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          is_causal: bool) -> torch.Tensor:
+    """SDPA, with grouped K/V heads repeated where there is a mask: with a mask and
+    ``enable_gqa`` only SDPA's math backend runs, which holds the fp32 scores (32 GiB for 32
+    heads at S = 16384), while the memory-efficient one takes the mask at the repeated heads."""
+    gqa = k.shape[-3] != q.shape[-3]
+    if gqa and mask is not None:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+        gqa = False
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                                            enable_gqa=gqa)
 
 
 def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

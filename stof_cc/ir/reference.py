@@ -15,10 +15,34 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     ``bias``. A query row
     with no allowed key returns 0 (FlexAttention's convention; SDPA would give NaN). K and V
     may have fewer heads than q (grouped-query: query head h reads K/V head h // (H / H_kv)).
+    Query rows go in pieces whose fp32 scores take at most `SCORE_BYTES` (each row's softmax is
+    its own: the result is the same).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    rows = q.shape[-2]
+    chunk = max(1, SCORE_BYTES // (4 * k.shape[-2] * q[..., 0, 0].numel()))  # query rows whose fp32 scores fit
+    if chunk >= rows:
+        return _attend(q, k, v, mask, scale, bias)
+    return torch.cat([_attend(q[..., start:start + chunk, :], k, v, _query_rows(mask, start, chunk),
+                              scale, _query_rows(bias, start, chunk)) for start in range(0, rows, chunk)], dim=-2)
+
+
+SCORE_BYTES = 1 << 30  # masked_attention's fp32 scores per piece: 32 heads at S = 16384 would be 32 GiB at once
+
+
+def _query_rows(t: torch.Tensor | None, start: int, count: int) -> torch.Tensor | None:
+    """Rows [start, start + count) of a mask or bias broadcastable to [..., S_q, S_k] (one that
+    broadcasts over the query rows stays as it is)."""
+    if t is None or t.dim() < 2 or t.shape[-2] == 1:
+        return t
+    return t[..., start:start + count, :]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """masked_attention's arithmetic on K and V of q's heads, every score at once."""
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if bias is not None:
         scores = scores + bias.float()

@@ -1,0 +1,23 @@
+"""`ir.reference.masked_attention` in pieces of query rows gives what it gives all at once (to rounding)."""
+
+from __future__ import annotations
+
+import torch
+
+from stof_cc.ir import reference
+
+
+def test_masked_attention_in_pieces_of_query_rows_is_the_same(monkeypatch):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 37, 16)
+    k, v = torch.randn(2, 2, 29, 16), torch.randn(2, 2, 29, 16)  # grouped K/V heads
+    per_query = torch.rand(2, 1, 37, 29) < 0.7  # one mask row per query row
+    per_query[0, 0, 5] = False  # a query with no key
+    keys_only = torch.rand(2, 1, 1, 29) < 0.7  # broadcast over the query rows
+    bias = torch.randn(1, 4, 37, 29)
+    whole = [reference.masked_attention(q, k, v, mask, 0.3, bias=b) for mask, b in ((per_query, bias), (keys_only, None))]
+    monkeypatch.setattr(reference, "SCORE_BYTES", 4 * 29 * 2 * 4 * 5)  # five query rows a piece: 8 pieces
+    pieces = [reference.masked_attention(q, k, v, mask, 0.3, bias=b) for mask, b in ((per_query, bias), (keys_only, None))]
+    for got, want in zip(pieces, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # matmul blocking: last bits differ
+    assert torch.equal(whole[0][0, :, 5], torch.zeros(4, 16))
