@@ -253,7 +253,8 @@ def format_table(rows: list[dict]) -> str:
         cells = []
         for p in peer_names:
             info = r["peers"].get(p)
-            cells.append("-" if info is None else (f"{info['ms']:.4f}" + ("" if info["ok"] else " (wrong)")))
+            cells.append("-" if info is None else "error" if "error" in info
+                         else f"{info['ms']:.4f}" + ("" if info["ok"] else " (wrong)"))
         stof = f"{r['stof_ms']:.4f}" + ("" if r["stof_err"] < TOLERANCE else " (WRONG)")
         floor = f"{r['floor_ms']:.4f} | {r['floor_fraction']:.0%}" if "floor_ms" in r else "- | -"
         speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"

@@ -13,6 +13,9 @@ bidirectional (no mask), a causal sliding window, packed sequences (found by tra
 `position_ids` that restart at 0) as `masks.document`; anything else (chunked attention, an
 image's bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its
 block mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
+Packed sequences given as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (transformers' padding-free arguments,
+which reach the attention function in encoders too, where its masks do not see packing) add
+`masks.document` of their lengths (`packed_documents`).
 
 A position bias (T5's relative positions) is added to the scores; cross-attention (no mask, other
 lengths) runs in the kernels too. Runs in transformers' own SDPA instead, with one warning naming
@@ -34,6 +37,7 @@ import functools
 import inspect
 import operator
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +61,7 @@ class HFMask:
     key_padding: torch.Tensor | None
     arguments: dict[str, Any]
     _dense: torch.Tensor | None = field(default=None, repr=False)
+    _documents_dense: tuple[MaskDescription, int, bool] | None = field(default=None, repr=False)  # packed: (documents, S, causal)
 
     def __getattr__(self, name: str):  # a tensor's attribute: code that expects a mask tensor
         if name.startswith("__"):  # protocols (copy, pickle) ask with getattr and expect AttributeError
@@ -68,12 +73,19 @@ class HFMask:
 
     __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
 
-    def dense(self) -> torch.Tensor | None:
-        """transformers' own SDPA mask for these arguments, built once."""
-        if self._dense is None:
+    def dense(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """transformers' own SDPA mask for these arguments (and packed sequences' documents), built once."""
+        if self._dense is None and self.arguments:
             from transformers.masking_utils import sdpa_mask
 
             self._dense = sdpa_mask(**self.arguments, allow_is_causal_skip=False)
+        if self._documents_dense is not None:
+            documents, seq, causal = self._documents_dense
+            own = documents.to_dense(seq, seq).to(device)
+            if causal:
+                own = own & torch.ones_like(own).tril()
+            self._dense = own if self._dense is None else self._dense & own.to(self._dense.device)
+            self._documents_dense = None
         return self._dense
 
 
@@ -187,6 +199,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
                          f"{sinks}): use attn_implementation='eager' for this model")
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores
+    documents = packed_documents(query, key, kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None))
+    if documents is not None and not isinstance(attention_mask, HFMask | None):
+        raise ValueError(f"attn_implementation='{NAME}': {type(module).__name__} got cu_seq_lens_q (packed sequences) "
+                         "and a mask tensor the caller built; pass one or the other")
+    if documents is not None:
+        attention_mask = _with_documents(attention_mask, documents, module, query.shape[2])
     if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias,
                          "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
@@ -204,6 +222,46 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     key_padding = None if attention_mask is None else attention_mask.key_padding
     out = attention(query, key, value, description, scale=scaling, key_padding=key_padding, bias=position_bias)
     return out.transpose(1, 2).contiguous(), None
+
+
+_last_documents: list[tuple[weakref.ref, int, MaskDescription]] = []  # the last cu_seq_lens tensor's description
+
+
+def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor | None,
+                     cu_k: torch.Tensor | None) -> MaskDescription | None:
+    """The document mask of packed sequences given as transformers' padding-free arguments
+    (``cu_seq_lens_q`` / ``cu_seq_lens_k``: cumulative lengths, from 0 to S, of the sequences packed
+    in one row, as `DataCollatorWithFlattening` makes them and FlashAttention reads them), or None
+    without them. One description per ``cu_seq_lens`` tensor (every layer of a forward shares it,
+    and with it the block masks and launch plans built for it): its lengths are read once."""
+    if cu_q is None and cu_k is None:
+        return None
+    if cu_q is None or cu_k is None or not (cu_q is cu_k or torch.equal(cu_q.cpu(), cu_k.cpu())):
+        raise ValueError(f"attn_implementation='{NAME}' packs self-attention only: cu_seq_lens_q and cu_seq_lens_k "
+                         "must both be given and equal")
+    if _last_documents and _last_documents[0][0]() is cu_q and _last_documents[0][1] == cu_q._version:
+        return _last_documents[0][2]
+    bounds = cu_q.cpu().tolist()
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    if cu_q.dim() != 1 or not lengths or bounds[0] != 0 or min(lengths) <= 0:
+        raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
+                         f"lengths), got {bounds}")
+    if query.shape[0] != 1 or bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
+        raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {bounds[-1]}) "
+                         f"must fill one row: query {tuple(query.shape)}, key {tuple(key.shape)} ([B, H, S, D], B = 1)")
+    description = document(lengths)
+    _last_documents[:] = [(weakref.ref(cu_q), cu_q._version, description)]
+    return description
+
+
+def _with_documents(mask: HFMask | None, documents: MaskDescription, module: torch.nn.Module, seq: int) -> HFMask:
+    """The layer's mask with packed sequences' document mask added; SDPA, where it runs, gets the
+    documents in its dense mask too (transformers' own SDPA ignores cu_seq_lens)."""
+    if mask is None:  # transformers' convention: no mask on a causal module means causal
+        causal = getattr(module, "is_causal", False)
+        return HFMask(CAUSAL & documents if causal else documents, None, {}, _documents_dense=(documents, seq, causal))
+    described = documents if mask.description is None else mask.description & documents
+    return HFMask(described, mask.key_padding, mask.arguments, _documents_dense=(documents, seq, False))
 
 
 def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None) -> str | None:
@@ -233,7 +291,7 @@ def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, sca
     if why not in _WARNED:
         _WARNED.add(why)
         warnings.warn(f"attn_implementation='{NAME}': transformers' sdpa runs this attention: {why}", stacklevel=3)
-    dense = mask.dense() if isinstance(mask, HFMask) else mask
+    dense = mask.dense(query.device) if isinstance(mask, HFMask) else mask
     if position_bias is not None:
         kwargs["position_bias"] = position_bias
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling,

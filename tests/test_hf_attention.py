@@ -34,6 +34,21 @@ def _same_mask(description, mask_function) -> None:
     got = torch.ones_like(want) if description is None else description.to_dense(SEQ, SEQ, batch=want.shape[0]).expand_as(want)
     assert torch.equal(got, want)
 
+def _recorded_descriptions(monkeypatch) -> list[str]:
+    """Registers the implementation; the list fills with the description of each call that runs
+    in SDPA (every call, on the CPU)."""
+    stof_cc.hf.register()
+    seen = []
+    fallback = stof_cc.hf._fallback
+
+    def recording(module, query, key, value, mask, *args, **kwargs):
+        seen.append(repr(mask.description))
+        return fallback(module, query, key, value, mask, *args, **kwargs)
+
+    monkeypatch.setattr(stof_cc.hf, "_fallback", recording)
+    return seen
+
+
 
 def test_registering_makes_the_implementation_available():
     stof_cc.hf.register()
@@ -240,15 +255,7 @@ def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
 def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch):
     """Two sequences packed in one row (position ids restarting at 0, no attention_mask): transformers
     finds the packing, the mask function describes it, and each sequence's output equals running it alone."""
-    stof_cc.hf.register()
-    seen = []
-    fallback = stof_cc.hf._fallback
-
-    def recording(module, query, key, value, mask, *args, **kwargs):
-        seen.append(repr(mask.description))
-        return fallback(module, query, key, value, mask, *args, **kwargs)
-
-    monkeypatch.setattr(stof_cc.hf, "_fallback", recording)
+    seen = _recorded_descriptions(monkeypatch)
     torch.manual_seed(0)
     model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
     ids = torch.randint(0, 100, (1, SEQ))
@@ -308,3 +315,74 @@ def test_generate_with_a_static_cache_is_told_why():
                                                                    match="static cache"):
         warnings.simplefilter("ignore")
         model.generate(prompt, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)
+
+
+def _packed_encoder(family: str):
+    config = {"bert": T.BertConfig, "roberta": T.RobertaConfig, "modernbert": getattr(T, "ModernBertConfig", None)}[family]
+    if config is None:
+        pytest.skip(f"this transformers has no {family}")
+    size = {k: v for k, v in SMALL.items() if k != "num_key_value_heads"} | {"pad_token_id": 0}
+    return T.AutoModel.from_config(config(**size), attn_implementation="stof_cc").eval()
+
+
+LENGTHS = (9, 30, 9)  # three sequences packed in one row of SEQ tokens
+
+
+def _packed_against_alone(model, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the packed row's output, each sequence run alone, concatenated), padding-free as
+    transformers' DataCollatorWithFlattening hands them over: cu_seq_lens and restarting positions."""
+    model = model.to(device, dtype)
+    ids = torch.randint(1, 100, (1, SEQ), device=device)
+    cu = torch.tensor([0, 9, 39, 48], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in LENGTHS])[None]
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                       max_length_q=max(LENGTHS), max_length_k=max(LENGTHS)).last_hidden_state
+        alone = [model(input_ids=ids[:, a:b], position_ids=positions[:, a:b]).last_hidden_state
+                 for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
+    return packed, torch.cat(alone, dim=1)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
+def test_packed_encoders_attend_within_each_sequence(family, monkeypatch):
+    """Encoders get no packing from transformers' masks: cu_seq_lens (which transformers passes to
+    the attention function) become a document mask, on the CPU in SDPA's dense mask too."""
+    seen = _recorded_descriptions(monkeypatch)
+    torch.manual_seed(0)
+    packed, alone = _packed_against_alone(_packed_encoder(family), "cpu", torch.float32)
+    packed_layers = seen[:SMALL["num_hidden_layers"]]  # then the sequences run alone, without documents
+    assert all("document(" in label for label in packed_layers) and "document(lengths=[9, 30, 9])" in seen[0], seen
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_decoders_with_cu_seq_lens_attend_causally_within_each_sequence():
+    stof_cc.hf.register()
+    torch.manual_seed(0)
+    model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
+    packed, alone = _packed_against_alone(model, "cpu", torch.float32)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("cu_q", "cu_k", "message"), [
+    ([0, 9, 48], None, "must both be given and equal"),
+    ([0, 9, 48], [0, 10, 48], "must both be given and equal"),
+    ([0, 9, 9, 48], [0, 9, 9, 48], "must rise from 0"),
+    ([0, 9, 40], [0, 9, 40], "must fill one row"),
+])
+def test_packed_sequences_that_do_not_fit_are_named(cu_q, cu_k, message):
+    stof_cc.hf.register()
+    model = _packed_encoder("bert")
+    as_tensor = lambda v: None if v is None else torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(input_ids=torch.randint(1, 100, (1, SEQ)), cu_seq_lens_q=as_tensor(cu_q), cu_seq_lens_k=as_tensor(cu_k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
+def test_packed_encoders_run_the_kernels_and_match_each_sequence_alone(family):
+    stof_cc.hf.register()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback to SDPA: the kernels run the packed row
+        packed, alone = _packed_against_alone(_packed_encoder(family), "cuda", torch.float16)
+    assert (packed - alone).abs().max().item() < 1e-2 * alone.abs().max().item()

@@ -11,7 +11,7 @@ alternate tiles so one's epilogue hides under the other's tensor-core work, unde
 shared staging tiles and asynchronous TMA stores (``tma_store``), and their residual, if any,
 is *staged*: TMA loads its tile into the staging tile while the products run. Why (with the
 figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma, #staged-residual; tried and
-taken out: #multicast-clusters, #taller-cooperative-tiles, #deferred-epilogue.
+taken out: #multicast-clusters, #taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
 """
 
 from __future__ import annotations
