@@ -45,3 +45,24 @@ def test_tune_attention_measures_adopts_and_remembers(tmp_path: Path):
     assert relative_error(out, ref) < 1e-2
     again = tune_attention(q, k, v, mask, database=db, top_k=4, runs=5)
     assert again.from_database and again.measured == 0 and again.winner.params == report.winner.params
+
+
+def test_documents_with_new_boundaries_share_the_kernel_choice(monkeypatch):
+    """Packed sequences bring new document boundaries every call: a mask of the same kind (total
+    length, about as many documents; under causal too) takes the choice already priced."""
+    import stof_cc.tune.attention as tune_attention
+    from stof_cc import masks
+    from stof_cc.templates.attention import AttentionProblem
+
+    problem = AttentionProblem(1, 4, 1024, 1024, 64, torch.float16)
+    first = tune_attention.choose(problem, masks.document([300, 500, 224]) & tune_attention.CAUSAL)
+    priced = []
+    counts = tune_attention.coarse_counts
+    monkeypatch.setattr(tune_attention, "coarse_counts", lambda *a, **k: priced.append(1) or counts(*a, **k))
+    again = tune_attention.choose(problem, masks.document([100, 600, 324]) & tune_attention.CAUSAL)
+    assert again is first and not priced
+    tune_attention.choose(problem, masks.document([64] * 16) & tune_attention.CAUSAL)  # 16 documents, not 3
+    tune_attention.choose(problem, masks.document(segment_ids=torch.arange(1024) // 256))  # another kind
+    tune_attention.choose(problem, masks.sliding_window(100, causal=True))  # a mask that does not change: its own
+    assert len(priced) == 3
+    assert masks.causal().choice_group() is None

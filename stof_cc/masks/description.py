@@ -98,6 +98,14 @@ class MaskDescription:
         compute it, each with a denser mask. None for masks without that structure."""
         return None
 
+    def choice_group(self) -> object | None:
+        """A key shared by masks of one kind that change every call (documents with new
+        boundaries): they share the cost model's kernel choice (`tune.attention.choose`),
+        which would otherwise be priced again for each new mask (12-110 ms on a host CPU at
+        S = 8192-32768); their block masks are still built per mask. None (the default): the
+        choice is this mask's own."""
+        return None
+
     def exact_classes(self, grid: BlockGrid) -> bool:
         """Whether `_classify` is exact on this grid (its PARTIAL blocks are all partial, as
         when they were read off evaluated bits), so the builder need not re-check tiles."""
@@ -308,6 +316,14 @@ class _Combination(MaskDescription):
 
     def __repr__(self) -> str:
         return self.label or "(" + f" {self.symbol} ".join(map(repr, self.parts)) + ")"
+
+    def choice_group(self) -> object | None:
+        """The parts' groups, a part without one standing for itself (causal & new documents)."""
+        groups = [part.choice_group() for part in self.parts]
+        if all(group is None for group in groups):
+            return None
+        return self.symbol, tuple(part if group is None else group for part, group in zip(self.parts, groups,
+                                                                                           strict=True))
 
     def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
         raise NotImplementedError

@@ -400,6 +400,11 @@ class _Packed(_Documents):
         doc_q = self._doc(q)
         return (doc_q == self._doc(k)) & (doc_q < len(self.ends))
 
+    def choice_group(self) -> object | None:
+        """Packed sequences of one total length and about as many documents (the count's power
+        of two) share a kernel choice: their boundaries move every call."""
+        return "document", int(self.ends[-1]), len(self.ends).bit_length()
+
     def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
         """Each query row attends one interval of keys, its document's: the words come from the
         interval's bounds (`interval_words`), not from every element. Packed sequences build a
@@ -442,6 +447,11 @@ class _Segments(_Documents):
 
     def _fixed(self) -> tuple[int | None, int | None]:
         return (self.ids.shape[0] if self.ids.shape[0] > 1 else None), None
+
+    def choice_group(self) -> object | None:
+        """Segment ids of one shape and about as many documents (the largest id's power of two)
+        share a kernel choice (transformers' packed sequences: new ids every call)."""
+        return "document segments", tuple(self.ids.shape), int(self.ids.max()).bit_length()
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         rows, size = self.ids.shape

@@ -9,6 +9,7 @@ runtime built on the old pick is dropped through the listeners registered with
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Callable
@@ -75,6 +76,8 @@ class AttentionChoice:
 # mask description -> {(seq_q, seq_k, bm, bn, batch, heads, device): BlockMask}
 _block_masks: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, BlockMask]] = weakref.WeakKeyDictionary()
 _choices: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, AttentionChoice]] = weakref.WeakKeyDictionary()
+_group_choices: collections.OrderedDict[tuple, AttentionChoice] = collections.OrderedDict()  # (choice group, key)
+GROUP_CHOICES_KEPT = 256
 _adopt_listeners: list[Callable[[MaskDescription], None]] = []
 
 
@@ -105,6 +108,11 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
     """The model's pick for this problem and mask (cached with the mask)."""
     key = (problem, sm_count())
     per_mask = _choices.setdefault(description, {})
+    group = description.choice_group()
+    shared = None if group is None else (group, key)
+    if key not in per_mask and shared in _group_choices:  # a mask of the same kind chose already
+        _group_choices.move_to_end(shared)
+        per_mask[key] = _group_choices[shared]
     if key not in per_mask:
         scored = []
         options = candidates(problem)
@@ -134,6 +142,10 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
         best, template = scored[0]
         rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
+        if shared is not None:
+            _group_choices[shared] = per_mask[key]
+            while len(_group_choices) > GROUP_CHOICES_KEPT:
+                _group_choices.popitem(last=False)
     return per_mask[key]
 
 
