@@ -59,7 +59,7 @@ def test_documents_with_new_boundaries_share_the_kernel_choice(monkeypatch):
     priced = []
     counts = tune_attention.coarse_counts
     monkeypatch.setattr(tune_attention, "coarse_counts", lambda *a, **k: priced.append(1) or counts(*a, **k))
-    again = tune_attention.choose(problem, masks.document([100, 600, 324]) & tune_attention.CAUSAL)
+    again = tune_attention.choose(problem, masks.document([100, 600, 324]) & masks.causal())  # causal() anew
     assert again is first and not priced
     tune_attention.choose(problem, masks.document([64] * 16) & tune_attention.CAUSAL)  # 16 documents, not 3
     tune_attention.choose(problem, masks.document(segment_ids=torch.arange(1024) // 256))  # another kind

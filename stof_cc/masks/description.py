@@ -318,12 +318,14 @@ class _Combination(MaskDescription):
         return self.label or "(" + f" {self.symbol} ".join(map(repr, self.parts)) + ")"
 
     def choice_group(self) -> object | None:
-        """The parts' groups, a part without one standing for itself (causal & new documents)."""
+        """The parts' groups, a part without one standing for its repr (causal() & new documents:
+        a user writes ``causal()`` anew each call too; two masks that print alike only share a
+        choice, which is valid for any mask of the problem)."""
         groups = [part.choice_group() for part in self.parts]
         if all(group is None for group in groups):
             return None
-        return self.symbol, tuple(part if group is None else group for part, group in zip(self.parts, groups,
-                                                                                           strict=True))
+        return self.symbol, tuple(repr(part) if group is None else group for part, group in zip(self.parts, groups,
+                                                                                                 strict=True))
 
     def _neutral(self, grid: BlockGrid, tiles: Tiles) -> torch.Tensor:
         raise NotImplementedError
