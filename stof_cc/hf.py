@@ -199,12 +199,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
                          f"{sinks}): use attn_implementation='eager' for this model")
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores
-    documents = packed_documents(query, key, kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None))
-    if documents is not None and not isinstance(attention_mask, HFMask | None):
+    packing = packed_documents(query, key, kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None))
+    if packing is not None and not isinstance(attention_mask, HFMask | None):
         raise ValueError(f"attn_implementation='{NAME}': {type(module).__name__} got cu_seq_lens_q (packed sequences) "
                          "and a mask tensor the caller built; pass one or the other")
-    if documents is not None:
-        attention_mask = _with_documents(attention_mask, documents, module, query.shape[2])
+    if packing is not None:
+        attention_mask = _with_documents(attention_mask, packing, module, query.shape[2])
     if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias,
                          "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
@@ -224,44 +224,78 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.transpose(1, 2).contiguous(), None
 
 
-_last_documents: list[tuple[weakref.ref, int, MaskDescription]] = []  # the last cu_seq_lens tensor's description
+@dataclass
+class _Packing:
+    """One forward's packed sequences: the cu_seq_lens tensors (weakly), a stamp of their contents,
+    the document mask, and each layer mask it was added to (every layer of the forward gets the
+    same `HFMask`, and with it the same description, block masks and launch plans)."""
+
+    tensors: tuple[weakref.ref, weakref.ref]
+    stamp: tuple
+    documents: MaskDescription
+    total: int
+    combined: dict[tuple, tuple[Any, HFMask]] = field(default_factory=dict)  # id(layer mask), causal -> it, ours
+
+
+_last_packing: list[_Packing] = []  # the last forward's
+
+
+def _stamp(t: torch.Tensor) -> object:
+    """What changes when ``t``'s contents do: its version counter, or (an inference tensor has
+    none) its values."""
+    return tuple(t.tolist()) if t.is_inference() else t._version
 
 
 def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor | None,
-                     cu_k: torch.Tensor | None) -> MaskDescription | None:
+                     cu_k: torch.Tensor | None) -> _Packing | None:
     """The document mask of packed sequences given as transformers' padding-free arguments
     (``cu_seq_lens_q`` / ``cu_seq_lens_k``: cumulative lengths, from 0 to S, of the sequences packed
     in one row, as `DataCollatorWithFlattening` makes them and FlashAttention reads them), or None
-    without them. One description per ``cu_seq_lens`` tensor (every layer of a forward shares it,
-    and with it the block masks and launch plans built for it): its lengths are read once."""
+    without them. Read once per forward: the layers after the first find it by the tensors and
+    their stamp."""
     if cu_q is None and cu_k is None:
         return None
-    if cu_q is None or cu_k is None or not (cu_q is cu_k or torch.equal(cu_q.cpu(), cu_k.cpu())):
+    if cu_q is None or cu_k is None:
         raise ValueError(f"attn_implementation='{NAME}' packs self-attention only: cu_seq_lens_q and cu_seq_lens_k "
                          "must both be given and equal")
-    if _last_documents and _last_documents[0][0]() is cu_q and _last_documents[0][1] == cu_q._version:
-        return _last_documents[0][2]
-    bounds = cu_q.cpu().tolist()
-    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-    if cu_q.dim() != 1 or not lengths or bounds[0] != 0 or min(lengths) <= 0:
-        raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
-                         f"lengths), got {bounds}")
-    if query.shape[0] != 1 or bounds[-1] != query.shape[2] or key.shape[2] != query.shape[2]:
-        raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {bounds[-1]}) "
+    if cu_q.dim() != 1 or cu_k.dim() != 1:
+        raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q and cu_seq_lens_k must be 1-D cumulative "
+                         f"sequence lengths, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
+    stamp = (_stamp(cu_q), _stamp(cu_k))
+    last = _last_packing[0] if _last_packing else None
+    if last is None or last.tensors[0]() is not cu_q or last.tensors[1]() is not cu_k or last.stamp != stamp:
+        bounds = cu_q.cpu().tolist()
+        if bounds != (bounds if cu_k is cu_q else cu_k.cpu().tolist()):
+            raise ValueError(f"attn_implementation='{NAME}' packs self-attention only: cu_seq_lens_q and "
+                             "cu_seq_lens_k must both be given and equal")
+        lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+        if not lengths or bounds[0] != 0 or min(lengths) <= 0:
+            raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
+                             f"lengths), got {bounds}")
+        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, document(lengths), bounds[-1])
+        _last_packing[:] = [last]
+    if query.shape[0] != 1 or last.total != query.shape[2] or key.shape[2] != query.shape[2]:
+        raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.total}) "
                          f"must fill one row: query {tuple(query.shape)}, key {tuple(key.shape)} ([B, H, S, D], B = 1)")
-    description = document(lengths)
-    _last_documents[:] = [(weakref.ref(cu_q), cu_q._version, description)]
-    return description
+    return last
 
 
-def _with_documents(mask: HFMask | None, documents: MaskDescription, module: torch.nn.Module, seq: int) -> HFMask:
-    """The layer's mask with packed sequences' document mask added; SDPA, where it runs, gets the
-    documents in its dense mask too (transformers' own SDPA ignores cu_seq_lens)."""
-    if mask is None:  # transformers' convention: no mask on a causal module means causal
-        causal = getattr(module, "is_causal", False)
-        return HFMask(CAUSAL & documents if causal else documents, None, {}, _documents_dense=(documents, seq, causal))
-    described = documents if mask.description is None else mask.description & documents
-    return HFMask(described, mask.key_padding, mask.arguments, _documents_dense=(documents, seq, False))
+def _with_documents(mask: HFMask | None, packing: _Packing, module: torch.nn.Module, seq: int) -> HFMask:
+    """The layer's mask with packed sequences' document mask added, made once per layer mask of
+    the forward; SDPA, where it runs, gets the documents in its dense mask too (transformers'
+    own SDPA ignores cu_seq_lens)."""
+    causal = mask is None and getattr(module, "is_causal", False)  # no mask on a causal module: causal
+    key = (id(mask), causal)
+    if key not in packing.combined:
+        documents = packing.documents
+        if mask is None:
+            ours = HFMask(CAUSAL & documents if causal else documents, None, {},
+                          _documents_dense=(documents, seq, causal))
+        else:
+            described = documents if mask.description is None else mask.description & documents
+            ours = HFMask(described, mask.key_padding, mask.arguments, _documents_dense=(documents, seq, False))
+        packing.combined[key] = (mask, ours)  # the layer mask held: its id is not reused meanwhile
+    return packing.combined[key][1]
 
 
 def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None) -> str | None:
@@ -272,7 +306,7 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with torch_dtype=torch.bfloat16)"
-    if mask is not None and (mask.arguments["q_offset"] or mask.arguments["kv_offset"]):
+    if mask is not None and (mask.arguments.get("q_offset") or mask.arguments.get("kv_offset")):
         return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
     if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:
         return "a decode step (fewer queries than keys under a mask): stof-cc has no decode kernel yet"

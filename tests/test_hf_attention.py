@@ -34,15 +34,15 @@ def _same_mask(description, mask_function) -> None:
     got = torch.ones_like(want) if description is None else description.to_dense(SEQ, SEQ, batch=want.shape[0]).expand_as(want)
     assert torch.equal(got, want)
 
-def _recorded_descriptions(monkeypatch) -> list[str]:
-    """Registers the implementation; the list fills with the description of each call that runs
-    in SDPA (every call, on the CPU)."""
+def _recorded_masks(monkeypatch) -> list:
+    """Registers the implementation; the list fills with the mask of each call that runs in
+    SDPA (every call, on the CPU)."""
     stof_cc.hf.register()
     seen = []
     fallback = stof_cc.hf._fallback
 
     def recording(module, query, key, value, mask, *args, **kwargs):
-        seen.append(repr(mask.description))
+        seen.append(mask)
         return fallback(module, query, key, value, mask, *args, **kwargs)
 
     monkeypatch.setattr(stof_cc.hf, "_fallback", recording)
@@ -255,7 +255,7 @@ def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
 def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch):
     """Two sequences packed in one row (position ids restarting at 0, no attention_mask): transformers
     finds the packing, the mask function describes it, and each sequence's output equals running it alone."""
-    seen = _recorded_descriptions(monkeypatch)
+    masks_seen = _recorded_masks(monkeypatch)
     torch.manual_seed(0)
     model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
     ids = torch.randint(0, 100, (1, SEQ))
@@ -264,6 +264,7 @@ def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch)
         packed = model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state  # no cache: packing found
         first = model(input_ids=ids[:, :20]).last_hidden_state
         second = model(input_ids=ids[:, 20:]).last_hidden_state
+    seen = [repr(mask.description) for mask in masks_seen]
     assert seen[0] == "(causal() & document(segment_ids=<1x48>))", seen
     torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-4, atol=1e-4)
 
@@ -347,9 +348,10 @@ def _packed_against_alone(model, device: str, dtype: torch.dtype) -> tuple[torch
 def test_packed_encoders_attend_within_each_sequence(family, monkeypatch):
     """Encoders get no packing from transformers' masks: cu_seq_lens (which transformers passes to
     the attention function) become a document mask, on the CPU in SDPA's dense mask too."""
-    seen = _recorded_descriptions(monkeypatch)
+    masks_seen = _recorded_masks(monkeypatch)
     torch.manual_seed(0)
     packed, alone = _packed_against_alone(_packed_encoder(family), "cpu", torch.float32)
+    seen = [repr(mask.description) for mask in masks_seen]
     packed_layers = seen[:SMALL["num_hidden_layers"]]  # then the sequences run alone, without documents
     assert all("document(" in label for label in packed_layers) and "document(lengths=[9, 30, 9])" in seen[0], seen
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
@@ -386,3 +388,39 @@ def test_packed_encoders_run_the_kernels_and_match_each_sequence_alone(family):
         warnings.simplefilter("error", UserWarning)  # no fallback to SDPA: the kernels run the packed row
         packed, alone = _packed_against_alone(_packed_encoder(family), "cuda", torch.float16)
     assert (packed - alone).abs().max().item() < 1e-2 * alone.abs().max().item()
+
+
+def test_every_layer_of_a_packed_forward_gets_one_mask_and_inference_mode_works(monkeypatch):
+    """The layers share one description (and with it block masks and launch plans), under causal
+    too; cu_seq_lens made under torch.inference_mode() (no version counter) are read as well."""
+    seen = _recorded_masks(monkeypatch)
+    torch.manual_seed(0)
+    model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
+    with torch.inference_mode():
+        packed, alone = _packed_against_alone(model, "cpu", torch.float32)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
+    layers = seen[:SMALL["num_hidden_layers"]]
+    assert all(mask is layers[0] for mask in layers) and "document(" in repr(layers[0].description)
+
+
+def test_a_layer_without_a_mask_tensor_gets_the_documents_on_the_device_path():
+    class OnDevice:  # what _why_sdpa reads of a CUDA fp16 tensor
+        requires_grad, is_cuda, dtype = False, True, torch.float16
+
+        def __init__(self, *shape):
+            self.shape = shape
+
+    cu = torch.tensor([0, 9, 48], dtype=torch.int32)
+    q, k = OnDevice(1, 4, SEQ, 32), OnDevice(1, 4, SEQ, 32)
+    packing = stof_cc.hf.packed_documents(q, k, cu, cu)
+    mask = stof_cc.hf._with_documents(None, packing, torch.nn.Module(), SEQ)  # a bidirectional layer, no mask
+    assert stof_cc.hf._why_sdpa(q, k, k, mask) is None  # the kernels run it
+    assert repr(mask.description) == "document(lengths=[9, 39])"
+    assert torch.equal(mask.dense()[0, 0], mask.description.to_dense(SEQ, SEQ)[0, 0])
+
+
+def test_cu_seq_lens_of_the_wrong_rank_are_named():
+    stof_cc.hf.register()
+    with torch.no_grad(), pytest.raises(ValueError, match="must be 1-D cumulative"):
+        cu = torch.tensor([[0, 9, 48]], dtype=torch.int32)
+        _packed_encoder("bert")(input_ids=torch.randint(1, 100, (1, SEQ)), cu_seq_lens_q=cu, cu_seq_lens_k=cu)

@@ -21,3 +21,10 @@ def test_masked_attention_in_pieces_of_query_rows_is_the_same(monkeypatch):
     for got, want in zip(pieces, whole, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # matmul blocking: last bits differ
     assert torch.equal(whole[0][0, :, 5], torch.zeros(4, 16))
+
+
+def test_empty_inputs_give_empty_outputs():
+    q, k, v = torch.randn(1, 2, 0, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    assert reference.masked_attention(q, k, v, None).shape == (1, 2, 0, 8)
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8)
+    assert torch.equal(reference.masked_attention(q, k, v, None), torch.zeros(1, 2, 3, 8))  # no key: 0

@@ -42,7 +42,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     problem = RotaryProblem(b, h, s, d, x.dtype)
     params = ROTARY.space(problem)[0]
     table_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
-    element_offsets = (*(t.data_ptr() // t.element_size() for t in (x, cos, sin)), *x.stride()[:3],
+    used_strides = (stride for stride, size in zip(x.stride()[:3], x.shape[:3], strict=True) if size > 1)
+    element_offsets = (*(t.data_ptr() // t.element_size() for t in (x, cos, sin)), *used_strides,
                        table_batch_stride, cos.stride(2))
     name, params = ROTARY.entry_point(problem, params, all(o % params["vec"] == 0 for o in element_offsets))
     key = (x.dtype, d, name)

@@ -22,7 +22,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
     rows = q.shape[-2]
-    chunk = max(1, SCORE_BYTES // (4 * k.shape[-2] * q[..., 0, 0].numel()))  # query rows whose fp32 scores fit
+    row_bytes = 4 * k.shape[-2] * math.prod(q.shape[:-2])  # one query row's fp32 scores
+    chunk = max(1, SCORE_BYTES // row_bytes) if row_bytes else rows
     if chunk >= rows:
         return _attend(q, k, v, mask, scale, bias)
     return torch.cat([_attend(q[..., start:start + chunk, :], k, v, _query_rows(mask, start, chunk),
