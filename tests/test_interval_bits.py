@@ -1,5 +1,6 @@
 """Documents' tile bits from each query row's key interval (`bits.interval_words`) are the bits
-the generic evaluation packs: every field of the block mask, on ragged and padded shapes."""
+the generic evaluation packs, and their classes (exact where nothing is padding) the checked ones:
+every field of the block mask, on ragged and padded shapes."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def test_documents_tile_bits_match_the_generic_evaluation(seed):
     lengths = [rng.randint(1, max(1, 2 * seq_q // count)) for _ in range(count)]  # their sum may pass seq: padding
     block_m, block_n = rng.choice([(64, 64), (128, 128), (64, 128), (128, 64), (192, 128), (16, 32), (32, 48)])
     got = masks.document(lengths).block_mask(seq_q, seq_k, block_m, block_n)
-    generic = masks.document(lengths)
+    generic = masks.document(lengths)  # every element evaluated, every class checked against the bits
     generic._tile_bits = lambda grid, tiles: MaskDescription._tile_bits(generic, grid, tiles)
+    generic.exact_classes = lambda grid: False
     want = generic.block_mask(seq_q, seq_k, block_m, block_n)
     for field in FIELDS:
         assert torch.equal(getattr(got, field), getattr(want, field)), (field, seq_q, seq_k, lengths, block_m, block_n)

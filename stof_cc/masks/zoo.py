@@ -405,6 +405,13 @@ class _Packed(_Documents):
         of two) share a kernel choice: their boundaries move every call."""
         return "document", int(self.ends[-1]), len(self.ends).bit_length()
 
+    def exact_classes(self, grid: BlockGrid) -> bool:
+        """Exact where no position is padding: a block's documents are consecutive ids, each
+        present in it, so blocks whose id ranges meet share a document (not EMPTY) and only
+        blocks of one document on both sides are FULL (padding keys break the first: a
+        padding-only key block takes the id before it)."""
+        return int(self.ends[-1]) >= max(grid.ext.seq_q, grid.ext.seq_k)
+
     def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
         """Each query row attends one interval of keys, its document's: the words come from the
         interval's bounds (`interval_words`), not from every element. Packed sequences build a
