@@ -13,7 +13,8 @@ recompiles, and so does an in-place update of one (`runtime/weights.py`: what is
 
 A graph stof-cc cannot take runs on the fallback the user chose, ``"inductor"`` (the default:
 what ``torch.compile`` would have run) or ``"eager"`` (the graph as traced), with one warning
-naming the graph and the reason: symbolic shapes (compile with ``dynamic=False``), autograd on with
+naming the graph and the reason: tensor parallelism (DTensor / DeviceMesh inputs: not lowered yet),
+symbolic shapes (compile with ``dynamic=False``), autograd on with
 an input that requires grad, floating inputs of mixed dtypes, an input updated in place, or
 anything `stof_cc.compile` refuses.
 """
@@ -83,12 +84,19 @@ def _target_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
+PARALLEL = {"DTensor", "DeviceMesh"}  # torch.distributed's tensor parallelism, in a graph dynamo hands over
+
+
 def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> str | None:
     """Why stof-cc cannot take this graph with these example inputs; None when it can."""
-    if any(not isinstance(x, torch.Tensor) for x in inputs):
-        kinds = sorted({type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor)})
-        return (f"it takes non-tensor inputs ({', '.join(kinds)}): symbolic shapes; compile with "
-                "dynamic=False for stof-cc to take it")
+    kinds = sorted({type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor) or type(x).__name__ in PARALLEL})
+    if set(kinds) & PARALLEL:
+        return (f"it runs tensor parallelism ({', '.join(sorted(set(kinds) & PARALLEL))} inputs), which stof-cc does "
+                "not lower yet (each rank's graph runs on the fallback)")
+    if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool) for x in inputs):
+        return "it has symbolic shapes; compile with dynamic=False for stof-cc to take it"
+    if kinds:
+        return f"it takes non-tensor inputs ({', '.join(kinds)})"
     if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
         return ("autograd is on and an input requires grad (stof-cc's kernels record nothing for "
                 "backward); run inference under torch.no_grad() or torch.inference_mode()")
