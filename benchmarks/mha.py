@@ -113,7 +113,10 @@ def flex_peer(name, batch, heads, seq, kernel_options=None):
     if compiled is None:
         torch._dynamo.config.recompile_limit = 1000
         torch._dynamo.config.cache_size_limit = 1000
-        compiled = flex_peer.compiled = torch.compile(flex_attention)
+        # dynamic=False: the mask_mods capture sizes (a window), which automatic dynamic shapes turn
+        # into SymInts after a recompile, and FA4's kernels refuse those ("NYI: ... captures a
+        # dynamic scalar"; every FLASH row from the second window on, 2026-11-26)
+        compiled = flex_peer.compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = create_block_mask(user_mask_mod(name, seq, "cuda"), None, None, seq, seq, device="cuda",
                                    _compile=seq > MAX_DENSE_SEQ)
     return lambda q, k, v: compiled(q, k, v, block_mask=block_mask, kernel_options=kernel_options)

@@ -122,7 +122,7 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sets: list[list[int
 
     torch._dynamo.config.recompile_limit = 1000
     torch._dynamo.config.cache_size_limit = 1000
-    compiled = torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=False)  # as mha.py's peer: FA4's kernels refuse SymInts
     ids = [document_ids(lengths, q.device) for lengths in sets]
     seq = q.shape[2]
 
