@@ -24,8 +24,9 @@ CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate
 a cache, or fewer queries than keys under a mask: no decode kernel yet), and a 4-D mask tensor the
 caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
-``attn_implementation="eager"`` there. Code that needs the mask as a tensor (BLOOM's
-and MPT's own attention, ``generate()`` with a static cache) gets `MaskIsADescription` saying so
+``attn_implementation="eager"`` there. A model whose attention is its own code (BLOOM, MPT:
+`OWN_ATTENTION_CODE`) gets eager's mask tensor and runs as eager would, with one warning. Other code
+that needs the mask as a tensor (``generate()`` with a static cache) gets `MaskIsADescription` saying so
 where it first touches the description; a model that picks its attention class by name (Falcon)
 fails in transformers with ``KeyError: 'stof_cc'``. A query row whose keys are all padding gets 0 (SDPA attends
 every key there); such rows are padding themselves.
@@ -95,7 +96,7 @@ class MaskIsADescription(AttributeError, TypeError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"attn_implementation='{NAME}': code outside the attention {what}, which stof-cc hands "
-                         "over as a description, not a tensor: the model's own attention code (BLOOM, MPT), or "
+                         "over as a description, not a tensor: the model's own attention code, or "
                          "generate() with a static cache (it builds the mask ahead of the model). stof-cc serves "
                          "models whose attention goes through transformers' AttentionInterface (Llama, Mistral, "
                          "Qwen, Gemma, BERT, T5, ...), with a dynamic cache; use 'sdpa', or stof_cc.compile, here")
@@ -110,16 +111,27 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask_for_layer)
 
 
+# Model types whose attention is their own code, not transformers' AttentionInterface: they read
+# the mask as a tensor, so they get eager's (as attn_implementation="eager" would give them)
+OWN_ATTENTION_CODE = ("bloom", "mpt")
+
+
 def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-                   device: torch.device | str = "cpu", **extra: Any) -> HFMask:
-    """transformers' mask-interface call (the arguments its ``sdpa_mask`` takes) as an `HFMask`."""
-    from transformers.masking_utils import causal_mask_function
+                   device: torch.device | str = "cpu", **extra: Any) -> HFMask | torch.Tensor:
+    """transformers' mask-interface call (the arguments its ``sdpa_mask`` takes) as an `HFMask`;
+    for a model whose attention is its own code (`OWN_ATTENTION_CODE`), eager's mask tensor."""
+    from transformers.masking_utils import causal_mask_function, eager_mask
 
     mask_function = mask_function or causal_mask_function
     arguments = {"batch_size": batch_size, "q_length": q_length, "kv_length": kv_length, "q_offset": q_offset,
                  "kv_offset": kv_offset, "mask_function": mask_function, "attention_mask": attention_mask,
                  "device": device, "use_vmap": extra.get("use_vmap", False)}
+    model_type = getattr(extra.get("config"), "model_type", None)
+    if model_type in OWN_ATTENTION_CODE:
+        _warn_once(f"{model_type} computes attention in its own code, not through transformers' AttentionInterface: "
+                   "it runs as attn_implementation='eager' would (use stof_cc.compile for stof-cc's kernels)")
+        return eager_mask(**arguments, dtype=extra.get("dtype", torch.float32))
     key_padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         key_padding = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
@@ -316,15 +328,19 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 _WARNED: set[str] = set()
 
 
+def _warn_once(what: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"attn_implementation='{NAME}': {what}", stacklevel=4)
+
+
 def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
               **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' SDPA on its own dense mask (and the position bias, which it adds)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)  # decided here, from the mask
-    if why not in _WARNED:
-        _WARNED.add(why)
-        warnings.warn(f"attn_implementation='{NAME}': transformers' sdpa runs this attention: {why}", stacklevel=3)
+    _warn_once(f"transformers' sdpa runs this attention: {why}")
     dense = mask.dense(query.device) if isinstance(mask, HFMask) else mask
     if position_bias is not None:
         kwargs["position_bias"] = position_bias
