@@ -4,8 +4,7 @@ The public entry points live here; each stage of the pipeline (ir, masks, passes
 templates, tune, backends, runtime) is a subpackage with one job. See docs/architecture.md.
 """
 
-import sys
-
+import stof_cc.hf
 from stof_cc.ir.frontend import TraceError, trace
 from stof_cc.ir.graph import Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.interpret import interpret
@@ -25,10 +24,7 @@ from stof_cc.tune.attention import explain_attention
 __version__ = "0.1.0"
 
 register_name()  # torch.compile(model, backend="stof_cc") from a checkout too, not only where pip-installed
-if "transformers" in sys.modules:  # attn_implementation="stof_cc"; else stof_cc.hf.register() (no transformers import here)
-    import stof_cc.hf
-
-    stof_cc.hf.register()
+stof_cc.hf.register_when_imported()  # attn_implementation="stof_cc", whether transformers is imported before or after
 
 __all__ = [
     "AttentionInputError",

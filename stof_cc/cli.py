@@ -244,7 +244,14 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         db = TuningDatabase(path)
         print(f"{db.path}: removed {db.clear()} record(s)")
         return 0
-    db = TuningDatabase(args.db, read_only=True)  # a listing creates, moves and writes nothing
+    path = Path(args.db) if args.db is not None else default_path()
+    check_database_argument(path, "--db")
+    if not path.exists():  # nothing tuned yet: the first tuned compile makes it
+        origin = "" if args.db is not None else \
+            " ($STOF_CC_TUNING_DB)" if os.environ.get("STOF_CC_TUNING_DB") else " (the default)"
+        print(f"{path}{origin}: no tuning database yet, 0 records (a tuned compile or `stof-cc tune` makes it)")
+        return 0
+    db = TuningDatabase(path, read_only=True)  # a listing creates, moves and writes nothing
     records = db.records()
     print(f"{db.path}: {len(records)} record(s)")
     for r in records:

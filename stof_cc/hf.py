@@ -3,8 +3,7 @@ own registries: `AttentionMaskInterface` gets a mask function that returns a sto
 description (`HFMask`), never a dense S x S tensor, and `AttentionInterface` an attention function
 that runs `stof_cc.attention` on it.
 
-    import stof_cc.hf
-    stof_cc.hf.register()   # also done by `import stof_cc` when transformers is already imported
+    import stof_cc   # registers it with transformers, imported before or after (stof_cc.hf.register())
     model = AutoModel.from_config(config, attn_implementation="stof_cc")
 
 What the mask function recognises in transformers' mask functions (by identity, or by the
@@ -35,8 +34,11 @@ every key there); such rows are padding themselves.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import operator
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -100,6 +102,38 @@ class MaskIsADescription(AttributeError, TypeError):
                          "generate() with a static cache (it builds the mask ahead of the model). stof-cc serves "
                          "models whose attention goes through transformers' AttentionInterface (Llama, Mistral, "
                          "Qwen, Gemma, BERT, T5, ...), with a dynamic cache; use 'sdpa', or stof_cc.compile, here")
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers the implementation once transformers has been imported (so ``import stof_cc``
+    before ``import transformers`` works too, without stof-cc importing transformers itself)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "transformers":
+            return None
+        sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]  # once
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_register(module):
+            exec_module(module)
+            try:
+                register()
+            except Exception as exc:  # noqa: BLE001 - transformers itself must still import
+                warnings.warn(f"attn_implementation='{NAME}' could not be registered with this transformers "
+                              f"({type(exc).__name__}: {exc})", stacklevel=2)
+        spec.loader.exec_module = exec_and_register
+        return spec
+
+
+def register_when_imported() -> None:
+    """`register` now if transformers is imported, else as soon as it is (what ``import stof_cc`` does)."""
+    if "transformers" in sys.modules:
+        register()
+    elif not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterOnImport())
 
 
 def register() -> None:
@@ -317,7 +351,7 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if not query.is_cuda:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with torch_dtype=torch.bfloat16)"
+        return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with dtype=torch.bfloat16)"
     if mask is not None and (mask.arguments.get("q_offset") or mask.arguments.get("kv_offset")):
         return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
     if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:

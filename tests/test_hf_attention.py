@@ -431,3 +431,17 @@ def test_cu_seq_lens_of_the_wrong_rank_are_named():
     with torch.no_grad(), pytest.raises(ValueError, match="must be 1-D cumulative"):
         cu = torch.tensor([[0, 9, 48]], dtype=torch.int32)
         _packed_encoder("bert")(input_ids=torch.randint(1, 100, (1, SEQ)), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_importing_stof_cc_before_transformers_registers_it_when_transformers_loads():
+    import subprocess
+    import sys
+
+    code = ("import sys, stof_cc\n"
+            "assert 'transformers' not in sys.modules  # stof-cc does not import it\n"
+            "import transformers as T\n"
+            "config = T.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,\n"
+            "                       intermediate_size=128, vocab_size=100)\n"
+            "print(T.AutoModel.from_config(config, attn_implementation='stof_cc').config._attn_implementation)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "stof_cc", run.stderr[-2000:]

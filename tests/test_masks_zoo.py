@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stof_cc import masks
+from stof_cc.masks.errors import MaskTypeError
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask
 
 
@@ -418,3 +419,8 @@ def test_a_dilated_window_is_sliding_windows_on_its_residues(w, dilation):
             block = dense[r::d, r2::d]
             assert torch.equal(block, sub.to_dense(seq // d)[0, 0]) if r == r2 else not block.any()
     assert masks.causal().strided_split() is None
+
+
+def test_from_mask_mod_given_sizes_as_flexattention_takes_them_says_where_sizes_come_from():
+    with pytest.raises(MaskTypeError, match="the sizes come when the mask is used"):
+        masks.from_mask_mod(lambda b, h, q, k: q >= k, 128, 128)

@@ -362,9 +362,7 @@ def _listing_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     foreign = tmp_path / "foreign.sqlite"
     _filled(foreign)
     _foreign(foreign)
-    missing = tmp_path / "no" / "such" / "dir" / "t.sqlite"
-    return {"missing": (missing, f"tuning database {missing} does not exist"),
-            "not sqlite": (tmp_path / "notes.txt",
+    return {"not sqlite": (tmp_path / "notes.txt",
                            f"{tmp_path / 'notes.txt'} is not a tuning database (file is not a database)"),
             "another tool's": (tmp_path / "other.sqlite",
                                f"{tmp_path / 'other.sqlite'} is not a tuning database (it has no records table)"),
@@ -372,7 +370,7 @@ def _listing_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
                                         "id, name)")}
 
 
-@pytest.mark.parametrize("case", ["missing", "not sqlite", "another tool's", "foreign layout"])
+@pytest.mark.parametrize("case", ["not sqlite", "another tool's", "foreign layout"])
 def test_cache_list_refuses_what_is_not_a_tuning_database_and_changes_nothing(tmp_path: Path, capsys, case: str):
     """`cache list --db no/such/dir/t.sqlite` made the folders and an empty database, and
     `--db notes.txt` renamed the user's file aside (issue 32, item 11)."""
@@ -385,6 +383,18 @@ def test_cache_list_refuses_what_is_not_a_tuning_database_and_changes_nothing(tm
         assert main(["cache", "list", "--db", str(path)]) == 2
     assert capsys.readouterr().err == f"stof-cc: error: {message}\n"
     assert {p: p.read_bytes() for p in tmp_path.rglob("*")} == before
+
+
+def test_cache_list_of_no_database_yet_lists_nothing_and_creates_nothing(tmp_path: Path, capsys):
+    """A fresh install has no database until its first tuned compile: that is 0 records, not an
+    error (it was rc 2, which read as a failure to a newcomer)."""
+    from stof_cc.cli import main
+
+    missing = tmp_path / "no" / "such" / "dir" / "t.sqlite"
+    assert main(["cache", "list", "--db", str(missing)]) == 0
+    assert capsys.readouterr().out == f"{missing}: no tuning database yet, 0 records (a tuned compile or " \
+                                      "`stof-cc tune` makes it)\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cache_list_reads_a_database_in_use_and_creates_nothing(tmp_path: Path, capsys):
@@ -401,8 +411,7 @@ def test_cache_list_reads_a_database_in_use_and_creates_nothing(tmp_path: Path, 
     assert "101 record(s)" in capsys.readouterr().out
 
 
-
-@pytest.mark.parametrize("case", ["missing", "not sqlite", "another tool's", "foreign layout"])
+@pytest.mark.parametrize("case", ["not sqlite", "another tool's", "foreign layout"])
 def test_cache_clear_touches_only_a_tuning_database(tmp_path: Path, capsys, case: str):
     """`cache clear --db notes.txt` renamed the user's file aside and made an empty database in
     its place (noticed in an earlier session): now it refuses, and a missing one is nothing to clear."""

@@ -68,7 +68,7 @@ _CREATE = ("CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, template T
            "created REAL NOT NULL, schema INTEGER NOT NULL)")
 _SELECT = f"SELECT {', '.join(_COLUMNS)} FROM records"
 _INSERT = f"INSERT OR REPLACE INTO records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
-_HOW = "give a file path (stof-cc --db, or the database argument), or set STOF_CC_TUNING_DB"
+_HOW = "give a file path (`stof-cc cache --db` / `stof-cc tune --db`, or the database argument), or set STOF_CC_TUNING_DB"
 _T = TypeVar("_T")
 
 
