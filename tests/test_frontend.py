@@ -89,6 +89,7 @@ def test_data_dependent_control_flow_names_the_line():
         trace(Branchy(), (torch.randn(4),))
     message = str(info.value)
     assert "Branchy" in message and "test_frontend.py" in message and "what to try" in message
+    assert "inputs: float32[4]" in message  # the call it could not trace
 
 
 def test_bad_example_inputs_are_named():

@@ -10,6 +10,7 @@ an ATen op with no registry entry becomes an ``opaque`` node that runs through t
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import os
 import traceback
@@ -60,13 +61,35 @@ def trace(
     was_training = module.training
     module.eval()
     try:
-        with _caches_off(module):
+        with _caches_off(module), _quiet_fake_tensor_errors():
             exported = torch.export.export(module, tuple(args), kwargs=kwargs)
     except Exception as exc:  # export raises many types; all mean "could not trace"
-        raise TraceError(_explain_export_failure(module, exc)) from exc
+        raise TraceError(_explain_export_failure(module, exc) + f"\n  inputs: {_describe(tuple(args), kwargs)}") from exc
     finally:
         module.train(was_training)
     return from_exported(exported, name or type(module).__name__)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_errors() -> Iterator[None]:
+    """torch logs an op that fails under fake tensors (about 20 lines) before raising; the
+    TraceError says it once, with the inputs."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    """The call's tensors as dtype[shape] (other values by type), positional then by name."""
+    def one(value: object) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        return type(value).__name__
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()]) or "none"
 
 
 @contextlib.contextmanager
@@ -108,7 +131,8 @@ def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
     message = str(exc).strip().splitlines()
     first = message[0] if message else type(exc).__name__
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else ""
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}" + (f" ({frames[-1].line})" if frames[-1].line else "") \
+        if frames else ""
     lowered = str(exc).lower()
     if "data-dependent" in lowered or "guardondatadependent" in lowered or "could not guard" in lowered:
         hint = ("control flow or a shape depends on tensor values; make the branch static, "
