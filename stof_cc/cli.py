@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
     inspect.add_argument("--passes", action="store_true",
-                         help="show the graph after every pass (--check checks that one) and its fusion partition")
+                         help="a line per pass saying what it did (--check checks the graph after each), then the fusion partition")
     inspect.add_argument("--dump-ir", metavar="DIR", help="write the graph after tracing and after each pass to DIR")
     inspect.set_defaults(run=_cmd_inspect)
 

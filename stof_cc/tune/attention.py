@@ -231,7 +231,7 @@ def attention_kernel(graph: Graph, node: Node,
     bias = bool(added_biases(graph, node))  # a float mask, ALiBi: the kernel variant that adds it (kept under mask=)
     if attn_mask is not None and not ignore_mask and not is_bias(graph, attn_mask):  # (ignored: `compile(mask=)` replaces it)
         raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
-                         "(pass mask= to stof_cc.compile)")
+                         "(give the mask as a description: stof_cc.compile(..., mask=) or stof_cc.backend(mask=))")
     if given.get("softcap") is not None:
         raise NotFusable(f"%{node.name}: softcapped scores (c * tanh(s / c), c = {given['softcap']}) are not in "
                          "stof-cc's attention kernels yet")
