@@ -87,9 +87,9 @@ def _longest_first_onto_least_loaded(costs: list[int], ctas: int) -> torch.Tenso
     loads = [(0, cta) for cta in range(ctas)]
     owner = [0] * len(costs)
     for n, cost in enumerate(costs):
-        load, cta = heapq.heappop(loads)
+        load, cta = loads[0]  # the least-loaded CTA (ties: the lowest index)
         owner[n] = cta
-        heapq.heappush(loads, (load + cost, cta))
+        heapq.heapreplace(loads, (load + cost, cta))
     return torch.tensor(owner, dtype=torch.int64)
 
 
