@@ -384,6 +384,19 @@ class _Documents(_Labelled):
         return ClassRuns.from_dense(classes_from(full, empty).transpose(0, 1))
 
 
+def _interval_tile_bits(grid: BlockGrid, tiles: Tiles, start: Tensor, end: Tensor) -> Tensor:
+    """Tiles whose every query row attends one interval of keys, [start, end) ([N, block_m]
+    absolute key positions, start == end for none): the words come from the bounds
+    (`interval_words`), not from every element. Packed sequences build a new mask per call
+    (issue 35): with this and exact classes the document block mask built 1.6-2.6x faster on
+    the host (2026-11-26; history/14-2026-11-26.md)."""
+    first_key = (tiles.j * grid.block_n).view(-1, 1).to(start.device)
+    lo = (start - first_key).clamp(0, grid.block_n)
+    hi = (end - first_key).clamp(0, grid.block_n)
+    words = interval_words(lo, torch.maximum(hi, lo), grid.block_n).reshape(len(tiles), grid.words)
+    return words & grid.valid_words(tiles)
+
+
 class _Packed(_Documents):
     """Documents of the given lengths, one after another from position 0; positions past
     their sum are padding. Held as the documents' ends, not an id per position."""
@@ -413,23 +426,16 @@ class _Packed(_Documents):
         return int(self.ends[-1]) >= max(grid.ext.seq_q, grid.ext.seq_k)
 
     def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
-        """Each query row attends one interval of keys, its document's: the words come from the
-        interval's bounds (`interval_words`), not from every element. Packed sequences build a
-        new mask per call (issue 35): at S = 32768 with 16-64 documents the block mask took 5-9 ms
-        instead of 11-15 on a 2-core host (2026-11-26; history/14-2026-11-26.md)."""
+        """Each query row attends its document's keys, one interval: `_interval_tile_bits`."""
         if grid.block_n % 32:
             return super()._tile_bits(grid, tiles)
-        q, _ = grid.positions(tiles)  # [N, block_m, 1]
+        q, _ = grid.positions(tiles)
         ends = self._on("ends", q.device, lambda: self.ends)
         starts = self._on("starts", q.device, lambda: torch.cat([self.ends.new_zeros(1), self.ends[:-1]]))
         doc = self._doc(q[..., 0])
         real = doc < len(self.ends)
         doc = doc.clamp(max=len(self.ends) - 1)
-        first_key = (tiles.j * grid.block_n).view(-1, 1).to(q.device)
-        lo = torch.where(real, starts[doc] - first_key, 0).clamp(0, grid.block_n)
-        hi = torch.where(real, ends[doc] - first_key, 0).clamp(0, grid.block_n)
-        words = interval_words(lo, hi, grid.block_n).reshape(len(tiles), grid.words)
-        return words & grid.valid_words(tiles)
+        return _interval_tile_bits(grid, tiles, torch.where(real, starts[doc], 0), torch.where(real, ends[doc], 0))
 
     def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         total = int(self.ends[-1])
@@ -451,6 +457,41 @@ class _Segments(_Documents):
         real = ids >= 0
         risen = torch.cummax(torch.where(real, ids, -1), dim=1).values
         self.ordered = bool((ids[real] == risen[real]).all())
+        self._intervals: tuple[Tensor, Tensor] | None = None  # each position's document [start, end), made once
+
+    def _document_intervals(self) -> tuple[Tensor, Tensor] | None:
+        """int64 [Bd, L] start and end of each position's document (start == end for padding),
+        or None where a document's positions are not one run (padding between them)."""
+        if self._intervals is None:
+            ids = self.ids.long()
+            rows, size = ids.shape
+            position = torch.arange(size).expand(rows, size)
+            change = torch.ones(rows, size, dtype=torch.bool)
+            change[:, 1:] = ids[:, 1:] != ids[:, :-1]
+            run_start = torch.cummax(torch.where(change, position, 0), dim=1).values
+            last = torch.ones(rows, size, dtype=torch.bool)
+            last[:, :-1] = change[:, 1:]
+            run_end = torch.flip(torch.cummin(torch.flip(torch.where(last, position + 1, size), [1]), dim=1).values, [1])
+            real = ids >= 0
+            runs = [int(((change & real)[r]).sum()) for r in range(rows)]
+            documents = [int(torch.unique(ids[r][real[r]]).numel()) for r in range(rows)]
+            one_run_each = runs == documents
+            self._intervals = (torch.where(real, run_start, 0), torch.where(real, run_end, 0)) if one_run_each \
+                else (torch.empty(0), torch.empty(0))
+        return None if self._intervals[0].numel() == 0 else self._intervals
+
+    def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
+        """Where each document is one run of positions, its keys are one interval per query row:
+        `_interval_tile_bits`."""
+        intervals = self._document_intervals() if grid.block_n % 32 == 0 else None
+        if intervals is None:
+            return super()._tile_bits(grid, tiles)
+        q, _ = grid.positions(tiles)
+        starts, ends = (self._on(name, q.device, lambda t=t: t) for name, t in zip(("starts", "ends"), intervals,
+                                                                                   strict=True))
+        row = (tiles.b if self.ids.shape[0] > 1 else torch.zeros_like(tiles.b)).view(-1, 1).to(q.device)
+        position = q[..., 0].clamp(max=self.ids.shape[1] - 1)
+        return _interval_tile_bits(grid, tiles, starts[row, position], ends[row, position])
 
     def _fixed(self) -> tuple[int | None, int | None]:
         return (self.ids.shape[0] if self.ids.shape[0] > 1 else None), None
