@@ -196,8 +196,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    module, example_args, example_kwargs = load_factory(args.model)  # a bad FILE.py:FACTORY fails first
     _say_assumed_gpu("generating")
-    module, example_args, example_kwargs = load_factory(args.model)
     graph, plan = lower(module, example_args, example_kwargs, dtype=getattr(torch, args.dtype),
                         name=_model_name(args.model))
     plan = choose_scheme(graph, plan)
