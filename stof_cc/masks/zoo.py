@@ -480,6 +480,12 @@ class _Segments(_Documents):
                 else (torch.empty(0), torch.empty(0))
         return None if self._intervals[0].numel() == 0 else self._intervals
 
+    def exact_classes(self, grid: BlockGrid) -> bool:
+        """Exact where each document is one run and no position in range is padding: as for
+        `_Packed`, a block then holds every existing id between its lowest and highest."""
+        size = max(grid.ext.seq_q, grid.ext.seq_k)
+        return self.ordered and self._document_intervals() is not None and bool((self.ids[:, :size] >= 0).all())
+
     def _tile_bits(self, grid: BlockGrid, tiles: Tiles) -> Tensor:
         """Where each document is one run of positions, its keys are one interval per query row:
         `_interval_tile_bits`."""
