@@ -106,26 +106,48 @@ class MaskIsADescription(AttributeError, TypeError):
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
     """Registers the implementation once transformers has been imported (so ``import stof_cc``
-    before ``import transformers`` works too, without stof-cc importing transformers itself)."""
+    before ``import transformers`` works too, without stof-cc importing transformers itself).
+    Its spec for transformers carries a loader that runs transformers' own, then registers; a
+    lookup alone (``importlib.util.find_spec``, how libraries ask whether it is installed) leaves
+    the hook in place."""
+
+    def __init__(self) -> None:
+        self._looking = False
 
     def find_spec(self, name, path, target=None):
-        if name != "transformers":
+        if name != "transformers" or self._looking:
             return None
-        sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self]  # once
-        spec = importlib.util.find_spec(name)
+        self._looking = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._looking = False
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_and_register(module):
-            exec_module(module)
-            try:
-                register()
-            except Exception as exc:  # noqa: BLE001 - transformers itself must still import
-                warnings.warn(f"attn_implementation='{NAME}' could not be registered with this transformers "
-                              f"({type(exc).__name__}: {exc})", stacklevel=2)
-        spec.loader.exec_module = exec_and_register
+        spec.loader = _RegisteringLoader(spec.loader, self)  # this spec's own loader: shared ones stay as they are
         return spec
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """transformers' loader, then `register` (and the hook removed: it has done its job)."""
+
+    def __init__(self, loader, hook: _RegisterOnImport) -> None:
+        self._loader, self._hook = loader, hook
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        sys.meta_path[:] = [finder for finder in sys.meta_path if finder is not self._hook]
+        try:
+            register()
+        except Exception as exc:  # noqa: BLE001 - transformers itself must still import
+            warnings.warn(f"attn_implementation='{NAME}' could not be registered with this transformers "
+                          f"({type(exc).__name__}: {exc})", stacklevel=2)
+
+    def __getattr__(self, name: str):  # resource readers, get_data, is_package, ...: the real loader's
+        return getattr(self._loader, name)
 
 
 def register_when_imported() -> None:

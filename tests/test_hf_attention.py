@@ -437,8 +437,9 @@ def test_importing_stof_cc_before_transformers_registers_it_when_transformers_lo
     import subprocess
     import sys
 
-    code = ("import sys, stof_cc\n"
+    code = ("import importlib.util, sys, stof_cc\n"
             "assert 'transformers' not in sys.modules  # stof-cc does not import it\n"
+            "assert importlib.util.find_spec('transformers')  # how libraries ask if it is installed: no import\n"
             "import transformers as T\n"
             "config = T.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,\n"
             "                       intermediate_size=128, vocab_size=100)\n"

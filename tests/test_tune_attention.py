@@ -61,6 +61,9 @@ def test_documents_with_new_boundaries_share_the_kernel_choice(monkeypatch):
     monkeypatch.setattr(tune_attention, "coarse_counts", lambda *a, **k: priced.append(1) or counts(*a, **k))
     again = tune_attention.choose(problem, masks.document([100, 600, 324]) & masks.causal())  # causal() anew
     assert again is first and not priced
+    own = tune_attention.choose(problem, masks.document([100, 600, 324]) & masks.causal(), own=True)
+    assert own.params == first.params and own is not first and len(priced) == 1  # explain and the tuner: its own
+    priced.clear()
     tune_attention.choose(problem, masks.document([64] * 16) & tune_attention.CAUSAL)  # 16 documents, not 3
     tune_attention.choose(problem, masks.document(segment_ids=torch.arange(1024) // 256))  # another kind
     tune_attention.choose(problem, masks.sliding_window(100, causal=True))  # a mask that does not change: its own

@@ -280,7 +280,7 @@ def from_mask_mod(
     refused (its tensors hold no values)."""
     if not callable(fn):
         raise MaskTypeError(f"from_mask_mod: fn must be callable, got {fn!r}")
-    if name is not None and not isinstance(name, str) or device is not None and not isinstance(device, str | torch.device):
+    if name is not None and not isinstance(name, str) or device is not None and not isinstance(device, str | int | torch.device):
         raise MaskTypeError(f"from_mask_mod(fn, name=None, device=None): got name={name!r}, device={device!r}; the "
                             "sizes come when the mask is used (FlexAttention's create_block_mask takes them here: "
                             "stof-cc reads them from q and k)")

@@ -156,8 +156,8 @@ def split_pays(problem: AttentionProblem, description: MaskDescription) -> tuple
     d, sub = found
     if problem.seq_q != problem.seq_k or problem.seq_q % d or problem.batch * d > GRID_YZ_LIMIT:
         return None
-    direct_us = choose(problem, description).estimates[0].micros
-    split_us = choose(_residue_problem(problem, d), sub).estimates[0].micros
+    direct_us = choose(problem, description, own=True).estimates[0].micros
+    split_us = choose(_residue_problem(problem, d), sub, own=True).estimates[0].micros
     return found if split_us < SPLIT_MARGIN * direct_us else None
 
 

@@ -104,15 +104,17 @@ def candidates(problem: AttentionProblem,
     return [(t, p) for t in ATTENTION_TEMPLATES if t.runs_on(capability) for p in t.space(problem)]
 
 
-def choose(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
-    """The model's pick for this problem and mask (cached with the mask)."""
+def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool = False) -> AttentionChoice:
+    """The model's pick for this problem and mask (cached with the mask). Unless ``own``, a mask
+    of a `choice_group` already priced takes that group's pick, which carries the estimates of
+    the mask it was priced on (`explain_attention` and the tuner ask for the mask's own)."""
     key = (problem, sm_count())
     per_mask = _choices.setdefault(description, {})
     group = description.choice_group()
     shared = None if group is None else (group, key)
-    if key not in per_mask and shared in _group_choices:  # a mask of the same kind chose already
+    if key not in per_mask and not own and shared in _group_choices:  # a mask of the same kind chose already
         _group_choices.move_to_end(shared)
-        per_mask[key] = _group_choices[shared]
+        return _group_choices[shared]
     if key not in per_mask:
         scored = []
         options = candidates(problem)
@@ -142,7 +144,7 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
         best, template = scored[0]
         rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _ in scored), rule)
-        if shared is not None:
+        if shared is not None and shared not in _group_choices:
             _group_choices[shared] = per_mask[key]
             while len(_group_choices) > GROUP_CHOICES_KEPT:
                 _group_choices.popitem(last=False)
@@ -152,7 +154,7 @@ def choose(problem: AttentionProblem, description: MaskDescription) -> Attention
 def adopt_choice(problem: AttentionProblem, description: MaskDescription, template: KernelTemplate,
                  params: dict[str, Any], measured_us: float) -> AttentionChoice:
     """Make a measured winner the choice for (problem, mask): later `attention` calls run it."""
-    modelled = choose(problem, description)
+    modelled = choose(problem, description, own=True)
     choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us)
     _choices[description][(problem, sm_count())] = choice
     for listener in _adopt_listeners:  # e.g. the runtime's launch plans built on the model's pick
@@ -172,7 +174,7 @@ def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: 
     estimate; needs no GPU (the SM count defaults to the H100's 132 without one).
     ``choice.explain()`` formats it."""
     problem = validated_problem(AttentionProblem(batch, heads, seq_q, seq_k, head_dim, dtype))
-    return choose(problem, as_description(mask))
+    return choose(problem, as_description(mask), own=True)
 
 
 def pinned_choice(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:

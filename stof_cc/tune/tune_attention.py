@@ -28,7 +28,7 @@ def attention_candidates(problem: AttentionProblem, description: MaskDescription
     """Every candidate the model scored for (problem, mask), with its estimate and source."""
     by_strategy = {t.strategy: t for t in ATTENTION_TEMPLATES}
     out = []
-    for est in choose(problem, description).estimates:
+    for est in choose(problem, description, own=True).estimates:
         template = by_strategy[est.params["strategy"]]
         out.append(Candidate(template, est.params, est.micros, functools.partial(template.render, problem, est.params)))
     return out
