@@ -24,7 +24,7 @@ a cache, or fewer queries than keys under a mask: no decode kernel yet), and a 4
 caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
 ``attn_implementation="eager"`` there. A model whose attention is its own code (BLOOM, MPT:
-`OWN_ATTENTION_CODE`) gets eager's mask tensor and runs as eager would, with one warning. Other code
+`own_attention_code`) gets eager's mask tensor and runs as eager would, with one warning. Other code
 that needs the mask as a tensor (``generate()`` with a static cache) gets `MaskIsADescription` saying so
 where it first touches the description; a model that picks its attention class by name (Falcon)
 fails in transformers with ``KeyError: 'stof_cc'``. A query row whose keys are all padding gets 0 (SDPA attends
@@ -64,7 +64,7 @@ class HFMask:
     key_padding: torch.Tensor | None
     arguments: dict[str, Any]
     _dense: torch.Tensor | None = field(default=None, repr=False)
-    _documents_dense: tuple[MaskDescription, int, bool] | None = field(default=None, repr=False)  # packed: (documents, S, causal)
+    _documents: tuple[MaskDescription, int] | None = field(default=None, repr=False)  # packed: documents, S
 
     def __getattr__(self, name: str):  # a tensor's attribute: code that expects a mask tensor
         if name.startswith("__"):  # protocols (copy, pickle) ask with getattr and expect AttributeError
@@ -82,13 +82,11 @@ class HFMask:
             from transformers.masking_utils import sdpa_mask
 
             self._dense = sdpa_mask(**self.arguments, allow_is_causal_skip=False)
-        if self._documents_dense is not None:
-            documents, seq, causal = self._documents_dense
-            own = documents.to_dense(seq, seq).to(device)
-            if causal:
-                own = own & torch.ones_like(own).tril()
+        if self._documents is not None:  # without transformers' arguments the description is the whole mask
+            documents, seq = self._documents
+            own = (documents if self.arguments else self.description).to_dense(seq, seq).to(device)
             self._dense = own if self._dense is None else self._dense & own.to(self._dense.device)
-            self._documents_dense = None
+            self._documents = None
         return self._dense
 
 
@@ -167,26 +165,35 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask_for_layer)
 
 
-# Model types whose attention is their own code, not transformers' AttentionInterface: they read
-# the mask as a tensor, so they get eager's (as attn_implementation="eager" would give them)
-OWN_ATTENTION_CODE = ("bloom", "mpt")
+@functools.cache
+def own_attention_code(config_class: type) -> bool:
+    """A model whose modeling module computes attention in its own code, not through
+    transformers' AttentionInterface (it has no ``ALL_ATTENTION_FUNCTIONS``: BLOOM and MPT in
+    transformers 5.x; Falcon too, which fails earlier, picking its attention class by name). It
+    reads the mask as a tensor, so it gets eager's."""
+    modeling = config_class.__module__.replace(".configuration_", ".modeling_")
+    try:
+        return not hasattr(importlib.import_module(modeling), "ALL_ATTENTION_FUNCTIONS")
+    except ImportError:  # a config defined elsewhere (remote code): assume the interface
+        return False
 
 
 def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                    device: torch.device | str = "cpu", **extra: Any) -> HFMask | torch.Tensor:
     """transformers' mask-interface call (the arguments its ``sdpa_mask`` takes) as an `HFMask`;
-    for a model whose attention is its own code (`OWN_ATTENTION_CODE`), eager's mask tensor."""
+    for a model whose attention is its own code (`own_attention_code`), eager's mask tensor."""
     from transformers.masking_utils import causal_mask_function, eager_mask
 
     mask_function = mask_function or causal_mask_function
     arguments = {"batch_size": batch_size, "q_length": q_length, "kv_length": kv_length, "q_offset": q_offset,
                  "kv_offset": kv_offset, "mask_function": mask_function, "attention_mask": attention_mask,
                  "device": device, "use_vmap": extra.get("use_vmap", False)}
-    model_type = getattr(extra.get("config"), "model_type", None)
-    if model_type in OWN_ATTENTION_CODE:
-        _warn_once(f"{model_type} computes attention in its own code, not through transformers' AttentionInterface: "
-                   "it runs as attn_implementation='eager' would (use stof_cc.compile for stof-cc's kernels)")
+    config = extra.get("config")
+    if config is not None and own_attention_code(type(config)):
+        _warn_once(f"{config.model_type} computes attention in its own code, not through transformers' "
+                   "AttentionInterface: it runs as attn_implementation='eager' would (use stof_cc.compile for "
+                   "stof-cc's kernels)")
         return eager_mask(**arguments, dtype=extra.get("dtype", torch.float32))
     key_padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
@@ -357,11 +364,10 @@ def _with_documents(mask: HFMask | None, packing: _Packing, module: torch.nn.Mod
     if key not in packing.combined:
         documents = packing.documents
         if mask is None:
-            ours = HFMask(CAUSAL & documents if causal else documents, None, {},
-                          _documents_dense=(documents, seq, causal))
+            ours = HFMask(CAUSAL & documents if causal else documents, None, {}, _documents=(documents, seq))
         else:
             described = documents if mask.description is None else mask.description & documents
-            ours = HFMask(described, mask.key_padding, mask.arguments, _documents_dense=(documents, seq, False))
+            ours = HFMask(described, mask.key_padding, mask.arguments, _documents=(documents, seq))
         packing.combined[key] = (mask, ours)  # the layer mask held: its id is not reused meanwhile
     return packing.combined[key][1]
 

@@ -449,3 +449,9 @@ def test_importing_stof_cc_before_transformers_registers_it_when_transformers_lo
             "print(T.AutoModel.from_config(config, attn_implementation='stof_cc').config._attn_implementation)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "stof_cc", run.stderr[-2000:]
+
+
+def test_models_with_their_own_attention_code_are_found_by_their_modeling_module():
+    """Not a list of names: a modeling module without transformers' attention dispatch."""
+    assert stof_cc.hf.own_attention_code(T.BloomConfig) and stof_cc.hf.own_attention_code(T.MptConfig)
+    assert not any(stof_cc.hf.own_attention_code(c) for c in (T.LlamaConfig, T.BertConfig, T.OPTConfig, T.T5Config))
