@@ -40,15 +40,15 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if cos.shape[0] != sin.shape[0] or cos.stride() != sin.stride() or cos.stride(-1) != 1:
         cos, sin = (t.expand(b, 1, s, d).contiguous() for t in (cos, sin))  # one layout for both tables
     problem = RotaryProblem(b, h, s, d, x.dtype)
-    params = ROTARY.space(problem)[0]
+    point = ROTARY.space(problem)[0]
     table_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     used_strides = (stride for stride, size in zip(x.stride()[:3], x.shape[:3], strict=True) if size > 1)
     element_offsets = (*(t.data_ptr() // t.element_size() for t in (x, cos, sin)), *used_strides,
                        table_batch_stride, cos.stride(2))
-    name, params = ROTARY.entry_point(problem, params, all(o % params["vec"] == 0 for o in element_offsets))
+    name, params = ROTARY.entry_point(problem, point, all(o % point["vec"] == 0 for o in element_offsets))
     key = (x.dtype, d, name)
-    if key not in _kernels:
-        _kernels[key] = load_kernel(ROTARY.render(problem, ROTARY.space(problem)[0]), name, ROTARY.arg_format)
+    if key not in _kernels:  # one source holds both entry points
+        _kernels[key] = load_kernel(ROTARY.render(problem, point), name, ROTARY.arg_format)
     out = torch.empty(b, h, s, d, dtype=x.dtype, device=x.device)
     grid, threads, shared = ROTARY.launch(problem, params)
     _kernels[key].launch(grid, threads, shared, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
