@@ -1,10 +1,10 @@
 """Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
 
-    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual]
+    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual] [--m M] [--shapes K:N,...]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096), 4 = (768, 2304) (BERT's merged
-Q/K/V projection); M = 4096 tokens,
+Q/K/V projection), or ``--shapes`` names them (``4096:1024,4096:28672``); M = 4096 tokens unless ``--m``,
 fp16. The epilogue is none, bias + GELU (``--gelu``, FFN1's) or bias + residual (``--residual``, the
 out-projection's and FFN2's, whose residual tile the kernel stages through shared memory). Unlike `benchmarks/fusion.py` only the driver launch runs between launches (no argument
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
@@ -14,6 +14,7 @@ is first checked against ``F.linear``. Needs an NVIDIA Hopper GPU, PyCUDA and nv
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -52,14 +53,24 @@ def timed_ms(fn, launches: int = 50) -> float:
 
 
 def main() -> None:
-    epilogues = {"--gelu": GemmBiasGelu, "--residual": GemmBiasResidual}
-    positional = [a for a in sys.argv[1:] if a not in epilogues]
-    module_type = next((epilogues[a] for a in sys.argv[1:] if a in epilogues), Gemm)
-    only = re.compile(positional[0]) if positional else None
-    shapes = [SHAPES[int(i)] for i in positional[1].split(",")] if len(positional) > 1 else SHAPES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("regex", nargs="?", help="points whose tag matches it, e.g. 'co_m128_n256_s3(_mc2)?'")
+    parser.add_argument("rows", nargs="?", help="rows of SHAPES by index, comma separated")
+    parser.add_argument("--gelu", action="store_true", help="bias + GELU epilogue")
+    parser.add_argument("--residual", action="store_true", help="bias + residual epilogue (staged residual)")
+    parser.add_argument("--m", type=int, default=TOKENS, help="rows of A (tokens)")
+    parser.add_argument("--shapes", help="K:N pairs, comma separated (instead of rows)")
+    args = parser.parse_args()
+    module_type = GemmBiasGelu if args.gelu else GemmBiasResidual if args.residual else Gemm
+    only = re.compile(args.regex) if args.regex else None
+    if args.shapes:
+        shapes = [tuple(map(int, pair.split(":"))) for pair in args.shapes.split(",")]
+    else:
+        shapes = [SHAPES[int(i)] for i in args.rows.split(",")] if args.rows else SHAPES
+    tokens = args.m
     for k, n in shapes:
         module = module_type(k, n).half()
-        x, r = torch.randn(TOKENS, k, dtype=torch.float16), torch.randn(TOKENS, n, dtype=torch.float16)
+        x, r = torch.randn(tokens, k, dtype=torch.float16), torch.randn(tokens, n, dtype=torch.float16)
         graph = canonicalize(trace(module, (x, r), {}))
         problem = GEMM_EPILOGUE.match(graph, partition(graph).default.groups[0])
         x_gpu, r_gpu, w_gpu = x.cuda(), r.cuda(), module.fc.weight.detach().cuda()
@@ -67,14 +78,13 @@ def main() -> None:
         values = dict(zip(inputs, (x_gpu, r_gpu), strict=False)) | {name: t.cuda() for name, t in graph.constants.items()}
         cublas = timed_ms(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
         want = module.cuda()(x_gpu, r_gpu).detach().float()
-        flops = 2 * TOKENS * n * k
-        print(f"M={TOKENS} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
+        flops = 2 * tokens * n * k
+        print(f"M={tokens} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
         default = GEMM_EPILOGUE.default_params(problem)
-        precompile(GEMM_EPILOGUE, problem, GEMM_EPILOGUE.space(problem))
-        for params in GEMM_EPILOGUE.space(problem):
+        points = [params for params in GEMM_EPILOGUE.space(problem) if not only or only.fullmatch(point_tag(params))]
+        precompile(GEMM_EPILOGUE, problem, points)
+        for params in points:
             tag = point_tag(params)
-            if only and not only.fullmatch(tag):
-                continue
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
             operands = [values[op.ref] for op in problem.operands]

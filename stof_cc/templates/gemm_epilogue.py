@@ -7,11 +7,12 @@ Hopper only (sm_90a): wgmma fed by TMA from a producer warpgroup, A and W read t
 maps the launcher encodes (`tensor_maps`). Persistent: one CTA per SM walks the output tiles,
 its producer running ahead into the next tile; under ``pingpong`` two consumer warpgroups take
 alternate tiles so one's epilogue hides under the other's tensor-core work, under
-``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through
-shared staging tiles and asynchronous TMA stores (``tma_store``), and their residual, if any,
-is *staged*: TMA loads its tile into the staging tile while the products run. Why (with the
-figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma, #staged-residual; tried and
-taken out: #multicast-clusters, #taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
+``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through a
+ring of two shared staging boxes and asynchronous TMA stores (``tma_store``); a residual, if
+any, is *staged*: TMA loads its tile into a whole-tile staging area while the products run.
+Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
+#staged-residual, #staging-ring; tried and taken out: #multicast-clusters (twice),
+#taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from stof_cc.templates.registry import Launch
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
-STAGE_COUNTS = (3, 4)
+STAGE_COUNTS = (3, 4)  # 5 and 6 measured no better than 4 (docs/decisions.md#staging-ring)
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
@@ -146,6 +147,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         tile raster's band height."""
         return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
                 "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
+                "staging_boxes": staging_boxes(problem.details, params),
                 "raster_rows": raster_rows(problem.details.m, problem.details.n, params, sm_count())}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
@@ -156,11 +158,12 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
-        """The ring of A and W chunks, the TMA store's staging tiles (one per consumer
-        warpgroup: under ping-pong each holds a whole tile), plus 1024 to align them for the
-        128-byte swizzle."""
+        """The ring of A and W chunks, the TMA store's staging boxes (per consumer warpgroup,
+        64 columns of its rows each: under ping-pong a warpgroup holds a whole tile's rows), plus
+        1024 to align them for the 128-byte swizzle."""
         ring = params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2
-        staging = _consumer_warpgroups(params) * _rows_per_warpgroup(params) * params["block_n"] * 2
+        boxes = staging_boxes(problem.details, params)
+        staging = _consumer_warpgroups(params) * _rows_per_warpgroup(params) * 64 * boxes * 2
         return ring + (staging if problem.details.tma_store else 0) + 1024
 
 
@@ -196,6 +199,14 @@ def _tile_origin(tile: int, rows: int, m_tiles: int, n_tiles: int) -> tuple[int,
     first = band * rows
     height = min(m_tiles - first, rows)
     return first + in_band % height, in_band // height
+
+
+def staging_boxes(details: GemmDetails, params: dict[str, Any]) -> int:
+    """Staging boxes (64 output columns each) per consumer warpgroup: the whole tile where a
+    staged operand arrives in them during the products, else a ring of two, so a box is filled
+    while the one before drains and the shared memory left holds more operand stages (a 128 x 256
+    tile gets four instead of three: docs/decisions.md#staging-ring)."""
+    return params["block_n"] // 64 if details.staged is not None else min(2, params["block_n"] // 64)
 
 
 def point_tag(params: dict[str, Any]) -> str:
