@@ -58,11 +58,10 @@ def test_a_different_rotation_stays():
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("table_batch", [1, 3])
 @pytest.mark.parametrize("row_pad", [0, 1])  # 1: rows not 16-byte aligned (the one-pair entry point)
-@pytest.mark.parametrize("h", [5, 6, 8])  # one, two and four heads per thread
-def test_the_rotary_kernel_matches_the_reference(dtype, head_dim, table_batch, row_pad, h):
+def test_the_rotary_kernel_matches_the_reference(dtype, head_dim, table_batch, row_pad):
     from stof_cc.backends.rotary_launch import rotary
 
-    b, s = 3, 77
+    b, h, s = 3, 5, 77
     # a merged Q/K/V output (with row_pad, each row one element longer and the view one element in)
     projection = torch.randn(b, s, 3 * h * head_dim + row_pad, device="cuda", dtype=dtype)[..., row_pad:]
     x = projection[..., h * head_dim: 2 * h * head_dim].view(b, s, h, head_dim).transpose(1, 2)  # strided

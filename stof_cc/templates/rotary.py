@@ -1,9 +1,8 @@
 """Spec of the rotary-embedding kernel (rotary.cu.j2): the ``rotary`` node of an attention
 group's prologue (`passes/rotary.py`), one thread per ``vec`` adjacent pairs of rotated elements
 (16-byte loads and stores at vec = 8: measured 1.4-1.5 TB/s with one 2-byte element per thread,
-benchmarks/memory_bound.py) in ``heads_per_thread`` heads, which share one read of the tables
-(the heads' loads all in flight at once). The source depends on the dtype, head dim and heads
-per thread only; sizes and strides are arguments. It holds two entry points: the vectorized one (`kernel_name`) and
+benchmarks/memory_bound.py). The source depends on the dtype and head dim only; sizes and
+strides are arguments. It holds two entry points: the vectorized one (`kernel_name`) and
 ``<name>_v1`` (one pair per thread) for rows that do not start ``vec``-element aligned;
 `entry_point` says which one a call takes."""
 
@@ -19,7 +18,6 @@ from stof_cc.templates.registry import KernelTemplate, Launch
 
 THREADS = 128
 VECTOR_BYTES = 16  # the widest load a thread issues
-HEADS_PER_THREAD = (4, 2, 1)  # the first that divides the head count
 
 
 @dataclass(frozen=True)
@@ -42,13 +40,11 @@ class RotaryTemplate(KernelTemplate[RotaryProblem]):
     arg_format = "PPPP" + "ii" + "q" * 6
 
     def space(self, problem: RotaryProblem) -> list[dict[str, Any]]:
-        """One point: the widest vector (up to 16 bytes) that divides half a row, and the most
-        heads per thread (of `HEADS_PER_THREAD`) that divide the head count."""
+        """One point: the widest vector (up to 16 bytes) that divides half a row."""
         vec = VECTOR_BYTES // problem.dtype.itemsize
         while (problem.head_dim // 2) % vec:
             vec //= 2
-        heads = next(h for h in HEADS_PER_THREAD if problem.heads % h == 0)
-        return [{"threads": THREADS, "vec": vec, "heads_per_thread": heads}]
+        return [{"threads": THREADS, "vec": vec}]
 
     def entry_point(self, problem: RotaryProblem, params: dict[str, Any], aligned: bool) -> tuple[str, dict[str, Any]]:
         """(kernel name, params for `launch`) of the entry point a call takes: the vectorized one
@@ -58,15 +54,14 @@ class RotaryTemplate(KernelTemplate[RotaryProblem]):
         return self.kernel_name(problem, params) + "_v1", {**params, "vec": 1}
 
     def kernel_name(self, problem: RotaryProblem, params: dict[str, Any]) -> str:
-        return f"stof_rotary_{SUPPORTED_DTYPES[problem.dtype]}_d{problem.head_dim}_h{params['heads_per_thread']}"
+        return f"stof_rotary_{SUPPORTED_DTYPES[problem.dtype]}_d{problem.head_dim}"
 
     def context(self, problem: RotaryProblem, params: dict[str, Any]) -> dict[str, Any]:
         return {"dtype": SUPPORTED_DTYPES[problem.dtype], "head_dim": problem.head_dim}
 
     def launch(self, problem: RotaryProblem, params: dict[str, Any]) -> Launch:
         threads = params["threads"]
-        per_thread = params["vec"] * params["heads_per_thread"]
-        return (-(-problem.pairs // per_thread // threads), 1, 1), threads, 0
+        return (-(-problem.pairs // params["vec"] // threads), 1, 1), threads, 0
 
 
 ROTARY = RotaryTemplate()
