@@ -12,7 +12,8 @@ plus what it writes, each once; TB/s = bytes / median time. Cases: ``rms_norm`` 
 inside, weight after), ``layer_norm`` (residual add + LayerNorm, BERT's), ``softmax`` (scaled, over
 the last dim), ``bias_gelu_residual`` and ``silu_mul`` (elementwise chains), ``rotary`` ([B, H, S, D]
 with D = 128, rows = B H S). Every implementation is checked against the fp32 result first
-(relative error < 1e-2). Issue 34's bar: every template >= 2.4 TB/s at >= 32 MB per activation,
+(relative error < 1e-2). ``copy``: torch's copy of the same bytes (half read, half written), the
+practical roof at that size. Issue 34's bar: every template >= 2.4 TB/s at >= 32 MB per activation,
 and within 1.2x of Inductor at the small sizes. Needs an NVIDIA GPU, PyCUDA and nvcc.
 """
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from floor import group_bytes  # noqa: E402
+from fusion import bench  # noqa: E402
 from kernel_timing import check_and_time, parse_pairs, run_points, searched_kernel  # noqa: E402
 
 from stof_cc.backends.rotary_launch import rotary  # noqa: E402
@@ -147,6 +149,10 @@ def run_point(case: str, rows: int, width: int, dtype: torch.dtype, compile_peer
             inductor = torch.compile(module)
             runs["inductor"] = lambda: inductor(*inputs)
         check_and_time(runs, want, row)
+        if "bytes" in row:  # the roof at this size: a plain copy moving the same bytes (half read, half written)
+            source = torch.randn(row["bytes"] // 4, device="cuda", dtype=torch.float16)
+            target = torch.empty_like(source)
+            row["copy_ms"] = bench(lambda: target.copy_(source))
     return row
 
 
@@ -156,12 +162,12 @@ def table(rows: list[dict], head: str) -> str:
         return f"{row['bytes'] / ms / 1e9:.2f}" if "bytes" in row and math.isfinite(ms) else "-"
 
     lines = [head, "", "| case | rows x width | MB moved | stof kernel | stof TB/s | Inductor TB/s | eager TB/s | "
-             "Inductor / stof time |", "|---|---|---|---|---|---|---|---|"]
+             "copy TB/s | Inductor / stof time |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         ratio = row.get("inductor_ms", math.inf) / row.get("stof_ms", math.inf)
         megabytes = f"{row['bytes'] / 1e6:.0f}" if "bytes" in row else "-"
         lines.append(f"| {row['case']} | {row['rows']} x {row['width']} | {megabytes} | {row.get('stof_kernel', '-')} | "
-                     f"{rate(row, 'stof')} | {rate(row, 'inductor')} | {rate(row, 'eager')} | "
+                     f"{rate(row, 'stof')} | {rate(row, 'inductor')} | {rate(row, 'eager')} | {rate(row, 'copy')} | "
                      + (f"{ratio:.2f}x |" if math.isfinite(ratio) else "- |")
                      + "".join(f" {row[k]}" for k in row if k.endswith("_error")))
     return "\n".join(lines)
