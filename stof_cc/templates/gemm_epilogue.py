@@ -11,7 +11,7 @@ alternate tiles so one's epilogue hides under the other's tensor-core work, unde
 ring of two shared staging boxes and asynchronous TMA stores (``tma_store``); a residual, if
 any, is *staged*: TMA loads its tile into a whole-tile staging area while the products run.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
-#staged-residual, #staging-ring; tried and taken out: #multicast-clusters (twice),
+#staged-residual, #staging-ring, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
 #taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
 """
 
