@@ -37,3 +37,15 @@ def test_the_table_reports_tflops_ratios_and_geomeans():
     assert "bare: geomean 1.100x cuBLAS over 1 points, lowest 1.100x" in text
     assert "epilogue: geomean 2.000x cuBLAS + its separate epilogue over 1 points" in text
     assert gemm.parse_pairs("4096x14336,768x768") == [(4096, 14336), (768, 768)]  # kernel_timing's
+
+
+def test_the_profiling_driver_names_points_and_refuses_unknown_ones():
+    spec = importlib.util.spec_from_file_location("benchmark_profile_gemm", ROOT / "benchmarks" / "profile_gemm.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    _, problem, graph = profile.gemm_problem(256, 128, 512)
+    params = profile.point_named(problem, "co_m128_n256_s4")
+    assert params == {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4}
+    assert [graph.node(ref).op for ref in (op.ref for op in problem.operands)][0] == "input"
+    with pytest.raises(SystemExit, match=r"no point 'co_m128_n512_s4' for this shape; its points: co_m64_n64_s3"):
+        profile.point_named(problem, "co_m128_n512_s4")
