@@ -55,7 +55,8 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
     loaded into each warpgroup's staging tile again and again. ``raster`` 2: the tiles in bands
     of two row tiles, the last band (of M = 333's three or six row tiles) partial or whole.
     Without a staged operand the output leaves through a ring of two staging boxes: at block_n
-    256 each tile's four boxes wrap it twice."""
+    256 each tile's four boxes wrap it twice; with one (the residual), through four boxes holding
+    the staged tile."""
     import group_cases
 
     import stof_cc.templates.gemm_epilogue as gemm_epilogue
@@ -75,6 +76,7 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
     for params in ({"schedule": "cooperative", "block_m": 128, "block_n": 128, "stages": 3},
                    {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 3},
                    {"schedule": "pingpong", "block_m": 128, "block_n": 64, "stages": 4},
+                   {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 3},
                    {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4}):
         if params not in GEMM_EPILOGUE.space(problem):  # the staged residual's whole-tile staging leaves no room
             assert module_name == "LinearResidual" and params["block_n"] == 256, params

@@ -8,7 +8,7 @@ maps the launcher encodes (`tensor_maps`). Persistent: one CTA per SM walks the 
 its producer running ahead into the next tile; under ``pingpong`` two consumer warpgroups take
 alternate tiles so one's epilogue hides under the other's tensor-core work, under
 ``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through a
-ring of two shared staging boxes and asynchronous TMA stores (``tma_store``); a residual, if
+ring of two shared staging boxes (one at block_n 64) and asynchronous TMA stores (``tma_store``); a residual, if
 any, is *staged*: TMA loads its tile into a whole-tile staging area while the products run.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
 #staged-residual, #staging-ring, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
@@ -41,7 +41,7 @@ from stof_cc.templates.registry import Launch
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
-STAGE_COUNTS = (3, 4)  # 5 and 6 measured no better than 4 (docs/decisions.md#staging-ring)
+STAGE_COUNTS = (3, 4)  # 5 and 6 were never a shape's best point (docs/decisions.md#staging-ring)
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40

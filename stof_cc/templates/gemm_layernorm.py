@@ -143,7 +143,7 @@ def _fits_registers(block_m: int, block_n: int, post_ops: int) -> bool:
     the norm's state and addressing (~40) and the trailing chain (~8 per op) fit ptxas's cap:
     168 registers at 384 threads (block_m 128; ptxas allocates by the launch bound, not the
     setmaxnreg raise), 255 at 256; checked against ptxas (docs/decisions.md#layernorm-gemm-registers).
-    One measured exception: 64 x 256 with a trailing op takes 255 registers and spills 8 bytes."""
+    One measured exception: 64 x 256 with a trailing op takes 254-255 registers and spills 8 bytes."""
     cap = 168 if block_m == 128 else 255
     if block_m == 64 and block_n == 256 and post_ops:
         return False
