@@ -23,19 +23,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fusion import Gemm  # noqa: E402
+from gemm import EPILOGUES, gemm_group  # noqa: E402
 
-from stof_cc.ir.frontend import trace  # noqa: E402
-from stof_cc.passes import canonicalize, partition  # noqa: E402
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, Problem, point_tag  # noqa: E402
 
 
 def gemm_problem(m: int, k: int, n: int) -> tuple[torch.nn.Module, Problem, Any]:
-    """(the module, its GEMM group's problem, the graph) for x [m, k] W[n, k]^T, fp16, on the CPU."""
-    module = Gemm(k, n).half()
+    """(the module, its GEMM group's problem, the graph) for x [m, k] W[n, k]^T, fp16, lowered on
+    the CPU as `benchmarks/gemm.py` lowers it."""
+    module = EPILOGUES["none"](k, n).half()
     x, r = torch.randn(m, k, dtype=torch.float16), torch.randn(m, n, dtype=torch.float16)
-    graph = canonicalize(trace(module, (x, r), {}))
-    return module, GEMM_EPILOGUE.match(graph, partition(graph).default.groups[0]), graph
+    graph, group = gemm_group(module, x, r)
+    return module, GEMM_EPILOGUE.match(graph, group), graph
 
 
 def point_named(problem: Problem, tag: str) -> dict[str, Any]:
