@@ -206,3 +206,25 @@ def test_bands_span_several_row_tiles_only_where_a_wave_reads_less_from_dram():
     assert raster_rows(4096, 28672, point, 132) > 1  # 112 column tiles: row-major re-reads all of W per row block
     assert raster_rows(4096, 1024, point, 132) == 1  # 128 tiles, one wave: any order reads everything once
     assert raster_rows(4096, 768, point, 132) == 1
+
+
+def test_a_staged_residual_takes_the_whole_tile_where_it_fits_else_the_ring():
+    """128 x 256 at four stages has no room for a whole staged tile (64 KB) beside its operand ring
+    (192 KB): the residual goes through the ring of two boxes, its later boxes requested after each
+    store (the ``load_staged_box`` after ``bulk_commit``); at three stages it takes the whole tile."""
+    from group_cases import LinearResidual
+
+    from stof_cc.templates.gemm_epilogue import SMEM_LIMIT, staging_boxes
+
+    _, _, graph, group = build(LinearResidual, "gemm", (2, 512, 1024), torch.float16)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    space = GEMM_EPILOGUE.space(problem)
+    four = {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4}
+    three = {**four, "stages": 3}
+    assert four in space and three in space
+    assert staging_boxes(problem.details, four) == 2 and staging_boxes(problem.details, three) == 4
+    for params in space:
+        assert GEMM_EPILOGUE.shared_bytes(problem, params) <= SMEM_LIMIT
+    ring_source, whole_source = GEMM_EPILOGUE.render(problem, four), GEMM_EPILOGUE.render(problem, three)
+    assert "load_staged_box(b + STAGING_BOXES" in ring_source
+    assert "load_staged_box(b + STAGING_BOXES" not in whole_source and "load_staged_box(b, " in whole_source

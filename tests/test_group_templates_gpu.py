@@ -56,7 +56,9 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
     of two row tiles, the last band (of M = 333's three or six row tiles) partial or whole.
     Without a staged operand the output leaves through a ring of two staging boxes: at block_n
     256 each tile's four boxes wrap it twice; with one (the residual), through four boxes holding
-    the staged tile."""
+    the staged tile at three stages, and at four through the ring of two, the staged operand's
+    later boxes requested as the stores free their slots (N = 264: the second column tile's
+    boxes past N complete their slots' barriers empty)."""
     import group_cases
 
     import stof_cc.templates.gemm_epilogue as gemm_epilogue
@@ -78,9 +80,10 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
                    {"schedule": "pingpong", "block_m": 128, "block_n": 64, "stages": 4},
                    {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 3},
                    {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4}):
-        if params not in GEMM_EPILOGUE.space(problem):  # the staged residual's whole-tile staging leaves no room
-            assert module_name == "LinearResidual" and params["block_n"] == 256, params
-            continue
+        assert params in GEMM_EPILOGUE.space(problem), params
+        ring = params["block_n"] == 256 and params["stages"] == 4 or module_name == "LinearGelu"
+        assert gemm_epilogue.staging_boxes(problem.details, params) == (min(2, params["block_n"] // 64) if ring
+                                                                         else params["block_n"] // 64), params
         launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
         _, threads, shared = launch.geometry
         launch.geometry = ((ctas, 1, 1), threads, shared)

@@ -9,7 +9,8 @@ its producer running ahead into the next tile; under ``pingpong`` two consumer w
 alternate tiles so one's epilogue hides under the other's tensor-core work, under
 ``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through a
 ring of two shared staging boxes (one at block_n 64) and asynchronous TMA stores (``tma_store``); a residual, if
-any, is *staged*: TMA loads its tile into a whole-tile staging area while the products run.
+any, is *staged*: TMA loads its boxes into the staging area (the whole tile where it fits beside the stages, else
+the ring) from under the products on.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
 #staged-residual, #staging-ring, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
 #taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
@@ -158,13 +159,15 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
-        """The ring of A and W chunks, the TMA store's staging boxes (per consumer warpgroup,
-        64 columns of its rows each: under ping-pong a warpgroup holds a whole tile's rows), plus
-        1024 to align them for the 128-byte swizzle."""
-        ring = params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2
-        boxes = staging_boxes(problem.details, params)
-        staging = _consumer_warpgroups(params) * _rows_per_warpgroup(params) * 64 * boxes * 2
-        return ring + (staging if problem.details.tma_store else 0) + 1024
+        return _shared_bytes(params, staging_boxes(problem.details, params) if problem.details.tma_store else 0)
+
+
+def _shared_bytes(params: dict[str, Any], boxes: int) -> int:
+    """The ring of A and W chunks, ``boxes`` staging boxes per consumer warpgroup (64 columns of
+    its rows each: under ping-pong a warpgroup holds a whole tile's rows), plus 1024 to align
+    them for the 128-byte swizzle."""
+    ring = params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2
+    return ring + _consumer_warpgroups(params) * _rows_per_warpgroup(params) * 64 * boxes * 2 + 1024
 
 
 def raster_rows(m: int, n: int, params: dict[str, Any], sm_count: int) -> int:
@@ -202,11 +205,17 @@ def _tile_origin(tile: int, rows: int, m_tiles: int, n_tiles: int) -> tuple[int,
 
 
 def staging_boxes(details: GemmDetails, params: dict[str, Any]) -> int:
-    """Staging boxes (64 output columns each) per consumer warpgroup: the whole tile where a
-    staged operand arrives in them during the products, else a ring of two, so a box is filled
-    while the one before drains and the shared memory left holds more operand stages (a 128 x 256
-    tile gets four instead of three: docs/decisions.md#staging-ring)."""
-    return params["block_n"] // 64 if details.staged is not None else min(2, params["block_n"] // 64)
+    """Staging boxes (64 output columns each) per consumer warpgroup: a ring of two, so a box is
+    filled while the one before drains and the shared memory left holds more operand stages (a
+    128 x 256 tile gets four instead of three: docs/decisions.md#staging-ring). A staged operand
+    takes the whole tile where that fits beside the point's stages (all its boxes requested under
+    the products), else the ring too (later boxes requested as the stores free their slots:
+    docs/decisions.md#staged-residual-ring); stage 2 measures both forms, as 3 and 4 stages."""
+    ring = min(2, params["block_n"] // 64)
+    whole = params["block_n"] // 64
+    if details.staged is not None and _shared_bytes(params, whole) <= SMEM_LIMIT:
+        return whole
+    return ring
 
 
 def point_tag(params: dict[str, Any]) -> str:
