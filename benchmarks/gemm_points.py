@@ -88,7 +88,8 @@ def main() -> None:
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
             operands = [values[op.ref] for op in problem.operands]
-            args = launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
+            args = (launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
+                    + launch.workspace_args(out.device))  # split-K points: their partials and counters
             ms = timed_ms(lambda launch=launch, args=args: launch.kernel.launch(*launch.geometry, *args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
             print(f"  {tag:15s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "

@@ -228,3 +228,32 @@ def test_a_staged_residual_takes_the_whole_tile_where_it_fits_else_the_ring():
     ring_source, whole_source = GEMM_EPILOGUE.render(problem, four), GEMM_EPILOGUE.render(problem, three)
     assert "load_staged_box(b + STAGING_BOXES" in ring_source
     assert "load_staged_box(b + STAGING_BOXES" not in whole_source and "load_staged_box(b, " in whole_source
+
+
+def test_split_k_points_only_where_the_tiles_leave_most_sms_idle():
+    """Split-K points (cooperative, 2-4 even units of at least four k-steps, one wave of units)
+    join the space where a point's tiles fill less than half of 132 SMs, and each names its
+    workspace: a fp32 partial tile per unit and an arrival counter per tile."""
+    from group_cases import LinearResidual
+
+    from stof_cc.templates.gemm_epilogue import point_tag, split_points
+
+    _, _, graph, group = build(LinearResidual, "gemm", (1, 1024, 768), torch.float16)  # 12 k-steps
+    problem = GEMM_EPILOGUE.match(graph, group)
+    split = [p for p in GEMM_EPILOGUE.space(problem) if p.get("splits", 1) > 1]
+    assert split and all(p["schedule"] == "cooperative" for p in split)
+    for params in split:
+        tiles = -(-1024 // params["block_m"]) * -(-768 // params["block_n"])
+        assert 2 * tiles <= 132 and tiles * params["splits"] <= 132 and 12 % params["splits"] == 0
+        assert GEMM_EPILOGUE.workspace(problem, params) == (tiles * params["splits"] * params["block_m"]
+                                                            * params["block_n"] * 4, tiles)
+        assert GEMM_EPILOGUE.launch(problem, params)[0][0] == tiles * params["splits"]
+        assert point_tag(params).endswith(f"_k{params['splits']}")
+        assert "arrivals" in GEMM_EPILOGUE.render(problem, params)
+    co = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4}
+    assert [p["splits"] for p in split_points(problem.details, co, 132)] == [2, 3]  # 4 would leave 3 k-steps a unit
+    assert split_points(problem.details, {**co, "schedule": "pingpong"}, 132) == []
+    assert GEMM_EPILOGUE.workspace(problem, co) is None and "arrivals" not in GEMM_EPILOGUE.render(problem, co)
+    # a 4096-row GEMM fills the SMs: no split points
+    _, _, graph, group = build(LinearResidual, "gemm", (1, 4096, 768), torch.float16)
+    assert all("splits" not in p for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))

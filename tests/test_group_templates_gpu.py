@@ -92,6 +92,40 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
         assert err < 1e-2, f"{params} on {ctas} CTA(s): relative error {err}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("width", "splits"), [(520, 3), (768, 2), (768, 4)])
+@pytest.mark.parametrize("module_name", ["LinearGelu", "LinearResidual"])
+def test_split_k_units_sum_to_the_whole_product(module_name, width, splits, dtype):
+    """Split-K: each tile's k-steps in ``splits`` units whose fp32 partials the tile's last unit
+    adds up before the epilogue, on the kernel's own grid and on 1 and 3 CTAs (every CTA walks
+    several units, a tile's units in one CTA or several). Called twice per grid: the arrival
+    counters must be back at zero after each call. Width 520 (K = N, 9 k-steps): at block_n 256
+    the second column tile's boxes past N, and (the residual) the staged boxes requested by the
+    last unit through the ring of two at four stages."""
+    import group_cases
+
+    from stof_cc.backends.group_launch import GroupLaunch
+    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
+
+    if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
+        pytest.skip("gemm_epilogue needs sm_90")
+    module, (x, r), graph, group = build(getattr(group_cases, module_name), "gemm", (3, 111, width), dtype)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    want = module.float()(x.float(), r.float()).cuda()
+    values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
+    values |= {name: t.cuda() for name, t in graph.constants.items()}
+    for block_m, block_n, stages in ((128, 256, 4), (128, 192, 4), (64, 128, 3)):
+        params = {"schedule": "cooperative", "block_m": block_m, "block_n": block_n, "stages": stages,
+                  "splits": splits}
+        launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
+        grid, threads, shared = launch.geometry
+        for ctas in (grid[0], 1, 3):
+            launch.geometry = ((ctas, 1, 1), threads, shared)
+            for call in range(2):
+                err = relative_error(launch(values), want)
+                assert err < 1e-2, f"{params} on {ctas} CTA(s), call {call}: relative error {err}"
+
+
 def test_gelu_is_within_its_fitted_bound():
     """Generated GELU (gelu_erf: a fitted form of Abramowitz & Stegun 7.1.28, not erff) against torch's
     in float64 over [-10, 10] in fp32, where rounding to fp16/bf16 hides nothing: the fit's bound is 3e-5."""

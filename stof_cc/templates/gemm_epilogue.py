@@ -43,6 +43,8 @@ from stof_cc.templates.registry import Launch
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
 STAGE_COUNTS = (3, 4)  # 5 and 6 were never a shape's best point (docs/decisions.md#staging-ring)
+SPLIT_COUNTS = (2, 3, 4)  # split-K, where the tiles fill less than half the SMs (docs/decisions.md#split-k)
+MIN_UNIT_STEPS = 4  # k-steps per split-K unit: enough to fill the ring
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
@@ -110,6 +112,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
                         if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
+                            points += split_points(problem.details, params, sm_count())
         return points
 
     def default_params(self, problem: Problem) -> dict[str, Any]:
@@ -123,7 +126,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         epilogue = moved_bytes(problem) - a_and_w - staged  # the output and the epilogue's other operands
         return gemm_us(d.m, d.n, d.k, params["block_m"], params["block_n"], params["stages"], epilogue,
                        sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d.epilogue_ops,
-                       tma_store=d.tma_store)
+                       tma_store=d.tma_store, splits=params.get("splits", 1))
 
     def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         staged = problem.details.staged
@@ -146,16 +149,27 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         """The details' fields, the register split, the consumer warpgroups per CTA and the
         tile raster's band height."""
-        return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
+        defaults = {"splits": 1}  # points without the key (older tuning records) are unsplit
+        return {**fields_of(problem.details), **{key: v for key, v in defaults.items() if key not in params},
+                "producer_registers": PRODUCER_REGISTERS,
                 "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
                 "staging_boxes": staging_boxes(problem.details, params),
                 "raster_rows": raster_rows(problem.details.m, problem.details.n, params, sm_count())}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
-        """Persistent: at most one CTA per SM (each walks tiles blockIdx.x + i gridDim.x)."""
-        d = problem.details
-        tiles = -(-d.n // params["block_n"]) * -(-d.m // params["block_m"])
-        return (min(tiles, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
+        """Persistent: at most one CTA per SM (each walks units of work blockIdx.x + i gridDim.x:
+        tiles, or under split-K a tile's share of K)."""
+        units = _tiles(problem.details, params) * params.get("splits", 1)
+        return (min(units, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
+
+    def workspace(self, problem: Problem, params: dict[str, Any]) -> tuple[int, int] | None:
+        """Split-K's: the fp32 partial sums of every unit (bytes), and one arrival counter per
+        tile (the kernel resets each after use)."""
+        splits = params.get("splits", 1)
+        if splits == 1:
+            return None
+        tiles = _tiles(problem.details, params)
+        return tiles * splits * params["block_m"] * params["block_n"] * 4, tiles
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
@@ -219,9 +233,27 @@ def staging_boxes(details: GemmDetails, params: dict[str, Any]) -> int:
 
 
 def point_tag(params: dict[str, Any]) -> str:
-    """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``."""
+    """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``,
+    ``co_m128_n192_s4_k3`` (split-K in three)."""
     schedule = "pp" if params["schedule"] == "pingpong" else "co"
-    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
+    split = f"_k{params['splits']}" if params.get("splits", 1) > 1 else ""
+    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}{split}"
+
+
+def split_points(details: GemmDetails, params: dict[str, Any], sm_count: int) -> list[dict[str, Any]]:
+    """Split-K versions of a cooperative point whose tiles fill less than half the SMs: each
+    tile's k-steps in 2-4 even units of at least MIN_UNIT_STEPS, at most one wave of units."""
+    if params["schedule"] != "cooperative":  # ping-pong's teams take whole tiles in turn
+        return []
+    tiles, k_steps = _tiles(details, params), -(-details.k // 64)
+    if 2 * tiles > sm_count:
+        return []
+    return [{**params, "splits": splits} for splits in SPLIT_COUNTS
+            if k_steps % splits == 0 and k_steps // splits >= MIN_UNIT_STEPS and tiles * splits <= sm_count]
+
+
+def _tiles(details: GemmDetails, params: dict[str, Any]) -> int:
+    return -(-details.m // params["block_m"]) * -(-details.n // params["block_n"])
 
 
 def _consumer_warpgroups(params: dict[str, Any]) -> int:

@@ -28,6 +28,7 @@ EPILOGUE_ELEMENTS_PER_US = 1.43e5  # one warpgroup's bare epilogue (value, conve
 EPILOGUE_OP_COST = {"gelu": 6.0}
 OTHER_EPILOGUE_OP_COST = 0.25      # any other elementwise op (add, scale, relu...)
 GROUP_LAUNCH_US = 4.0
+SPLIT_FIXUP_BYTES_PER_US = 1.0e5  # one SM's L2 traffic, about 100 GB/s: an estimate, not fitted yet
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
 
 
@@ -60,7 +61,8 @@ WIDE_CLUSTER_RATE = 0.7
 
 
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
-            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False) -> float:
+            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False,
+            splits: int = 1) -> float:
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
     a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
     intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
@@ -69,8 +71,11 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     warpgroups that own it: after the products when they share the tile (cooperative), under
     the other warpgroup's products under ping-pong, where a tile costs max(products, (products
     + epilogue) / 2). Then the output's traffic: all of it exposed when cooperative consumers
-    store directly, only the last wave's when the store is asynchronous (TMA) or ping-pong."""
-    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
+    store directly, only the last wave's when the store is asynchronous (TMA) or ping-pong. Split-K
+    (``splits`` units per tile, each over k / splits) adds the fixup: every unit writes its fp32
+    partial tile, and the last reads the others' on one SM (`SPLIT_FIXUP_BYTES_PER_US`)."""
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n) * splits
+    k = k / splits
     waves = math.ceil(tiles / sm_count)
     rows = block_m if pingpong else 64
     efficiency = min(1.0, rows * block_n / (rows + block_n) / FULL_RATE_INTENSITY) ** INTENSITY_EXPONENT
@@ -81,7 +86,8 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
     tile_us = max(products_us, (products_us + epilogue_us) / 2) if pingpong else products_us + epilogue_us
     exposed_store = 1 / waves if pingpong or tma_store else 1.0
-    return GROUP_LAUNCH_US + waves * tile_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
+    fixup_us = block_m * block_n * 4 * splits / SPLIT_FIXUP_BYTES_PER_US if splits > 1 else 0.0
+    return GROUP_LAUNCH_US + waves * tile_us + fixup_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
 
 
 def epilogue_cost(ops: list[str]) -> float:
