@@ -10,9 +10,10 @@ alternate tiles so one's epilogue hides under the other's tensor-core work, unde
 ``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through a
 ring of two shared staging boxes (one at block_n 64) and asynchronous TMA stores (``tma_store``); a residual, if
 any, is *staged*: TMA loads its boxes into the staging area (the whole tile where it fits beside the stages, else
-the ring) from under the products on.
+the ring) from under the products on. Where the tiles fill less than half the SMs, split-K points
+divide each tile's k-steps among 2-4 units whose last adds the others' fp32 partials (``workspace``).
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
-#staged-residual, #staging-ring, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
+#staged-residual, #staging-ring, #staged-residual-ring, #split-k, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
 #taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
 """
 
