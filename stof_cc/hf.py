@@ -77,11 +77,16 @@ class HFMask:
     __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
 
     def dense(self, device: torch.device | None = None) -> torch.Tensor | None:
-        """transformers' own SDPA mask for these arguments (and packed sequences' documents), built once."""
+        """transformers' own SDPA mask for these arguments (and packed sequences' documents), built once;
+        None where transformers' SDPA would pass none either (`sdpa_mask`'s skips, with the flags
+        transformers gave: a decode step or a causal prefill without padding, so SDPA runs its flash
+        kernels, not the masked one). Packed sequences' documents always get a mask tensor."""
         if self._dense is None and self.arguments:
             from transformers.masking_utils import sdpa_mask
 
-            self._dense = sdpa_mask(**self.arguments, allow_is_causal_skip=False)
+            skips = {} if self._documents is None else {"allow_is_causal_skip": False,
+                                                          "allow_is_bidirectional_skip": False}
+            self._dense = sdpa_mask(**(self.arguments | skips))
         if self._documents is not None:  # without transformers' arguments the description is the whole mask
             documents, seq = self._documents
             own = (documents if self.arguments else self.description).to_dense(seq, seq).to(device)
@@ -188,7 +193,11 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
     mask_function = mask_function or causal_mask_function
     arguments = {"batch_size": batch_size, "q_length": q_length, "kv_length": kv_length, "q_offset": q_offset,
                  "kv_offset": kv_offset, "mask_function": mask_function, "attention_mask": attention_mask,
-                 "device": device, "use_vmap": extra.get("use_vmap", False)}
+                 "device": device, "use_vmap": extra.get("use_vmap", False),
+                 # where SDPA runs instead, the mask it gets is transformers' own, with its skips
+                 "allow_is_causal_skip": extra.get("allow_is_causal_skip", False),
+                 "allow_is_bidirectional_skip": extra.get("allow_is_bidirectional_skip", False),
+                 "local_size": extra.get("local_size")}
     config = extra.get("config")
     if config is not None and own_attention_code(type(config)):
         _warn_once(f"{config.model_type} computes attention in its own code, not through transformers' "
@@ -398,7 +407,7 @@ def _warn_once(what: str) -> None:
 
 def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
               **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA on its own dense mask (and the position bias, which it adds)."""
+    """transformers' SDPA on its own mask, skips included (and the position bias, which it adds)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     kwargs.pop("is_causal", None)  # decided here, from the mask

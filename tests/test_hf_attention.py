@@ -252,6 +252,38 @@ def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
     assert torch.equal(got, want) and got.shape == (2, 18)
 
 
+@pytest.mark.parametrize(("config", "window"), [(T.LlamaConfig(**SMALL), None),
+                                              (T.MistralConfig(sliding_window=8, **SMALL), 8)])
+def test_decode_steps_give_sdpa_the_mask_transformers_would(config, window, monkeypatch):
+    """Where SDPA runs instead, it gets transformers' own mask, skips included: no mask for a
+    decode step without padding (so SDPA may run its flash kernels: a materialised mask sent it
+    to the masked kernel, and generate() ran 0.71-0.90x sdpa on the H100), but the window's mask
+    once the cache reaches the window, and the padding's."""
+    stof_cc.hf.register()
+    seen = _recorded_masks(monkeypatch)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    prompt = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                       pad_token_id=0)
+    decode = seen[config.num_hidden_layers:]  # after the prefill's layers: one call per layer and step
+    assert len(decode) == 5 * config.num_hidden_layers
+    for step, mask in enumerate(decode[::config.num_hidden_layers]):
+        dense = mask.dense()
+        if window is None or 6 + step < window:
+            assert dense is None, (step, dense)
+        else:  # from the window's length on (the cache keeps the window's keys), the window's mask, as transformers'
+            assert dense is not None and dense.shape[-1] == window, step
+    seen.clear()
+    padded = torch.ones(2, 5, dtype=torch.long)
+    padded[1, :2] = 0
+    with torch.no_grad():
+        model.generate(torch.randint(1, 100, (2, 5)), attention_mask=padded, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    assert all(mask.dense() is not None for mask in seen)  # padding: always a mask
+
+
 def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch):
     """Two sequences packed in one row (position ids restarting at 0, no attention_mask): transformers
     finds the packing, the mask function describes it, and each sequence's output equals running it alone."""
