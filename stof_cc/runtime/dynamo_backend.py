@@ -11,12 +11,16 @@ they go back into the compiled graph as constants (the passes then see weights a
 causal buffer as causal), compiled once per set of weight tensors: replacing a parameter
 recompiles, and so does an in-place update of one (`runtime/weights.py`: what is noticed).
 
+Tensor parallelism (a model parallelised with ``parallelize_module``: DTensor inputs) goes through
+AOTAutograd first, which turns each rank's graph into plain ATen on its local shards with the
+collectives as functional ops (``_c10d_functional.all_reduce``, ``wait_tensor``); that graph goes
+down the same road, the collectives as torch steps between fused groups (`_parallel_route`).
+
 A graph stof-cc cannot take runs on the fallback the user chose, ``"inductor"`` (the default:
 what ``torch.compile`` would have run) or ``"eager"`` (the graph as traced), with one warning
-naming the graph and the reason: tensor parallelism (DTensor / DeviceMesh inputs: not lowered yet),
-symbolic shapes (compile with ``dynamic=False``), autograd on with
+naming the graph and the reason: symbolic shapes (compile with ``dynamic=False``), autograd on with
 an input that requires grad, floating inputs of mixed dtypes, an input updated in place, or
-anything `stof_cc.compile` refuses.
+anything `stof_cc.compile` refuses (a tensor-parallel graph's local graph: as traced).
 """
 
 from __future__ import annotations
@@ -47,12 +51,15 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class _FrozenWeights(torch.nn.Module):
     """The graph module with the inputs dynamo lifted from the module's parameters and buffers held
     as this module's own: constants to the export, so the IR sees weights and a causal buffer as
-    such. Called with the graph's other inputs. `stof_cc.compile` shares these tensors (they are
-    in the compile dtype) and watches them: an in-place update compiles the graph again."""
+    such. Called with the graph's other tensor inputs (non-tensor inputs, which only a graph that
+    never reads them gets this far with, are bound as given). `stof_cc.compile` shares these
+    tensors (they are in the compile dtype) and watches them: an in-place update compiles the
+    graph again."""
 
     def __init__(self, graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int]) -> None:
         super().__init__()
         self.graph_module, self.slots, self.arity = graph_module, set(slots), len(inputs)
+        self.bound = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
         self.eval()  # dynamo traced the model in its own mode already: this wrapper's mode means nothing
         for i in slots:
             if isinstance(inputs[i], torch.nn.Parameter):
@@ -62,8 +69,8 @@ class _FrozenWeights(torch.nn.Module):
 
     def forward(self, *args: Any) -> Any:
         given = iter(args)
-        return self.graph_module(*(getattr(self, f"input_{i}") if i in self.slots else next(given)
-                                   for i in range(self.arity)))
+        return self.graph_module(*(getattr(self, f"input_{i}") if i in self.slots else
+                                   self.bound[i] if i in self.bound else next(given) for i in range(self.arity)))
 
 
 def _module_state_slots(graph_module: torch.fx.GraphModule) -> list[int]:
@@ -84,23 +91,28 @@ def _target_name(node: torch.fx.Node) -> str:
     return getattr(node.target, "__name__", "") if node.op == "call_function" else ""
 
 
-PARALLEL = {"DTensor", "DeviceMesh"}  # torch.distributed's tensor parallelism, in a graph dynamo hands over
+def _is_parallel(inputs: Sequence[Any]) -> bool:
+    """Whether the graph runs tensor parallelism (DTensor inputs: `_parallel_route` takes it)."""
+    return any(type(x).__name__ == "DTensor" for x in inputs)
 
 
 def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> str | None:
-    """Why stof-cc cannot take this graph with these example inputs; None when it can."""
-    kinds = sorted({type(x).__name__ for x in inputs if not isinstance(x, torch.Tensor) or type(x).__name__ in PARALLEL})
-    if set(kinds) & PARALLEL:
-        return (f"it runs tensor parallelism ({', '.join(sorted(set(kinds) & PARALLEL))} inputs), which stof-cc does "
-                "not lower yet (each rank's graph runs on the fallback)")
+    """Why stof-cc cannot take this graph with these example inputs; None when it can. Non-tensor
+    inputs the graph never reads (the DeviceMesh objects of a tensor-parallel rank's local graph)
+    do not count; DTensor inputs are `_parallel_route`'s."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    read = [x for x, node in zip(inputs, placeholders, strict=False) if node.users or isinstance(x, torch.Tensor)]
     if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool) for x in inputs):
         return "it has symbolic shapes; compile with dynamic=False for stof-cc to take it"
-    if kinds:
-        return f"it takes non-tensor inputs ({', '.join(kinds)})"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
         return ("autograd is on and an input requires grad (stof-cc's kernels record nothing for "
                 "backward); run inference under torch.no_grad() or torch.inference_mode()")
-    floating = {x.dtype for x in inputs if x.is_floating_point()}
+    if _is_parallel(inputs):  # its DeviceMesh inputs go to AOTAutograd with it
+        return None
+    kinds = sorted({type(x).__name__ for x in read if not isinstance(x, torch.Tensor)})
+    if kinds:
+        return f"it takes non-tensor inputs ({', '.join(kinds)})"
+    floating = {x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()}
     if len(floating) > 1:
         return f"its floating inputs mix dtypes ({', '.join(sorted(str(d) for d in floating))})"
     if floating and next(iter(floating)) not in DTYPES:
@@ -121,14 +133,18 @@ class _CompiledGraph:
 
     names = itertools.count()  # graphs made in this process, for the warnings
 
-    def __init__(self, graph_module: torch.fx.GraphModule, inputs: list[Any], options: dict[str, Any]) -> None:
-        self.name = f"graph {next(_CompiledGraph.names)}"
+    def __init__(self, graph_module: torch.fx.GraphModule, inputs: list[Any], options: dict[str, Any],
+                 slots: list[int] | None = None, name: str | None = None) -> None:
+        self.name = name or f"graph {next(_CompiledGraph.names)}"
         self.graph_module, self.options = graph_module, options
         self.compiled_for: dict[tuple[int, ...], CompiledModule] = {}
-        self.fallback_run: Callable[..., Any] | None = None
-        self.slots = _module_state_slots(graph_module)
+        self.delegate: Callable[..., Any] | None = None  # runs the graph instead: the fallback, or AOTAutograd's route
+        self.local_graphs: list[_CompiledGraph] = []  # tensor parallelism: the local graph, once it ran
+        self.slots = _module_state_slots(graph_module) if slots is None else slots
         self.reason = _why_not(graph_module, inputs)
-        if self.reason is None:
+        if self.reason is None and _is_parallel(inputs):
+            self.reason = self._parallel(inputs)
+        elif self.reason is None:
             self.reason = self._compile(inputs)
         else:
             self._fall_back(inputs, self.reason)
@@ -141,14 +157,17 @@ class _CompiledGraph:
 
     @property
     def compiled(self) -> CompiledModule | None:
-        """The compiled module of the first weights seen (None on the fallback)."""
+        """The compiled module of the first weights seen (a tensor-parallel graph's: its local
+        graph's, once it ran; None on the fallback)."""
+        if self.local_graphs:
+            return self.local_graphs[0].compiled
         return next(iter(self.compiled_for.values()), None)
 
     def _compile(self, inputs: Sequence[Any]) -> str | None:
         """Compile for these inputs' weights; on failure, the fallback and the reason."""
         frozen = _FrozenWeights(self.graph_module, inputs, self.slots)
-        dtype = next((x.dtype for x in inputs if x.is_floating_point()), torch.float32)
-        args = tuple(x for i, x in enumerate(inputs) if i not in frozen.slots)
+        dtype = next((x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32)
+        args = _given(inputs, self.slots)
         try:
             self.compiled_for[self._weights_key(inputs)] = compile_module(frozen, args, dtype=dtype,
                                                                           **self.options["compile"])
@@ -158,23 +177,67 @@ class _CompiledGraph:
         self._fall_back(inputs, reason)
         return reason
 
+    def _parallel(self, inputs: Sequence[Any]) -> str | None:
+        """Tensor parallelism: `_parallel_route`; where AOTAutograd cannot take the graph, the fallback."""
+        try:
+            self.delegate = _parallel_route(self.graph_module, inputs, self.slots, self.options, self.name,
+                                            self.local_graphs)
+            return None
+        except Exception as exc:  # the graph keeps its meaning on the fallback
+            reason = f"AOTAutograd could not turn its DTensors into local shards ({type(exc).__name__}: {exc})"
+        self._fall_back(inputs, reason)
+        return reason
+
     def _fall_back(self, inputs: Sequence[Any], reason: str) -> None:
         warnings.warn(f"stof_cc backend: {self.name} runs on {self.options['fallback']}, because {reason}",
                       stacklevel=3)
-        self.fallback_run = _fallback(self.graph_module, list(inputs), self.options["fallback"])
+        self.delegate = _fallback(self.graph_module, list(inputs), self.options["fallback"])
 
     def _weights_key(self, args: Sequence[Any]) -> tuple[int, ...]:
         return tuple(id(args[i]) for i in self.slots)
 
     def __call__(self, *args: Any) -> Any:
-        if self.fallback_run is not None:
-            return self.fallback_run(*args)
+        if self.delegate is not None:
+            return self.delegate(*args)
         compiled = self.compiled_for.get(self._weights_key(args))
         if compiled is None:  # another module's weights in the same graph: compiled for them too
             if self._compile(args) is not None:
-                return self.fallback_run(*args)
+                return self.delegate(*args)
             compiled = self.compiled_for[self._weights_key(args)]
-        return compiled(*(x for i, x in enumerate(args) if i not in self.slots))
+        return compiled(*_given(args, self.slots))
+
+
+def _given(inputs: Sequence[Any], slots: list[int]) -> tuple[torch.Tensor, ...]:
+    """The inputs a compiled graph takes: the tensors that are not frozen weights (`_FrozenWeights`)."""
+    frozen = set(slots)
+    return tuple(x for i, x in enumerate(inputs) if i not in frozen and isinstance(x, torch.Tensor))
+
+
+def _parallel_route(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int],
+                    options: dict[str, Any], name: str, compiled: list[_CompiledGraph]) -> Callable[..., Any]:
+    """A tensor-parallel rank's graph: AOTAutograd (inference) desugars its DTensors into their local
+    shards, with the collectives as functional ops, and hands over that plain graph, which
+    `_CompiledGraph` compiles at its first call (real shards, not AOTAutograd's fake ones): the
+    module's parameters (their local shards) frozen as weights, the collectives as torch steps.
+    Where stof-cc cannot take the local graph, it runs as traced (AOTAutograd's graph is plain ATen:
+    "eager" keeps its meaning exactly). ``compiled`` receives the local graph's `_CompiledGraph`."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    weights = {id(getattr(inputs[i], "_local_tensor", inputs[i])) for i in slots}
+    local_options = {**options, "fallback": "eager"}
+
+    def local_compiler(local_graph: torch.fx.GraphModule, _fake_inputs: list[Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            if not compiled:
+                frozen = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and id(x) in weights]
+                compiled.append(_CompiledGraph(local_graph, list(args), local_options, slots=frozen,
+                                               name=f"{name} (local shards)"))
+            out = compiled[0](*args)
+            return out if isinstance(out, tuple | list) else (out,)
+
+        return run
+
+    return aot_module_simplified(graph_module, list(inputs), fw_compiler=local_compiler)
 
 
 def _fallback(graph_module: torch.fx.GraphModule, inputs: list[Any], name: str) -> Callable[..., Any]:

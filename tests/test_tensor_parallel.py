@@ -1,0 +1,113 @@
+"""A tensor-parallel model (torch.distributed's parallelize_module on a mesh of two ranks) under
+torch.compile(backend="stof_cc"): AOTAutograd turns each rank's graph into plain ATen on its local
+shards, and stof-cc compiles that graph, the all-reduce as a torch step between fused groups
+(issue 37). On two gloo ranks on the CPU every group runs through torch (the plan and the answer
+are checked); on two GPUs (NCCL, fp16) the GEMM groups run stof-cc's kernels."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent('''
+    import sys
+    import warnings
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    import stof_cc
+    from stof_cc.runtime import dynamo_backend
+
+    class Mlp(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+            self.norm = torch.nn.LayerNorm(width)
+
+        def forward(self, x):  # the residual add and the norm after the all-reduce
+            return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+    made = []
+    def capturing(graph_module, example_inputs):
+        made.append(dynamo_backend.stof_cc_backend(graph_module, example_inputs))
+        return made[-1]
+
+    kind = sys.argv[2]
+    dist.init_process_group("gloo" if kind == "cpu" else "nccl")
+    device = "cpu" if kind == "cpu" else f"cuda:{dist.get_rank()}"
+    if kind != "cpu":
+        torch.cuda.set_device(device)
+    dtype, width = (torch.float32, 32) if kind == "cpu" else (torch.float16, 256)
+    torch.manual_seed(0)
+    model, whole = Mlp(width).eval(), Mlp(width).eval()
+    whole.load_state_dict(model.state_dict())
+    model, whole = model.to(device, dtype), whole.to(device)  # the whole model in fp32: the reference
+    parallelize_module(model, init_device_mesh(kind, (2,)), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    x = torch.randn(2, 64, width, device=device, dtype=dtype)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend=capturing, dynamic=False)
+        errors = []
+        for scale in (1.0, -2.0):
+            want = whole(x.float() * scale)
+            errors.append(((compiled(x * scale).float() - want).norm() / want.norm()).item())
+    said = [str(w.message) for w in caught if "stof_cc backend" in str(w.message)]
+    local = made[0].compiled
+    variant = next(iter(local.variants.values()))
+    def named(node):  # an opaque node is the torch op it calls
+        return str(node.target) if node.op == "opaque" else node.op
+    kinds = [(step.group.kind, step.kind, ",".join(named(variant.graph.node(n)) for n in step.group.nodes))
+             for step in variant.steps]
+    weights = [n.name for n in variant.graph.nodes() if n.op == "constant"]
+    with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:  # one file a rank: prints interleave
+        out.write(repr({"errors": errors, "said": said, "kinds": kinds, "weights": len(weights),
+                        "inputs": [str(n.spec) for n in variant.graph.inputs], "explain": local.explain()}))
+    dist.destroy_process_group()
+''')
+
+
+def _run_two_ranks(tmp_path, kind: str) -> list[dict]:
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    script = tmp_path / "tp.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(tmp_path), kind],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return [eval((tmp_path / f"rank{rank}.txt").read_text()) for rank in (0, 1)]  # noqa: S307 (the script's repr)
+
+
+def _check_plan(found: dict) -> None:
+    assert found["said"] == [], found  # nothing on the fallback
+    gemms = [ops for kind, _, ops in found["kinds"] if kind == "gemm"]
+    collectives = [(kind, step) for kind, step, ops in found["kinds"] if "all_reduce" in ops]
+    assert len(gemms) == 2 and collectives, found["explain"]
+    assert all(kind == "opaque" and step == "torch" for kind, step in collectives), found["explain"]
+    # the local shards of both linears' weights and biases (and the norm's) are the graph's constants
+    assert found["weights"] >= 4 and len(found["inputs"]) == 1, found
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_model_compiles_its_local_graph_with_the_all_reduce_as_a_torch_step(tmp_path):
+    for found in _run_two_ranks(tmp_path, "cpu"):
+        assert max(found["errors"]) < 1e-5, found
+        _check_plan(found)
+
+
+def _two_gpus() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+def test_on_two_gpus_the_local_graphs_gemms_run_stof_cc_kernels(tmp_path):
+    """NCCL, fp16, width 256: within 1e-2 of the whole model in fp32; the GEMM groups are kernels."""
+    for found in _run_two_ranks(tmp_path, "cuda"):
+        assert max(found["errors"]) < 1e-2, found
+        _check_plan(found)
+        assert all(step != "torch" for kind, step, _ in found["kinds"] if kind == "gemm"), found["explain"]
