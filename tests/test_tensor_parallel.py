@@ -111,3 +111,19 @@ def test_on_two_gpus_the_local_graphs_gemms_run_stof_cc_kernels(tmp_path):
         assert max(found["errors"]) < 1e-2, found
         _check_plan(found)
         assert all(step != "torch" for kind, step, _ in found["kinds"] if kind == "gemm"), found["explain"]
+
+
+@pytest.mark.slow
+def test_the_example_runs_on_two_cpu_ranks_and_matches_the_unsharded_model():
+    """examples/tensor_parallel.py --cpu: a transformers Llama sharded over two gloo ranks, compiled
+    with the stof_cc backend, nothing on the fallback, within 1e-2 of the unsharded model."""
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    example = Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
+    run = subprocess.run([sys.executable, "-W", "always", "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", str(example), "--cpu", "--no-peer"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "relative error against the unsharded model in fp32" in run.stdout, run.stdout
+    assert "runs on" not in run.stderr, run.stderr[-3000:]  # no graph on the fallback

@@ -1,0 +1,135 @@
+"""Tensor-parallel inference with stof-cc: a Llama-shaped decoder split over the GPUs of a node with
+torch.distributed's `parallelize_module`, then `torch.compile(model, backend="stof_cc")`.
+
+    torchrun --nproc-per-node 2 examples/tensor_parallel.py [--hidden 8192] [--heads 64] [--kv-heads 8]
+                                                            [--ffn 28672] [--layers 2] [--seq 4096]
+                                                            [--dtype float16] [--no-peer] [--cpu]
+
+Each rank builds the same random-weight model (transformers' `LlamaModel` from a config, seed 0),
+shards it Megatron-style over a 1-D `DeviceMesh` of all ranks (q/k/v and gate/up column-wise,
+o and down row-wise: one all-reduce after the attention and one after the MLP), and compiles it
+with the stof_cc backend: dynamo hands over each rank's graph, AOTAutograd turns its DTensors into
+local shards and functional collectives, and stof-cc fuses and generates the kernels around the
+collectives, which run in NCCL through torch (docs/torch_compile.md, "Tensor parallelism"). Rank 0
+checks the output against the unsharded model run eagerly on its GPU in fp32, and every rank times
+stof-cc beside `torch.compile` (Inductor) of the same sharded model. ``--cpu`` runs on gloo ranks
+with tiny defaults (a smoke test; its times mean nothing). The defaults are issue 37's bar shape
+(Llama-70B's layer: hidden 8192, 64 query / 8 KV heads, FFN 28672), B = 1, S = 4096.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import stof_cc  # noqa: F401  (registers the backend name from a checkout)
+
+LAYER_PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+              "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+              "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+              "mlp.down_proj": RowwiseParallel()}
+
+
+def llama(args) -> torch.nn.Module:
+    """The random-weight model (no embedding is used: the input is hidden states)."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(hidden_size=args.hidden, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         intermediate_size=args.ffn, num_hidden_layers=args.layers, vocab_size=128,
+                         max_position_embeddings=max(4096, args.seq))
+    torch.manual_seed(0)
+    return LlamaModel._from_config(config, attn_implementation="sdpa").eval()
+
+
+def shard(model: torch.nn.Module, world: int, device_type: str) -> torch.nn.Module:
+    """Each decoder layer's projections split over a mesh of every rank."""
+    mesh = init_device_mesh(device_type, (world,))
+    for layer in model.layers:
+        parallelize_module(layer, mesh, LAYER_PLAN)
+    return model
+
+
+def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
+    """Median wall time of ``fn`` after warm-up, every rank in step (a barrier before each call)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU, tiny defaults (a smoke test)")
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--ffn", type=int)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    parser.add_argument("--no-peer", action="store_true", help="skip torch.compile (Inductor)")
+    args = parser.parse_args()
+    sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32} if args.cpu else \
+        {"hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "seq": 4096}
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not args.cpu and not torch.cuda.is_available():
+        print("tensor_parallel.py needs CUDA GPUs (or --cpu for gloo ranks on the CPU)", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo" if args.cpu else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = torch.float32 if args.cpu else getattr(torch, args.dtype)
+    if args.heads % world or args.kv_heads % world or args.ffn % world:
+        print(f"heads {args.heads}, KV heads {args.kv_heads} and FFN {args.ffn} must divide by {world} ranks",
+              file=sys.stderr)
+        return 2
+    torch.manual_seed(1)
+    x = torch.randn(1, args.seq, args.hidden, device=device, dtype=dtype)
+    with torch.no_grad():
+        want = None
+        if rank == 0:  # the unsharded model, eager, in fp32
+            whole = llama(args).to(device)
+            want = whole(inputs_embeds=x.float()).last_hidden_state
+            del whole
+        model = shard(llama(args).to(device, dtype), world, device.type)
+        run = torch.compile(model, backend="stof_cc", dynamic=False)
+        got = run(inputs_embeds=x).last_hidden_state
+        line = f"rank {rank}: stof-cc {median_ms(lambda: run(inputs_embeds=x), device):.2f} ms"
+        if not args.no_peer:
+            peer = torch.compile(model, dynamic=False)
+            peer(inputs_embeds=x)
+            line += f", torch.compile {median_ms(lambda: peer(inputs_embeds=x), device):.2f} ms"
+    error = None if want is None else float((got.float() - want).norm() / want.norm())
+    lines = [None] * world
+    dist.all_gather_object(lines, line)
+    if rank == 0:
+        print(f"TP = {world}, hidden {args.hidden}, {args.heads} / {args.kv_heads} heads, FFN {args.ffn}, "
+              f"{args.layers} layers, B = 1, S = {args.seq}, {dtype}, on {device.type}")
+        print("\n".join(lines))
+        print(f"relative error against the unsharded model in fp32: {error:.1e}")
+    dist.destroy_process_group()
+    return 0 if error is None or error < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
