@@ -127,3 +127,36 @@ def test_the_example_runs_on_two_cpu_ranks_and_matches_the_unsharded_model():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "relative error against the unsharded model in fp32" in run.stdout, run.stdout
     assert "runs on" not in run.stderr, run.stderr[-3000:]  # no graph on the fallback
+
+
+def test_the_attention_kernel_aotautograd_picks_becomes_sdpa_again():
+    """AOTAutograd decomposes scaled_dot_product_attention into the device's kernel (on the CPU
+    `_scaled_dot_product_flash_attention_for_cpu`, whose output layout its later views rely on):
+    `_restore_sdpa` puts the op back (causal flag and scale kept) and the graph computes the same."""
+    import torch
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from stof_cc.runtime.dynamo_backend import _restore_sdpa
+
+    class Heads(torch.nn.Module):
+        def forward(self, x):
+            q = k = v = x.view(2, 16, 4, 8).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+            return (out.transpose(1, 2).contiguous().view(2, 16, 32),)
+
+    seen = []
+
+    def compiler(graph_module, _):
+        seen.append((sum(node.op == "call_function" and "_scaled_dot_product" in str(node.target)
+                         for node in graph_module.graph.nodes), _restore_sdpa(graph_module)))
+        seen.append([n for n in graph_module.graph.nodes if n.target == torch.ops.aten.scaled_dot_product_attention.default])
+        return graph_module
+
+    x = torch.randn(2, 16, 32)
+    with torch.no_grad():
+        run = aot_module_simplified(Heads(), (x,), fw_compiler=compiler)
+        got = run(x)
+    (kernels, restored), (sdpa,) = seen
+    assert kernels == restored == 1
+    assert sdpa.kwargs["is_causal"] is True and sdpa.kwargs["scale"] == 0.3
+    torch.testing.assert_close(got[0], Heads()(x)[0])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import itertools
+import operator
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -213,6 +214,57 @@ def _given(inputs: Sequence[Any], slots: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(x for i, x in enumerate(inputs) if i not in frozen and isinstance(x, torch.Tensor))
 
 
+# The backend kernels AOTAutograd picks for scaled_dot_product_attention (a composite op it
+# decomposes) with each one's positional (attn_mask, dropout_p, is_causal) after q, k, v; None:
+# not among its arguments (-1: the mask is the keyword attn_mask).
+_SDPA_KERNELS = {
+    "_scaled_dot_product_flash_attention": (None, 3, 4),
+    "_scaled_dot_product_flash_attention_for_cpu": (-1, 3, 4),
+    "_scaled_dot_product_efficient_attention": (3, 5, 6),
+    "_scaled_dot_product_cudnn_attention": (3, 5, 6),
+}
+
+
+def _restore_sdpa(graph_module: torch.fx.GraphModule) -> int:
+    """Put ``aten.scaled_dot_product_attention`` back where AOTAutograd decomposed it into the
+    kernel it chose for the device (flash, efficient, cuDNN, CPU flash) and only its output is
+    read, so stof-cc's attention pass finds the attention (and its mask and is_causal) as it does
+    in an export. The graph's views then become reshapes: AOTAutograd traced them against the
+    kernel's output strides (the CPU flash kernel's [B, S, H, D] layout made a ``view`` after a
+    transpose valid), which the restored op need not have; the graph is functional, so a
+    reshape computes the same values. Returns how many it restored."""
+    restored = 0
+    for node in list(graph_module.graph.nodes):
+        kernel = getattr(node.target, "_overloadpacket", None)
+        positions = _SDPA_KERNELS.get(getattr(kernel, "__name__", ""))
+        if node.op != "call_function" or positions is None:
+            continue
+        users = list(node.users)
+        if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+            continue  # the log-sum-exp or another output is read: leave the kernel
+        mask_at, dropout_at, causal_at = positions
+        given = dict(enumerate(node.args))
+        mask = node.kwargs.get("attn_mask") if mask_at == -1 else given.get(mask_at)
+        if given.get(dropout_at, 0.0):
+            continue
+        with graph_module.graph.inserting_before(node):
+            sdpa = graph_module.graph.call_function(
+                torch.ops.aten.scaled_dot_product_attention.default, node.args[:3],
+                {"attn_mask": mask, "is_causal": bool(given.get(causal_at, False)), "scale": node.kwargs.get("scale")})
+        for user in users:
+            user.replace_all_uses_with(sdpa)
+            graph_module.graph.erase_node(user)
+        graph_module.graph.erase_node(node)
+        restored += 1
+    if restored:
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
+                                                               torch.ops.aten._unsafe_view.default):
+                node.target = torch.ops.aten.reshape.default
+        graph_module.recompile()
+    return restored
+
+
 def _parallel_route(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int],
                     options: dict[str, Any], name: str, compiled: list[_CompiledGraph]) -> Callable[..., Any]:
     """A tensor-parallel rank's graph: AOTAutograd (inference) desugars its DTensors into their local
@@ -227,6 +279,8 @@ def _parallel_route(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], s
     local_options = {**options, "fallback": "eager"}
 
     def local_compiler(local_graph: torch.fx.GraphModule, _fake_inputs: list[Any]) -> Callable[..., Any]:
+        _restore_sdpa(local_graph)
+
         def run(*args: Any) -> Any:
             if not compiled:
                 frozen = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and id(x) in weights]
