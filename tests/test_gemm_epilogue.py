@@ -257,3 +257,35 @@ def test_split_k_points_only_where_the_tiles_leave_most_sms_idle():
     # a 4096-row GEMM fills the SMs: no split points
     _, _, graph, group = build(LinearResidual, "gemm", (1, 4096, 768), torch.float16)
     assert all("splits" not in p for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))
+
+
+def test_a_launch_assembles_maps_operands_output_and_a_split_points_workspace(monkeypatch):
+    """GroupLaunch without a GPU (the kernel load and the tensor-map encoder stand-ins): the
+    argument format it loads the kernel with, the tensor maps in the template's order, and a
+    split-K point's workspace (its own per device, allocated once, counters zeroed)."""
+    from group_cases import LinearResidual
+
+    from stof_cc.backends import group_launch
+    from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT
+
+    loaded = []
+    monkeypatch.setattr(group_launch, "load_kernel", lambda source, name, arg_format, **_: loaded.append(arg_format))
+    monkeypatch.setattr(group_launch, "encode_2d", lambda tensor, rows, cols: (tensor.data_ptr(), rows, cols))
+    monkeypatch.setattr(group_launch, "_kernels", {})
+    _, _, graph, group = build(LinearResidual, "gemm", (1, 1024, 768), torch.float16)
+    problem = GEMM_EPILOGUE.match(graph, group)
+    params = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4, "splits": 2}
+    launch = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, params)
+    maps = GEMM_EPILOGUE.tensor_maps(problem, params)
+    assert loaded == [TENSOR_MAP_FORMAT * len(maps) + "P" * (len(problem.operands) + 1) + "PP"]
+    tensors = [torch.zeros(problem.graph.node(op.ref).spec.shape) for op in problem.operands]
+    out = torch.zeros(problem.shape)
+    encoded = launch.tensor_map_args(tensors, out)
+    assert [rows_cols[1:] for rows_cols in encoded] == [(rows, cols) for _, rows, cols in maps]
+    scratch = launch.workspace_args(torch.device("cpu"))
+    assert scratch == launch.workspace_args(torch.device("cpu"))  # allocated once
+    partials, counters = launch._workspaces[torch.device("cpu")]
+    assert (partials.numel(), counters.numel()) == GEMM_EPILOGUE.workspace(problem, params)
+    assert not counters.any()
+    unsplit = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, {k: v for k, v in params.items() if k != "splits"})
+    assert unsplit.workspace_args(torch.device("cpu")) == [] and loaded[-1] == loaded[0][:-2]

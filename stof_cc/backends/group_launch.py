@@ -30,6 +30,7 @@ class GroupLaunch:
         name = template.kernel_name(problem, params)
         self.maps = template.tensor_maps(problem, params)
         self.workspace_sizes = template.workspace(problem, params)
+        self._workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: scratch, counters
         arg_format = (TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.operands) + 1)
                       + ("PP" if self.workspace_sizes else ""))
         if (name, source) not in _kernels:
@@ -57,35 +58,18 @@ class GroupLaunch:
 
     def workspace_args(self, device: torch.device) -> list[int]:
         """The scratch buffer and zeroed counters the template asks for (`GroupTemplate.workspace`),
-        or none: the current stream's `shared_scratch` on ``device``."""
+        this launch's own on ``device`` (allocated at its first call there), or none."""
         if not self.workspace_sizes:
             return []
-        scratch, counters = shared_scratch(device)
-        scratch_bytes, counts = self.workspace_sizes
-        if scratch_bytes > scratch.numel() or counts > counters.numel():
-            raise GroupInputError(f"group {self.problem.group.name}: {self.params} asks for {scratch_bytes} bytes "
-                                  f"of scratch and {counts} counters; a stream's shared scratch holds "
-                                  f"{scratch.numel()} and {counters.numel()}")
-        return [scratch.data_ptr(), counters.data_ptr()]
-
-
-SCRATCH_BYTES_PER_SM = 128 * 256 * 4  # one fp32 tile of the largest GEMM point (split-K's partials)
-_scratch: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def shared_scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a scratch buffer of `SCRATCH_BYTES_PER_SM` per SM, one zeroed 32-bit counter per SM)
-    for the current stream on ``device``: shared by every kernel launched on that stream, which
-    run one after another and leave the counters at zero; another stream gets its own. Never
-    freed or regrown while the process lives, so a CUDA graph that captured its address stays
-    valid."""
-    device = torch.device(device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _scratch:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        _scratch[key] = (torch.empty(sms * SCRATCH_BYTES_PER_SM, dtype=torch.uint8, device=device),
-                         torch.zeros(sms, dtype=torch.int32, device=device))
-    return _scratch[key]
+        if device not in self._workspaces:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # zeroing recorded, not run
+                raise GroupInputError(f"group {self.problem.group.name}: its first call on {device} is inside a "
+                                      "CUDA graph capture; run it once before capturing (as torch.cuda.graph's "
+                                      "warm-up on a side stream does), so its split-K counters are zeroed")
+            scratch_bytes, counters = self.workspace_sizes
+            self._workspaces[device] = (torch.empty(scratch_bytes, dtype=torch.uint8, device=device),
+                                        torch.zeros(counters, dtype=torch.int32, device=device))
+        return [t.data_ptr() for t in self._workspaces[device]]
 
     def tensor_map_args(self, tensors: list[torch.Tensor], out: torch.Tensor) -> list[bytes]:
         """The tensor maps the kernel takes first, for these operand tensors and output (encoded

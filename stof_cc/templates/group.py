@@ -170,8 +170,8 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
     def workspace(self, problem: GroupProblem[D], params: dict[str, Any]) -> tuple[int, int] | None:
         """Scratch memory the kernel takes after its output, or None: (bytes of a buffer it may
         leave anything in, count of 32-bit counters that start at zero and that the kernel leaves
-        at zero), within `group_launch.shared_scratch`'s (one fp32 128 x 256 tile and one counter
-        per SM), which the kernels launched on one stream share."""
+        at zero). Each launch (`GroupLaunch`) allocates its own once per device: two calls of one
+        launch must not run at once (as any module's buffers)."""
         return None
 
     def header(self, problem: GroupProblem[D], params: dict[str, Any]) -> str:
