@@ -65,6 +65,7 @@ class HFMask:
     arguments: dict[str, Any]
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _documents: tuple[MaskDescription, int] | None = field(default=None, repr=False)  # packed: documents, S
+    _built: bool = field(default=False, repr=False)  # dense() ran (its answer may be None)
 
     def __getattr__(self, name: str):  # a tensor's attribute: code that expects a mask tensor
         if name.startswith("__"):  # protocols (copy, pickle) ask with getattr and expect AttributeError
@@ -81,7 +82,10 @@ class HFMask:
         None where transformers' SDPA would pass none either (`sdpa_mask`'s skips, with the flags
         transformers gave: a decode step or a causal prefill without padding, so SDPA runs its flash
         kernels, not the masked one). Packed sequences' documents always get a mask tensor."""
-        if self._dense is None and self.arguments:
+        if self._built:  # every layer of a forward shares the mask: built once, None included
+            return self._dense
+        self._built = True
+        if self.arguments:
             from transformers.masking_utils import sdpa_mask
 
             skips = {} if self._documents is None else {"allow_is_causal_skip": False,
@@ -91,7 +95,6 @@ class HFMask:
             documents, seq = self._documents
             own = (documents if self.arguments else self.description).to_dense(seq, seq).to(device)
             self._dense = own if self._dense is None else self._dense & own.to(self._dense.device)
-            self._documents = None
         return self._dense
 
 
@@ -407,13 +410,13 @@ def _warn_once(what: str) -> None:
 
 def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
               **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA on its own mask, skips included (and the position bias, which it adds)."""
+    """transformers' SDPA as ``attn_implementation="sdpa"`` runs it: its own mask, skips included,
+    and the model's ``is_causal`` (a keyword the model passes, else the module's), which SDPA
+    applies only where no mask is given (and the position bias, which it adds)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    kwargs.pop("is_causal", None)  # decided here, from the mask
     _warn_once(f"transformers' sdpa runs this attention: {why}")
     dense = mask.dense(query.device) if isinstance(mask, HFMask) else mask
     if position_bias is not None:
         kwargs["position_bias"] = position_bias
-    return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling,
-                                  is_causal=dense is None and getattr(module, "is_causal", False), **kwargs)[0], None
+    return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None

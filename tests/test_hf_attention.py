@@ -487,3 +487,21 @@ def test_models_with_their_own_attention_code_are_found_by_their_modeling_module
     """Not a list of names: a modeling module without transformers' attention dispatch."""
     assert stof_cc.hf.own_attention_code(T.BloomConfig) and stof_cc.hf.own_attention_code(T.MptConfig)
     assert not any(stof_cc.hf.own_attention_code(c) for c in (T.LlamaConfig, T.BertConfig, T.OPTConfig, T.T5Config))
+
+
+def test_a_decoder_configured_bidirectional_stays_bidirectional_where_sdpa_runs():
+    """A Llama with ``config.is_causal = False`` (an encoder made of a decoder) and no padding:
+    transformers skips the mask (bidirectional), and SDPA must not fall back on the module's
+    causal flag: the CPU path matches attn_implementation="sdpa" exactly."""
+    stof_cc.hf.register()
+    config = T.LlamaConfig(**SMALL)
+    config.is_causal = False
+    torch.manual_seed(0)
+    ours = T.LlamaModel._from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    theirs = T.LlamaModel._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        got = ours(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+        want = theirs(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

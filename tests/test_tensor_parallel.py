@@ -160,3 +160,31 @@ def test_the_attention_kernel_aotautograd_picks_becomes_sdpa_again():
     assert kernels == restored == 1
     assert sdpa.kwargs["is_causal"] is True and sdpa.kwargs["scale"] == 0.3
     torch.testing.assert_close(got[0], Heads()(x)[0])
+
+
+def test_grouped_heads_stay_grouped_when_sdpa_comes_back():
+    """With enable_gqa the kernel AOTAutograd picks reads K/V with fewer heads than Q: the restored
+    op says enable_gqa too, and the graph computes what the module does."""
+    import torch
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from stof_cc.runtime.dynamo_backend import _restore_sdpa
+
+    class Grouped(torch.nn.Module):
+        def forward(self, q, k, v):
+            return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),)
+
+    seen = []
+
+    def compiler(graph_module, _):
+        seen.append(_restore_sdpa(graph_module))
+        seen.append([n.kwargs for n in graph_module.graph.nodes
+                     if n.target == torch.ops.aten.scaled_dot_product_attention.default])
+        return graph_module
+
+    q, k, v = torch.randn(2, 8, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    with torch.no_grad():
+        got = aot_module_simplified(Grouped(), (q, k, v), fw_compiler=compiler)(q, k, v)
+    restored, kwargs = seen
+    assert restored == 1 and kwargs[0].get("enable_gqa") is True
+    torch.testing.assert_close(got[0], Grouped()(q, k, v)[0])

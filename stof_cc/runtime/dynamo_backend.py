@@ -225,6 +225,12 @@ _SDPA_KERNELS = {
 }
 
 
+def _heads(node: Any) -> int | None:
+    """The head count (dim -3) of an attention operand in an AOTAutograd graph, from its fake value."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return int(value.shape[-3]) if isinstance(value, torch.Tensor) and value.dim() >= 3 else None
+
+
 def _restore_sdpa(graph_module: torch.fx.GraphModule) -> int:
     """Put ``aten.scaled_dot_product_attention`` back where AOTAutograd decomposed it into the
     kernel it chose for the device (flash, efficient, cuDNN, CPU flash) and only its output is
@@ -247,10 +253,15 @@ def _restore_sdpa(graph_module: torch.fx.GraphModule) -> int:
         mask = node.kwargs.get("attn_mask") if mask_at == -1 else given.get(mask_at)
         if given.get(dropout_at, 0.0):
             continue
+        options = {"attn_mask": mask, "is_causal": bool(given.get(causal_at, False)), "scale": node.kwargs.get("scale")}
+        q_heads, kv_heads = (_heads(arg) for arg in node.args[:2])
+        if q_heads is None or kv_heads is None:
+            continue  # shapes unknown: leave the kernel
+        if q_heads != kv_heads:  # grouped K/V handed to the kernel as they are (enable_gqa)
+            options["enable_gqa"] = True
         with graph_module.graph.inserting_before(node):
-            sdpa = graph_module.graph.call_function(
-                torch.ops.aten.scaled_dot_product_attention.default, node.args[:3],
-                {"attn_mask": mask, "is_causal": bool(given.get(causal_at, False)), "scale": node.kwargs.get("scale")})
+            sdpa = graph_module.graph.call_function(torch.ops.aten.scaled_dot_product_attention.default,
+                                                    node.args[:3], options)
         for user in users:
             user.replace_all_uses_with(sdpa)
             graph_module.graph.erase_node(user)
