@@ -69,13 +69,23 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """Two ranks of ``args`` under torchrun --standalone. Its rendezvous port is picked free and
+    bound a moment later, so a process starting beside it can take it first: one retry where the
+    failure says so."""
+    command = [sys.executable, "-W", "always", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 and "address already in use" in (run.stdout + run.stderr).lower():
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return run
+
+
 def _run_two_ranks(tmp_path, kind: str) -> list[dict]:
     pytest.importorskip("torch.distributed.tensor.parallel")
     script = tmp_path / "tp.py"
     script.write_text(SCRIPT)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(tmp_path), kind],
-                         capture_output=True, text=True, timeout=600)
+    run = torchrun(str(script), str(tmp_path), kind)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return [eval((tmp_path / f"rank{rank}.txt").read_text()) for rank in (0, 1)]  # noqa: S307 (the script's repr)
 
@@ -121,9 +131,7 @@ def test_the_example_runs_on_two_cpu_ranks_and_matches_the_unsharded_model():
 
     pytest.importorskip("transformers")
     example = Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
-    run = subprocess.run([sys.executable, "-W", "always", "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", str(example), "--cpu", "--no-peer"],
-                         capture_output=True, text=True, timeout=600)
+    run = torchrun(str(example), "--cpu", "--no-peer")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "relative error against the unsharded model in fp32" in run.stdout, run.stdout
     assert "runs on" not in run.stderr, run.stderr[-3000:]  # no graph on the fallback
