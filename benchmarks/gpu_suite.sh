@@ -3,9 +3,10 @@
 # the test files in its own process (CUDA_VISIBLE_DEVICES), then the tests that need every GPU
 # (tests/test_devices.py, tests/test_tensor_parallel.py) run once with all of them. With
 # pytest-xdist installed each share runs WORKERS test processes on its GPU (default 8: the tests
-# compile their kernels with nvcc, which the host's cores do in parallel). Logs go to LOGS (default: gpu-logs/); the last lines printed
-# are each share's pytest summary, and LOGS/failures.txt holds every failure with its assertion
-# lines (the whole logs can be too large to bring back from a lent machine).
+# compile their kernels with nvcc, which the host's cores do in parallel). Logs go to LOGS
+# (default: gpu-logs/); the last lines printed are each share's pytest summary, and
+# LOGS/failures.txt holds every failure with its assertion lines (the whole logs can be too large
+# to bring back from a lent machine).
 #
 #     bash benchmarks/gpu_suite.sh [LOGS] [WORKERS]
 set -u
