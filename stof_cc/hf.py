@@ -84,7 +84,6 @@ class HFMask:
         kernels, not the masked one). Packed sequences' documents always get a mask tensor."""
         if self._built:  # every layer of a forward shares the mask: built once, None included
             return self._dense
-        self._built = True
         if self.arguments:
             from transformers.masking_utils import sdpa_mask
 
@@ -95,6 +94,7 @@ class HFMask:
             documents, seq = self._documents
             own = (documents if self.arguments else self.description).to_dense(seq, seq).to(device)
             self._dense = own if self._dense is None else self._dense & own.to(self._dense.device)
+        self._built = True  # only once built: a build that raised is tried again, never taken for "no mask"
         return self._dense
 
 
@@ -291,7 +291,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"attn_implementation='{NAME}': {type(module).__name__} got cu_seq_lens_q (packed sequences) "
                          "and a mask tensor the caller built; pass one or the other")
     if packing is not None:
-        attention_mask = _with_documents(attention_mask, packing, module, query.shape[2])
+        attention_mask = _with_documents(attention_mask, packing, _causal(module, kwargs), query.shape[2])
     if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias,
                          "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
@@ -304,7 +304,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if why is not None:
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias, why, **kwargs)
     description = None if attention_mask is None else attention_mask.description
-    if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
+    if attention_mask is None and _causal(module, kwargs) and query.shape[2] > 1:
         description = CAUSAL  # transformers' convention: no mask tensor on a causal module
     key_padding = None if attention_mask is None else attention_mask.key_padding
     out = attention(query, key, value, description, scale=scaling, key_padding=key_padding, bias=position_bias)
@@ -367,11 +367,11 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
     return last
 
 
-def _with_documents(mask: HFMask | None, packing: _Packing, module: torch.nn.Module, seq: int) -> HFMask:
+def _with_documents(mask: HFMask | None, packing: _Packing, causal_module: bool, seq: int) -> HFMask:
     """The layer's mask with packed sequences' document mask added, made once per layer mask of
     the forward; SDPA, where it runs, gets the documents in its dense mask too (transformers'
     own SDPA ignores cu_seq_lens)."""
-    causal = mask is None and getattr(module, "is_causal", False)  # no mask on a causal module: causal
+    causal = mask is None and causal_module  # no mask on a causal module: causal
     key = (id(mask), causal)
     if key not in packing.combined:
         documents = packing.documents
@@ -382,6 +382,13 @@ def _with_documents(mask: HFMask | None, packing: _Packing, module: torch.nn.Mod
             ours = HFMask(described, mask.key_padding, mask.arguments, _documents=(documents, seq))
         packing.combined[key] = (mask, ours)  # the layer mask held: its id is not reused meanwhile
     return packing.combined[key][1]
+
+
+def _causal(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether attention without a mask is causal, as transformers' SDPA decides it: the model's
+    ``is_causal`` keyword, else the module's attribute, else True."""
+    given = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if given is None else given)
 
 
 def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None) -> str | None:

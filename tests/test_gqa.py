@@ -47,3 +47,21 @@ def test_a_widening_that_is_not_repeat_kv_stays():
     assert not report.rewritten
     fresh = _inputs()
     torch.testing.assert_close(interpret(graph, *fresh), module(*fresh), rtol=1e-5, atol=1e-5)
+
+
+class EnableGqa(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_sdpa_with_enable_gqa_becomes_an_attention_node_reading_the_narrow_heads():
+    """SDPA's own grouped form (what AOTAutograd's graphs and HF's sdpa path carry): the attention
+    node reads K/V with their H_kv heads, as after `read_kv_heads_directly`, and computes the same
+    (torch itself refuses H not a multiple of H_kv)."""
+    q, k, v = _inputs()
+    graph = trace(EnableGqa(), (q, k, v), {})
+    found = recognise_attention(graph)
+    (node,) = [n for n in found.nodes() if n.op == "attention"]
+    assert [found.node(r.name).spec.shape[1] for r in node.args[:3]] == [6, 2, 2]
+    fresh = _inputs()
+    torch.testing.assert_close(interpret(found, *fresh), EnableGqa()(*fresh), rtol=1e-5, atol=1e-5)

@@ -114,18 +114,21 @@ def test_split_k_units_sum_to_the_whole_product(module_name, width, splits, dtyp
     want = module.float()(x.float(), r.float()).cuda()
     values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
     values |= {name: t.cuda() for name, t in graph.constants.items()}
+    launches = []
     for block_m, block_n, stages in ((128, 256, 4), (128, 192, 4), (64, 128, 3)):
         params = {"schedule": "cooperative", "block_m": block_m, "block_n": block_n, "stages": stages,
                   "splits": splits}
         launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
+        launches.append(launch)
         grid, threads, shared = launch.geometry
         for ctas in (grid[0], 1, 3):
             launch.geometry = ((ctas, 1, 1), threads, shared)
             for call in range(2):
                 err = relative_error(launch(values), want)
                 assert err < 1e-2, f"{params} on {ctas} CTA(s), call {call}: relative error {err}"
-    _, counters = launch._workspaces[want.device]
-    assert not counters.any()  # every tile's last unit reset its counter
+    for launch in launches:  # every tile's last unit reset its counter
+        _, counters = launch._workspaces[want.device]
+        assert not counters.any(), launch.params
 
 
 def test_gelu_is_within_its_fitted_bound():

@@ -455,7 +455,7 @@ def test_a_layer_without_a_mask_tensor_gets_the_documents_on_the_device_path():
     cu = torch.tensor([0, 9, 48], dtype=torch.int32)
     q, k = OnDevice(1, 4, SEQ, 32), OnDevice(1, 4, SEQ, 32)
     packing = stof_cc.hf.packed_documents(q, k, cu, cu)
-    mask = stof_cc.hf._with_documents(None, packing, torch.nn.Module(), SEQ)  # a bidirectional layer, no mask
+    mask = stof_cc.hf._with_documents(None, packing, False, SEQ)  # a bidirectional layer, no mask
     assert stof_cc.hf._why_sdpa(q, k, k, mask) is None  # the kernels run it
     assert repr(mask.description) == "document(lengths=[9, 39])"
     assert torch.equal(mask.dense()[0, 0], mask.description.to_dense(SEQ, SEQ)[0, 0])

@@ -64,8 +64,8 @@ class GroupLaunch:
         if device not in self._workspaces:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # zeroing recorded, not run
                 raise GroupInputError(f"group {self.problem.group.name}: its first call on {device} is inside a "
-                                      "CUDA graph capture; run it once before capturing (as torch.cuda.graph's "
-                                      "warm-up on a side stream does), so its split-K counters are zeroed")
+                                      "CUDA graph capture; run it once before capturing (the warm-up on a side "
+                                      "stream that torch.cuda.graph asks for), so its split-K counters are zeroed")
             scratch_bytes, counters = self.workspace_sizes
             self._workspaces[device] = (torch.empty(scratch_bytes, dtype=torch.uint8, device=device),
                                         torch.zeros(counters, dtype=torch.int32, device=device))

@@ -147,10 +147,13 @@ def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionM
     if given.get("dropout_p", 0.0) != 0.0:
         report.refused[node.name] = "dropout_p is not 0 (training-mode attention)"
         return None
-    if given.get("enable_gqa", False):
-        report.refused[node.name] = "grouped-query attention (enable_gqa) is not supported"
-        return None
     q = given["query"]
+    if given.get("enable_gqa", False):  # K/V with fewer heads: the attention node reads them so (passes/gqa.py)
+        heads = [graph.node(given[name].name).spec.shape[-3] for name in ("query", "key", "value")]
+        if heads[1] != heads[2] or heads[0] % heads[1]:
+            report.refused[node.name] = (f"enable_gqa with {heads[0]} query heads over {heads[1]} key and "
+                                         f"{heads[2]} value heads (the kernels need H a multiple of one H_kv)")
+            return None
     head_dim = graph.node(q.name).spec.shape[-1]
     scale = given.get("scale")
     return AttentionMatch(node.name, q, given["key"], given["value"], given.get("attn_mask"), False,
