@@ -54,6 +54,18 @@ def example_path():
 
 
 @pytest.fixture
+def half_on_gpu(example_path):
+    """An example's module and positional inputs moved to the GPU in fp16."""
+    from stof_cc.loading import load_factory
+
+    def load(name: str):
+        module, args, _ = load_factory(example_path(name))
+        return module.cuda().half(), tuple(a.cuda().half() for a in args)
+
+    return load
+
+
+@pytest.fixture
 def norm_merges_win(monkeypatch):
     """Price gemm_layernorm's norm epilogue at 0 us, so stage 1 merges GEMM + LayerNorm in the
     small test models: with the fitted constant (8 us, `pricing.ROW_EXCHANGE_US`) they are

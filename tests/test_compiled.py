@@ -149,10 +149,8 @@ def test_cuda_graphs_flag_is_harmless_without_a_gpu(example_path):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_matches_the_plain_path(example_path):
-    module, args, _ = load_factory(example_path("gpt2_block"))
-    module = module.cuda().half()
-    args = tuple(a.cuda().half() for a in args)
+def test_cuda_graph_replay_matches_the_plain_path(half_on_gpu):
+    module, args = half_on_gpu("gpt2_block")
     plain = stof_cc.compile(module, args, cuda_graphs=False)
     graphed = stof_cc.compile(module, args, cuda_graphs=True)
     for _ in range(2):  # the second call replays with new inputs copied in

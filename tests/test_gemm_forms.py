@@ -75,3 +75,43 @@ def test_a_linear_read_only_through_pieces_becomes_one_linear_per_piece():
     fresh = torch.randn(3, 5, 16)
     for got, want in zip(stof_cc.interpret(graph, fresh), module(fresh), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_aotautograds_linears_become_linears_again():
+    """AOTAutograd writes a linear as t(W) and mm (no bias) or addmm (bias) on the flattened input
+    (the tensor-parallel route's graphs): each becomes a linear reading W itself."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from stof_cc.runtime.dynamo_backend import _FrozenWeights
+
+    torch.manual_seed(0)
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(16, 24), torch.nn.Linear(24, 8, bias=False)
+
+        def forward(self, x):
+            return (self.down(torch.nn.functional.gelu(self.up(x))),)
+
+    model = TwoLinears().eval()
+    x = torch.randn(2, 5, 16)
+    params = list(model.parameters())
+    grabbed = []
+
+    def grab(graph_module, _):
+        grabbed.append(graph_module)
+        return graph_module
+
+    with torch.no_grad():
+        aot_module_simplified(model, (x,), fw_compiler=grab)(x)
+        (graph_module,) = grabbed
+        ops = {str(n.target) for n in graph_module.graph.nodes if n.op == "call_function"}
+        assert {"aten.mm.default", "aten.addmm.default", "aten.t.default"} <= ops, ops  # the forms this is about
+        frozen = _FrozenWeights(graph_module, [*params, x], slots=list(range(len(params))))
+        graph = canonical_gemms(canonicalize(stof_cc.trace(frozen, (x,))))
+    histogram = graph.op_histogram()
+    assert histogram["linear"] == 2 and not {"mm", "addmm"} & set(histogram), histogram
+    assert not any(n.name.endswith("_t") for n in graph.nodes() if n.op == "constant")  # no transposed copy
+    fresh = torch.randn(2, 5, 16)
+    got = stof_cc.interpret(graph, fresh)
+    torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, model(fresh)[0].detach())

@@ -133,7 +133,7 @@ def test_the_example_runs_on_two_cpu_ranks_and_matches_the_unsharded_model():
     example = Path(__file__).resolve().parent.parent / "examples" / "tensor_parallel.py"
     run = torchrun(str(example), "--cpu", "--no-peer")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert "relative error against the unsharded model in fp32" in run.stdout, run.stdout
+    assert "relative error against the unsharded model (eager, one GPU" in run.stdout, run.stdout
     assert "runs on" not in run.stderr, run.stderr[-3000:]  # no graph on the fallback
 
 
@@ -202,7 +202,9 @@ def test_grouped_heads_stay_grouped_when_sdpa_comes_back():
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
 def test_the_example_runs_on_two_gpus_and_matches_the_unsharded_model():
     """examples/tensor_parallel.py at a small Llama shape over NCCL (fp16): attention on local heads
-    with grouped K/V, the all-reduces between the groups, within 1e-2 of the unsharded model in fp32."""
+    with grouped K/V, the all-reduces between the groups, within 1e-2 of the unsharded model run eagerly
+    in fp16; the process group is destroyed and the ranks exit (collectives captured in a CUDA graph
+    made destroy_process_group hang: runtime/capture.py)."""
     from pathlib import Path
 
     pytest.importorskip("transformers")
@@ -210,5 +212,5 @@ def test_the_example_runs_on_two_gpus_and_matches_the_unsharded_model():
     run = torchrun(str(example), "--hidden", "512", "--heads", "8", "--kv-heads", "4", "--ffn", "1024",
                    "--seq", "256", "--no-peer")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert "relative error against the unsharded model in fp32" in run.stdout, run.stdout
+    assert "relative error against the unsharded model (eager, one GPU" in run.stdout, run.stdout
     assert "runs on" not in run.stderr, run.stderr[-3000:]  # no graph on the fallback

@@ -1,9 +1,14 @@
-"""Canonical GEMMs: ``addmm`` as GPT-2's Conv1D writes it, and ``x @ W.T`` as Falcon's linear
-layers write it, become the ``linear`` the GEMM templates generate.
+"""Canonical GEMMs: ``addmm`` as GPT-2's Conv1D writes it, ``x @ W.T`` as Falcon's linear
+layers write it, and ``mm(x, t(W))`` / ``addmm(b, x, t(W))`` as AOTAutograd writes every linear
+(the tensor-parallel route's graphs), become the ``linear`` the GEMM templates generate.
 
-    out = matmul(x, transpose(W))           # W: a constant [N, K]
+    out = matmul(x, transpose(W))           # W: a constant [N, K]; also mm(x, t(W))
 ->
     out = linear(x, W)                      # reads the weight itself: no copy
+
+    out = addmm(b, x, t(W))                 # W: a constant [N, K], b: [N]
+->
+    out = linear(x, W, b)
 
 and a linear read only through pieces of its last dimension (Phi-3's fused ``qkv_proj`` sliced,
 its ``gate_up_proj`` chunked) becomes one linear per piece over those rows of W and b, named
@@ -65,7 +70,10 @@ def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Grap
             return Node(node.name, "linear", "aten.linear.default", products[node.name], {}, node.spec)
         if node.name not in matches:
             return node
-        x, weight, bias = matches[node.name]
+        x, weight, bias, transpose = matches[node.name]
+        if not transpose:  # addmm(b, x, t(W)): linear(x, W, b) reads W as it is, same shapes
+            report.rewritten.append(node.name)
+            return Node(node.name, "linear", "aten.linear.default", (x, weight, bias), {}, node.spec)
         transposed = out.add_constant(out.fresh_name(f"{weight.name}_t"),
                                       graph.constants[weight.name].t().contiguous())
         k_spec = graph.node(x.name).spec
@@ -132,30 +140,48 @@ def _match_pieces(graph: Graph, node: Node) -> dict[str, tuple[int, int]] | None
     return found if len(found) > 1 else None
 
 
+def _transposed_constant(graph: Graph, ref: object) -> Ref | None:
+    """W when ``ref`` names transpose(W) / t(W) / permute(W, [1, 0]) of a constant 2-D W."""
+    if not isinstance(ref, Ref):
+        return None
+    node = graph.node(ref.name)
+    if node.op != "transpose" or not isinstance(node.args[0], Ref) \
+            or graph.node(node.args[0].name).op != CONSTANT or len(node.spec.shape) != 2:
+        return None
+    if (node.target or "").startswith("aten.t."):
+        swapped = True
+    elif isinstance(node.args[1], (list, tuple)):  # permute
+        swapped = [d % 2 for d in node.args[1]] == [1, 0]
+    else:
+        swapped = node.args[1] % 2 != node.args[2] % 2
+    return Ref(node.args[0].name) if swapped else None
+
+
 def _match_weight_product(graph: Graph, node: Node) -> tuple[Ref, Ref] | None:
-    """(x, W) when ``node`` is matmul(x, W^T) with W a constant [N, K] transposed only there."""
-    if node.op != "matmul" or not all(isinstance(a, Ref) for a in node.args[:2]):
+    """(x, W) when ``node`` is matmul(x, W^T) or mm(x, W^T) (AOTAutograd's form of a linear
+    without bias) with W a constant [N, K]."""
+    if node.op not in ("matmul", "mm") or not all(isinstance(a, Ref) for a in node.args[:2]):
         return None
-    x, transposed = node.args[0], graph.node(node.args[1].name)
-    if transposed.op != "transpose" or not isinstance(transposed.args[0], Ref) \
-            or graph.node(transposed.args[0].name).op != CONSTANT or len(transposed.spec.shape) != 2:
-        return None
-    swapped = [d % 2 for d in transposed.args[1]] == [1, 0] if isinstance(transposed.args[1], (list, tuple)) \
-        else transposed.args[1] % 2 != transposed.args[2] % 2
-    if not swapped:
-        return None
+    x, weight = node.args[0], _transposed_constant(graph, node.args[1])
     x_spec = graph.node(x.name).spec
-    if not isinstance(x_spec, TensorSpec) or len(x_spec.shape) < 2:
+    if weight is None or not isinstance(x_spec, TensorSpec) or len(x_spec.shape) < 2:
         return None
-    return x, Ref(transposed.args[0].name)
+    return x, weight
 
 
-def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref] | None:
-    """(x, W, bias) when ``node`` is addmm(bias, view(x, [-1, K]), W) with W a constant [K, N]."""
+def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref, bool] | None:
+    """(x, W, bias, transposed) when ``node`` is addmm(bias, view(x, [-1, K]), W) with W a
+    constant [K, N] (GPT-2's Conv1D; ``transposed``: W^T is a new constant), or addmm(bias, x,
+    t(W)) with W a constant [N, K] (AOTAutograd's form of a linear with bias; x as it is)."""
     if node.op != "addmm" or len(node.args) != 3 or node.kwargs.get("beta", 1) != 1 \
             or node.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Ref) for a in node.args):
         return None
     bias, flat, weight = node.args
+    if len(graph.node(bias.name).spec.shape) != 1:
+        return None
+    read_as_is = _transposed_constant(graph, weight)
+    if read_as_is is not None:
+        return flat, read_as_is, bias, False
     if graph.node(weight.name).op != CONSTANT or graph.node(flat.name).op != "view":
         return None
     source = graph.node(flat.name).args[0]
@@ -164,4 +190,4 @@ def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref] | None:
     x_shape, k = graph.node(source.name).spec.shape, graph.node(weight.name).spec.shape[0]
     if len(x_shape) < 2 or x_shape[-1] != k or tuple(graph.node(flat.name).spec.shape)[-1] != k:
         return None
-    return source, weight, bias
+    return source, weight, bias, True

@@ -48,6 +48,7 @@ from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
+from stof_cc.runtime.capture import capture, is_collective
 from stof_cc.runtime.weights import WeightWatch, eval_mode, other_dtypes, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
@@ -98,7 +99,7 @@ class Variant:
     steps: list[Step]
     dies_after: list[list[str]] = field(default_factory=list)  # values dead after each step
     gpu: bool = False  # generated kernels run (the inputs are on a GPU with PyCUDA)
-    graph_capture: tuple | None = None  # (CUDAGraph, static inputs, static outputs) once captured
+    graph_capture: tuple | None = None  # (CapturedRun, static inputs, static outputs) once captured
     capture_failed: bool = False  # the capture raised: this variant runs uncaptured
     _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
 
@@ -174,12 +175,12 @@ class CompiledModule:
         return [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
 
     def _replay(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
-        """Run the variant as one CUDA graph: captured on first use (after two warm-up runs on
-        a side stream, which build every launch plan and cache), then replayed with the new
-        inputs copied into the captured ones. The capture runs on this device's side stream:
-        torch.cuda.graph's default capture stream is one per process, made on the first device
-        that captured, and capturing there switched a second device's launches to the first
-        device (NaN on cuda:1 after cuda:0)."""
+        """Run the variant as CUDA graphs: captured on first use (after two warm-up runs on a
+        side stream, which build every launch plan and cache), then replayed with the new inputs
+        copied into the captured ones. Collectives run between graphs (runtime/capture.py says
+        why). The capture runs on this device's side stream: torch.cuda.graph's default capture
+        stream is one per process, made on the first device that captured, and capturing there
+        switched a second device's launches to the first device (NaN on cuda:1 after cuda:0)."""
         if variant.graph_capture is None:
             static = {name: t.clone() for name, t in inputs.items()}
             side = torch.cuda.Stream()
@@ -187,15 +188,23 @@ class CompiledModule:
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self._execute(variant, static)
+            device = next((t.device for t in static.values()), torch.device("cuda"))
+            env: dict[Any, Any] = {**variant.constants_on(device), **static}
+
+            def run_step(index: int, values: dict[Any, Any]) -> None:
+                self._run(variant.graph, variant.steps[index], values, device)
+                for name in variant.dies_after[index]:
+                    values.pop(name, None)
+
+            eager = [any(is_collective(variant.graph.node(n)) for n in step.group.nodes) for step in variant.steps]
+            run = capture(eager, run_step, env, side)
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                outputs = self._execute(variant, static)
-            variant.graph_capture = (graph, static, outputs)
-        graph, static, outputs = variant.graph_capture
+            outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+            variant.graph_capture = (run, static, outputs)
+        run, static, outputs = variant.graph_capture
         for name, tensor in inputs.items():
             static[name].copy_(tensor)
-        graph.replay()
+        run.replay()
         return outputs
 
     def explain(self) -> str:
