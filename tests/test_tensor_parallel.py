@@ -56,14 +56,19 @@ SCRIPT = textwrap.dedent('''
             errors.append(((compiled(x * scale).float() - want).norm() / want.norm()).item())
     said = [str(w.message) for w in caught if "stof_cc backend" in str(w.message)]
     local = made[0].compiled
+    if local is None:  # the local graph is on the fallback: the warning says why
+        with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:
+            out.write(repr({"errors": errors, "said": said}))
+        sys.exit(0)
     variant = next(iter(local.variants.values()))
     def named(node):  # an opaque node is the torch op it calls
         return str(node.target) if node.op == "opaque" else node.op
     kinds = [(step.group.kind, step.kind, ",".join(named(variant.graph.node(n)) for n in step.group.nodes))
              for step in variant.steps]
+    in_place = [bool(step.in_place) for step, (_, _, ops) in zip(variant.steps, kinds) if "all_reduce" in ops]
     weights = [n.name for n in variant.graph.nodes() if n.op == "constant"]
     with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:  # one file a rank: prints interleave
-        out.write(repr({"errors": errors, "said": said, "kinds": kinds, "weights": len(weights),
+        out.write(repr({"errors": errors, "said": said, "kinds": kinds, "weights": len(weights), "in_place": in_place,
                         "inputs": [str(n.spec) for n in variant.graph.inputs], "explain": local.explain()}))
     dist.destroy_process_group()
 ''')
@@ -96,6 +101,7 @@ def _check_plan(found: dict) -> None:
     collectives = [(kind, step) for kind, step, ops in found["kinds"] if "all_reduce" in ops]
     assert len(gemms) == 2 and collectives, found["explain"]
     assert all(kind == "opaque" and step == "torch" for kind, step in collectives), found["explain"]
+    assert found["in_place"] and all(found["in_place"]), found  # each all-reduce on its dying input, no clone
     # the local shards of both linears' weights and biases (and the norm's) are the graph's constants
     assert found["weights"] >= 4 and len(found["inputs"]) == 1, found
 

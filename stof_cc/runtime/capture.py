@@ -5,8 +5,9 @@ Those steps are collectives (the all-reduce of a tensor-parallel rank's graph). 
 inside a captured graph, but a communicator that a live graph captured cannot be destroyed:
 `torch.distributed.destroy_process_group()` then hangs for ever (pytorch/pytorch#115388; it hung
 here on two H100s). So the steps between collectives are captured as graphs that share one
-memory pool, and each collective runs eagerly between them, its output copied into the tensor
-the next graph was captured reading (one copy of the all-reduced activation per collective).
+memory pool, and each collective runs eagerly between them. An all-reduce runs in place
+(runtime/collectives.py), so its result is already where the next graph reads it; any other
+eager result is copied into the tensor the next graph was captured reading.
 A variant without collectives is one graph, as before."""
 
 from __future__ import annotations
@@ -16,11 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-
-def is_collective(node: Any) -> bool:
-    """Whether an IR node is a torch.distributed collective (a functional c10d op)."""
-    return node.op == "opaque" and "_c10d_functional" in str(node.target)
 
 
 @dataclass
@@ -53,7 +49,8 @@ class CapturedRun:
             for index in piece.steps:
                 self.run_step(index, env)
             for name, slot in piece.slots.items():
-                slot.copy_(env[name])
+                if env[name].data_ptr() != slot.data_ptr():  # an all-reduce in place is there already
+                    slot.copy_(env[name])
 
 
 def capture(eager: Sequence[bool], run_step: Callable[[int, dict[Any, Any]], None], env: dict[Any, Any],

@@ -48,7 +48,8 @@ from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
-from stof_cc.runtime.capture import capture, is_collective
+from stof_cc.runtime.capture import capture
+from stof_cc.runtime.collectives import all_reduce_in_place, in_place_all_reduces, is_collective
 from stof_cc.runtime.weights import WeightWatch, eval_mode, other_dtypes, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
@@ -75,6 +76,7 @@ class Step:
     bias: tuple[str, ...] = ()  # attention steps: the values the kernel adds to the scores (float mask, ALiBi)
     empty_rows: str | None = None  # attention steps: what a query with no allowed key gives, if not 0
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
+    in_place: tuple[str, ...] = ()  # torch steps: all-reduces run in place on their dying input (collectives.py)
 
     def writes(self) -> set[str]:
         """The values this step leaves for later steps: a kernel its one output, any other
@@ -235,7 +237,10 @@ class CompiledModule:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
         steps = self.steps(graph, plan, gpu)
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
-        return Variant(graph, plan, steps, _lifetimes(graph, steps), gpu=gpu)
+        dies_after = _lifetimes(graph, steps)
+        for step, dying in zip(steps, dies_after, strict=True):
+            step.in_place = in_place_all_reduces(graph, step.group.nodes, dying)
+        return Variant(graph, plan, steps, dies_after, gpu=gpu)
 
     def steps(self, graph: Graph, plan: FusionPlan, gpu: bool) -> list[Step]:
         """One step per group of ``plan``, in order: a generated kernel, stof-cc's attention or
@@ -316,6 +321,9 @@ class CompiledModule:
                 continue
             if name in step.rotary:
                 env[name] = rotary(*(env[r.name] for r in graph.node(name).args))
+                continue
+            if name in step.in_place:
+                env[name] = all_reduce_in_place(graph, name, env)
                 continue
             if step.kind == "torch" and step.mask is not None and name == step.group.anchor:  # mask= in torch
                 env[name] = self._reference_attention(graph.node(name), env)

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.reference import relative_error
 from stof_cc.passes import cast_floating
-from stof_cc.runtime.capture import is_collective
+from stof_cc.runtime.collectives import is_collective
 from stof_cc.runtime.compiled import CompiledModule, _on_device_of, _signature
 
 
