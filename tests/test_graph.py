@@ -273,3 +273,26 @@ def test_a_graph_traced_on_a_gpu_verifies_with_its_device_literals():
         k: torch.device("cuda", 0) if isinstance(v, torch.device) else v for k, v in node.kwargs.items()}))
     assert any(v == torch.device("cuda", 0) for n in on_gpu.nodes() for v in n.kwargs.values())
     on_gpu.verify()
+
+
+def _layer_norm_graph(stats_dtype: torch.dtype, stats_shape=(2, 5, 1)) -> Graph:
+    """native_layer_norm as AOTAutograd traces it: (out, mean, rstd)."""
+    g = Graph("norm")
+    g.add_input("x", TensorSpec((2, 5, 8), torch.float16))
+    g.add_constant("w", torch.ones(8, dtype=torch.float16))
+    g.add_constant("b", torch.zeros(8, dtype=torch.float16))
+    spec = (TensorSpec((2, 5, 8), torch.float16), TensorSpec(stats_shape, stats_dtype), TensorSpec(stats_shape, stats_dtype))
+    g.add_node(Node("ln", "layer_norm", "aten.native_layer_norm.default", (Ref("x"), [8], Ref("w"), Ref("b"), 1e-5),
+                    spec=spec))
+    g.add_node(Node("y", "getitem", "operator.getitem", (Ref("ln"), 0), spec=spec[0]))
+    g.outputs = [Ref("y")]
+    return g
+
+
+def test_a_layer_norm_traced_on_a_gpu_keeps_its_float32_statistics():
+    """On CUDA native_layer_norm keeps fp16 inputs' mean and rstd in fp32, on the CPU (where shape
+    rules run) in fp16: the GPU's record verifies; a wrong shape still does not."""
+    _layer_norm_graph(torch.float32).verify()
+    _layer_norm_graph(torch.float16).verify()
+    with pytest.raises(GraphError, match="recorded spec"):
+        _layer_norm_graph(torch.float32, stats_shape=(2, 5, 2)).verify()

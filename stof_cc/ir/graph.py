@@ -34,7 +34,7 @@ from stof_cc.ir.node import (
     format_arg,
     format_spec,
 )
-from stof_cc.ir.ops import infer_spec, pattern_kind
+from stof_cc.ir.ops import infer_spec, matches_on_some_device, pattern_kind
 
 
 class Graph:
@@ -199,7 +199,7 @@ class Graph:
                     raise GraphError(f"constant %{node.name}: tensor does not match spec {node.spec}")
             elif node.op != INPUT and check_shapes:
                 expected = infer_spec(self, node)
-                if expected != node.spec:
+                if not matches_on_some_device(node, node.spec, expected):
                     raise GraphError(
                         f"node %{node.name} ({node.op}): recorded spec {format_spec(node.spec)} "
                         f"but its inputs give {format_spec(expected)}"

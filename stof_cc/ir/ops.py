@@ -168,6 +168,24 @@ def infer_spec(graph: Graph, node: Node) -> Spec:
     return spec_of_value(result)
 
 
+# Ops whose outputs after the first are statistics kept in the accumulation type on CUDA (float32
+# for fp16 / bf16 inputs) but in the input dtype on the CPU, where the shape rule runs: a graph
+# AOTAutograd traced on a GPU records f32 there (the tensor-parallel route's LayerNorm).
+_DEVICE_DTYPED_STATS = ("aten.native_layer_norm.", "aten.native_group_norm.")
+
+
+def matches_on_some_device(node: Node, recorded: Spec, inferred: Spec) -> bool:
+    """Whether ``recorded`` is ``inferred`` as another device computes it: the same, or (ops of
+    `_DEVICE_DTYPED_STATS`) the same but for float32 statistics where the CPU keeps the input dtype."""
+    if recorded == inferred:
+        return True
+    if not str(node.target).startswith(_DEVICE_DTYPED_STATS) or not isinstance(recorded, tuple) \
+            or not isinstance(inferred, tuple) or len(recorded) != len(inferred) or recorded[0] != inferred[0]:
+        return False
+    return all(r == i or (isinstance(r, TensorSpec) and isinstance(i, TensorSpec) and r.shape == i.shape
+                          and r.dtype == torch.float32) for r, i in zip(recorded[1:], inferred[1:], strict=True))
+
+
 def _ops(kind: str, doc: str, table: dict[str, tuple[str, ...]]) -> None:
     for name, packets in table.items():
         register_op(OpDef(name, kind, packets, doc=doc))
