@@ -23,7 +23,7 @@ LAYERS = (
     ("tune",),  # stage 1 and stage 2 of the search, the database
     ("runtime",),  # stof_cc.attention, stof_cc.compile, the build folder
     ("loading",),  # FILE.py:FACTORY references
-    ("hf",),  # attn_implementation="stof_cc": transformers' registries onto stof_cc.attention
+    ("hf", "distributed"),  # transformers' registries; context parallelism over torch.distributed, both onto stof_cc.attention
     ("cli",),  # the stof-cc command
 )
 LEVEL = {name: index for index, names in enumerate(LAYERS) for name in names}

@@ -6,11 +6,10 @@ are checked); on two GPUs (NCCL, fp16) the GEMM groups run stof-cc's kernels."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from ranks import torchrun, two_gpus
 
 SCRIPT = textwrap.dedent('''
     import sys
@@ -74,18 +73,6 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    """Two ranks of ``args`` under torchrun --standalone. Its rendezvous port is picked free and
-    bound a moment later, so a process starting beside it can take it first: one retry where the
-    failure says so."""
-    command = [sys.executable, "-W", "always", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               *args]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if run.returncode != 0 and "address already in use" in (run.stdout + run.stderr).lower():
-        run = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    return run
-
-
 def _run_two_ranks(tmp_path, kind: str) -> list[dict]:
     pytest.importorskip("torch.distributed.tensor.parallel")
     script = tmp_path / "tp.py"
@@ -113,14 +100,8 @@ def test_a_tensor_parallel_model_compiles_its_local_graph_with_the_all_reduce_as
         _check_plan(found)
 
 
-def _two_gpus() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+@pytest.mark.skipif(not two_gpus(), reason="needs two GPUs")
 def test_on_two_gpus_the_local_graphs_gemms_run_stof_cc_kernels(tmp_path):
     """NCCL, fp16, width 256: within 1e-2 of the whole model in fp32; the GEMM groups are kernels."""
     for found in _run_two_ranks(tmp_path, "cuda"):
@@ -205,7 +186,7 @@ def test_grouped_heads_stay_grouped_when_sdpa_comes_back():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs")
+@pytest.mark.skipif(not two_gpus(), reason="needs two GPUs")
 def test_the_example_runs_on_two_gpus_and_matches_the_unsharded_model():
     """examples/tensor_parallel.py at a small Llama shape over NCCL (fp16): attention on local heads
     with grouped K/V, the all-reduces between the groups, within 1e-2 of the unsharded model run eagerly

@@ -5,6 +5,7 @@ from stof_cc.masks.block_mask import BlockMask
 from stof_cc.masks.description import MaskDescription
 from stof_cc.masks.errors import MaskError, MaskTypeError
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+from stof_cc.masks.region import region
 from stof_cc.masks.spec import parse_spec
 from stof_cc.masks.user import from_dense, from_mask_mod, from_padding
 from stof_cc.masks.zoo import (
@@ -44,6 +45,7 @@ __all__ = [
     "longformer",
     "parse_spec",
     "random_blocks",
+    "region",
     "sliding_window",
     "strided",
 ]

@@ -1,0 +1,112 @@
+"""Context parallelism (stof_cc/distributed.py): the plan read off the mask's block classes, and
+the attention of every rank's shard on gloo ranks on the CPU (the chunks through the torch
+reference there) against one process's masked attention; on GPUs (NCCL, the kernels) against
+one GPU's `stof_cc.attention`."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from ranks import torchrun, two_gpus
+
+from stof_cc import masks
+from stof_cc.distributed import context_parallel_plan, rank_chunks, shard_sequence
+from stof_cc.masks.region import region
+
+
+def test_balanced_chunks_pair_the_first_with_the_last():
+    assert [rank_chunks(r, 2) for r in (0, 1)] == [[0, 3], [1, 2]]
+    x = torch.arange(8).view(1, 1, 8, 1)
+    assert shard_sequence(x, 1, 2).flatten().tolist() == [2, 3, 4, 5]
+    assert shard_sequence(x, 1, 2, balanced=False).flatten().tolist() == [4, 5, 6, 7]
+
+
+def test_the_plan_sends_only_the_chunks_queries_see():
+    seq = 4 * 256
+    causal = context_parallel_plan(masks.causal(), seq, 2)
+    assert causal.sees == ((0,), (0, 1), (0, 1, 2), (0, 1, 2, 3))
+    assert causal.receives(0) == [(1, 1), (1, 2)] and causal.receives(1) == [(0, 0)]
+    assert causal.sends(1) == [(0, 1), (0, 2)] and causal.sends(0) == [(1, 0)]
+    documents = context_parallel_plan(masks.document([256] * 4), seq, 2)
+    assert documents.receives(0) == documents.receives(1) == [] and documents.bytes_sent(0, 1) == 0
+    window = context_parallel_plan(masks.sliding_window(64), 8 * 256, 4)  # reaching the neighbouring chunks
+    assert window.sees[3] == (2, 3, 4)
+    assert all(window.bytes_sent(r, 1) < window.ring_bytes_sent(1) for r in range(4))
+
+
+def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side():
+    seq, chunk = 1024, 128
+    for mask in (masks.causal(), masks.sliding_window(100), masks.document([300, 424, 300]),
+                 masks.bigbird(64, 1, 2, 1)):
+        dense = mask.to_dense(seq, seq)[..., 5 * chunk:7 * chunk, :]
+        want = torch.cat([dense[..., c * chunk:(c + 1) * chunk] for c in (0, 2, 5)], dim=-1)
+        part = region(mask, seq, 5 * chunk, 2 * chunk, chunk, [0, 2, 5])
+        assert torch.equal(part.to_dense(2 * chunk, 3 * chunk).expand_as(want), want), mask
+        built = part.block_mask(2 * chunk, 3 * chunk, 64, 64)  # read off the parent's classes: exact
+        assert torch.equal(built.to_dense().expand_as(want), want), mask
+
+
+SCRIPT = textwrap.dedent('''
+    import sys
+    import torch, torch.distributed as dist
+    from stof_cc import masks
+    from stof_cc.distributed import context_parallel_attention, context_parallel_plan, gather_sequence, shard_sequence
+    from stof_cc.ir.reference import masked_attention
+    from stof_cc.runtime.attention import attention
+
+    kind, seq = sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo" if kind == "cpu" else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cpu" if kind == "cpu" else f"cuda:{rank}"
+    if kind != "cpu":
+        torch.cuda.set_device(device)
+    dtype = torch.float32 if kind == "cpu" else torch.float16
+    torch.manual_seed(0)  # every rank the same full inputs
+    q = torch.randn(1, 4, seq, 64, device=device, dtype=dtype)
+    k, v = (torch.randn(1, 2, seq, 64, device=device, dtype=dtype) for _ in range(2))
+    found = {}
+    for name, mask in (("causal", masks.causal()), ("sliding", masks.sliding_window(seq // 8)),
+                       ("document", masks.document([seq // 4] * 4)), ("bigbird", masks.bigbird(64, 1, 2, 1))):
+        with torch.no_grad():
+            local = context_parallel_attention(*(shard_sequence(t, rank, world) for t in (q, k, v)), mask)
+            got = gather_sequence(local)
+            if kind == "cpu":
+                want = masked_attention(q, k, v, mask.to_dense(seq, seq, 1, 4))
+            else:
+                want = attention(q, k, v, mask)
+        error = float((got.float() - want.float()).norm() / want.float().norm())
+        chunk_bytes = 2 * k[..., : seq // (2 * world), :].numel() * k.element_size()
+        plan = context_parallel_plan(mask, seq, world, batch=1, heads=4)
+        found[name] = (error, plan.bytes_sent(rank, chunk_bytes), plan.ring_bytes_sent(chunk_bytes))
+    with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
+        out.write(repr(found))
+    dist.destroy_process_group()
+''')
+
+
+def _run(tmp_path, kind: str, seq: int) -> list[dict]:
+    script = tmp_path / "cp.py"
+    script.write_text(SCRIPT)
+    run = torchrun(str(script), str(tmp_path), kind, str(seq))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return [eval((tmp_path / f"rank{rank}.txt").read_text()) for rank in (0, 1)]  # noqa: S307 (the script's repr)
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_compute_what_one_process_does_sending_only_what_is_seen(tmp_path):
+    for found in _run(tmp_path, "cpu", 1024):
+        for name, (error, sent, ring) in found.items():
+            assert error < 1e-5, (name, found)
+            assert sent <= ring, (name, found)
+        # documents within chunks: nothing moves; causal: rank 0's late chunk sees all, rank 1 sends half a ring
+        assert found["document"][1] == 0 and found["causal"][1] <= found["causal"][2], found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not two_gpus(), reason="needs two GPUs")
+def test_two_gpus_compute_what_one_gpu_does(tmp_path):
+    for found in _run(tmp_path, "cuda", 4096):
+        for name, (error, _, _) in found.items():
+            assert error < 1e-2, (name, found)
