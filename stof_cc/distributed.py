@@ -105,9 +105,11 @@ class ContextParallelPlan:
         return (self.world - 1) * len(rank_chunks(0, self.world, self.balanced)) * chunk_bytes
 
 
-# per mask (weakly: a mask's id is reused once it is freed), its plans and regions by sizes
+# per mask (weakly: a mask's id is reused once it is freed), its plans by sizes; its regions live on
+# the mask itself (a region holds its parent: a weak-keyed table of them would keep every mask alive)
 _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, ContextParallelPlan]] = weakref.WeakKeyDictionary()
-_regions: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, MaskDescription]] = weakref.WeakKeyDictionary()
+_REGIONS = "_context_parallel_regions"
+_joined: set[str] = set()  # the groups every rank has met in a collective (NCCL's communicator is made)
 
 
 def context_parallel_plan(mask: MaskDescription, seq: int, world: int, balanced: bool = True,
@@ -151,7 +153,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         seen = plan.sees[chunk]
         if not seen:  # no allowed key: zeros, as stof_cc.attention gives such rows
             continue
-        regions = _regions.setdefault(mask, {})
+        regions = mask.__dict__.setdefault(_REGIONS, {})
         where = (seq, chunk * length, length, seen)
         if where not in regions:
             regions[where] = region(mask, seq, chunk * length, length, length, seen)
@@ -177,6 +179,10 @@ def _exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | N
         keys[chunk] = k.new_empty(shape)
         values[chunk] = v.new_empty((*v.shape[:-2], plan.chunk, v.shape[-1]))
         ops += [dist.P2POp(dist.irecv, keys[chunk], peer, group), dist.P2POp(dist.irecv, values[chunk], peer, group)]
+    name = (group or dist.group.WORLD).group_name
+    if name not in _joined:  # a first batch_isend_irecv on a group needs every rank in it, and some have no ops
+        dist.barrier(group=group)
+        _joined.add(name)
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()

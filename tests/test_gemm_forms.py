@@ -115,3 +115,20 @@ def test_aotautograds_linears_become_linears_again():
     fresh = torch.randn(2, 5, 16)
     got = stof_cc.interpret(graph, fresh)
     torch.testing.assert_close(got[0] if isinstance(got, (tuple, list)) else got, model(fresh)[0].detach())
+
+
+def test_an_addmm_with_a_broadcast_bias_stays():
+    """linear's bias is one value per output column: a bias of shape [1] broadcast by addmm is not
+    one (the GEMM epilogue would read past it)."""
+
+    class OneBias(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.randn(24, 16)), torch.nn.Parameter(torch.randn(1))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight.t())
+
+    x = torch.randn(5, 16)
+    graph = canonical_gemms(canonicalize(stof_cc.trace(OneBias(), (x,))))
+    assert graph.op_histogram().get("linear", 0) == 0 and graph.op_histogram()["addmm"] == 1

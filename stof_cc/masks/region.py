@@ -5,8 +5,8 @@ attends with (stof_cc/distributed.py).
 
 is the mask of queries q_start .. q_start + q_len - 1 of ``mask`` (for sequences of ``seq``)
 against the keys of chunks ``chunks`` (chunk c: keys c * chunk .. (c + 1) * chunk - 1), laid
-side by side in that order. Its blocks are classified from the parent's exact classes on the
-full grid (sliced, no element evaluated) wherever the block shape divides q_start and the chunk,
+side by side in that order. Its blocks are classified from the parent's exact classes (the
+region's block rows taken from the parent's runs, no element evaluated) wherever the block shape divides q_start and the chunk,
 so FULL blocks stay FULL (no mask work in the kernel) and EMPTY ones are skipped; elsewhere every
 block is evaluated.
 """
@@ -61,12 +61,15 @@ class _Region(MaskDescription):
         dims = self._dims(grid.ext)
         if not self._aligned(grid):
             return ClassRuns.filled(grid.shape(*dims), PARTIAL)
-        parent = self.parent.block_classes(self.seq, self.seq, grid.block_m, grid.block_n,
-                                           grid.ext.batch, grid.ext.heads)
-        rows = slice(self.q_start // grid.block_m, (self.q_start + self.q_len) // grid.block_m)
+        parent = self.parent.block_runs(self.seq, self.seq, grid.block_m, grid.block_n, grid.ext.batch,
+                                        grid.ext.heads)
+        n_rb = self.q_len // grid.block_m
+        slices = torch.arange(parent.batch * parent.heads).view(-1, 1) * parent.n_rb
+        rows = (slices + self.q_start // grid.block_m + torch.arange(n_rb)).flatten()
+        mine = parent.take_rows(rows, parent.batch, parent.heads, n_rb).to_dense()  # only the region's rows
         per_chunk = self.chunk // grid.block_n
         columns = torch.cat([torch.arange(c * per_chunk, (c + 1) * per_chunk) for c in self.chunks])
-        return ClassRuns.from_dense(parent[:, :, rows][..., columns].contiguous())
+        return ClassRuns.from_dense(mine[..., columns].contiguous())
 
     def exact_classes(self, grid: BlockGrid) -> bool:
         return self._aligned(grid)

@@ -177,7 +177,8 @@ def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref, bool] | None:
             or node.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Ref) for a in node.args):
         return None
     bias, flat, weight = node.args
-    if len(graph.node(bias.name).spec.shape) != 1:
+    n = node.spec.shape[-1]
+    if tuple(graph.node(bias.name).spec.shape) != (n,):  # a broadcast bias ([1], [M, N]) is not linear's
         return None
     read_as_is = _transposed_constant(graph, weight)
     if read_as_is is not None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from stof_cc.runtime.collectives import wait
+
 
 @dataclass
 class _EagerPiece:
@@ -49,8 +51,9 @@ class CapturedRun:
             for index in piece.steps:
                 self.run_step(index, env)
             for name, slot in piece.slots.items():
-                if env[name].data_ptr() != slot.data_ptr():  # an all-reduce in place is there already
-                    slot.copy_(env[name])
+                value = wait(env[name])  # a collective's result is complete before a graph reads it
+                if value.data_ptr() != slot.data_ptr():  # an all-reduce in place is there already
+                    slot.copy_(value)
 
 
 def capture(eager: Sequence[bool], run_step: Callable[[int, dict[Any, Any]], None], env: dict[Any, Any],
@@ -72,8 +75,13 @@ def capture(eager: Sequence[bool], run_step: Callable[[int, dict[Any, Any]], Non
                 before = {name: id(value) for name, value in env.items()}
                 for index in range(start, end):
                     run_step(index, env)
-                slots = {name: value for name, value in env.items()
+                slots = {name: wait(value) for name, value in env.items()
                          if isinstance(value, torch.Tensor) and before.get(name) != id(value)}
+                untracked = sorted(str(name) for name, value in env.items()
+                                   if not isinstance(value, torch.Tensor) and before.get(name) != id(value))
+                if untracked:  # a later graph would read them as they were at capture
+                    raise RuntimeError(f"stof_cc: steps outside the CUDA graphs wrote non-tensor values "
+                                       f"({', '.join(untracked)}), which the graphs after them cannot follow")
                 pieces.append(_EagerPiece(list(range(start, end)), reads, slots))
             else:
                 graph = torch.cuda.CUDAGraph()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.ir.graph import CONSTANT, INPUT, Graph, Ref
+from stof_cc.ir.graph import Graph, Ref
 
 ALL_REDUCE = "_c10d_functional.all_reduce.default"
 
@@ -23,9 +23,10 @@ def is_collective(node: Any) -> bool:
     return node.op == "opaque" and "_c10d_functional" in str(node.target)
 
 
-def in_place_all_reduces(graph: Graph, nodes: list[str], dying: list[str]) -> tuple[str, ...]:
-    """The all-reduce nodes among ``nodes`` (one step's) that may run in place: their input is
-    an intermediate value that dies at this step (``dying``) and no other node of the step reads."""
+def in_place_all_reduces(graph: Graph, nodes: list[str], dying: list[str], fresh: set[str]) -> tuple[str, ...]:
+    """The all-reduce nodes among ``nodes`` (one step's) that may run in place: their input is a
+    value a generated kernel wrote (``fresh``: a tensor of its own, no view of another value), it
+    dies at this step (``dying``), no other node of the step reads it, and it is no graph output."""
     found = []
     for name in nodes:
         node = graph.node(name)
@@ -33,13 +34,21 @@ def in_place_all_reduces(graph: Graph, nodes: list[str], dying: list[str]) -> tu
             continue
         source = node.args[0].name
         readers = [n for n in nodes if any(r.name == source for r in graph.node(n).refs())]
-        if source in dying and readers == [name] and graph.node(source).op not in (INPUT, CONSTANT) \
-                and not graph.is_output(source):
+        if source in fresh and source in dying and readers == [name] and not graph.is_output(source):
             found.append(name)
     return tuple(found)
 
 
 def all_reduce_in_place(graph: Graph, name: str, env: dict[str, Any]) -> torch.Tensor:
-    """Run the all-reduce node ``name`` in place on its input's value (see `in_place_all_reduces`)."""
+    """Run the all-reduce node ``name`` in place on its input's value (see `in_place_all_reduces`);
+    the functional op (a reduced copy) where that value is not contiguous, which NCCL needs."""
     source, reduce_op, group = graph.node(name).args[:3]
-    return torch.ops._c10d_functional.all_reduce_.default(env[source.name], reduce_op, group)
+    value = env[source.name]
+    if not value.is_contiguous():
+        return torch.ops._c10d_functional.all_reduce.default(value, reduce_op, group)
+    return torch.ops._c10d_functional.all_reduce_.default(value, reduce_op, group)
+
+
+def wait(value: Any) -> Any:
+    """A collective's result made complete on the current stream (a no-op for any other tensor)."""
+    return torch.ops._c10d_functional.wait_tensor.default(value) if isinstance(value, torch.Tensor) else value

@@ -238,8 +238,9 @@ class CompiledModule:
         steps = self.steps(graph, plan, gpu)
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
         dies_after = _lifetimes(graph, steps)
+        fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
         for step, dying in zip(steps, dies_after, strict=True):
-            step.in_place = in_place_all_reduces(graph, step.group.nodes, dying)
+            step.in_place = in_place_all_reduces(graph, step.group.nodes, dying, fresh)
         return Variant(graph, plan, steps, dies_after, gpu=gpu)
 
     def steps(self, graph: Graph, plan: FusionPlan, gpu: bool) -> list[Step]:
