@@ -132,3 +132,33 @@ def test_an_addmm_with_a_broadcast_bias_stays():
     x = torch.randn(5, 16)
     graph = canonical_gemms(canonicalize(stof_cc.trace(OneBias(), (x,))))
     assert graph.op_histogram().get("linear", 0) == 0 and graph.op_histogram()["addmm"] == 1
+
+
+def test_aotautograds_sibling_linears_read_one_input_and_merge():
+    """AOTAutograd flattens the input before each projection's mm, one view per projection: the
+    linears read the unflattened input itself, so Q, K and V merge as in an export."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from stof_cc.passes import merge_parallel_linears
+    from stof_cc.runtime.dynamo_backend import _FrozenWeights
+
+    class Projections(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(16, 8, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return tuple(p(x).view(2, 5, 2, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+
+    torch.manual_seed(0)
+    model, x = Projections().eval(), torch.randn(2, 5, 16)
+    params, grabbed = list(model.parameters()), []
+    with torch.no_grad():
+        aot_module_simplified(model, (x,), fw_compiler=lambda gm, _: grabbed.append(gm) or gm)(x)
+        frozen = _FrozenWeights(grabbed[0], [*params, x], slots=list(range(len(params))))
+        graph = merge_parallel_linears(canonical_gemms(canonicalize(stof_cc.trace(frozen, (x,)))))
+    (linear,) = [n for n in graph.nodes() if n.op == "linear"]
+    assert graph.node(linear.args[0].name).op == "input" and tuple(linear.spec.shape) == (2, 5, 24)
+    fresh = torch.randn(2, 5, 16)
+    for got, want in zip(stof_cc.interpret(graph, fresh), model(fresh), strict=True):
+        torch.testing.assert_close(got, want.detach())

@@ -28,6 +28,7 @@ sitting between a LayerNorm and its GEMM. Pure: the input graph is not modified.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from stof_cc.ir.graph import CONSTANT, Graph, Node, Ref, TensorSpec
@@ -67,13 +68,13 @@ def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Grap
             return Node(node.name, "linear", "aten.linear.default", (x, *map(Ref, rows)), {}, node.spec)
         if node.name in products:
             report.rewritten.append(node.name)
-            return Node(node.name, "linear", "aten.linear.default", products[node.name], {}, node.spec)
+            return _linear_on_unflattened(graph, out, node, *products[node.name])
         if node.name not in matches:
             return node
         x, weight, bias, transpose = matches[node.name]
-        if not transpose:  # addmm(b, x, t(W)): linear(x, W, b) reads W as it is, same shapes
+        if not transpose:  # addmm(b, x, t(W)): linear(x, W, b) reads W as it is
             report.rewritten.append(node.name)
-            return Node(node.name, "linear", "aten.linear.default", (x, weight, bias), {}, node.spec)
+            return _linear_on_unflattened(graph, out, node, x, weight, bias)
         transposed = out.add_constant(out.fresh_name(f"{weight.name}_t"),
                                       graph.constants[weight.name].t().contiguous())
         k_spec = graph.node(x.name).spec
@@ -86,6 +87,28 @@ def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Grap
                     node.spec)
 
     return _collapse_views(remove_dead_nodes(graph.rebuild(rewrite)))
+
+
+def _linear_on_unflattened(graph: Graph, out: Graph, node: Node, x: Ref, *params: Ref) -> Node:
+    """``node`` (a GEMM over ``x``) as linear(x, *params); where x only flattens an input's leading
+    dims (AOTAutograd's view(x, [M, K]) before mm, through any chain of views), the linear reads
+    that input and a view
+    flattens its result under ``node``'s name: linears of one input then share it (QKV, gate and
+    up merge), and the view back to [..., N] after it collapses."""
+    viewed = graph.node(x.name)
+    source = None
+    while viewed.op == "view" and isinstance(viewed.args[0], Ref):  # reshapes of reshapes: one reshape
+        source = viewed.args[0]
+        viewed = graph.node(source.name)
+    viewed = graph.node(x.name)
+    spec = graph.node(source.name).spec if isinstance(source, Ref) else None
+    if not isinstance(spec, TensorSpec) or len(spec.shape) < 3 or len(viewed.spec.shape) != 2 \
+            or tuple(viewed.spec.shape) != (math.prod(spec.shape[:-1]), spec.shape[-1]):
+        return Node(node.name, "linear", "aten.linear.default", (x, *params), {}, node.spec)
+    linear = out.add_node(Node(out.fresh_name(f"{node.name}_linear"), "linear", "aten.linear.default",
+                               (source, *params), {}, TensorSpec((*spec.shape[:-1], node.spec.shape[-1]),
+                                                                 node.spec.dtype)))
+    return Node(node.name, "view", "aten.view.default", (Ref(linear.name), list(node.spec.shape)), {}, node.spec)
 
 
 def _collapse_views(graph: Graph) -> Graph:

@@ -52,7 +52,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("canonicalize", "canonical", canonicalize,
          "exact in-place ops made out-of-place, constants folded, identities dropped"),
     Pass("canonical_gemms", "gemms", canonical_gemms,
-         "addmm and x @ W.T -> linear; a linear read through pieces -> one per piece"),
+         "addmm, mm(x, t(W)) and x @ W.T -> linear; a linear read through pieces -> one per piece"),
     Pass("recognise_patterns", "patterns", recognise_patterns,
          "the rules of passes/patterns.py: " + ", ".join(rule.name for rule in RULES)),
     Pass("merge_parallel_linears", "horizontal", merge_parallel_linears,
