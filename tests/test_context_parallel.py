@@ -44,8 +44,9 @@ def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side(
         want = torch.cat([dense[..., c * chunk:(c + 1) * chunk] for c in (0, 2, 5)], dim=-1)
         part = region(mask, seq, 5 * chunk, 2 * chunk, chunk, [0, 2, 5])
         assert torch.equal(part.to_dense(2 * chunk, 3 * chunk).expand_as(want), want), mask
-        built = part.block_mask(2 * chunk, 3 * chunk, 64, 64)  # read off the parent's classes: exact
-        assert torch.equal(built.to_dense().expand_as(want), want), mask
+        for block_m, block_n in ((64, 64), (160, 64), (96, 128)):  # whole parent blocks; a ragged row; evaluated
+            built = part.block_mask(2 * chunk, 3 * chunk, block_m, block_n)
+            assert torch.equal(built.to_dense().expand_as(want), want), (mask, block_m, block_n)
 
 
 SCRIPT = textwrap.dedent('''

@@ -6,9 +6,9 @@ attends with (stof_cc/distributed.py).
 is the mask of queries q_start .. q_start + q_len - 1 of ``mask`` (for sequences of ``seq``)
 against the keys of chunks ``chunks`` (chunk c: keys c * chunk .. (c + 1) * chunk - 1), laid
 side by side in that order. Its blocks are classified from the parent's exact classes (the
-region's block rows taken from the parent's runs, no element evaluated) wherever the block shape divides q_start and the chunk,
-so FULL blocks stay FULL (no mask work in the kernel) and EMPTY ones are skipped; elsewhere every
-block is evaluated.
+region's block rows taken from the parent's runs, no element evaluated) wherever the block shape
+divides q_start and the chunk, so FULL blocks stay FULL (no mask work in the kernel) and EMPTY
+ones are skipped; elsewhere every block is evaluated.
 """
 
 from __future__ import annotations
@@ -53,17 +53,18 @@ class _Region(MaskDescription):
         keys = self._key_starts(k.device)[k // self.chunk] + k % self.chunk
         return self.parent._eval(self._parent_extent(ext), b, h, q + self.q_start, keys)
 
-    def _aligned(self, grid: BlockGrid) -> bool:
-        return self.q_start % grid.block_m == 0 and self.q_len % grid.block_m == 0 \
-            and self.chunk % grid.block_n == 0 and self.seq % grid.block_n == 0 and self.seq % grid.block_m == 0
+    def _reads_parent(self, grid: BlockGrid) -> bool:
+        """Whether the region's block rows start on the parent's and its key chunks are whole
+        parent block columns: then each region block lies in one parent block."""
+        return self.q_start % grid.block_m == 0 and self.chunk % grid.block_n == 0
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         dims = self._dims(grid.ext)
-        if not self._aligned(grid):
+        if not self._reads_parent(grid):
             return ClassRuns.filled(grid.shape(*dims), PARTIAL)
         parent = self.parent.block_runs(self.seq, self.seq, grid.block_m, grid.block_n, grid.ext.batch,
                                         grid.ext.heads)
-        n_rb = self.q_len // grid.block_m
+        n_rb = grid.n_rb
         slices = torch.arange(parent.batch * parent.heads).view(-1, 1) * parent.n_rb
         rows = (slices + self.q_start // grid.block_m + torch.arange(n_rb)).flatten()
         mine = parent.take_rows(rows, parent.batch, parent.heads, n_rb).to_dense()  # only the region's rows
@@ -72,7 +73,10 @@ class _Region(MaskDescription):
         return ClassRuns.from_dense(mine[..., columns].contiguous())
 
     def exact_classes(self, grid: BlockGrid) -> bool:
-        return self._aligned(grid)
+        """Exact where every region block is a whole parent block; a ragged last block row lies
+        in a parent block that reaches past the region: its FULL and EMPTY hold, its PARTIAL
+        may not (the builder evaluates those tiles)."""
+        return self._reads_parent(grid) and self.q_len % grid.block_m == 0
 
 
 def region(mask: MaskDescription, seq: int, q_start: int, q_len: int, chunk: int,
