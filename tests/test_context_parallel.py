@@ -111,3 +111,24 @@ def test_two_gpus_compute_what_one_gpu_does(tmp_path):
     for found in _run(tmp_path, "cuda", 4096):
         for name, (error, _, _) in found.items():
             assert error < 1e-2, (name, found)
+
+
+@pytest.mark.gpu
+def test_the_kernels_attend_with_a_region_as_with_its_dense_mask():
+    """One GPU: each query chunk of a rank, its keys gathered, through stof_cc.attention with the
+    region mask (the parent's FULL and EMPTY blocks, a ragged block row where the kernel's block
+    does not divide the chunk) against the torch reference with the region's dense mask."""
+    from stof_cc.ir.reference import masked_attention
+    from stof_cc.runtime.attention import attention
+
+    seq, chunk = 4096, 1024
+    torch.manual_seed(0)
+    for mask in (masks.causal(), masks.sliding_window(512), masks.document([1024] * 4), masks.bigbird(64, 1, 2, 1)):
+        part = region(mask, seq, 3 * chunk, chunk, chunk, [0, 2, 3])
+        q = torch.randn(1, 4, chunk, 64, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(1, 2, 3 * chunk, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+        with torch.no_grad():
+            got = attention(q, k, v, part)
+        want = masked_attention(q, k, v, part.to_dense(chunk, 3 * chunk, 1, 4).cuda())
+        error = float((got.float() - want.float()).norm() / want.float().norm())
+        assert error < 1e-2, (mask, error)
