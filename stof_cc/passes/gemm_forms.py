@@ -71,39 +71,28 @@ def canonical_gemms(graph: Graph, report: GemmFormsReport | None = None) -> Grap
             return _linear_on_unflattened(graph, out, node, *products[node.name])
         if node.name not in matches:
             return node
-        x, weight, bias, transpose = matches[node.name]
-        if not transpose:  # addmm(b, x, t(W)): linear(x, W, b) reads W as it is
-            report.rewritten.append(node.name)
-            return _linear_on_unflattened(graph, out, node, x, weight, bias)
-        transposed = out.add_constant(out.fresh_name(f"{weight.name}_t"),
-                                      graph.constants[weight.name].t().contiguous())
-        k_spec = graph.node(x.name).spec
-        n = node.spec.shape[-1]
-        linear = out.add_node(Node(out.fresh_name(f"{node.name}_linear"), "linear", "aten.linear.default",
-                                   (x, Ref(transposed.name), bias), {},
-                                   TensorSpec((*k_spec.shape[:-1], n), node.spec.dtype)))
+        flat, weight, bias, transpose = matches[node.name]
+        if transpose:  # Conv1D's W [K, N]: linear reads W^T, a new constant
+            weight = Ref(out.add_constant(out.fresh_name(f"{weight.name}_t"),
+                                          graph.constants[weight.name].t().contiguous()).name)
         report.rewritten.append(node.name)
-        return Node(node.name, "view", "aten.view.default", (Ref(linear.name), list(node.spec.shape)), {},
-                    node.spec)
+        return _linear_on_unflattened(graph, out, node, flat, weight, bias)
 
     return _collapse_views(remove_dead_nodes(graph.rebuild(rewrite)))
 
 
 def _linear_on_unflattened(graph: Graph, out: Graph, node: Node, x: Ref, *params: Ref) -> Node:
-    """``node`` (a GEMM over ``x``) as linear(x, *params); where x only flattens an input's leading
-    dims (AOTAutograd's view(x, [M, K]) before mm, through any chain of views), the linear reads
-    that input and a view
-    flattens its result under ``node``'s name: linears of one input then share it (QKV, gate and
-    up merge), and the view back to [..., N] after it collapses."""
-    viewed = graph.node(x.name)
-    source = None
-    while viewed.op == "view" and isinstance(viewed.args[0], Ref):  # reshapes of reshapes: one reshape
-        source = viewed.args[0]
-        viewed = graph.node(source.name)
-    viewed = graph.node(x.name)
-    spec = graph.node(source.name).spec if isinstance(source, Ref) else None
-    if not isinstance(spec, TensorSpec) or len(spec.shape) < 3 or len(viewed.spec.shape) != 2 \
-            or tuple(viewed.spec.shape) != (math.prod(spec.shape[:-1]), spec.shape[-1]):
+    """``node`` (a GEMM over ``x``) as linear(x, *params). Where x only flattens the leading dims
+    of an earlier value (Conv1D's and AOTAutograd's view(x, [M, K]) before the product, through
+    any chain of views), the linear reads that value and a view under ``node``'s name flattens
+    its result: linears of one input then share it (Q, K and V merge), and a view back to
+    [..., N] after it collapses (`_collapse_views`)."""
+    source = x
+    while graph.node(source.name).op == "view" and isinstance(graph.node(source.name).args[0], Ref):
+        source = graph.node(source.name).args[0]  # reshapes of reshapes: one reshape
+    flat, spec = graph.node(x.name).spec, graph.node(source.name).spec
+    if source == x or not isinstance(spec, TensorSpec) or len(spec.shape) < 3 \
+            or tuple(flat.shape) != (math.prod(spec.shape[:-1]), spec.shape[-1]):
         return Node(node.name, "linear", "aten.linear.default", (x, *params), {}, node.spec)
     linear = out.add_node(Node(out.fresh_name(f"{node.name}_linear"), "linear", "aten.linear.default",
                                (source, *params), {}, TensorSpec((*spec.shape[:-1], node.spec.shape[-1]),
@@ -193,9 +182,9 @@ def _match_weight_product(graph: Graph, node: Node) -> tuple[Ref, Ref] | None:
 
 
 def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref, bool] | None:
-    """(x, W, bias, transposed) when ``node`` is addmm(bias, view(x, [-1, K]), W) with W a
+    """(x, W, bias, transposed) when ``node`` is addmm(bias, x = view(., [-1, K]), W) with W a
     constant [K, N] (GPT-2's Conv1D; ``transposed``: W^T is a new constant), or addmm(bias, x,
-    t(W)) with W a constant [N, K] (AOTAutograd's form of a linear with bias; x as it is)."""
+    t(W)) with W a constant [N, K] (AOTAutograd's form of a linear with bias)."""
     if node.op != "addmm" or len(node.args) != 3 or node.kwargs.get("beta", 1) != 1 \
             or node.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Ref) for a in node.args):
         return None
@@ -214,4 +203,4 @@ def _match(graph: Graph, node: Node) -> tuple[Ref, Ref, Ref, bool] | None:
     x_shape, k = graph.node(source.name).spec.shape, graph.node(weight.name).spec.shape[0]
     if len(x_shape) < 2 or x_shape[-1] != k or tuple(graph.node(flat.name).spec.shape)[-1] != k:
         return None
-    return source, weight, bias, True
+    return flat, weight, bias, True
