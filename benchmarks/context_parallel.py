@@ -1,6 +1,7 @@
 """Context-parallel masked attention (issue 37's bar) under torchrun: stof-cc's
-`context_parallel_attention` on every rank beside one GPU's `stof_cc.attention` and, for the
-causal mask, PyTorch's `context_parallel` (ring attention over SDPA).
+`context_parallel_attention` on every rank beside one GPU's `stof_cc.attention`, FlexAttention under
+PyTorch's context parallelism (every mask) and, for the causal mask, PyTorch's `context_parallel`
+(ring attention over SDPA).
 
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py [--seq 131072] [--heads 16] [--head-dim 128]
                                                               [--masks causal,sliding,document,bigbird]
@@ -10,9 +11,10 @@ Every rank makes the same full random q, k, v (B = 1); rank 0 runs the whole pro
 GPU (the one-GPU time and the reference output); then every rank takes its load-balanced shard
 (`shard_sequence`) and the context-parallel call is timed (a barrier before each call, medians).
 The error is the gathered output's distance from the one-GPU output; "sent" is what each rank sends
-per call against a ring's (every rank's K/V to every other rank). Masks: causal, sliding window
-(w = 4096), 16 documents of equal length, BigBird (block 64, 1 global block, 3 window blocks,
-2 random blocks). Needs NVIDIA GPUs, PyCUDA and nvcc.
+per call against a ring's (every rank's K/V to every other rank). A peer counts only within 1e-2 of
+the one-GPU output. Masks: causal, sliding window (|q - k| <= 4096), 16 documents of equal length,
+BigBird (that window, 32 global tokens, and the grid's random 64 x 64 blocks, 3 per block row on
+average). Needs NVIDIA GPUs, PyCUDA and nvcc.
 """
 
 from __future__ import annotations
@@ -35,13 +37,17 @@ from stof_cc.distributed import (  # noqa: E402
     gather_sequence,
     shard_sequence,
 )
+from stof_cc.masks.workloads import GRID_RANDOM_BLOCK, GRID_RANDOM_BLOCKS, GRID_SEED  # noqa: E402
+from stof_cc.masks.zoo import random_blocks  # noqa: E402
 from stof_cc.runtime.attention import attention  # noqa: E402
 
+SLIDING = 4096  # the window of the sliding and BigBird masks
+GLOBAL_TOKENS = 32
 MASKS = {
     "causal": lambda seq: masks.causal(),
-    "sliding": lambda seq: masks.sliding_window(4096),
+    "sliding": lambda seq: masks.sliding_window(SLIDING),
     "document": lambda seq: masks.document([seq // 16] * 16),
-    "bigbird": lambda seq: masks.bigbird(64, 1, 3, 2),
+    "bigbird": lambda seq: masks.bigbird(SLIDING, GLOBAL_TOKENS, GRID_RANDOM_BLOCKS, GRID_RANDOM_BLOCK, GRID_SEED),
 }
 
 
@@ -69,6 +75,55 @@ def ring_sdpa_ms(q, k, v, repeats: int) -> float:
     q, k, v = (t.clone() for t in (q, k, v))
     with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
         return median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats)
+
+
+def flex_cp_ms(q, k, v, name: str, seq: int, repeats: int):
+    """FlexAttention under PyTorch's context parallelism, as torchtitan and PyTorch's own tests run it:
+    `_ContextParallel(FLEX)` on a module calling `torch.compile(flex_attention)` (K/V all-gathered),
+    the global BlockMask and q, k, v sharded by `_context_parallel_shard` with the head-tail load
+    balancer (the same chunks per rank as stof-cc's). The mask_mod reads the mask's classes at
+    FlexAttention's mask_mod is the user's (`_flex_mask_mod`). Returns (median ms, this rank's output in the shard's layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._attention import (
+        _context_parallel_shard,
+        _ContextParallel,
+        _HeadTailLoadBalancer,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flex = torch.compile(flex_attention, dynamic=False)
+
+        def forward(self, q, k, v, block_mask):
+            return self.flex(q, k, v, block_mask=block_mask)
+
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+    mask_mod = _flex_mask_mod(name, seq)
+    block_mask = create_block_mask(mask_mod, None, None, seq, seq, device="cuda", _compile=True)
+    balancer = _HeadTailLoadBalancer(seq, dist.get_world_size(), torch.device("cuda"))
+    module = parallelize_module(Attention(), mesh,
+                                _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.FLEX))
+    cq, ck, cv, cmask = _context_parallel_shard(mesh, [q, k, v, block_mask], [2] * 4, load_balancer=balancer)
+    return median_ms(lambda: module(cq, ck, cv, block_mask=cmask), repeats), module(cq, ck, cv, block_mask=cmask)
+
+
+def _flex_mask_mod(name: str, seq: int):
+    """The mask_mod a FlexAttention user writes for the benchmark's masks (index arithmetic; BigBird's
+    random blocks as a table, as in `stof_cc.masks.workloads.user_mask_mod`)."""
+    if name == "causal":
+        return lambda b, h, q, k: q >= k
+    if name == "sliding":
+        return lambda b, h, q, k: (q - k).abs() <= SLIDING
+    if name == "document":
+        length = seq // 16
+        return lambda b, h, q, k: q // length == k // length
+    rnd = random_blocks(GRID_RANDOM_BLOCKS, GRID_RANDOM_BLOCK, GRID_SEED).cells(seq, seq).cuda()
+    size = GRID_RANDOM_BLOCK
+    return lambda b, h, q, k: ((q - k).abs() <= SLIDING) | (q < GLOBAL_TOKENS) | (k < GLOBAL_TOKENS) \
+        | rnd[q // size, k // size]
 
 
 def main() -> int:
@@ -112,22 +167,39 @@ def main() -> int:
                 except Exception as exc:  # a peer that fails is reported, not fatal
                     print(f"rank {rank}: context_parallel with SDPA failed: {type(exc).__name__}: {exc}",
                           file=sys.stderr)
+            flex = flex_out = None
+            if not args.no_peer:
+                try:
+                    flex, flex_out = flex_cp_ms(q, k, v, name, args.seq, args.repeats)
+                    flex_out = gather_sequence(flex_out)
+                except Exception as exc:
+                    print(f"rank {rank}: FlexAttention under context parallelism failed: {type(exc).__name__}: "
+                          f"{exc}", file=sys.stderr)
             if rank == 0:
-                error = float((got.float() - want.float()).norm() / want.float().norm())
+                error = _distance(got, want)
+                flex_error = None if flex_out is None else _distance(flex_out, want)
+                if flex_error is not None and flex_error > 1e-2:  # only correct peers count
+                    print(f"FlexAttention CP on {name}: error {flex_error:.1e}, not counted", file=sys.stderr)
+                    flex = None
                 sent = max(plan.bytes_sent(r, chunk_bytes) for r in range(world))
-                rows.append((name, alone, split, peer, error, sent, plan.ring_bytes_sent(chunk_bytes)))
+                rows.append((name, alone, split, peer, flex, error, sent, plan.ring_bytes_sent(chunk_bytes)))
     if rank == 0:
         print(f"context parallel, {world} GPUs ({torch.cuda.get_device_name()}), B = 1, S = {args.seq}, "
               f"H = {args.heads}, D = {args.head_dim}, {dtype}")
-        print("| mask | one GPU ms | CP ms | speedup over one GPU | ring SDPA ms | vs ring | error | "
-              "sent per rank MB (most) | ring MB |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for name, alone, split, peer, error, sent, ring in rows:
+        print("| mask | one GPU ms | CP ms | speedup over one GPU | ring SDPA ms | vs ring | Flex CP ms | vs Flex CP "
+              "| error | sent per rank MB (most) | ring MB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, alone, split, peer, flex, error, sent, ring in rows:
             ring_cell = f"{peer:.2f} | {peer / split:.2f}x" if peer else "- | -"
-            print(f"| {name} | {alone:.2f} | {split:.2f} | {alone / split:.2f}x | {ring_cell} | {error:.1e} | "
-                  f"{sent / 1e6:.0f} | {ring / 1e6:.0f} |")
+            flex_cell = f"{flex:.2f} | {flex / split:.2f}x" if flex else "- | -"
+            print(f"| {name} | {alone:.2f} | {split:.2f} | {alone / split:.2f}x | {ring_cell} | {flex_cell} | "
+                  f"{error:.1e} | {sent / 1e6:.0f} | {ring / 1e6:.0f} |")
     dist.destroy_process_group()
     return 0
+
+
+def _distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
 
 
 def _time_alone(q, k, v, mask, repeats: int) -> float:

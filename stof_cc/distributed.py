@@ -11,31 +11,30 @@ exact block classes (`ContextParallelPlan`, made once per mask and size), each r
 key/value chunks each of its query chunks sees; it receives exactly those from their owners
 (NCCL point-to-point through torch.distributed), never a chunk its queries do not see: under a
 document mask whose documents lie within chunks nothing moves at all, under a sliding window only
-the neighbouring chunk, where a ring sends every chunk to every rank. Each query chunk then runs
-one `stof_cc.attention` over the chunks it sees, laid side by side, with the matching rectangle
-of the mask (`masks.region`: FULL blocks stay FULL, EMPTY ones are skipped). Each rank computes
-whole rows, so nothing is merged across ranks.
+the neighbouring chunk, where a ring sends every chunk to every rank. While the chunks travel, each
+query chunk attends to the key chunks the rank holds; then to the received ones, laid side by side,
+and the two partial results merge by log-sum-exp. Each call runs `stof_cc.attention` with the
+matching rectangle of the mask (`masks.region`: FULL blocks stay FULL, EMPTY ones are skipped).
+Each rank computes whole rows, so nothing is merged across ranks.
 
-Not built yet: overlapping the transfers with compute (the local chunks' attention first, the
-received ones' after, merged by log-sum-exp: the kernels do not return the LSE yet); at
-S = 131072, D = 128 a rank's transfers are about 1-2% of its attention time on NVLink. Nor
+Not built yet: sending only the rows of a chunk that a query chunk sees (a sliding window needs
+w rows of its neighbour, and gets the whole chunk), and
 `torch.distributed.tensor.experimental.context_parallel`'s buffer conventions. On the CPU
 (gloo ranks) each chunk runs through the torch reference instead of the kernels.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from stof_cc.ir.reference import masked_attention
+from stof_cc.ir.reference import masked_attention, masked_lse
 from stof_cc.masks import EMPTY, MaskDescription
 from stof_cc.masks.region import region
-from stof_cc.runtime.attention import attention
+from stof_cc.runtime.attention import attention, merge_partials
 
 CLASS_BLOCK = 128  # the block side at which the plan reads the mask's classes (each chunk holds whole blocks)
 
@@ -136,7 +135,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                balanced: bool = True) -> torch.Tensor:
     """Masked attention of this rank's query shard over the whole sequence: q, k, v [B, H, S / world, D]
     (K/V may have fewer heads) laid out as `shard_sequence` lays them; returns this rank's rows
-    of the output in the same layout. Every rank of ``group`` calls it with the same mask."""
+    of the output in the same layout. Every rank of ``group`` calls it with the same mask.
+
+    The transfers overlap the compute: each query chunk attends to the key chunks this rank holds
+    while the others arrive, then to the received ones, and the two partial results merge by
+    log-sum-exp (`merge_partials`)."""
     if not isinstance(mask, MaskDescription):
         raise TypeError(f"context_parallel_attention: mask must be a stof_cc.masks description, got "
                         f"{type(mask).__name__}")
@@ -147,27 +150,37 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     length = plan.chunk
     keys = {c: k[..., i * length:(i + 1) * length, :] for i, c in enumerate(mine)}
     values = {c: v[..., i * length:(i + 1) * length, :] for i, c in enumerate(mine)}
-    _exchange(plan, rank, group, keys, values, k, v)
-    out = torch.zeros_like(q)
-    for i, chunk in enumerate(mine):
-        seen = plan.sees[chunk]
-        if not seen:  # no allowed key: zeros, as stof_cc.attention gives such rows
+    in_flight = _post_exchange(plan, rank, group, keys, values, k, v)
+    out = torch.empty_like(q)
+    local_parts = {}
+    for i, chunk in enumerate(mine):  # under the transfers: the key chunks held here
+        rows, into = q[..., i * length:(i + 1) * length, :], out[..., i * length:(i + 1) * length, :]
+        local = [c for c in plan.sees[chunk] if c in mine]
+        remote = len(local) < len(plan.sees[chunk])
+        if not plan.sees[chunk]:  # no allowed key: zeros, as stof_cc.attention gives such rows
+            into.zero_()
+        elif local:
+            local_parts[i] = _attend(rows, keys, values, local, mask, seq, chunk, length, scale, into, lse=remote)
+    for request in in_flight:
+        request.wait()
+    for i, chunk in enumerate(mine):  # then the received ones, merged with the local part
+        remote = [c for c in plan.sees[chunk] if c not in mine]
+        if not remote:
             continue
-        regions = mask.__dict__.setdefault(_REGIONS, {})
-        where = (seq, chunk * length, length, seen)
-        if where not in regions:
-            regions[where] = region(mask, seq, chunk * length, length, length, seen)
-        rows = q[..., i * length:(i + 1) * length, :]
-        out[..., i * length:(i + 1) * length, :] = _attend(
-            rows, torch.cat([keys[c] for c in seen], dim=-2), torch.cat([values[c] for c in seen], dim=-2),
-            regions[where], scale)
+        rows, into = q[..., i * length:(i + 1) * length, :], out[..., i * length:(i + 1) * length, :]
+        if i not in local_parts:
+            _attend(rows, keys, values, remote, mask, seq, chunk, length, scale, into, lse=False)
+            continue
+        received = _attend(rows, keys, values, remote, mask, seq, chunk, length, scale, None, lse=True)
+        into.copy_(merge_partials([local_parts[i][0], received[0]], [local_parts[i][1], received[1]])[0])
     return out
 
 
-def _exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | None, keys: dict,
-              values: dict, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Send this rank's chunks where the plan says, receive the chunks its queries see (into
-    ``keys`` / ``values``), K and V of each chunk back to back."""
+def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | None, keys: dict,
+                   values: dict, k: torch.Tensor, v: torch.Tensor) -> list:
+    """Post the sends of this rank's chunks where the plan says and the receives of the chunks its
+    queries see (into ``keys`` / ``values``), K and V of each chunk back to back; returns the
+    requests to wait on before reading what they receive."""
     shape = (*k.shape[:-2], plan.chunk, k.shape[-1])
     ops = []
     for dest, chunk in plan.sends(rank):
@@ -183,15 +196,26 @@ def _exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | N
     if name not in _joined:  # a first batch_isend_irecv on a group needs every rank in it, and some have no ops
         dist.barrier(group=group)
         _joined.add(name)
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription,
-            scale: float | None) -> torch.Tensor:
-    """stof_cc.attention on GPUs; the torch reference on the CPU (gloo ranks), where there are no kernels."""
+def _attend(q: torch.Tensor, keys: dict, values: dict, chunks: list[int], mask: MaskDescription, seq: int,
+            chunk: int, length: int, scale: float | None, out: torch.Tensor | None,
+            lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Query chunk ``chunk``'s rows ``q`` over key chunks ``chunks`` laid side by side, under the
+    matching rectangle of the mask (made once per rectangle and kept on the mask), into ``out``
+    when given; with ``lse``, (output, log-sum-exp). stof_cc.attention on GPUs; the torch
+    reference on the CPU (gloo ranks), where there are no kernels."""
+    regions = mask.__dict__.setdefault(_REGIONS, {})
+    where = (seq, chunk * length, length, tuple(chunks))
+    if where not in regions:
+        regions[where] = region(mask, seq, chunk * length, length, length, chunks)
+    k = torch.cat([keys[c] for c in chunks], dim=-2) if len(chunks) > 1 else keys[chunks[0]]
+    v = torch.cat([values[c] for c in chunks], dim=-2) if len(chunks) > 1 else values[chunks[0]]
     if q.is_cuda:
-        return attention(q, k, v, mask, scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return masked_attention(q, k, v, mask.to_dense(q.shape[-2], k.shape[-2], q.shape[0], q.shape[1]), scale)
+        return attention(q, k, v, regions[where], scale, out=out, return_lse=lse)
+    dense = regions[where].to_dense(q.shape[-2], k.shape[-2], q.shape[0], q.shape[1])
+    result = masked_attention(q, k, v, dense, scale)
+    if out is not None:
+        result = out.copy_(result)
+    return (result, masked_lse(q, k, dense, scale)) if lse else result

@@ -81,6 +81,57 @@ def test_every_template_instance_matches_reference(dtype, head_dim):
         _check(out, masked_attention(q, k, v, dense), f"{template.name} {params}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_template_instance_returns_the_log_sum_exp(dtype, head_dim):
+    """return_lse at every point of the space: the output as without it, and each row's log-sum-exp
+    within 1e-3 of the fp32 reference's, -inf on the rows no key reaches (batch 1's first third)."""
+    from stof_cc.ir.reference import masked_lse
+
+    seq = 1000
+    problem = problem_of(*_inputs(seq, head_dim, dtype))
+    dense = masks.longformer(37, 3).to_dense(seq, seq, batch=BATCH, heads=HEADS).clone()
+    dense[1, :, : seq // 3] = False
+    mask = masks.from_dense(dense)
+    dense = dense.cuda()
+    for template, params in candidates(problem):
+        q, k, v = _inputs(seq, head_dim, dtype)
+        out, lse = attention(q, k, v, mask, scale=0.2, params=params, return_lse=True)
+        label = f"{template.name} {params}"
+        _check(out, masked_attention(q, k, v, dense, 0.2), label)
+        want = masked_lse(q, k, dense, 0.2)
+        assert lse.dtype == torch.float32 and lse.shape == (BATCH, HEADS, seq), label
+        assert torch.equal(torch.isinf(lse), torch.isinf(want)), f"{label}: -inf rows differ"
+        finite = ~torch.isinf(want)
+        assert (lse[finite] - want[finite]).abs().max() < 1e-3, f"{label}: lse off"
+
+
+def test_a_strided_split_returns_the_log_sum_exp_of_every_position():
+    """The dilated window that runs as strided windows writes each residue's rows of the LSE too."""
+    from stof_cc.ir.reference import masked_lse
+
+    q, k, v = (torch.randn(1, 12, 8192, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    desc = masks.dilated(512, 4)
+    dense = desc.to_dense(8192).cuda()
+    out, lse = attention(q, k, v, desc, return_lse=True)
+    assert relative_error(out, masked_attention(q, k, v, dense)) < 1e-2
+    assert (lse - masked_lse(q, k, dense)).abs().max() < 1e-3
+
+
+def test_partial_results_over_disjoint_keys_merge_into_the_whole():
+    """Two kernels' (output, lse) over the first and last keys merge into one call over all of them."""
+    from stof_cc.runtime.attention import merge_partials
+
+    q, k, v = (torch.randn(2, 4, 512, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    mask = masks.sliding_window(100)
+    whole = attention(q, k, v, mask)
+    dense = mask.to_dense(512).cuda()
+    halves = [attention(q, k[..., cut, :], v[..., cut, :], masks.from_dense(dense[..., cut]), return_lse=True)
+              for cut in (slice(0, 256), slice(256, 512))]
+    merged, _ = merge_partials([h[0] for h in halves], [h[1] for h in halves])
+    assert relative_error(merged, whole) < 1e-2
+
+
 def test_no_mask_scale_and_rectangular():
     q = torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.float16)
     k = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16)

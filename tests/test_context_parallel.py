@@ -132,3 +132,20 @@ def test_the_kernels_attend_with_a_region_as_with_its_dense_mask():
         want = masked_attention(q, k, v, part.to_dense(chunk, 3 * chunk, 1, 4).cuda())
         error = float((got.float() - want.float()).norm() / want.float().norm())
         assert error < 1e-2, (mask, error)
+
+
+def test_partial_results_merge_by_log_sum_exp_into_the_whole():
+    """The reference's (output, lse) over disjoint key sets, one of which leaves rows with no key,
+    merge into the attention over all of them; a row no set reaches stays 0 with lse -inf."""
+    from stof_cc.ir.reference import masked_attention, masked_lse
+    from stof_cc.runtime.attention import merge_partials
+
+    q, k, v = (torch.randn(2, 3, 64, 16) for _ in range(3))
+    dense = masks.causal().to_dense(64).clone()
+    dense[..., 5, :] = False
+    parts = [(masked_attention(q, k[..., cut, :], v[..., cut, :], dense[..., cut]),
+              masked_lse(q, k[..., cut, :], dense[..., cut])) for cut in (slice(0, 40), slice(40, 64))]
+    out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    assert torch.allclose(out, masked_attention(q, k, v, dense), atol=1e-5)  # fp32 arithmetic
+    assert torch.allclose(lse, masked_lse(q, k, dense))
+    assert (out[..., 5, :] == 0).all() and torch.isinf(lse[..., 5]).all()

@@ -72,10 +72,11 @@ class LaunchPlan:
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor | None = None, padding: KeyPadding | None = None,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
         """Launch on q, k, v (laid out as planned) into ``out`` (or a new tensor), with key
         padding (per batch slot: [B * residues, S_k / residues]) and an additive ``bias``
-        (`bias_view`'s result) when given."""
+        (`bias_view`'s result) when given; ``lse``, an fp32 [B, H, S_q] tensor (unit stride over
+        rows), receives each row's log-sum-exp."""
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
@@ -99,11 +100,18 @@ class LaunchPlan:
             raise AttentionInputError("this plan was built " + ("with" if self.reads_bias else "without")
                                       + " a bias; pass the same kind of call")
         bias_args = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
+        if lse is None:
+            lse_args = (0, 0, 0, 0, 0)
+        elif lse.shape != self.shape[:3] or lse.dtype != torch.float32 or lse.device != self.device or lse.stride(2) != 1:
+            raise AttentionInputError(f"lse must be a float32 tensor of shape {self.shape[:3]} on {self.device} with "
+                                      f"unit stride over rows; got {lse.dtype} {tuple(lse.shape)} on {lse.device}, "
+                                      f"strides {lse.stride()}")
+        else:
+            lse_args = (lse.data_ptr(), *residue_strides(lse.unsqueeze(-1), self.residues))
         self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *padding_args, *self.size_args, *residue_strides(out, self.residues), *self.end_args,
-                           *bias_args,
-                           self.bias_to_raw)
+                           *bias_args, self.bias_to_raw, *lse_args)
         return out
 
 

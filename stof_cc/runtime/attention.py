@@ -46,7 +46,8 @@ _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, LaunchPlan]] = we
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskDescription | torch.Tensor | None = None, scale: float | None = None,
               *, key_padding: torch.Tensor | KeyPadding | None = None, bias: torch.Tensor | None = None,
-              params: dict[str, Any] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+              params: dict[str, Any] | None = None, out: torch.Tensor | None = None,
+              return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
 
     ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
@@ -62,6 +63,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``out``, if given, receives the result: shaped and typed like q, unit stride in head_dim,
     16-byte aligned rows (contiguous, or e.g. a [B, S, H, D] buffer transposed to [B, H, S, D],
     the layout SDPA returns, which lets a following transpose + view cost nothing).
+    ``return_lse``: also return each query row's log-sum-exp of its scaled scores, fp32
+    [B, H, S_q] (natural log; -inf where no key is allowed), as FlashAttention does: partial
+    results over disjoint key sets merge with it (`merge_partials`).
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
@@ -76,19 +80,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
         with torch.cuda.device(q.device):
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     split = _strided_split(q, k, v, description, key_padding, bias, params)
     if split is not None:
-        return _run_split(q, k, v, split, scale, key_padding, out)
+        out = _run_split(q, k, v, split, scale, key_padding, out, lse)
+        return (out, lse) if return_lse else out
     plan = _planned(q, k, v, description, scale, params, bias is not None)
     if isinstance(key_padding, torch.Tensor):
         key_padding = key_padding_on_device(key_padding)
     if bias is not None:
         bias = bias_view(bias, q, k.shape[2])
-    if not plan.copy_inputs and not (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return plan.launch(q, k, v, out, key_padding, bias)
-    # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
-    q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-    return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out)
+    if plan.copy_inputs or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
+        q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+        plan = _planned(q, k, v, description, scale, params, bias is not None)
+    out = plan.launch(q, k, v, out, key_padding, bias, lse)
+    return (out, lse) if return_lse else out
 
 
 def _planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
@@ -127,6 +134,16 @@ _splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] =
 # Taken only where the cost model expects the split to win by this margin: the model prices the
 # split's one launch (B * d slots of sequences S / d) and the direct one on the sparse mask alike,
 # but has no term for the direct kernel's d-fold sparser partial blocks.
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over the union of disjoint key sets from each set's output [B, H, S, D] and
+    log-sum-exp [B, H, S] (`attention(..., return_lse=True)`): outputs weighted by exp(lse_i - lse),
+    summed in fp32. A row no set allows stays 0 with lse -inf."""
+    lse = torch.logsumexp(torch.stack(lses), dim=0)
+    finite = torch.where(torch.isinf(lse), 0.0, lse)  # -inf everywhere: every weight exp(-inf) = 0
+    out = sum(o.float() * torch.exp(part - finite).unsqueeze(-1) for o, part in zip(outs, lses, strict=True))
+    return out.to(outs[0].dtype), lse
+
+
 SPLIT_MARGIN = 0.8
 
 
@@ -162,7 +179,8 @@ def split_pays(problem: AttentionProblem, description: MaskDescription) -> tuple
 
 
 def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, MaskDescription],
-               scale: float | None, key_padding: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+               scale: float | None, key_padding: torch.Tensor | None, out: torch.Tensor | None,
+               lse: torch.Tensor | None) -> torch.Tensor:
     """The d strided attentions (residue r: positions r, r + d, ...) in one launch, each residue
     a batch slot reading and writing its own rows of q, k, v and out."""
     d, sub = split
@@ -178,7 +196,7 @@ def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[i
                                       f"{tuple(key_padding.shape)}")
         per_residue = key_padding.reshape(key_padding.shape[0], -1, d).transpose(1, 2)
         padding = key_padding_on_device(per_residue.reshape(-1, key_padding.shape[1] // d))
-    return plan.launch(q, k, v, out, padding)
+    return plan.launch(q, k, v, out, padding, lse=lse)
 
 
 on_adopt(lambda description: _plans.pop(description, None))  # plans built on the model's pick

@@ -137,8 +137,8 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 16 strides
     # (batch, head, row, residue of q, k, v, o), 2 mask-row strides, scale * log2(e), the K/V head
     # multiplier (attention_launch.kv_head_magic), residues and theirs, bias, its strides over
-    # (B, H, S_q), 1 / scale
-    arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f"
+    # (B, H, S_q), 1 / scale, the log-sum-exp output (or null) and its strides over (B, H, row, residue)
+    arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f" + "P" + "q" * 4
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
