@@ -73,35 +73,48 @@ def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
 
 @dataclass(frozen=True)
 class ContextParallelPlan:
-    """Which key/value chunks each query chunk sees, and so what each rank sends and receives."""
+    """Which key/value chunks each query chunk sees, and which rows of them: so what each rank
+    sends and receives. Rows are positions within a chunk, whole CLASS_BLOCKs."""
 
     seq: int
     world: int
     balanced: bool
     chunk: int
     sees: tuple[tuple[int, ...], ...]  # per query chunk: the key chunks with an allowed key, ascending
+    # per query chunk, per key chunk it sees: (its query rows that see the key chunk, the key rows they see)
+    spans: tuple[dict[int, tuple[tuple[int, int], tuple[int, int]]], ...]
 
     def owner(self, chunk: int) -> int:
         return chunk if not self.balanced or chunk < self.world else 2 * self.world - 1 - chunk
 
-    def receives(self, rank: int) -> list[tuple[int, int]]:
-        """(source rank, chunk) pairs rank ``rank`` receives, in the order both sides post them."""
+    def key_rows(self, rank: int, chunk: int) -> tuple[int, int]:
+        """The rows of key chunk ``chunk`` that some query chunk of ``rank`` sees: [lo, hi)."""
+        spans = [self.spans[q][chunk][1] for q in rank_chunks(rank, self.world, self.balanced) if chunk in self.spans[q]]
+        return min(lo for lo, _ in spans), max(hi for _, hi in spans)
+
+    def query_rows(self, chunk: int, key_chunks: list[int]) -> tuple[int, int]:
+        """The rows of query chunk ``chunk`` that see any of ``key_chunks``: [lo, hi)."""
+        spans = [self.spans[chunk][c][0] for c in key_chunks]
+        return min(lo for lo, _ in spans), max(hi for _, hi in spans)
+
+    def receives(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """(source rank, chunk, first row, end row) of what ``rank`` receives, in the order both sides post them."""
         mine = rank_chunks(rank, self.world, self.balanced)
         wanted = sorted({c for q in mine for c in self.sees[q]} - set(mine))
-        return [(self.owner(c), c) for c in wanted]
+        return [(self.owner(c), c, *self.key_rows(rank, c)) for c in wanted]
 
-    def sends(self, rank: int) -> list[tuple[int, int]]:
-        """(destination rank, chunk) pairs rank ``rank`` sends, in the order both sides post them."""
-        return [(dest, c) for dest in range(self.world) if dest != rank
-                for source, c in self.receives(dest) if source == rank]
+    def sends(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """(destination rank, chunk, first row, end row) of what ``rank`` sends, in the order both sides post them."""
+        return [(dest, c, lo, hi) for dest in range(self.world) if dest != rank
+                for source, c, lo, hi in self.receives(dest) if source == rank]
 
-    def bytes_sent(self, rank: int, chunk_bytes: int) -> int:
-        """What ``rank`` sends for one call, with ``chunk_bytes`` per key/value chunk (K and V)."""
-        return len(self.sends(rank)) * chunk_bytes
+    def bytes_sent(self, rank: int, row_bytes: int) -> int:
+        """What ``rank`` sends for one call, with ``row_bytes`` per key row (K and V)."""
+        return sum(hi - lo for _, _, lo, hi in self.sends(rank)) * row_bytes
 
-    def ring_bytes_sent(self, chunk_bytes: int) -> int:
+    def ring_bytes_sent(self, row_bytes: int) -> int:
         """What a ring (every rank's chunks to every other rank) sends per rank."""
-        return (self.world - 1) * len(rank_chunks(0, self.world, self.balanced)) * chunk_bytes
+        return (self.world - 1) * len(rank_chunks(0, self.world, self.balanced)) * self.chunk * row_bytes
 
 
 # per mask (weakly: a mask's id is reused once it is freed), its plans by sizes; its regions live on
@@ -122,24 +135,35 @@ def context_parallel_plan(mask: MaskDescription, seq: int, world: int, balanced:
     key = (seq, world, balanced, batch, heads)
     if key not in plans:
         chunk = seq // n
-        factor = chunk // CLASS_BLOCK
-        classes = mask.block_runs(seq, seq, CLASS_BLOCK, CLASS_BLOCK, batch, heads).coarsen(factor, factor).to_dense()
-        seen = (classes != EMPTY).flatten(0, 1).any(0)  # [query chunk, key chunk], over batch and heads
-        plans[key] = ContextParallelPlan(seq, world, balanced, chunk,
-                                         tuple(tuple(seen[q].nonzero().flatten().tolist()) for q in range(n)))
+        per = chunk // CLASS_BLOCK
+        classes = mask.block_runs(seq, seq, CLASS_BLOCK, CLASS_BLOCK, batch, heads).to_dense()
+        seen = (classes != EMPTY).flatten(0, 1).any(0).view(n, per, n, per)  # [q chunk, q block, k chunk, k block]
+        sees, spans = [], []
+        for q in range(n):
+            pairs = {}
+            for c in seen[q].any(0).any(1).nonzero().flatten().tolist():
+                block = seen[q, :, c]
+                rows, cols = block.any(1).nonzero().flatten(), block.any(0).nonzero().flatten()
+                pairs[c] = ((int(rows[0]) * CLASS_BLOCK, (int(rows[-1]) + 1) * CLASS_BLOCK),
+                            (int(cols[0]) * CLASS_BLOCK, (int(cols[-1]) + 1) * CLASS_BLOCK))
+            sees.append(tuple(pairs))
+            spans.append(pairs)
+        plans[key] = ContextParallelPlan(seq, world, balanced, chunk, tuple(sees), tuple(spans))
     return plans[key]
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription,
                                group: dist.ProcessGroup | None = None, scale: float | None = None,
-                               balanced: bool = True) -> torch.Tensor:
+                               balanced: bool = True, overlap: bool = True) -> torch.Tensor:
     """Masked attention of this rank's query shard over the whole sequence: q, k, v [B, H, S / world, D]
     (K/V may have fewer heads) laid out as `shard_sequence` lays them; returns this rank's rows
     of the output in the same layout. Every rank of ``group`` calls it with the same mask.
 
-    The transfers overlap the compute: each query chunk attends to the key chunks this rank holds
-    while the others arrive, then to the received ones, and the two partial results merge by
-    log-sum-exp (`merge_partials`)."""
+    Each rank receives only the rows of other ranks' key chunks that its queries see. With
+    ``overlap``, each query chunk attends to the key chunks this rank holds while those rows
+    travel, then the rows of its queries that see received keys attend to them, and the two
+    results merge by log-sum-exp (`merge_partials`); without, one call per query chunk after the
+    transfers."""
     if not isinstance(mask, MaskDescription):
         raise TypeError(f"context_parallel_attention: mask must be a stof_cc.masks description, got "
                         f"{type(mask).__name__}")
@@ -148,50 +172,64 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     seq = q.shape[-2] * world
     plan = context_parallel_plan(mask, seq, world, balanced, q.shape[0], q.shape[1])
     length = plan.chunk
-    keys = {c: k[..., i * length:(i + 1) * length, :] for i, c in enumerate(mine)}
-    values = {c: v[..., i * length:(i + 1) * length, :] for i, c in enumerate(mine)}
-    in_flight = _post_exchange(plan, rank, group, keys, values, k, v)
+    pieces = {c: (k[..., i * length:(i + 1) * length, :], v[..., i * length:(i + 1) * length, :], c * length)
+              for i, c in enumerate(mine)}  # per chunk: its keys and values here, and the first one's position
+    in_flight = _post_exchange(plan, rank, group, pieces)
     out = torch.empty_like(q)
-    local_parts = {}
-    for i, chunk in enumerate(mine):  # under the transfers: the key chunks held here
-        rows, into = q[..., i * length:(i + 1) * length, :], out[..., i * length:(i + 1) * length, :]
+    local_lse = {}
+    for i, chunk in enumerate(mine):  # under the transfers (with overlap): the key chunks held here
+        into = out[..., i * length:(i + 1) * length, :]
         local = [c for c in plan.sees[chunk] if c in mine]
-        remote = len(local) < len(plan.sees[chunk])
         if not plan.sees[chunk]:  # no allowed key: zeros, as stof_cc.attention gives such rows
             into.zero_()
-        elif local:
-            local_parts[i] = _attend(rows, keys, values, local, mask, seq, chunk, length, scale, into, lse=remote)
+        elif overlap and local:
+            remote = len(local) < len(plan.sees[chunk])
+            shard_keys = (k, v) if local == mine else None  # both held chunks: the shard itself, uncopied
+            found = _attend(q[..., i * length:(i + 1) * length, :], pieces, local, mask, seq, chunk * length,
+                            scale, into, remote, shard_keys)
+            if remote:
+                local_lse[i] = found[1]
     for request in in_flight:
         request.wait()
-    for i, chunk in enumerate(mine):  # then the received ones, merged with the local part
+    for i, chunk in enumerate(mine):  # then the received rows
+        into = out[..., i * length:(i + 1) * length, :]
         remote = [c for c in plan.sees[chunk] if c not in mine]
+        if not overlap:
+            if plan.sees[chunk]:
+                _attend(q[..., i * length:(i + 1) * length, :], pieces, list(plan.sees[chunk]), mask, seq,
+                        chunk * length, scale, into, False)
+            continue
         if not remote:
             continue
-        rows, into = q[..., i * length:(i + 1) * length, :], out[..., i * length:(i + 1) * length, :]
-        if i not in local_parts:
-            _attend(rows, keys, values, remote, mask, seq, chunk, length, scale, into, lse=False)
+        if len(remote) == len(plan.sees[chunk]):  # nothing held: one call over what arrived
+            _attend(q[..., i * length:(i + 1) * length, :], pieces, remote, mask, seq, chunk * length, scale,
+                    into, False)
             continue
-        received = _attend(rows, keys, values, remote, mask, seq, chunk, length, scale, None, lse=True)
-        into.copy_(merge_partials([local_parts[i][0], received[0]], [local_parts[i][1], received[1]])[0])
+        lo, hi = plan.query_rows(chunk, remote)
+        rows = q[..., i * length + lo:i * length + hi, :]
+        received, received_lse = _attend(rows, pieces, remote, mask, seq, chunk * length + lo, scale, None, True)
+        part = into[..., lo:hi, :]
+        merge_partials([part, received], [local_lse[i][..., lo:hi], received_lse], into=part)
     return out
 
 
-def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | None, keys: dict,
-                   values: dict, k: torch.Tensor, v: torch.Tensor) -> list:
-    """Post the sends of this rank's chunks where the plan says and the receives of the chunks its
-    queries see (into ``keys`` / ``values``), K and V of each chunk back to back; returns the
-    requests to wait on before reading what they receive."""
-    shape = (*k.shape[:-2], plan.chunk, k.shape[-1])
+def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | None, pieces: dict) -> list:
+    """Post the sends of the rows of this rank's chunks that the plan says other ranks see, and
+    the receives of the rows its queries see (into ``pieces``: keys, values, first position),
+    K and V back to back; returns the requests to wait on before reading what they receive."""
     ops = []
-    for dest, chunk in plan.sends(rank):
+    for dest, chunk, lo, hi in plan.sends(rank):
         peer = dist.get_global_rank(group, dest) if group is not None else dest
-        ops += [dist.P2POp(dist.isend, keys[chunk].contiguous(), peer, group),
-                dist.P2POp(dist.isend, values[chunk].contiguous(), peer, group)]
-    for source, chunk in plan.receives(rank):
+        keys, values, _ = pieces[chunk]
+        ops += [dist.P2POp(dist.isend, keys[..., lo:hi, :].contiguous(), peer, group),
+                dist.P2POp(dist.isend, values[..., lo:hi, :].contiguous(), peer, group)]
+    held = pieces[rank_chunks(rank, plan.world, plan.balanced)[0]]
+    for source, chunk, lo, hi in plan.receives(rank):
         peer = dist.get_global_rank(group, source) if group is not None else source
-        keys[chunk] = k.new_empty(shape)
-        values[chunk] = v.new_empty((*v.shape[:-2], plan.chunk, v.shape[-1]))
-        ops += [dist.P2POp(dist.irecv, keys[chunk], peer, group), dist.P2POp(dist.irecv, values[chunk], peer, group)]
+        keys = held[0].new_empty((*held[0].shape[:-2], hi - lo, held[0].shape[-1]))
+        values = held[1].new_empty((*held[1].shape[:-2], hi - lo, held[1].shape[-1]))
+        pieces[chunk] = (keys, values, chunk * plan.chunk + lo)
+        ops += [dist.P2POp(dist.irecv, keys, peer, group), dist.P2POp(dist.irecv, values, peer, group)]
     name = (group or dist.group.WORLD).group_name
     if name not in _joined:  # a first batch_isend_irecv on a group needs every rank in it, and some have no ops
         dist.barrier(group=group)
@@ -199,19 +237,24 @@ def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGrou
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _attend(q: torch.Tensor, keys: dict, values: dict, chunks: list[int], mask: MaskDescription, seq: int,
-            chunk: int, length: int, scale: float | None, out: torch.Tensor | None,
-            lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Query chunk ``chunk``'s rows ``q`` over key chunks ``chunks`` laid side by side, under the
-    matching rectangle of the mask (made once per rectangle and kept on the mask), into ``out``
-    when given; with ``lse``, (output, log-sum-exp). stof_cc.attention on GPUs; the torch
-    reference on the CPU (gloo ranks), where there are no kernels."""
+def _attend(q: torch.Tensor, pieces: dict, chunks: list[int], mask: MaskDescription, seq: int, q_start: int,
+            scale: float | None, out: torch.Tensor | None, lse: bool,
+            shard_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``q`` (from position ``q_start``) over the keys of ``chunks`` that ``pieces`` holds,
+    laid side by side (``shard_keys``: those already side by side), under the matching rectangle of
+    the mask (made once per rectangle and kept on the mask), into ``out`` when given; with ``lse``,
+    (output, log-sum-exp). stof_cc.attention on GPUs; the torch reference on the CPU (gloo ranks),
+    where there are no kernels."""
+    ranges = tuple((pieces[c][2], pieces[c][0].shape[-2]) for c in chunks)
     regions = mask.__dict__.setdefault(_REGIONS, {})
-    where = (seq, chunk * length, length, tuple(chunks))
+    where = (seq, q_start, q.shape[-2], ranges)
     if where not in regions:
-        regions[where] = region(mask, seq, chunk * length, length, length, chunks)
-    k = torch.cat([keys[c] for c in chunks], dim=-2) if len(chunks) > 1 else keys[chunks[0]]
-    v = torch.cat([values[c] for c in chunks], dim=-2) if len(chunks) > 1 else values[chunks[0]]
+        regions[where] = region(mask, seq, q_start, q.shape[-2], ranges)
+    if shard_keys is not None:
+        k, v = shard_keys
+    else:
+        k, v = (torch.cat([pieces[c][j] for c in chunks], dim=-2) if len(chunks) > 1 else pieces[chunks[0]][j]
+                for j in (0, 1))
     if q.is_cuda:
         return attention(q, k, v, regions[where], scale, out=out, return_lse=lse)
     dense = regions[where].to_dense(q.shape[-2], k.shape[-2], q.shape[0], q.shape[1])

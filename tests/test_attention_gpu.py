@@ -90,7 +90,7 @@ def test_every_template_instance_returns_the_log_sum_exp(dtype, head_dim):
 
     seq = 1000
     problem = problem_of(*_inputs(seq, head_dim, dtype))
-    dense = masks.longformer(37, 3).to_dense(seq, seq, batch=BATCH, heads=HEADS).clone()
+    dense = masks.longformer(37, 3).to_dense(seq, seq).expand(BATCH, HEADS, seq, seq).clone()
     dense[1, :, : seq // 3] = False
     mask = masks.from_dense(dense)
     dense = dense.cuda()

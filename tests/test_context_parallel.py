@@ -27,13 +27,19 @@ def test_the_plan_sends_only_the_chunks_queries_see():
     seq = 4 * 256
     causal = context_parallel_plan(masks.causal(), seq, 2)
     assert causal.sees == ((0,), (0, 1), (0, 1, 2), (0, 1, 2, 3))
-    assert causal.receives(0) == [(1, 1), (1, 2)] and causal.receives(1) == [(0, 0)]
-    assert causal.sends(1) == [(0, 1), (0, 2)] and causal.sends(0) == [(1, 0)]
+    assert causal.receives(0) == [(1, 1, 0, 256), (1, 2, 0, 256)] and causal.receives(1) == [(0, 0, 0, 256)]
+    assert causal.sends(1) == [(0, 1, 0, 256), (0, 2, 0, 256)] and causal.sends(0) == [(1, 0, 0, 256)]
+    assert causal.bytes_sent(1, 1) == 512 == causal.ring_bytes_sent(1)
     documents = context_parallel_plan(masks.document([256] * 4), seq, 2)
     assert documents.receives(0) == documents.receives(1) == [] and documents.bytes_sent(0, 1) == 0
     window = context_parallel_plan(masks.sliding_window(64), 8 * 256, 4)  # reaching the neighbouring chunks
     assert window.sees[3] == (2, 3, 4)
-    assert all(window.bytes_sent(r, 1) < window.ring_bytes_sent(1) for r in range(4))
+    # only the neighbours' edge rows travel (whole 128-blocks): chunk 3's queries see rows 128-255 of
+    # chunk 2 and 0-127 of chunk 4, and only its first and last 128 rows see them
+    assert window.spans[3][2] == ((0, 128), (128, 256)) and window.spans[3][4] == ((128, 256), (0, 128))
+    assert window.query_rows(3, [2, 4]) == (0, 256)
+    assert window.receives(3) == [(2, 2, 128, 256), (2, 5, 0, 128)] and window.bytes_sent(1, 1) == 4 * 128
+    assert all(window.bytes_sent(r, 1) <= window.ring_bytes_sent(1) / 3 for r in range(4))
 
 
 def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side():
@@ -42,7 +48,7 @@ def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side(
                  masks.bigbird(64, 1, 2, 1)):
         dense = mask.to_dense(seq, seq)[..., 5 * chunk:7 * chunk, :]
         want = torch.cat([dense[..., c * chunk:(c + 1) * chunk] for c in (0, 2, 5)], dim=-1)
-        part = region(mask, seq, 5 * chunk, 2 * chunk, chunk, [0, 2, 5])
+        part = region(mask, seq, 5 * chunk, 2 * chunk, [(c * chunk, chunk) for c in (0, 2, 5)])
         assert torch.equal(part.to_dense(2 * chunk, 3 * chunk).expand_as(want), want), mask
         for block_m, block_n in ((64, 64), (160, 64), (96, 128)):  # whole parent blocks; a ragged row; evaluated
             built = part.block_mask(2 * chunk, 3 * chunk, block_m, block_n)
@@ -71,16 +77,16 @@ SCRIPT = textwrap.dedent('''
     for name, mask in (("causal", masks.causal()), ("sliding", masks.sliding_window(seq // 8)),
                        ("document", masks.document([seq // 4] * 4)), ("bigbird", masks.bigbird(64, 1, 2, 1))):
         with torch.no_grad():
-            local = context_parallel_attention(*(shard_sequence(t, rank, world) for t in (q, k, v)), mask)
-            got = gather_sequence(local)
+            shards = [shard_sequence(t, rank, world) for t in (q, k, v)]
+            got = [gather_sequence(context_parallel_attention(*shards, mask, overlap=overlap)) for overlap in (True, False)]
             if kind == "cpu":
                 want = masked_attention(q, k, v, mask.to_dense(seq, seq, 1, 4))
             else:
                 want = attention(q, k, v, mask)
-        error = float((got.float() - want.float()).norm() / want.float().norm())
-        chunk_bytes = 2 * k[..., : seq // (2 * world), :].numel() * k.element_size()
+        error = max(float((g.float() - want.float()).norm() / want.float().norm()) for g in got)
+        row_bytes = 2 * k[..., :1, :].numel() * k.element_size()
         plan = context_parallel_plan(mask, seq, world, batch=1, heads=4)
-        found[name] = (error, plan.bytes_sent(rank, chunk_bytes), plan.ring_bytes_sent(chunk_bytes))
+        found[name] = (error, plan.bytes_sent(rank, row_bytes), plan.ring_bytes_sent(row_bytes))
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
         out.write(repr(found))
     dist.destroy_process_group()
@@ -124,7 +130,7 @@ def test_the_kernels_attend_with_a_region_as_with_its_dense_mask():
     seq, chunk = 4096, 1024
     torch.manual_seed(0)
     for mask in (masks.causal(), masks.sliding_window(512), masks.document([1024] * 4), masks.bigbird(64, 1, 2, 1)):
-        part = region(mask, seq, 3 * chunk, chunk, chunk, [0, 2, 3])
+        part = region(mask, seq, 3 * chunk, chunk, [(c * chunk, chunk) for c in (0, 2, 3)])
         q = torch.randn(1, 4, chunk, 64, device="cuda", dtype=torch.float16)
         k, v = (torch.randn(1, 2, 3 * chunk, 64, device="cuda", dtype=torch.float16) for _ in range(2))
         with torch.no_grad():

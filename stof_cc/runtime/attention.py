@@ -134,14 +134,24 @@ _splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] =
 # Taken only where the cost model expects the split to win by this margin: the model prices the
 # split's one launch (B * d slots of sequences S / d) and the direct one on the sparse mask alike,
 # but has no term for the direct kernel's d-fold sparser partial blocks.
-def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor],
+                   into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over the union of disjoint key sets from each set's output [B, H, S, D] and
-    log-sum-exp [B, H, S] (`attention(..., return_lse=True)`): outputs weighted by exp(lse_i - lse),
-    summed in fp32. A row no set allows stays 0 with lse -inf."""
-    lse = torch.logsumexp(torch.stack(lses), dim=0)
-    finite = torch.where(torch.isinf(lse), 0.0, lse)  # -inf everywhere: every weight exp(-inf) = 0
-    out = sum(o.float() * torch.exp(part - finite).unsqueeze(-1) for o, part in zip(outs, lses, strict=True))
-    return out.to(outs[0].dtype), lse
+    log-sum-exp [B, H, S] (`attention(..., return_lse=True)`): each next output mixed in with
+    weight exp(lse_i - lse) by one `lerp` pass (the weights of the sets so far and of the next sum
+    to 1), written into ``into`` when given (it may be ``outs[0]``). A row no set allows stays 0
+    with lse -inf."""
+    if into is None:
+        out = outs[0].clone() if len(outs) > 1 else outs[0]
+    else:
+        out = into if into is outs[0] else into.copy_(outs[0])
+    lse = lses[0]
+    for other, other_lse in zip(outs[1:], lses[1:], strict=True):
+        merged = torch.logaddexp(lse, other_lse)
+        weight = torch.exp(other_lse - merged).nan_to_num(0.0)  # both -inf: NaN -> keep the zeros
+        out.lerp_(other, weight.unsqueeze(-1).to(out.dtype))
+        lse = merged
+    return out, lse
 
 
 SPLIT_MARGIN = 0.8
