@@ -147,7 +147,12 @@ def main() -> int:
     torch.manual_seed(0)
     shape = (1, args.heads, args.seq, args.head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
-    rows = []
+    if rank == 0:  # the table's rows follow as each mask is measured
+        print(f"context parallel, {world} GPUs ({torch.cuda.get_device_name()}), B = 1, S = {args.seq}, "
+              f"H = {args.heads}, D = {args.head_dim}, {dtype}")
+        print("| mask | one GPU ms | CP ms | without overlap ms | speedup over one GPU | ring SDPA ms | vs ring "
+              "| Flex CP ms | vs Flex CP | error | sent per rank MB (most) | ring MB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     with torch.no_grad():
         for name in args.masks.split(","):
             mask = MASKS[name](args.seq)
@@ -186,18 +191,11 @@ def main() -> int:
                     print(f"FlexAttention CP on {name}: error {flex_error:.1e}, not counted", file=sys.stderr)
                     flex = None
                 sent = max(plan.bytes_sent(r, row_bytes) for r in range(world))
-                rows.append((name, alone, split, serial, peer, flex, error, sent, plan.ring_bytes_sent(row_bytes)))
-    if rank == 0:
-        print(f"context parallel, {world} GPUs ({torch.cuda.get_device_name()}), B = 1, S = {args.seq}, "
-              f"H = {args.heads}, D = {args.head_dim}, {dtype}")
-        print("| mask | one GPU ms | CP ms | without overlap ms | speedup over one GPU | ring SDPA ms | vs ring "
-              "| Flex CP ms | vs Flex CP | error | sent per rank MB (most) | ring MB |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, alone, split, serial, peer, flex, error, sent, ring in rows:
-            ring_cell = f"{peer:.2f} | {peer / split:.2f}x" if peer else "- | -"
-            flex_cell = f"{flex:.2f} | {flex / split:.2f}x" if flex else "- | -"
-            print(f"| {name} | {alone:.2f} | {split:.2f} | {serial:.2f} | {alone / split:.2f}x | {ring_cell} | "
-                  f"{flex_cell} | {error:.1e} | {sent / 1e6:.0f} | {ring / 1e6:.0f} |")
+                ring_cell = f"{peer:.2f} | {peer / split:.2f}x" if peer else "- | -"
+                flex_cell = f"{flex:.2f} | {flex / split:.2f}x" if flex else "- | -"
+                print(f"| {name} | {alone:.2f} | {split:.2f} | {serial:.2f} | {alone / split:.2f}x | {ring_cell} | "
+                      f"{flex_cell} | {error:.1e} | {sent / 1e6:.0f} | {plan.ring_bytes_sent(row_bytes) / 1e6:.0f} |",
+                      flush=True)
     dist.destroy_process_group()
     return 0
 
