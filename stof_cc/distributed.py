@@ -7,20 +7,19 @@ same work (the load-balanced sharding of ring attention); otherwise rank r holds
 `shard_sequence` and `gather_sequence` move a full-sequence tensor to and from that layout.
 
 `context_parallel_attention(q, k, v, mask, group)` takes each rank's shards. From the mask's
-exact block classes (`ContextParallelPlan`, made once per mask and size), each rank learns which
-key/value chunks each of its query chunks sees; it receives exactly those from their owners
-(NCCL point-to-point through torch.distributed), never a chunk its queries do not see: under a
-document mask whose documents lie within chunks nothing moves at all, under a sliding window only
-the neighbouring chunk, where a ring sends every chunk to every rank. While the chunks travel, each
-query chunk attends to the key chunks the rank holds; then to the received ones, laid side by side,
-and the two partial results merge by log-sum-exp. Each call runs `stof_cc.attention` with the
-matching rectangle of the mask (`masks.region`: FULL blocks stay FULL, EMPTY ones are skipped).
-Each rank computes whole rows, so nothing is merged across ranks.
+exact block classes at 128-row blocks (`ContextParallelPlan`, made once per mask and size), each
+rank learns which rows of which key/value chunks each of its query chunks sees; it receives exactly
+those rows from their owners (NCCL point-to-point through torch.distributed): under a document mask
+whose documents lie within chunks nothing moves at all, under a sliding window of w each neighbour
+sends its w edge rows, where a ring sends every chunk to every rank. While they travel, each query
+chunk attends to the key chunks the rank holds; then the query rows that see received keys attend
+to them, and the two partial results merge by log-sum-exp (one `lerp` pass over those rows). Each
+call runs `stof_cc.attention` with the matching rectangle of the mask (`masks.region`: FULL blocks
+stay FULL, EMPTY ones are skipped). Each rank computes whole rows, so nothing is merged across ranks.
+Measured figures: benchmarks/RESULTS.md, "Context parallelism".
 
-Not built yet: sending only the rows of a chunk that a query chunk sees (a sliding window needs
-w rows of its neighbour, and gets the whole chunk), and
-`torch.distributed.tensor.experimental.context_parallel`'s buffer conventions. On the CPU
-(gloo ranks) each chunk runs through the torch reference instead of the kernels.
+Not built yet: `torch.distributed.tensor.experimental.context_parallel`'s buffer conventions. On
+the CPU (gloo ranks) each chunk runs through the torch reference instead of the kernels.
 """
 
 from __future__ import annotations
