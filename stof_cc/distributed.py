@@ -18,8 +18,9 @@ call runs `stof_cc.attention` with the matching rectangle of the mask (`masks.re
 stay FULL, EMPTY ones are skipped). Each rank computes whole rows, so nothing is merged across ranks.
 Measured figures: benchmarks/RESULTS.md, "Context parallelism".
 
-Not built yet: `torch.distributed.tensor.experimental.context_parallel`'s buffer conventions. On
-the CPU (gloo ranks) each chunk runs through the torch reference instead of the kernels.
+The balanced layout is that of PyTorch's `context_parallel` (its head-tail load balancer): buffers
+it shards go in as they are. On the CPU (gloo ranks) each chunk runs through the torch reference
+instead of the kernels.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from stof_cc.ir.reference import masked_attention, masked_lse
 from stof_cc.masks import EMPTY, MaskDescription
@@ -152,11 +154,16 @@ def context_parallel_plan(mask: MaskDescription, seq: int, world: int, balanced:
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription,
-                               group: dist.ProcessGroup | None = None, scale: float | None = None,
+                               group: dist.ProcessGroup | DeviceMesh | None = None, scale: float | None = None,
                                balanced: bool = True, overlap: bool = True) -> torch.Tensor:
     """Masked attention of this rank's query shard over the whole sequence: q, k, v [B, H, S / world, D]
     (K/V may have fewer heads) laid out as `shard_sequence` lays them; returns this rank's rows
-    of the output in the same layout. Every rank of ``group`` calls it with the same mask.
+    of the output in the same layout. Every rank of ``group`` (a process group, or a 1-D device
+    mesh) calls it with the same mask.
+
+    That layout is PyTorch's: buffers that `torch.distributed.tensor.experimental.context_parallel`
+    shards (its head-tail load balancing; ``balanced=False`` where that is off) can be passed as
+    they are, and `context_parallel_unshard` gathers the output.
 
     Each rank receives only the rows of other ranks' key chunks that its queries see. With
     ``overlap``, each query chunk attends to the key chunks this rank holds while those rows
@@ -166,6 +173,11 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if not isinstance(mask, MaskDescription):
         raise TypeError(f"context_parallel_attention: mask must be a stof_cc.masks description, got "
                         f"{type(mask).__name__}")
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"context_parallel_attention: a device mesh must be 1-D (the context-parallel "
+                             f"dimension), got {group.ndim} dimensions; pass mesh['cp'] or its group")
+        group = group.get_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = rank_chunks(rank, world, balanced)
     seq = q.shape[-2] * world

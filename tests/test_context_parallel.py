@@ -111,6 +111,47 @@ def test_two_cpu_ranks_compute_what_one_process_does_sending_only_what_is_seen(t
         assert found["document"][1] == 0 and found["causal"][1] <= found["causal"][2], found
 
 
+TORCH_CONVENTION = textwrap.dedent('''
+    import sys
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from stof_cc import masks
+    from stof_cc.distributed import context_parallel_attention, shard_sequence
+    from stof_cc.ir.reference import masked_attention
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 512, 16) for _ in range(3))
+    mask = masks.causal()
+    buffers = [t.clone() for t in (q, k, v)]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+        same_layout = torch.equal(buffers[0], shard_sequence(q, rank, world))
+        out = context_parallel_attention(*buffers, mask, mesh)
+    (full,) = context_parallel_unshard(mesh, [out], [2])
+    error = float((full - masked_attention(q, k, v, mask.to_dense(512, 512, 1, 2))).abs().max())
+    with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as found:
+        found.write(repr((same_layout, error)))
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_buffers_sharded_by_pytorchs_context_parallel_go_in_as_they_are(tmp_path):
+    """torch's `context_parallel` shards q, k, v in place (head-tail load balancing), the call
+    takes them and a device mesh, and torch's `context_parallel_unshard` gathers the output."""
+    script = tmp_path / "torch_cp.py"
+    script.write_text(TORCH_CONVENTION)
+    run = torchrun(str(script), str(tmp_path))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    for rank in (0, 1):
+        same_layout, error = eval((tmp_path / f"rank{rank}.txt").read_text())  # noqa: S307 (the script's repr)
+        assert same_layout and error < 1e-5, (rank, same_layout, error)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not two_gpus(), reason="needs two GPUs")
 def test_two_gpus_compute_what_one_gpu_does(tmp_path):
