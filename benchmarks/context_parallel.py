@@ -82,8 +82,8 @@ def flex_cp_ms(q, k, v, name: str, seq: int, repeats: int):
     """FlexAttention under PyTorch's context parallelism, as torchtitan and PyTorch's own tests run it:
     `_ContextParallel(FLEX)` on a module calling `torch.compile(flex_attention)` (K/V all-gathered),
     the global BlockMask and q, k, v sharded by `_context_parallel_shard` with the head-tail load
-    balancer (the same chunks per rank as stof-cc's). The mask_mod reads the mask's classes at
-    FlexAttention's mask_mod is the user's (`_flex_mask_mod`). Returns (median ms, this rank's output in the shard's layout)."""
+    balancer (the same chunks per rank as stof-cc's), the user's mask_mod (`_flex_mask_mod`).
+    Returns (median ms, this rank's output in the shard's layout)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._attention import (
         _context_parallel_shard,
@@ -180,10 +180,12 @@ def main() -> int:
             if not args.no_peer:
                 try:
                     flex, flex_out = flex_cp_ms(q, k, v, name, args.seq, args.repeats)
-                    flex_out = gather_sequence(flex_out)
                 except Exception as exc:
                     print(f"rank {rank}: FlexAttention under context parallelism failed: {type(exc).__name__}: "
                           f"{exc}", file=sys.stderr)
+                ran = torch.tensor([flex_out is not None], device="cuda", dtype=torch.int32)
+                dist.all_reduce(ran, op=dist.ReduceOp.MIN)  # a peer that failed on one rank counts on none
+                flex, flex_out = (flex, gather_sequence(flex_out)) if ran.item() else (None, None)
             if rank == 0:
                 error = max(_distance(got, want), _distance(got_serial, want))
                 flex_error = None if flex_out is None else _distance(flex_out, want)

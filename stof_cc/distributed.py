@@ -122,7 +122,9 @@ class ContextParallelPlan:
 # the mask itself (a region holds its parent: a weak-keyed table of them would keep every mask alive)
 _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, ContextParallelPlan]] = weakref.WeakKeyDictionary()
 _REGIONS = "_context_parallel_regions"
-_joined: set[str] = set()  # the groups every rank has met in a collective (NCCL's communicator is made)
+# the groups every rank has met in a collective (NCCL's communicator is made); by object, since a
+# group's name comes back after destroy_process_group and a new init
+_joined: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 
 
 def context_parallel_plan(mask: MaskDescription, seq: int, world: int, balanced: bool = True,
@@ -179,6 +181,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                              f"dimension), got {group.ndim} dimensions; pass mesh['cp'] or its group")
         group = group.get_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if k.shape[-2] != q.shape[-2] or v.shape[:-1] != k.shape[:-1] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"context_parallel_attention: q, k and v must be [B, H, S / world, D] shards of one "
+                         f"sequence (K and V alike); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     mine = rank_chunks(rank, world, balanced)
     seq = q.shape[-2] * world
     plan = context_parallel_plan(mask, seq, world, balanced, q.shape[0], q.shape[1])
@@ -241,10 +246,10 @@ def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGrou
         values = held[1].new_empty((*held[1].shape[:-2], hi - lo, held[1].shape[-1]))
         pieces[chunk] = (keys, values, chunk * plan.chunk + lo)
         ops += [dist.P2POp(dist.irecv, keys, peer, group), dist.P2POp(dist.irecv, values, peer, group)]
-    name = (group or dist.group.WORLD).group_name
-    if name not in _joined:  # a first batch_isend_irecv on a group needs every rank in it, and some have no ops
+    joined = group or dist.group.WORLD
+    if joined not in _joined:  # a first batch_isend_irecv on a group needs every rank in it, and some have no ops
         dist.barrier(group=group)
-        _joined.add(name)
+        _joined.add(joined)
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stof_cc import masks
-from stof_cc.ir.reference import masked_attention, relative_error
+from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
 from stof_cc.runtime.attention import _planned, attention
 from stof_cc.templates.attention import AttentionInputError, problem_of
 from stof_cc.tune.attention import candidates
@@ -86,8 +86,6 @@ def test_every_template_instance_matches_reference(dtype, head_dim):
 def test_every_template_instance_returns_the_log_sum_exp(dtype, head_dim):
     """return_lse at every point of the space: the output as without it, and each row's log-sum-exp
     within 1e-3 of the fp32 reference's, -inf on the rows no key reaches (batch 1's first third)."""
-    from stof_cc.ir.reference import masked_lse
-
     seq = 1000
     problem = problem_of(*_inputs(seq, head_dim, dtype))
     dense = masks.longformer(37, 3).to_dense(seq, seq).expand(BATCH, HEADS, seq, seq).clone()
@@ -108,12 +106,13 @@ def test_every_template_instance_returns_the_log_sum_exp(dtype, head_dim):
 
 def test_a_strided_split_returns_the_log_sum_exp_of_every_position():
     """The dilated window that runs as strided windows writes each residue's rows of the LSE too."""
-    from stof_cc.ir.reference import masked_lse
+    from stof_cc.runtime import attention as runtime_attention
 
     q, k, v = (torch.randn(1, 12, 8192, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     desc = masks.dilated(512, 4)
     dense = desc.to_dense(8192).cuda()
     out, lse = attention(q, k, v, desc, return_lse=True)
+    assert runtime_attention._splits[desc][(q.shape, k.shape, v.shape, q.dtype, q.device)] is not None  # it split
     assert relative_error(out, masked_attention(q, k, v, dense)) < 1e-2
     assert (lse - masked_lse(q, k, dense)).abs().max() < 1e-3
 
@@ -128,8 +127,9 @@ def test_partial_results_over_disjoint_keys_merge_into_the_whole():
     dense = mask.to_dense(512).cuda()
     halves = [attention(q, k[..., cut, :], v[..., cut, :], masks.from_dense(dense[..., cut]), return_lse=True)
               for cut in (slice(0, 256), slice(256, 512))]
-    merged, _ = merge_partials([h[0] for h in halves], [h[1] for h in halves])
+    merged, merged_lse = merge_partials([h[0] for h in halves], [h[1] for h in halves])
     assert relative_error(merged, whole) < 1e-2
+    assert (merged_lse - masked_lse(q, k, dense)).abs().max() < 1e-3
 
 
 def test_no_mask_scale_and_rectangular():
@@ -282,8 +282,11 @@ def test_an_additive_bias_is_added_by_every_template(dtype, head_dim):
             keep = causal.to_dense(seq).cuda() & (padding != 0)[:, None, None, :]
             want = _biased_reference(q, k, v, bias, keep)
         else:
-            attention(q, k, v, bias=bias, params=params, out=out)
+            _, lse = attention(q, k, v, bias=bias, params=params, out=out, return_lse=True)
             want = _biased_reference(q, k, v, bias)
+            # the log-sum-exp counts the bias (in the inputs' dtype, as the kernels read it)
+            want_lse = masked_lse(q, k, None, bias=bias.to(dtype))
+            assert (lse - want_lse).abs().max() < 1e-2, f"lse with bias {template.name} {params}"
         _check(out, want, f"bias {tuple(shape)} {template.name} {params}")
 
 

@@ -107,7 +107,7 @@ def test_two_cpu_ranks_compute_what_one_process_does_sending_only_what_is_seen(t
         for name, (error, sent, ring) in found.items():
             assert error < 1e-5, (name, found)
             assert sent <= ring, (name, found)
-        # documents within chunks: nothing moves; causal: rank 0's late chunk sees all, rank 1 sends half a ring
+        # documents within chunks: nothing moves; causal: at most a ring (the plan test has the exact counts)
         assert found["document"][1] == 0 and found["causal"][1] <= found["causal"][2], found
 
 

@@ -53,13 +53,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-def masked_lse(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
-    """Each query row's log-sum-exp of its scaled, masked scores, fp32 [B, H, S_q] (-inf where no
-    key is allowed): what `stof_cc.attention(..., return_lse=True)` returns beside the output."""
+def masked_lse(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query row's log-sum-exp of its scaled (and biased), masked scores, fp32 [B, H, S_q] (-inf
+    where no key is allowed): what `stof_cc.attention(..., return_lse=True)` returns beside the output."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    if bias is not None:
+        scores = scores + bias.float()
     if mask is not None:
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
     return torch.logsumexp(scores, dim=-1)

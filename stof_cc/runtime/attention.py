@@ -79,7 +79,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                   "torch.no_grad() or pass tensors that do not require grad")
     if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
         with torch.cuda.device(q.device):
-            return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out)
+            return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,
+                             return_lse=return_lse)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     split = _strided_split(q, k, v, description, key_padding, bias, params)
     if split is not None:
@@ -130,17 +131,14 @@ def _residue_problem(problem: AttentionProblem, residues: int) -> AttentionProbl
                                seq_k=problem.seq_k // residues, residues=residues)
 
 
-_splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] = weakref.WeakKeyDictionary()
-# Taken only where the cost model expects the split to win by this margin: the model prices the
-# split's one launch (B * d slots of sequences S / d) and the direct one on the sparse mask alike,
-# but has no term for the direct kernel's d-fold sparser partial blocks.
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor],
                    into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over the union of disjoint key sets from each set's output [B, H, S, D] and
     log-sum-exp [B, H, S] (`attention(..., return_lse=True)`): each next output mixed in with
     weight exp(lse_i - lse) by one `lerp` pass (the weights of the sets so far and of the next sum
     to 1), written into ``into`` when given (it may be ``outs[0]``). A row no set allows stays 0
-    with lse -inf."""
+    with lse -inf. The weight is rounded to the outputs' dtype (bf16: 2^-9 relative, below the
+    outputs' own rounding); one pass, where blending in fp32 would take four."""
     if into is None:
         out = outs[0].clone() if len(outs) > 1 else outs[0]
     else:
@@ -154,6 +152,10 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor],
     return out, lse
 
 
+_splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] = weakref.WeakKeyDictionary()
+# Taken only where the cost model expects the split to win by this margin: the model prices the
+# split's one launch (B * d slots of sequences S / d) and the direct one on the sparse mask alike,
+# but has no term for the direct kernel's d-fold sparser partial blocks.
 SPLIT_MARGIN = 0.8
 
 
