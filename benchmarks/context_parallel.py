@@ -6,6 +6,7 @@ PyTorch's context parallelism (every mask) and, for the causal mask, PyTorch's `
     torchrun --nproc-per-node 2 benchmarks/context_parallel.py [--seq 131072] [--heads 16] [--head-dim 128]
                                                               [--masks causal,sliding,document,bigbird]
                                                               [--dtype bfloat16] [--repeats 10] [--no-peer]
+    python benchmarks/context_parallel.py --compile-only 2,4      # no GPU: fill the kernel cache first
 
 Every rank makes the same full random q, k, v (B = 1); rank 0 runs the whole problem alone on its
 GPU (the one-GPU time and the reference output); then every rank takes its load-balanced shard
@@ -32,15 +33,20 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stof_cc import masks  # noqa: E402
+from stof_cc.backends.nvcc import compile_many  # noqa: E402
 from stof_cc.distributed import (  # noqa: E402
     context_parallel_attention,
     context_parallel_plan,
     gather_sequence,
+    precompile,
     shard_sequence,
 )
 from stof_cc.masks.workloads import GRID_RANDOM_BLOCK, GRID_RANDOM_BLOCKS, GRID_SEED  # noqa: E402
 from stof_cc.masks.zoo import random_blocks  # noqa: E402
 from stof_cc.runtime.attention import attention  # noqa: E402
+from stof_cc.templates.attention import AttentionProblem, validated_problem  # noqa: E402
+from stof_cc.templates.pricing import target_capability  # noqa: E402
+from stof_cc.tune.attention import choose  # noqa: E402
 
 SLIDING = 4096  # the window of the sliding and BigBird masks
 GLOBAL_TOKENS = 32
@@ -136,7 +142,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--compile-only", metavar="WORLDS",
+                        help="no GPU needed: compile (nvcc, into the kernel cache) the kernels of the one-GPU run "
+                             "and of context parallelism over each comma-separated world size, then exit")
     args = parser.parse_args()
+    if args.compile_only:
+        return compile_only(args)
     if not torch.cuda.is_available():
         print("context_parallel.py needs NVIDIA GPUs (run it under torchrun)", file=sys.stderr)
         return 2
@@ -199,6 +210,25 @@ def main() -> int:
                       f"{flex_cell} | {error:.1e} | {sent / 1e6:.0f} | {plan.ring_bytes_sent(row_bytes) / 1e6:.0f} |",
                       flush=True)
     dist.destroy_process_group()
+    return 0
+
+
+def compile_only(args) -> int:
+    """Every kernel a run of these arguments launches, compiled ahead (a machine without a GPU
+    fills the cache that the GPU run then reads)."""
+    dtype = getattr(torch, args.dtype)
+    problem = validated_problem(AttentionProblem(1, args.heads, args.seq, args.seq, args.head_dim, dtype))
+    for name in args.masks.split(","):
+        mask = MASKS[name](args.seq)
+        choice = choose(problem, mask)
+        major, minor = target_capability()  # the H100's without a GPU
+        arch = f"sm_{major}{minor}" + choice.template.arch_features
+        compiled = compile_many([(choice.template.render(problem, choice.params), arch)])
+        if compiled[0]:
+            raise SystemExit(f"{name}: the one-GPU kernel did not compile: {compiled[0]}")
+        for world in (int(w) for w in args.compile_only.split(",")):
+            count = precompile(mask, args.seq, world, heads=args.heads, head_dim=args.head_dim, dtype=dtype)
+            print(f"{name}: one GPU and CP = {world}: {count + 1} kernels compiled or cached", flush=True)
     return 0
 
 

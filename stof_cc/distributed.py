@@ -32,10 +32,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from stof_cc.backends.nvcc import CompileError, compile_many
 from stof_cc.ir.reference import masked_attention, masked_lse
 from stof_cc.masks import EMPTY, MaskDescription
 from stof_cc.masks.region import region
 from stof_cc.runtime.attention import attention, merge_partials
+from stof_cc.templates.attention import AttentionProblem, validated_problem
+from stof_cc.templates.pricing import target_capability
+from stof_cc.tune.attention import choose
 
 CLASS_BLOCK = 128  # the block side at which the plan reads the mask's classes (each chunk holds whole blocks)
 
@@ -70,6 +74,23 @@ def gather_sequence(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
         for chunk, part in zip(rank_chunks(rank, world, balanced), piece.chunk(per_rank, dim=dim), strict=True):
             found[chunk] = part
     return torch.cat([found[c] for c in range(_chunks(world, balanced))], dim=dim)
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One `stof_cc.attention` call of a rank: query rows ``rows`` of the shard's slot ``slot``
+    (query chunk ``chunk``) over the keys of ``key_chunks`` laid side by side (held chunks whole,
+    received ones their received rows). ``after_transfers``: it reads received rows. ``merges``: its
+    result merges by log-sum-exp into the rows the slot's first call wrote, which then returned its
+    log-sum-exp (``returns_lse``)."""
+
+    slot: int
+    chunk: int
+    rows: tuple[int, int]
+    key_chunks: tuple[int, ...]
+    after_transfers: bool
+    returns_lse: bool = False
+    merges: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +129,41 @@ class ContextParallelPlan:
         """(destination rank, chunk, first row, end row) of what ``rank`` sends, in the order both sides post them."""
         return [(dest, c, lo, hi) for dest in range(self.world) if dest != rank
                 for source, c, lo, hi in self.receives(dest) if source == rank]
+
+    def key_ranges(self, rank: int, key_chunks: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """(first position, length) of the keys ``rank`` has of each chunk: held chunks whole, the
+        others the rows it receives."""
+        mine = rank_chunks(rank, self.world, self.balanced)
+        ranges = []
+        for c in key_chunks:
+            lo, hi = (0, self.chunk) if c in mine else self.key_rows(rank, c)
+            ranges.append((c * self.chunk + lo, hi - lo))
+        return tuple(ranges)
+
+    def calls(self, rank: int, overlap: bool = True) -> list[AttentionCall]:
+        """The attention calls of ``rank``, in order: those over held keys only first (they run
+        while the transfers do). With ``overlap``, a query chunk that sees held and received keys
+        attends to the held ones first, then its rows that see received keys attend to those and
+        merge; without, it makes one call after the transfers. A chunk that sees no key has no call
+        (its rows are 0)."""
+        mine = rank_chunks(rank, self.world, self.balanced)
+        first, then = [], []
+        for slot, chunk in enumerate(mine):
+            seen = self.sees[chunk]
+            local = tuple(c for c in seen if c in mine)
+            remote = tuple(c for c in seen if c not in mine)
+            whole = (0, self.chunk)
+            if not seen:
+                continue
+            if not remote:
+                first.append(AttentionCall(slot, chunk, whole, seen, False))
+            elif not overlap or not local:
+                then.append(AttentionCall(slot, chunk, whole, seen, True))
+            else:
+                first.append(AttentionCall(slot, chunk, whole, local, False, returns_lse=True))
+                then.append(AttentionCall(slot, chunk, self.query_rows(chunk, list(remote)), remote, True,
+                                          returns_lse=True, merges=True))
+        return first + then
 
     def bytes_sent(self, rank: int, row_bytes: int) -> int:
         """What ``rank`` sends for one call, with ``row_bytes`` per key row (K and V)."""
@@ -188,55 +244,71 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     seq = q.shape[-2] * world
     plan = context_parallel_plan(mask, seq, world, balanced, q.shape[0], q.shape[1])
     length = plan.chunk
-    pieces = {c: (k[..., i * length:(i + 1) * length, :], v[..., i * length:(i + 1) * length, :], c * length)
-              for i, c in enumerate(mine)}  # per chunk: its keys and values here, and the first one's position
+    pieces = {c: (k[..., i * length:(i + 1) * length, :], v[..., i * length:(i + 1) * length, :])
+              for i, c in enumerate(mine)}  # per chunk: the keys and values this rank has of it
     in_flight = _post_exchange(plan, rank, group, pieces)
     out = torch.empty_like(q)
-    local_lse = {}
-    for i, chunk in enumerate(mine):  # under the transfers (with overlap): the key chunks held here
-        into = out[..., i * length:(i + 1) * length, :]
-        local = [c for c in plan.sees[chunk] if c in mine]
-        if not plan.sees[chunk]:  # no allowed key: zeros, as stof_cc.attention gives such rows
-            into.zero_()
-        elif overlap and local:
-            remote = len(local) < len(plan.sees[chunk])
-            shard_keys = (k, v) if local == mine else None  # both held chunks: the shard itself, uncopied
-            found = _attend(q[..., i * length:(i + 1) * length, :], pieces, local, mask, seq, chunk * length,
-                            scale, into, remote, shard_keys)
-            if remote:
-                local_lse[i] = found[1]
-    for request in in_flight:
+    first_lse, covered = {}, set()
+    for call in plan.calls(rank, overlap):
+        if call.after_transfers and in_flight:
+            for request in in_flight:
+                request.wait()
+            in_flight = []
+        lo, hi = call.slot * length + call.rows[0], call.slot * length + call.rows[1]
+        into = out[..., lo:hi, :]
+        keys = (k, v) if call.key_chunks == tuple(mine) else _side_by_side(pieces, call.key_chunks)
+        where = _region(mask, plan, rank, call)
+        if call.merges:
+            found, found_lse = _attend(q[..., lo:hi, :], *keys, where, scale, None, True)
+            rows = slice(*call.rows)
+            merge_partials([into, found], [first_lse[call.slot][..., rows], found_lse], into=into)
+        else:
+            found = _attend(q[..., lo:hi, :], *keys, where, scale, into, call.returns_lse)
+            if call.returns_lse:
+                first_lse[call.slot] = found[1]
+        covered.add(call.slot)
+    for request in in_flight:  # sends still in flight (a rank that receives nothing)
         request.wait()
-    for i, chunk in enumerate(mine):  # then the received rows
-        into = out[..., i * length:(i + 1) * length, :]
-        remote = [c for c in plan.sees[chunk] if c not in mine]
-        if not overlap:
-            if plan.sees[chunk]:
-                _attend(q[..., i * length:(i + 1) * length, :], pieces, list(plan.sees[chunk]), mask, seq,
-                        chunk * length, scale, into, False)
-            continue
-        if not remote:
-            continue
-        if len(remote) == len(plan.sees[chunk]):  # nothing held: one call over what arrived
-            _attend(q[..., i * length:(i + 1) * length, :], pieces, remote, mask, seq, chunk * length, scale,
-                    into, False)
-            continue
-        lo, hi = plan.query_rows(chunk, remote)
-        rows = q[..., i * length + lo:i * length + hi, :]
-        received, received_lse = _attend(rows, pieces, remote, mask, seq, chunk * length + lo, scale, None, True)
-        part = into[..., lo:hi, :]
-        merge_partials([part, received], [local_lse[i][..., lo:hi], received_lse], into=part)
+    for slot in set(range(len(mine))) - covered:  # no allowed key: zeros, as stof_cc.attention gives such rows
+        out[..., slot * length:(slot + 1) * length, :].zero_()
     return out
+
+
+def precompile(mask: MaskDescription, seq: int, world: int, *, heads: int, head_dim: int, dtype: torch.dtype,
+               kv_heads: int | None = None, batch: int = 1, balanced: bool = True, overlap: bool = True,
+               arch: str | None = None) -> int:
+    """Compile every attention kernel that `context_parallel_attention` will launch on any of
+    ``world`` ranks for this mask and these sizes (nvcc, into the kernel cache, in parallel), on a
+    machine with nvcc and no GPU as well: a job's ranks then start without compiling. ``arch``:
+    e.g. "sm_90" (default: the current GPU's, else the H100's). Returns how many distinct kernels
+    were compiled or found cached; raises CompileError naming the first that failed."""
+    plan = context_parallel_plan(mask, seq, world, balanced, batch, heads)
+    major, minor = target_capability()
+    arch = arch or f"sm_{major}{minor}"
+    jobs = []
+    for rank in range(world):
+        for call in plan.calls(rank, overlap):
+            rows = call.rows[1] - call.rows[0]
+            keys = sum(length for _, length in plan.key_ranges(rank, call.key_chunks))
+            problem = validated_problem(AttentionProblem(batch, heads, rows, keys, head_dim, dtype, kv_heads))
+            choice = choose(problem, _region(mask, plan, rank, call))
+            jobs.append((choice.template.render(problem, choice.params), arch + choice.template.arch_features))
+    jobs = list(dict.fromkeys(jobs))
+    failed = [error for error in compile_many(jobs) if error]
+    if failed:
+        raise CompileError(f"context-parallel precompile: {len(failed)} of {len(jobs)} kernels failed; "
+                           f"the first: {failed[0]}")
+    return len(jobs)
 
 
 def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGroup | None, pieces: dict) -> list:
     """Post the sends of the rows of this rank's chunks that the plan says other ranks see, and
-    the receives of the rows its queries see (into ``pieces``: keys, values, first position),
-    K and V back to back; returns the requests to wait on before reading what they receive."""
+    the receives of the rows its queries see (into ``pieces``: keys, values), K and V back to
+    back; returns the requests to wait on before reading what they receive."""
     ops = []
     for dest, chunk, lo, hi in plan.sends(rank):
         peer = dist.get_global_rank(group, dest) if group is not None else dest
-        keys, values, _ = pieces[chunk]
+        keys, values = pieces[chunk]
         ops += [dist.P2POp(dist.isend, keys[..., lo:hi, :].contiguous(), peer, group),
                 dist.P2POp(dist.isend, values[..., lo:hi, :].contiguous(), peer, group)]
     held = pieces[rank_chunks(rank, plan.world, plan.balanced)[0]]
@@ -244,7 +316,7 @@ def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGrou
         peer = dist.get_global_rank(group, source) if group is not None else source
         keys = held[0].new_empty((*held[0].shape[:-2], hi - lo, held[0].shape[-1]))
         values = held[1].new_empty((*held[1].shape[:-2], hi - lo, held[1].shape[-1]))
-        pieces[chunk] = (keys, values, chunk * plan.chunk + lo)
+        pieces[chunk] = (keys, values)
         ops += [dist.P2POp(dist.irecv, keys, peer, group), dist.P2POp(dist.irecv, values, peer, group)]
     joined = group or dist.group.WORLD
     if joined not in _joined:  # a first batch_isend_irecv on a group needs every rank in it, and some have no ops
@@ -253,27 +325,31 @@ def _post_exchange(plan: ContextParallelPlan, rank: int, group: dist.ProcessGrou
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _attend(q: torch.Tensor, pieces: dict, chunks: list[int], mask: MaskDescription, seq: int, q_start: int,
-            scale: float | None, out: torch.Tensor | None, lse: bool,
-            shard_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Queries ``q`` (from position ``q_start``) over the keys of ``chunks`` that ``pieces`` holds,
-    laid side by side (``shard_keys``: those already side by side), under the matching rectangle of
-    the mask (made once per rectangle and kept on the mask), into ``out`` when given; with ``lse``,
+def _side_by_side(pieces: dict, chunks: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of ``chunks`` laid side by side (one chunk: as it is, uncopied)."""
+    if len(chunks) == 1:
+        return pieces[chunks[0]]
+    return tuple(torch.cat([pieces[c][j] for c in chunks], dim=-2) for j in (0, 1))
+
+
+def _region(mask: MaskDescription, plan: ContextParallelPlan, rank: int, call: AttentionCall) -> MaskDescription:
+    """The rectangle of the mask that ``call`` attends with, made once and kept on the mask."""
+    q_start = call.chunk * plan.chunk + call.rows[0]
+    where = (plan.seq, q_start, call.rows[1] - call.rows[0], plan.key_ranges(rank, call.key_chunks))
+    regions = mask.__dict__.setdefault(_REGIONS, {})
+    if where not in regions:
+        regions[where] = region(mask, *where)
+    return regions[where]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription, scale: float | None,
+            out: torch.Tensor | None, lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``q`` over ``k``, ``v`` under ``mask`` (a region), into ``out`` when given; with ``lse``,
     (output, log-sum-exp). stof_cc.attention on GPUs; the torch reference on the CPU (gloo ranks),
     where there are no kernels."""
-    ranges = tuple((pieces[c][2], pieces[c][0].shape[-2]) for c in chunks)
-    regions = mask.__dict__.setdefault(_REGIONS, {})
-    where = (seq, q_start, q.shape[-2], ranges)
-    if where not in regions:
-        regions[where] = region(mask, seq, q_start, q.shape[-2], ranges)
-    if shard_keys is not None:
-        k, v = shard_keys
-    else:
-        k, v = (torch.cat([pieces[c][j] for c in chunks], dim=-2) if len(chunks) > 1 else pieces[chunks[0]][j]
-                for j in (0, 1))
     if q.is_cuda:
-        return attention(q, k, v, regions[where], scale, out=out, return_lse=lse)
-    dense = regions[where].to_dense(q.shape[-2], k.shape[-2], q.shape[0], q.shape[1])
+        return attention(q, k, v, mask, scale, out=out, return_lse=lse)
+    dense = mask.to_dense(q.shape[-2], k.shape[-2], q.shape[0], q.shape[1])
     result = masked_attention(q, k, v, dense, scale)
     if out is not None:
         result = out.copy_(result)

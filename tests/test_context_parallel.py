@@ -42,6 +42,36 @@ def test_the_plan_sends_only_the_chunks_queries_see():
     assert all(window.bytes_sent(r, 1) <= window.ring_bytes_sent(1) / 3 for r in range(4))
 
 
+def test_a_ranks_calls_run_the_held_keys_first_and_merge_the_received_ones():
+    """Causal on two ranks: rank 1 (chunks 1 and 2) attends to its own chunks while chunk 0 travels,
+    then to chunk 0's rows and merges; without overlap, one call per chunk after the transfers."""
+    from stof_cc.distributed import AttentionCall
+
+    plan = context_parallel_plan(masks.causal(), 1024, 2)
+    assert plan.calls(1) == [
+        AttentionCall(0, 1, (0, 256), (1,), False, returns_lse=True),
+        AttentionCall(1, 2, (0, 256), (1, 2), False, returns_lse=True),
+        AttentionCall(0, 1, (0, 256), (0,), True, returns_lse=True, merges=True),
+        AttentionCall(1, 2, (0, 256), (0,), True, returns_lse=True, merges=True)]
+    assert plan.calls(1, overlap=False) == [AttentionCall(0, 1, (0, 256), (0, 1), True),
+                                            AttentionCall(1, 2, (0, 256), (0, 1, 2), True)]
+    assert plan.calls(0)[0] == AttentionCall(0, 0, (0, 256), (0,), False)  # chunk 0 sees only itself
+    window = context_parallel_plan(masks.sliding_window(64), 2048, 4)
+    merged = [c for c in window.calls(3) if c.merges]  # rank 3 holds chunks 3 and 4
+    assert [(c.chunk, c.rows, c.key_chunks) for c in merged] == [(3, (0, 128), (2,)), (4, (128, 256), (5,))]
+    assert window.key_ranges(3, (2, 3)) == ((2 * 256 + 128, 128), (3 * 256, 256))
+
+
+@pytest.mark.slow
+def test_precompile_compiles_every_kernel_the_ranks_will_launch(monkeypatch, tmp_path):
+    """On this machine (nvcc, no GPU): the kernels of both ranks' calls land in the cache."""
+    from stof_cc.distributed import precompile
+
+    monkeypatch.setenv("STOF_CC_CACHE", str(tmp_path))
+    count = precompile(masks.sliding_window(300), 4096, 2, heads=2, head_dim=64, dtype=torch.float16)
+    assert count >= 1 and len(list((tmp_path / "cubin").rglob("*.cubin"))) >= count
+
+
 def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side():
     seq, chunk = 1024, 128
     for mask in (masks.causal(), masks.sliding_window(100), masks.document([300, 424, 300]),
