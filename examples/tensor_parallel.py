@@ -3,7 +3,7 @@ torch.distributed's `parallelize_module`, then `torch.compile(model, backend="st
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py [--hidden 8192] [--heads 64] [--kv-heads 8]
                                                             [--ffn 28672] [--layers 2] [--seq 4096]
-                                                            [--dtype float16] [--no-peer] [--cpu]
+                                                            [--dtype float16] [--no-peer] [--profile] [--cpu]
 
 Each rank builds the same random-weight model (transformers' `LlamaModel` from a config, seed 0),
 shards it Megatron-style over a 1-D `DeviceMesh` of all ranks (q/k/v and gate/up column-wise,
@@ -76,6 +76,28 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+KERNEL_KINDS = (("NCCL", ("nccl",)), ("GEMM", ("gemm", "nvjet", "cutlass", "xmma")), ("attention", ("attention",)))
+
+
+def kernel_split(fn, calls: int = 5) -> str:
+    """Kernel time per call of ``fn`` by kind (torch.profiler, every rank in step). NCCL's kernels
+    include their wait for the other ranks: an upper bound on what the collectives cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0.0)
+        name = event.key.lower()
+        kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
+        totals[kind] += us
+    return ", ".join(f"{kind} {us / calls / 1e3:.2f}" for kind, us in totals.items()) + " ms of kernels per call"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU, tiny defaults (a smoke test)")
@@ -87,6 +109,9 @@ def main() -> int:
     parser.add_argument("--seq", type=int)
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--no-peer", action="store_true", help="skip torch.compile (Inductor)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print, per rank, stof-cc's kernel time per call split into NCCL, GEMM, attention "
+                             "and the rest (torch.profiler; GPUs only)")
     args = parser.parse_args()
     sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32} if args.cpu else \
         {"hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "seq": 4096}
@@ -119,6 +144,8 @@ def main() -> int:
         run = torch.compile(model, backend="stof_cc", dynamic=False)
         got = run(inputs_embeds=x).last_hidden_state
         line = f"rank {rank}: stof-cc {median_ms(lambda: run(inputs_embeds=x), device):.2f} ms"
+        if args.profile and device.type == "cuda":
+            line += f" ({kernel_split(lambda: run(inputs_embeds=x))})"
         if not args.no_peer:  # Inductor in its default mode and with CUDA graphs; the faster is the peer
             for mode in ("default", "reduce-overhead"):
                 torch._dynamo.reset()
