@@ -31,10 +31,10 @@ if wanted tests; then
   echo "exit status $?" >>"$logs/tests.log"
 fi
 run cp2 2 benchmarks/context_parallel.py
-run tp2 2 examples/tensor_parallel.py
+run tp2 2 examples/tensor_parallel.py --profile
 if [ "$gpus" -ge 4 ]; then
   run cp4 4 benchmarks/context_parallel.py
-  run tp4 4 examples/tensor_parallel.py
+  run tp4 4 examples/tensor_parallel.py --profile
   run tp2_16k 2 examples/tensor_parallel.py --seq 16384
   run tp4_16k 4 examples/tensor_parallel.py --seq 16384
   run cp4_512k 4 benchmarks/context_parallel.py --seq 524288 --repeats 5
