@@ -21,11 +21,14 @@ wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 run() {  # run NAME NPROC SCRIPT ARGS...: torchrun on the first NPROC GPUs
   local name=$1 nproc=$2; shift 2
   wanted "$name" || return 0
+  made+=("$name")
   port=$((port + 1))
   timeout "$limit" torchrun --nproc-per-node "$nproc" --master-port "$port" "$@" >"$logs/$name.log" 2>&1
   echo "exit status $?" >>"$logs/$name.log"
 }
+made=()
 if wanted tests; then
+  made+=(tests)
   timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py \
     tests/test_context_parallel.py tests/test_devices.py >"$logs/tests.log" 2>&1
   echo "exit status $?" >>"$logs/tests.log"
@@ -40,8 +43,9 @@ if [ "$gpus" -ge 4 ]; then
   run cp4_512k 4 benchmarks/context_parallel.py --seq 524288 --repeats 5
   run dp "$gpus" examples/multi_gpu.py
 fi
-for f in "$logs"/*.log; do
-  echo "== $(basename "$f" .log)"
+for name in "${made[@]}"; do  # this run's logs only
+  f="$logs/$name.log"
+  echo "== $name"
   grep -E "^(FAILED|ERROR)|^E  |passed|failed|^\||context parallel|TP =|^rank|relative error|distance|tokens/s|Error|exit status" \
     "$f" | head -16
 done

@@ -76,7 +76,7 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-KERNEL_KINDS = (("NCCL", ("nccl",)), ("GEMM", ("gemm", "nvjet", "cutlass", "xmma")), ("attention", ("attention",)))
+KERNEL_KINDS = (("NCCL", ("nccl",)), ("GEMM", ("gemm", "nvjet", "cutlass", "xmma")), ("attention", ("stof_attn", "attention", "flash", "fmha")))
 
 
 def kernel_split(fn, calls: int = 5) -> str:

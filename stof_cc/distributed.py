@@ -155,8 +155,8 @@ class ContextParallelPlan:
             whole = (0, self.chunk)
             if not seen:
                 continue
-            if not remote:
-                first.append(AttentionCall(slot, chunk, whole, seen, False))
+            if not remote:  # without overlap, every call waits for the transfers (a serial baseline)
+                (first if overlap else then).append(AttentionCall(slot, chunk, whole, seen, not overlap))
             elif not overlap or not local:
                 then.append(AttentionCall(slot, chunk, whole, seen, True))
             else:
@@ -275,16 +275,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def precompile(mask: MaskDescription, seq: int, world: int, *, heads: int, head_dim: int, dtype: torch.dtype,
-               kv_heads: int | None = None, batch: int = 1, balanced: bool = True, overlap: bool = True,
-               arch: str | None = None) -> int:
+               kv_heads: int | None = None, batch: int = 1, balanced: bool = True, overlap: bool = True) -> int:
     """Compile every attention kernel that `context_parallel_attention` will launch on any of
     ``world`` ranks for this mask and these sizes (nvcc, into the kernel cache, in parallel), on a
-    machine with nvcc and no GPU as well: a job's ranks then start without compiling. ``arch``:
-    e.g. "sm_90" (default: the current GPU's, else the H100's). Returns how many distinct kernels
+    machine with nvcc and no GPU as well (kernels chosen and compiled for the current GPU, else the
+    H100): a job's ranks then start without compiling. Returns how many distinct kernels
     were compiled or found cached; raises CompileError naming the first that failed."""
     plan = context_parallel_plan(mask, seq, world, balanced, batch, heads)
     major, minor = target_capability()
-    arch = arch or f"sm_{major}{minor}"
+    arch = f"sm_{major}{minor}"
     jobs = []
     for rank in range(world):
         for call in plan.calls(rank, overlap):
