@@ -1,6 +1,6 @@
 """Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
 
-    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual] [--m M] [--shapes K:N,...]
+    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual] [--m M] [--shapes K:N,...] [--cold]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096), 4 = (768, 2304) (BERT's merged
@@ -8,7 +8,9 @@ Q/K/V projection), or ``--shapes`` names them (``4096:1024,4096:28672``); M = 40
 fp16. The epilogue is none, bias + GELU (``--gelu``, FFN1's) or bias + residual (``--residual``, the
 out-projection's and FFN2's, whose residual tile the kernel stages through shared memory). Unlike `benchmarks/fusion.py` only the driver launch runs between launches (no argument
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
-median of 5; a kernel shorter than one launch's host cost would still read as that cost. Each point
+median of 5; a kernel shorter than one launch's host cost would still read as that cost. With ``--cold``
+each launch finds its operands in DRAM, as `benchmarks/gemm.py` times them (`triton.testing.do_bench`, which
+flushes L2 before every launch): back-to-back launches keep operands under 50 MB in L2. Each point
 is first checked against ``F.linear``. Needs an NVIDIA Hopper GPU, PyCUDA and nvcc.
 """
 
@@ -24,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fusion import TOKENS, Gemm, GemmBiasGelu, GemmBiasResidual  # noqa: E402
+from fusion import TOKENS, Gemm, GemmBiasGelu, GemmBiasResidual, bench  # noqa: E402
 
 from stof_cc.backends.group_launch import GroupLaunch, precompile  # noqa: E402
 from stof_cc.ir.frontend import trace  # noqa: E402
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--residual", action="store_true", help="bias + residual epilogue (staged residual)")
     parser.add_argument("--m", type=int, default=TOKENS, help="rows of A (tokens)")
     parser.add_argument("--shapes", help="K:N pairs, comma separated (instead of rows)")
+    parser.add_argument("--cold", action="store_true", help="flush L2 before every launch (do_bench)")
     args = parser.parse_args()
     module_type = GemmBiasGelu if args.gelu else GemmBiasResidual if args.residual else Gemm
     only = re.compile(args.regex) if args.regex else None
@@ -76,7 +79,8 @@ def main() -> None:
         x_gpu, r_gpu, w_gpu = x.cuda(), r.cuda(), module.fc.weight.detach().cuda()
         inputs = [node.name for node in graph.nodes() if node.op == INPUT]
         values = dict(zip(inputs, (x_gpu, r_gpu), strict=False)) | {name: t.cuda() for name, t in graph.constants.items()}
-        cublas = timed_ms(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
+        timer = bench if args.cold else timed_ms
+        cublas = timer(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
         want = module.cuda()(x_gpu, r_gpu).detach().float()
         flops = 2 * tokens * n * k
         print(f"M={tokens} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
@@ -88,9 +92,9 @@ def main() -> None:
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
             operands = [values[op.ref] for op in problem.operands]
-            args = (launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
-                    + launch.workspace_args(out.device))  # split-K points: their partials and counters
-            ms = timed_ms(lambda launch=launch, args=args: launch.kernel.launch(*launch.geometry, *args))
+            kernel_args = (launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
+                           + launch.workspace_args(out.device))  # split-K points: their partials and counters
+            ms = timer(lambda launch=launch, kernel_args=kernel_args: launch.kernel.launch(*launch.geometry, *kernel_args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
             print(f"  {tag:15s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "
                   f"estimate {estimate:6.1f} us error {relative_error(out, want):.1e}"

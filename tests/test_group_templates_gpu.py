@@ -58,7 +58,8 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
     256 each tile's four boxes wrap it twice; with one (the residual), through four boxes holding
     the staged tile at three stages, and at four through the ring of two, the staged operand's
     later boxes requested as the stores free their slots (N = 264: the second column tile's
-    boxes past N complete their slots' barriers empty)."""
+    boxes past N complete their slots' barriers empty). The deep rings (eight stages) wrap within
+    and across tiles at other ring positions."""
     import group_cases
 
     import stof_cc.templates.gemm_epilogue as gemm_epilogue
@@ -79,7 +80,9 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
                    {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 3},
                    {"schedule": "pingpong", "block_m": 128, "block_n": 64, "stages": 4},
                    {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 3},
-                   {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4}):
+                   {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4},
+                   {"schedule": "cooperative", "block_m": 64, "block_n": 128, "stages": 8},  # deep rings
+                   {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 8}):
         assert params in GEMM_EPILOGUE.space(problem), params
         ring = params["block_n"] == 256 and params["stages"] == 4 or module_name == "LinearGelu"
         assert gemm_epilogue.staging_boxes(problem.details, params) == (min(2, params["block_n"] // 64) if ring

@@ -12,8 +12,9 @@ ring of two shared staging boxes (one at block_n 64) and asynchronous TMA stores
 any, is *staged*: TMA loads its boxes into the staging area (the whole tile where it fits beside the stages, else
 the ring) from under the products on. Where the tiles fill less than half the SMs, split-K points
 divide each tile's k-steps among 2-4 units whose last adds the others' fp32 partials (``workspace``).
+Rings of 3 or 4 operand stages, and the deepest of up to 8 that fits, for small cold GEMMs.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
-#staged-residual, #staging-ring, #staged-residual-ring, #split-k, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
+#staged-residual, #staging-ring, #staged-residual-ring, #split-k, #deep-rings, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
 #taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
 """
 
@@ -43,7 +44,8 @@ from stof_cc.templates.registry import Launch
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
-STAGE_COUNTS = (3, 4)  # 5 and 6 were never a shape's best point (docs/decisions.md#staging-ring)
+STAGE_COUNTS = (3, 4)  # 5 and 6 were never a shape's best point at M = 4096 (docs/decisions.md#staging-ring)
+DEEP_STAGES = 8  # and the deepest ring that fits, up to this, where it is deeper than 4 (docs/decisions.md#deep-rings)
 SPLIT_COUNTS = (2, 3, 4)  # split-K, where the tiles fill less than half the SMs (docs/decisions.md#split-k)
 MIN_UNIT_STEPS = 4  # k-steps per split-K unit: enough to fill the ring
 SCHEDULES = ("cooperative", "pingpong")
@@ -106,7 +108,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         for schedule in SCHEDULES:
             for block_m in BLOCK_MS:
                 for block_n in BLOCK_NS:
-                    for stages in STAGE_COUNTS:
+                    for stages in _stage_counts(problem, schedule, block_m, block_n):
                         params = {"schedule": schedule, "block_m": block_m, "block_n": block_n, "stages": stages}
                         # accumulators (a warpgroup's rows x block_n / 128 threads), addressing and the epilogue
                         registers = _rows_per_warpgroup(params) * block_n // 128 + 48
@@ -175,6 +177,17 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
         return _shared_bytes(params, staging_boxes(problem.details, params) if problem.details.tma_store else 0)
+
+
+def _stage_counts(problem: Problem, schedule: str, block_m: int, block_n: int) -> list[int]:
+    """STAGE_COUNTS, then the deepest ring of up to DEEP_STAGES that fits shared memory beside the
+    staging, where that is deeper: small tiles on few-tile shapes wait on their operands' first trip
+    from DRAM, and cuBLAS runs those with 8-10 stages (docs/decisions.md#deep-rings)."""
+    def fits(stages: int) -> bool:
+        params = {"schedule": schedule, "block_m": block_m, "block_n": block_n, "stages": stages}
+        return GemmEpilogueTemplate.shared_bytes(problem, params) <= SMEM_LIMIT
+    deepest = max((s for s in range(max(STAGE_COUNTS) + 1, DEEP_STAGES + 1) if fits(s)), default=None)
+    return [*STAGE_COUNTS, *([deepest] if deepest else [])]
 
 
 def _shared_bytes(params: dict[str, Any], boxes: int) -> int:

@@ -28,7 +28,11 @@ EPILOGUE_ELEMENTS_PER_US = 1.43e5  # one warpgroup's bare epilogue (value, conve
 EPILOGUE_OP_COST = {"gelu": 6.0}
 OTHER_EPILOGUE_OP_COST = 0.25      # any other elementwise op (add, scale, relu...)
 GROUP_LAUNCH_US = 4.0
-SPLIT_FIXUP_BYTES_PER_US = 1.0e5  # one SM's L2 traffic, about 100 GB/s: an estimate, not fitted yet
+# A k-step's operands on their way from DRAM (a small, cold GEMM): a ring of `stages` buffers keeps
+# that many k-steps in flight, so a unit of work takes at least k-steps x this / stages
+# (docs/decisions.md#deep-rings)
+LOAD_LATENCY_US = 2.0
+SPLIT_FIXUP_BYTES_PER_US = 2.0e4  # per SM, fitted with LOAD_LATENCY_US (docs/decisions.md#deep-rings)
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
 
 
@@ -66,7 +70,8 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
     a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
     intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
-    the ring depth and the consumer count. Each tile's epilogue computes its elements
+    the ring depth and the consumer count, and no faster than its ring brings the operands from
+    DRAM (`LOAD_LATENCY_US` per k-step over the stages in flight). Each tile's epilogue computes its elements
     (``epilogue_ops``: the chain's cost per element beyond the store, `EPILOGUE_OP_COST`) on the
     warpgroups that own it: after the products when they share the tile (cooperative), under
     the other warpgroup's products under ping-pong, where a tile costs max(products, (products
@@ -81,7 +86,8 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     efficiency = min(1.0, rows * block_n / (rows + block_n) / FULL_RATE_INTENSITY) ** INTENSITY_EXPONENT
     efficiency *= (ONE_ROW_BLOCK_RATE if block_m == 64 else 1.0) * (THREE_STAGE_RATE if stages == 3 else 1.0)
     efficiency *= PINGPONG_RATE if pingpong else 1.0
-    products_us = 2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency)
+    products_us = max(2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency),
+                      math.ceil(k / 64) * LOAD_LATENCY_US / stages)
     owners = 1 if pingpong else block_m // 64  # warpgroups computing one tile's epilogue
     epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
     tile_us = max(products_us, (products_us + epilogue_us) / 2) if pingpong else products_us + epilogue_us
