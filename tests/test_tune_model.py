@@ -13,7 +13,13 @@ from stof_cc.cli import main
 from stof_cc.ir.frontend import trace
 from stof_cc.passes import canonicalize, partition
 from stof_cc.tune.database import TuningDatabase
-from stof_cc.tune.model import group_signature, tune_model
+from stof_cc.tune.model import (
+    MAX_INPUT_SETS,
+    MIN_INPUT_SETS,
+    group_signature,
+    input_set_count,
+    tune_model,
+)
 
 
 def test_group_signature_names_ops_and_specs():
@@ -22,6 +28,16 @@ def test_group_signature_names_ops_and_specs():
     assert signature.startswith("reduction add+add+layer_norm+silu -> f16[4,96] <- ")
     _, _, other, group2 = build(ResidualLayerNormSilu, "reduction", (4, 128), torch.float16)
     assert group_signature(other, group2) != signature  # another shape, another record
+
+
+def test_stage_2_rotates_through_twice_the_l2():
+    """Enough input sets that a launch finds its operands in DRAM: 4 MB sets on a 50 MB L2 take 25,
+    large sets the minimum, tiny ones the cap."""
+    l2 = 50 * 2**20
+    assert input_set_count(4 * 2**20, l2) == 25
+    assert input_set_count(512 * 2**20, l2) == MIN_INPUT_SETS
+    assert input_set_count(4096, l2) == MAX_INPUT_SETS
+    assert input_set_count(0, l2) == MAX_INPUT_SETS
 
 
 def test_tune_without_a_gpu_is_a_clear_error(monkeypatch, example_path, capsys):

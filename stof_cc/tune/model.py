@@ -44,7 +44,18 @@ from stof_cc.tune.search import (
 )
 from stof_cc.tune.tune_attention import tune_attention
 
-INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2
+MIN_INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on inputs left in L2 ...
+MAX_INPUT_SETS = 64  # ... by the launch before: as many as twice the L2 takes, within these (`input_set_count`)
+
+
+def input_set_count(set_bytes: int, l2_bytes: int | None = None) -> int:
+    """How many input sets stage 2 rotates through: enough that the sets together hold twice the
+    GPU's L2, so each launch finds its operands in DRAM, as a model's layer finds its weights.
+    Four sets of a small GEMM's 4 MB stayed in the 50 MB L2, and stage 2 then preferred points
+    that lose once the operands come from DRAM (docs/decisions.md#deep-rings)."""
+    if l2_bytes is None:
+        l2_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return min(MAX_INPUT_SETS, max(MIN_INPUT_SETS, -(-2 * l2_bytes // max(set_bytes, 1))))
 
 
 def group_signature(graph: Graph, group: FusionGroup) -> str:
@@ -140,13 +151,14 @@ def tune_group(graph: Graph, group: FusionGroup, values: dict[str, torch.Tensor]
         progress(f"{group.name} ({group.kind}): no template applies; torch runs it")
         return None
     reference = values[group_output(graph, group)]
-    operands = {op.ref for problem in problems.values() for op in problem.operands}
-    sets = [values] + [{**values, **{k: torch.randn_like(values[k]) for k in operands
-                                     if values[k].is_floating_point()}} for _ in range(INPUT_SETS - 1)]
+    operands = sorted({op.ref for problem in problems.values() for op in problem.operands})
+    randomised = [k for k in operands if values[k].is_floating_point()]
+    count = input_set_count(sum(values[k].nbytes for k in randomised) + reference.nbytes)
+    sets = [values] + [{**values, **{k: torch.randn_like(values[k]) for k in randomised}} for _ in range(count - 1)]
 
     def build(candidate: Candidate):
         launch = GroupLaunch(candidate.template, problems[id(candidate)], candidate.params)
-        return lambda i: launch(sets[i % INPUT_SETS])
+        return lambda i: launch(sets[i % len(sets)])
 
     return search(candidates, build, lambda out: relative_error(out, reference),
                   signature=group_signature(graph, group), arch=device_arch(), top_k=top_k, database=database,
@@ -168,8 +180,9 @@ def _time_library(graph, group, values, database, device, progress) -> None:
         return
     # the real operands, then random copies of every one (weights too), as tune_group rotates the
     # generated candidates' inputs: neither side finds its operands in L2
-    sets = [given] + [[None if t is None else torch.randn_like(t) for t in given] for _ in range(INPUT_SETS - 1)]
-    micros = cuda_timer(lambda i: torch.nn.functional.linear(*sets[i % INPUT_SETS]), runs=20)
+    count = input_set_count(sum(t.nbytes for t in given if t is not None) + values[node.name].nbytes)
+    sets = [given] + [[None if t is None else torch.randn_like(t) for t in given] for _ in range(count - 1)]
+    micros = cuda_timer(lambda i: torch.nn.functional.linear(*sets[i % len(sets)]), runs=20)
     database.store(LIBRARY_GEMM, signature, device, {}, micros)
     progress(f"{group.name}: library GEMM (cuBLAS through F.linear) {micros:.1f} us")
 
