@@ -230,39 +230,73 @@ def test_a_staged_residual_takes_the_whole_tile_where_it_fits_else_the_ring():
     assert "load_staged_box(b + STAGING_BOXES" not in whole_source and "load_staged_box(b, " in whole_source
 
 
-def test_split_k_points_only_where_the_tiles_leave_most_sms_idle():
-    """Split-K points (cooperative, 2-4 even units of at least four k-steps, one wave of units)
-    join the space where a point's tiles fill less than half of 132 SMs, and each names its
-    workspace: a fp32 partial tile per unit and an arrival counter per tile."""
+def test_stream_k_twins_where_the_last_wave_leaves_sms_idle():
+    """Stream-K twins (cooperative only) join the space where the last wave's tiles are fewer than the
+    CTAs that could share their k-steps; each names its workspace (an fp32 partial tile per piece,
+    a k-step counter per stream-K tile) and launches every SM it can use."""
     from group_cases import LinearResidual
 
-    from stof_cc.templates.gemm_epilogue import point_tag, split_points
+    from stof_cc.templates.gemm_epilogue import point_tag, stream_k_points, stream_k_split
 
     _, _, graph, group = build(LinearResidual, "gemm", (1, 1024, 768), torch.float16)  # 12 k-steps
     problem = GEMM_EPILOGUE.match(graph, group)
-    split = [p for p in GEMM_EPILOGUE.space(problem) if p.get("splits", 1) > 1]
-    assert split and all(p["schedule"] == "cooperative" for p in split)
-    for params in split:
+    twins = [p for p in GEMM_EPILOGUE.space(problem) if p.get("stream_k")]
+    assert twins and all(p["schedule"] == "cooperative" for p in twins)
+    for params in twins:
         tiles = -(-1024 // params["block_m"]) * -(-768 // params["block_n"])
-        assert 2 * tiles <= 132 and tiles * params["splits"] <= 132 and 12 % params["splits"] == 0
-        assert GEMM_EPILOGUE.workspace(problem, params) == (tiles * params["splits"] * params["block_m"]
-                                                            * params["block_n"] * 4, tiles)
-        assert GEMM_EPILOGUE.launch(problem, params)[0][0] == tiles * params["splits"]
-        assert point_tag(params).endswith(f"_k{params['splits']}")
+        grid = GEMM_EPILOGUE.launch(problem, params)[0][0]
+        assert grid == min(132, 4 * tiles) if tiles < 132 else grid == 132
+        sk_tiles, sk_ctas = stream_k_split(tiles, 12, grid)
+        assert sk_ctas > sk_tiles == tiles % grid
+        assert GEMM_EPILOGUE.workspace(problem, params) == ((sk_ctas + sk_tiles - 1) * params["block_m"]
+                                                            * params["block_n"] * 4, sk_tiles)
+        assert point_tag(params).endswith("_sk")
         assert "arrivals" in GEMM_EPILOGUE.render(problem, params)
     co = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4}
-    assert [p["splits"] for p in split_points(problem.details, co, 132)] == [2, 3]  # 4 would leave 3 k-steps a unit
-    assert split_points(problem.details, {**co, "schedule": "pingpong"}, 132) == []
+    assert stream_k_points(problem.details, co, 132) == [{**co, "stream_k": True}]
+    assert stream_k_points(problem.details, {**co, "schedule": "pingpong"}, 132) == []
     assert GEMM_EPILOGUE.workspace(problem, co) is None and "arrivals" not in GEMM_EPILOGUE.render(problem, co)
-    # a 4096-row GEMM fills the SMs: no split points
-    _, _, graph, group = build(LinearResidual, "gemm", (1, 4096, 768), torch.float16)
-    assert all("splits" not in p for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))
+    assert stream_k_split(264, 64, 132) == (0, 0)  # whole waves: nothing to share
+    assert stream_k_split(136, 128, 132) == (4, 16)  # 4 tail tiles: 4 pieces each at most
+    assert stream_k_split(10, 2, 132) == (10, 5)  # 20 k-steps: shares of at least 4
 
 
-def test_a_launch_assembles_maps_operands_output_and_a_split_points_workspace(monkeypatch):
+@pytest.mark.parametrize("tiles, k_steps, grid", [(6, 9, 24), (6, 9, 5), (512, 64, 132), (136, 128, 132),
+                                                  (128, 224, 132), (3, 3, 12), (40, 1, 132), (7, 13, 3)])
+def test_the_stream_k_walk_covers_every_k_step_once(tiles, k_steps, grid):
+    """The kernel's WorkWalk (mirrored here from gemm_epilogue.cu.j2) over every CTA: each tile's
+    k-steps exactly once, a tile's pieces in one CTA each, the pieces' partial slots (owner CTA +
+    tile) distinct and inside the workspace, and `owner` naming the CTAs of each tile's pieces."""
+    from stof_cc.templates.gemm_epilogue import STREAM_K_MAX_PIECES, stream_k_split
+
+    sk_tiles, sk_ctas = stream_k_split(tiles, k_steps, grid)
+    sk_iters = sk_tiles * k_steps
+    covered, slots, pieces = {}, set(), {}
+    for cta in range(grid):
+        at, end = (cta * sk_iters // sk_ctas, (cta + 1) * sk_iters // sk_ctas) if cta < sk_ctas else (0, 0)
+        while at < end:  # WorkWalk.next: the share's pieces
+            tile = at // k_steps
+            k_begin, k_end = at - tile * k_steps, min(end - tile * k_steps, k_steps)
+            at = tile * k_steps + k_end
+            covered.setdefault(tile, []).extend(range(k_begin, k_end))
+            if k_end - k_begin < k_steps:
+                assert cta + tile not in slots and cta + tile < max(sk_ctas + sk_tiles - 1, 1)
+                slots.add(cta + tile)
+                pieces.setdefault(tile, []).append(cta)
+        for tile in range(sk_tiles + cta, tiles, grid):  # then whole tiles
+            covered.setdefault(tile, []).extend(range(k_steps))
+    assert sorted(covered) == list(range(tiles))
+    assert all(sorted(steps) == list(range(k_steps)) for steps in covered.values())
+    for tile, ctas in pieces.items():
+        owner = [((i + 1) * sk_ctas - 1) // sk_iters for i in (tile * k_steps, (tile + 1) * k_steps - 1)]
+        assert ctas == list(range(owner[0], owner[1] + 1))
+        assert len(ctas) <= STREAM_K_MAX_PIECES + 1
+
+
+def test_a_launch_assembles_maps_operands_output_and_a_stream_k_points_workspace(monkeypatch):
     """GroupLaunch without a GPU (the kernel load and the tensor-map encoder stand-ins): the
     argument format it loads the kernel with, the tensor maps in the template's order, and a
-    split-K point's workspace (its own per device, allocated once, counters zeroed)."""
+    stream-K point's workspace (its own per device, allocated once, counters zeroed)."""
     from group_cases import LinearResidual
 
     from stof_cc.backends import group_launch
@@ -274,7 +308,7 @@ def test_a_launch_assembles_maps_operands_output_and_a_split_points_workspace(mo
     monkeypatch.setattr(group_launch, "_kernels", {})
     _, _, graph, group = build(LinearResidual, "gemm", (1, 1024, 768), torch.float16)
     problem = GEMM_EPILOGUE.match(graph, group)
-    params = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4, "splits": 2}
+    params = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4, "stream_k": True}
     launch = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, params)
     maps = GEMM_EPILOGUE.tensor_maps(problem, params)
     assert loaded == [TENSOR_MAP_FORMAT * len(maps) + "P" * (len(problem.operands) + 1) + "PP"]
@@ -287,5 +321,5 @@ def test_a_launch_assembles_maps_operands_output_and_a_split_points_workspace(mo
     partials, counters = launch._workspaces[torch.device("cpu")]
     assert (partials.numel(), counters.numel()) == GEMM_EPILOGUE.workspace(problem, params)
     assert not counters.any()
-    unsplit = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, {k: v for k, v in params.items() if k != "splits"})
+    unsplit = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, {k: v for k, v in params.items() if k != "stream_k"})
     assert unsplit.workspace_args(torch.device("cpu")) == [] and loaded[-1] == loaded[0][:-2]

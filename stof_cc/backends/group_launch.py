@@ -65,7 +65,7 @@ class GroupLaunch:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # zeroing recorded, not run
                 raise GroupInputError(f"group {self.problem.group.name}: its first call on {device} is inside a "
                                       "CUDA graph capture; run it once before capturing (the warm-up on a side "
-                                      "stream that torch.cuda.graph asks for), so its split-K counters are zeroed")
+                                      "stream that torch.cuda.graph asks for), so its stream-K counters are zeroed")
             scratch_bytes, counters = self.workspace_sizes
             self._workspaces[device] = (torch.empty(scratch_bytes, dtype=torch.uint8, device=device),
                                         torch.zeros(counters, dtype=torch.int32, device=device))
