@@ -92,8 +92,7 @@ def main() -> None:
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
             operands = [values[op.ref] for op in problem.operands]
-            kernel_args = (launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
-                           + launch.workspace_args(out.device))  # stream-K points: their partials and counters
+            kernel_args = launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
             ms = timer(lambda launch=launch, kernel_args=kernel_args: launch.kernel.launch(*launch.geometry, *kernel_args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
             print(f"  {tag:15s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "

@@ -230,73 +230,9 @@ def test_a_staged_residual_takes_the_whole_tile_where_it_fits_else_the_ring():
     assert "load_staged_box(b + STAGING_BOXES" not in whole_source and "load_staged_box(b, " in whole_source
 
 
-def test_stream_k_twins_where_the_last_wave_leaves_sms_idle():
-    """Stream-K twins (cooperative only) join the space where the last wave's tiles are fewer than the
-    CTAs that could share their k-steps; each names its workspace (an fp32 partial tile per piece,
-    a k-step counter per stream-K tile) and launches every SM it can use."""
-    from group_cases import LinearResidual
-
-    from stof_cc.templates.gemm_epilogue import point_tag, stream_k_points, stream_k_split
-
-    _, _, graph, group = build(LinearResidual, "gemm", (1, 1024, 768), torch.float16)  # 12 k-steps
-    problem = GEMM_EPILOGUE.match(graph, group)
-    twins = [p for p in GEMM_EPILOGUE.space(problem) if p.get("stream_k")]
-    assert twins and all(p["schedule"] == "cooperative" for p in twins)
-    for params in twins:
-        tiles = -(-1024 // params["block_m"]) * -(-768 // params["block_n"])
-        grid = GEMM_EPILOGUE.launch(problem, params)[0][0]
-        assert grid == min(132, 4 * tiles) if tiles < 132 else grid == 132
-        sk_tiles, sk_ctas = stream_k_split(tiles, 12, grid)
-        assert sk_ctas > sk_tiles == tiles % grid
-        assert GEMM_EPILOGUE.workspace(problem, params) == ((sk_ctas + sk_tiles - 1) * params["block_m"]
-                                                            * params["block_n"] * 4, sk_tiles)
-        assert point_tag(params).endswith("_sk")
-        assert "arrivals" in GEMM_EPILOGUE.render(problem, params)
-    co = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4}
-    assert stream_k_points(problem.details, co, 132) == [{**co, "stream_k": True}]
-    assert stream_k_points(problem.details, {**co, "schedule": "pingpong"}, 132) == []
-    assert GEMM_EPILOGUE.workspace(problem, co) is None and "arrivals" not in GEMM_EPILOGUE.render(problem, co)
-    assert stream_k_split(264, 64, 132) == (0, 0)  # whole waves: nothing to share
-    assert stream_k_split(136, 128, 132) == (4, 16)  # 4 tail tiles: 4 pieces each at most
-    assert stream_k_split(10, 2, 132) == (10, 5)  # 20 k-steps: shares of at least 4
-
-
-@pytest.mark.parametrize("tiles, k_steps, grid", [(6, 9, 24), (6, 9, 5), (512, 64, 132), (136, 128, 132),
-                                                  (128, 224, 132), (3, 3, 12), (40, 1, 132), (7, 13, 3)])
-def test_the_stream_k_walk_covers_every_k_step_once(tiles, k_steps, grid):
-    """The kernel's WorkWalk (mirrored here from gemm_epilogue.cu.j2) over every CTA: each tile's
-    k-steps exactly once, a tile's pieces in one CTA each, the pieces' partial slots (owner CTA +
-    tile) distinct and inside the workspace, and `owner` naming the CTAs of each tile's pieces."""
-    from stof_cc.templates.gemm_epilogue import STREAM_K_MAX_PIECES, stream_k_split
-
-    sk_tiles, sk_ctas = stream_k_split(tiles, k_steps, grid)
-    sk_iters = sk_tiles * k_steps
-    covered, slots, pieces = {}, set(), {}
-    for cta in range(grid):
-        at, end = (cta * sk_iters // sk_ctas, (cta + 1) * sk_iters // sk_ctas) if cta < sk_ctas else (0, 0)
-        while at < end:  # WorkWalk.next: the share's pieces
-            tile = at // k_steps
-            k_begin, k_end = at - tile * k_steps, min(end - tile * k_steps, k_steps)
-            at = tile * k_steps + k_end
-            covered.setdefault(tile, []).extend(range(k_begin, k_end))
-            if k_end - k_begin < k_steps:
-                assert cta + tile not in slots and cta + tile < max(sk_ctas + sk_tiles - 1, 1)
-                slots.add(cta + tile)
-                pieces.setdefault(tile, []).append(cta)
-        for tile in range(sk_tiles + cta, tiles, grid):  # then whole tiles
-            covered.setdefault(tile, []).extend(range(k_steps))
-    assert sorted(covered) == list(range(tiles))
-    assert all(sorted(steps) == list(range(k_steps)) for steps in covered.values())
-    for tile, ctas in pieces.items():
-        owner = [((i + 1) * sk_ctas - 1) // sk_iters for i in (tile * k_steps, (tile + 1) * k_steps - 1)]
-        assert ctas == list(range(owner[0], owner[1] + 1))
-        assert len(ctas) <= STREAM_K_MAX_PIECES + 1
-
-
-def test_a_launch_assembles_maps_operands_output_and_a_stream_k_points_workspace(monkeypatch):
+def test_a_launch_assembles_maps_operands_and_output(monkeypatch):
     """GroupLaunch without a GPU (the kernel load and the tensor-map encoder stand-ins): the
-    argument format it loads the kernel with, the tensor maps in the template's order, and a
-    stream-K point's workspace (its own per device, allocated once, counters zeroed)."""
+    argument format it loads the kernel with and the tensor maps in the template's order."""
     from group_cases import LinearResidual
 
     from stof_cc.backends import group_launch
@@ -308,18 +244,11 @@ def test_a_launch_assembles_maps_operands_output_and_a_stream_k_points_workspace
     monkeypatch.setattr(group_launch, "_kernels", {})
     _, _, graph, group = build(LinearResidual, "gemm", (1, 1024, 768), torch.float16)
     problem = GEMM_EPILOGUE.match(graph, group)
-    params = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4, "stream_k": True}
+    params = {"schedule": "cooperative", "block_m": 128, "block_n": 192, "stages": 4}
     launch = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, params)
     maps = GEMM_EPILOGUE.tensor_maps(problem, params)
-    assert loaded == [TENSOR_MAP_FORMAT * len(maps) + "P" * (len(problem.operands) + 1) + "PP"]
+    assert loaded == [TENSOR_MAP_FORMAT * len(maps) + "P" * (len(problem.operands) + 1)]
     tensors = [torch.zeros(problem.graph.node(op.ref).spec.shape) for op in problem.operands]
     out = torch.zeros(problem.shape)
     encoded = launch.tensor_map_args(tensors, out)
     assert [rows_cols[1:] for rows_cols in encoded] == [(rows, cols) for _, rows, cols in maps]
-    scratch = launch.workspace_args(torch.device("cpu"))
-    assert scratch == launch.workspace_args(torch.device("cpu"))  # allocated once
-    partials, counters = launch._workspaces[torch.device("cpu")]
-    assert (partials.numel(), counters.numel()) == GEMM_EPILOGUE.workspace(problem, params)
-    assert not counters.any()
-    unsplit = group_launch.GroupLaunch(GEMM_EPILOGUE, problem, {k: v for k, v in params.items() if k != "stream_k"})
-    assert unsplit.workspace_args(torch.device("cpu")) == [] and loaded[-1] == loaded[0][:-2]

@@ -95,54 +95,6 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
         assert err < 1e-2, f"{params} on {ctas} CTA(s): relative error {err}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [520, 768])
-@pytest.mark.parametrize("module_name", ["LinearGelu", "LinearResidual"])
-def test_stream_k_pieces_sum_to_the_whole_product(module_name, width, dtype):
-    """Stream-K: the tiles' k-steps in equal shares over the CTAs, a tile's pieces adding their fp32
-    partials in the piece that completes it, on the kernel's own grid (every tile shared) and on
-    grids that leave 1-3 tiles to share after whole waves or none (3 CTAs: M = 333 at 128 rows
-    makes 3 row tiles), a CTA walking pieces and then whole tiles. Called twice per grid: the
-    counters must be back at zero after each call. Width 520 (K = N, 9 k-steps): at block_n 256 the
-    second column tile's boxes past N, and (the residual) the staged boxes requested by the
-    completing piece through the ring of two at four stages."""
-    import group_cases
-
-    from stof_cc.backends.group_launch import GroupLaunch
-    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, stream_k_split
-
-    if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
-        pytest.skip("gemm_epilogue needs sm_90")
-    module, (x, r), graph, group = build(getattr(group_cases, module_name), "gemm", (3, 111, width), dtype)
-    problem = GEMM_EPILOGUE.match(graph, group)
-    want = module.float()(x.float(), r.float()).cuda()
-    values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
-    values |= {name: t.cuda() for name, t in graph.constants.items()}
-    k_steps = -(-width // 64)
-    launches = []
-    for block_m, block_n, stages in ((128, 256, 4), (128, 192, 4), (64, 128, 3), (64, 128, 8)):
-        params = {"schedule": "cooperative", "block_m": block_m, "block_n": block_n, "stages": stages,
-                  "stream_k": True}
-        assert params in GEMM_EPILOGUE.space(problem), params
-        launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
-        launches.append(launch)
-        grid, threads, shared = launch.geometry
-        tiles = -(-333 // block_m) * -(-width // block_n)
-        slots, counters = GEMM_EPILOGUE.workspace(problem, params)
-        for ctas in (grid[0], tiles - 1, tiles - 2, 3, 1):
-            if ctas < 1:
-                continue
-            sk_tiles, sk_ctas = stream_k_split(tiles, k_steps, ctas)
-            assert (sk_ctas + sk_tiles - 1) * block_m * block_n * 4 <= slots and sk_tiles <= counters
-            launch.geometry = ((ctas, 1, 1), threads, shared)
-            for call in range(2):
-                err = relative_error(launch(values), want)
-                assert err < 1e-2, f"{params} on {ctas} CTA(s), call {call}: relative error {err}"
-    for launch in launches:  # every tile's completing piece reset its counter
-        _, counters = launch._workspaces[want.device]
-        assert not counters.any(), launch.params
-
-
 def test_gelu_is_within_its_fitted_bound():
     """Generated GELU (gelu_erf: a fitted form of Abramowitz & Stegun 7.1.28, not erff) against torch's
     in float64 over [-10, 10] in fp32, where rounding to fp16/bf16 hides nothing: the fit's bound is 3e-5."""

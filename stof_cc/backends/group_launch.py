@@ -29,10 +29,7 @@ class GroupLaunch:
         source = template.render(problem, params)
         name = template.kernel_name(problem, params)
         self.maps = template.tensor_maps(problem, params)
-        self.workspace_sizes = template.workspace(problem, params)
-        self._workspaces: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: scratch, counters
-        arg_format = (TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.operands) + 1)
-                      + ("PP" if self.workspace_sizes else ""))
+        arg_format = TENSOR_MAP_FORMAT * len(self.maps) + "P" * (len(problem.operands) + 1)
         if (name, source) not in _kernels:
             _kernels[(name, source)] = load_kernel(source, name, arg_format, arch_features=template.arch_features,
                                                    waits_for_producers=template.waits_for_producers)
@@ -53,23 +50,8 @@ class GroupLaunch:
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
         grid, threads, shared = self.geometry
         self.kernel.launch(grid, threads, shared, *self.tensor_map_args(tensors, out),
-                           *(t.data_ptr() for t in tensors), out.data_ptr(), *self.workspace_args(out.device))
+                           *(t.data_ptr() for t in tensors), out.data_ptr())
         return out
-
-    def workspace_args(self, device: torch.device) -> list[int]:
-        """The scratch buffer and zeroed counters the template asks for (`GroupTemplate.workspace`),
-        this launch's own on ``device`` (allocated at its first call there), or none."""
-        if not self.workspace_sizes:
-            return []
-        if device not in self._workspaces:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # zeroing recorded, not run
-                raise GroupInputError(f"group {self.problem.group.name}: its first call on {device} is inside a "
-                                      "CUDA graph capture; run it once before capturing (the warm-up on a side "
-                                      "stream that torch.cuda.graph asks for), so its stream-K counters are zeroed")
-            scratch_bytes, counters = self.workspace_sizes
-            self._workspaces[device] = (torch.empty(scratch_bytes, dtype=torch.uint8, device=device),
-                                        torch.zeros(counters, dtype=torch.int32, device=device))
-        return [t.data_ptr() for t in self._workspaces[device]]
 
     def tensor_map_args(self, tensors: list[torch.Tensor], out: torch.Tensor) -> list[bytes]:
         """The tensor maps the kernel takes first, for these operand tensors and output (encoded

@@ -10,13 +10,11 @@ alternate tiles so one's epilogue hides under the other's tensor-core work, unde
 ``cooperative`` they share each tile. Row-major outputs (N a multiple of 8) leave through a
 ring of two shared staging boxes (one at block_n 64) and asynchronous TMA stores (``tma_store``); a residual, if
 any, is *staged*: TMA loads its boxes into the staging area (the whole tile where it fits beside the stages, else
-the ring) from under the products on. Cooperative points have stream-K twins (``stream_k``): the tiles of
-the last, partial wave are cut into equal shares of k-steps over the CTAs, and the piece that completes a
-tile adds the others' fp32 partials (``workspace``). Rings of 3 or 4 operand stages, and the deepest of up
-to 8 that fits, for small cold GEMMs.
+the ring) from under the products on. Rings of 3 or 4 operand stages, and the deepest of up to 8
+that fits, for small cold GEMMs.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
-#staged-residual, #staging-ring, #staged-residual-ring, #stream-k, #deep-rings, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
-#taller-cooperative-tiles, #deferred-epilogue; the tile order: #tile-bands.
+#staged-residual, #staging-ring, #staged-residual-ring, #deep-rings, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
+#taller-cooperative-tiles, #deferred-epilogue, #split-k-and-stream-k; the tile order: #tile-bands.
 """
 
 from __future__ import annotations
@@ -47,8 +45,6 @@ BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows;
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
 STAGE_COUNTS = (3, 4)  # 5 and 6 were never a shape's best point at M = 4096 (docs/decisions.md#staging-ring)
 DEEP_STAGES = 8  # and the deepest ring that fits, up to this, where it is deeper than 4 (docs/decisions.md#deep-rings)
-STREAM_K_MAX_PIECES = 4  # pieces per stream-K tile at most: each one more is a partial tile the last piece reads
-STREAM_K_MIN_SHARE = 4  # k-steps per CTA's stream-K share at least (docs/decisions.md#stream-k)
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
@@ -116,7 +112,6 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
                         if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
-                            points += stream_k_points(problem.details, params, sm_count())
         return points
 
     def default_params(self, problem: Problem) -> dict[str, Any]:
@@ -128,11 +123,9 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         a_and_w = (d.m + d.n) * d.k * problem.dtype.itemsize
         staged = d.m * d.n * problem.dtype.itemsize if d.staged is not None else 0  # under the products
         epilogue = moved_bytes(problem) - a_and_w - staged  # the output and the epilogue's other operands
-        stream_k = stream_k_split(_tiles(d, params), -(-d.k // 64), _grid(d, params, sm_count)) \
-            if params.get("stream_k") else (0, 0)
         return gemm_us(d.m, d.n, d.k, params["block_m"], params["block_n"], params["stages"], epilogue,
                        sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d.epilogue_ops,
-                       tma_store=d.tma_store, stream_k=stream_k)
+                       tma_store=d.tma_store)
 
     def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         staged = problem.details.staged
@@ -155,29 +148,15 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         """The details' fields, the register split, the consumer warpgroups per CTA and the
         tile raster's band height."""
-        defaults = {"stream_k": False}  # plain points carry no stream_k key
-        return {**fields_of(problem.details), **{key: v for key, v in defaults.items() if key not in params},
-                "stream_k_max_pieces": STREAM_K_MAX_PIECES, "stream_k_min_share": STREAM_K_MIN_SHARE,
-                "producer_registers": PRODUCER_REGISTERS,
+        return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
                 "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
                 "staging_boxes": staging_boxes(problem.details, params),
                 "raster_rows": raster_rows(problem.details.m, problem.details.n, params, sm_count())}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
-        """Persistent: at most one CTA per SM, each walking its stream-K share (if any) then whole
-        tiles blockIdx.x + i gridDim.x (`_grid`)."""
-        return (_grid(problem.details, params, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, \
-            self.shared_bytes(problem, params)
-
-    def workspace(self, problem: Problem, params: dict[str, Any]) -> tuple[int, int] | None:
-        """Stream-K's: an fp32 partial tile per piece that is not a whole tile (bytes; pieces lie
-        in order along the iterations, so CTA + tile numbers them: at most SK_CTAS + SK_TILES - 1),
-        and one k-step counter per stream-K tile (the kernel resets each after use)."""
-        if not params.get("stream_k"):
-            return None
-        d = problem.details
-        sk_tiles, sk_ctas = stream_k_split(_tiles(d, params), -(-d.k // 64), _grid(d, params, sm_count()))
-        return max(sk_ctas + sk_tiles - 1, 1) * params["block_m"] * params["block_n"] * 4, max(sk_tiles, 1)
+        """Persistent: at most one CTA per SM (each walks the tiles blockIdx.x + i gridDim.x)."""
+        tiles = _tiles(problem.details, params)
+        return (min(tiles, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
@@ -252,41 +231,9 @@ def staging_boxes(details: GemmDetails, params: dict[str, Any]) -> int:
 
 
 def point_tag(params: dict[str, Any]) -> str:
-    """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``,
-    ``co_m128_n192_s4_sk`` (stream-K)."""
+    """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``."""
     schedule = "pp" if params["schedule"] == "pingpong" else "co"
-    stream = "_sk" if params.get("stream_k") else ""
-    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}{stream}"
-
-
-def stream_k_split(tiles: int, k_steps: int, grid: int) -> tuple[int, int]:
-    """(stream-K tiles, CTAs sharing their k-steps) of a walk over ``tiles`` on ``grid`` CTAs, as
-    the kernel's WorkWalk computes them: the tiles of the last, partial wave (all of them where they
-    do not fill the grid), over as many CTAs as leave each a share of at least STREAM_K_MIN_SHARE
-    k-steps and each tile at most STREAM_K_MAX_PIECES pieces."""
-    sk_tiles = tiles % grid
-    if not sk_tiles:
-        return 0, 0
-    return sk_tiles, min(grid, sk_tiles * STREAM_K_MAX_PIECES, max(1, sk_tiles * k_steps // STREAM_K_MIN_SHARE))
-
-
-def stream_k_points(details: GemmDetails, params: dict[str, Any], sm_count: int) -> list[dict[str, Any]]:
-    """The stream-K twin of a cooperative point, where its last wave leaves SMs idle that its
-    tiles' k-steps could fill (more sharing CTAs than tiles); ping-pong's teams take whole tiles."""
-    if params["schedule"] != "cooperative":
-        return []
-    twin = {**params, "stream_k": True}
-    sk_tiles, sk_ctas = stream_k_split(_tiles(details, params), -(-details.k // 64), _grid(details, twin, sm_count))
-    return [twin] if sk_ctas > sk_tiles else []
-
-
-def _grid(details: GemmDetails, params: dict[str, Any], sm_count: int) -> int:
-    """CTAs of the persistent launch: one per tile up to one per SM; under stream-K every SM
-    where the tiles fill them, else up to STREAM_K_MAX_PIECES per tile."""
-    tiles = _tiles(details, params)
-    if params.get("stream_k"):
-        return sm_count if tiles >= sm_count else min(sm_count, tiles * STREAM_K_MAX_PIECES)
-    return min(tiles, sm_count)
+    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
 
 
 def _tiles(details: GemmDetails, params: dict[str, Any]) -> int:

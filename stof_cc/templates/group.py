@@ -167,13 +167,6 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
         raise TemplateRegistrationError(f"template {self.name!r} matches no {'/'.join(self.kinds)} group of its "
                                         f"example" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
-    def workspace(self, problem: GroupProblem[D], params: dict[str, Any]) -> tuple[int, int] | None:
-        """Scratch memory the kernel takes after its output, or None: (bytes of a buffer it may
-        leave anything in, count of 32-bit counters that start at zero and that the kernel leaves
-        at zero). Each launch (`GroupLaunch`) allocates its own once per device: two calls of one
-        launch must not run at once (as any module's buffers)."""
-        return None
-
     def header(self, problem: GroupProblem[D], params: dict[str, Any]) -> str:
         """The comment opening the kernel source: template, parameters and the operators, but no
         node or group names, so that identical layers render one source (one nvcc run, one

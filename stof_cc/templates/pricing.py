@@ -32,7 +32,6 @@ GROUP_LAUNCH_US = 4.0
 # that many k-steps in flight, so a unit of work takes at least k-steps x this / stages
 # (docs/decisions.md#deep-rings)
 LOAD_LATENCY_US = 2.0
-SPLIT_FIXUP_BYTES_PER_US = 2.0e4  # per SM, fitted with LOAD_LATENCY_US (docs/decisions.md#deep-rings)
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
 
 
@@ -65,8 +64,7 @@ WIDE_CLUSTER_RATE = 0.7
 
 
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
-            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False,
-            stream_k: tuple[int, int] = (0, 0)) -> float:
+            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False) -> float:
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
     a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
     intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
@@ -77,12 +75,9 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     (cooperative), under the other warpgroup's products under ping-pong, where a tile costs
     max(products, (products + epilogue) / 2). Then the output's traffic: all of it exposed when
     cooperative consumers store directly, only the last wave's when the store is asynchronous (TMA)
-    or ping-pong. Stream-K (``stream_k``: its tiles and the CTAs sharing them) takes those tiles out
-    of the waves and adds one share of their k-steps, an epilogue, and the fixup: each piece writes
-    its fp32 partial tile and the last reads the others' on one SM (`SPLIT_FIXUP_BYTES_PER_US`)."""
+    or ping-pong."""
     tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
-    sk_tiles, sk_ctas = stream_k
-    waves = math.ceil((tiles - sk_tiles) / sm_count)
+    waves = math.ceil(tiles / sm_count)
     rows = block_m if pingpong else 64
     efficiency = min(1.0, rows * block_n / (rows + block_n) / FULL_RATE_INTENSITY) ** INTENSITY_EXPONENT
     efficiency *= (ONE_ROW_BLOCK_RATE if block_m == 64 else 1.0) * (THREE_STAGE_RATE if stages == 3 else 1.0)
@@ -92,13 +87,8 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     owners = 1 if pingpong else block_m // 64  # warpgroups computing one tile's epilogue
     epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
     tile_us = max(products_us, (products_us + epilogue_us) / 2) if pingpong else products_us + epilogue_us
-    stream_us = 0.0
-    if sk_tiles:
-        pieces = math.ceil(sk_ctas / sk_tiles) + 1  # a tile's pieces, at most
-        stream_us = (sk_tiles / sk_ctas * products_us + epilogue_us
-                     + pieces * block_m * block_n * 4 / SPLIT_FIXUP_BYTES_PER_US)
-    exposed_store = 1 / max(waves, 1) if pingpong or tma_store else 1.0
-    return GROUP_LAUNCH_US + waves * tile_us + stream_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
+    exposed_store = 1 / waves if pingpong or tma_store else 1.0
+    return GROUP_LAUNCH_US + waves * tile_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
 
 
 def epilogue_cost(ops: list[str]) -> float:
