@@ -1,6 +1,7 @@
 """Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
 
     python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual] [--m M] [--shapes K:N,...] [--cold]
+                                     [--raster ROWS]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096), 4 = (768, 2304) (BERT's merged
@@ -10,7 +11,9 @@ out-projection's and FFN2's, whose residual tile the kernel stages through share
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
 median of 5; a kernel shorter than one launch's host cost would still read as that cost. With ``--cold``
 each launch finds its operands in DRAM, as `benchmarks/gemm.py` times them (`triton.testing.do_bench`, which
-flushes L2 before every launch): back-to-back launches keep operands under 50 MB in L2. Each point
+flushes L2 before every launch): back-to-back launches keep operands under 50 MB in L2. ``--raster``
+forces the tile order's band height (`gemm_epilogue.raster_rows`, which the kernels otherwise get
+from the shape) to compare orders. Each point
 is first checked against ``F.linear``. Needs an NVIDIA Hopper GPU, PyCUDA and nvcc.
 """
 
@@ -63,7 +66,12 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=TOKENS, help="rows of A (tokens)")
     parser.add_argument("--shapes", help="K:N pairs, comma separated (instead of rows)")
     parser.add_argument("--cold", action="store_true", help="flush L2 before every launch (do_bench)")
+    parser.add_argument("--raster", type=int, help="row tiles per band of the tile order, instead of raster_rows'")
     args = parser.parse_args()
+    if args.raster:
+        import stof_cc.templates.gemm_epilogue as gemm_epilogue
+
+        gemm_epilogue.raster_rows = lambda *_: args.raster
     module_type = GemmBiasGelu if args.gelu else GemmBiasResidual if args.residual else Gemm
     only = re.compile(args.regex) if args.regex else None
     if args.shapes:
