@@ -45,7 +45,7 @@ def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: 
     """``row[name_err]`` and ``row[name_ms]`` for each run: its relative error against ``want``,
     and its median time where that is under `TOLERANCE` (else infinite); a run that raises gets
     ``row[name_error]`` and an infinite time, reported, not hidden. The correct runs are timed in
-    ``rounds`` alternating rounds and each keeps the median of its rounds: a GEMM of milliseconds
+    ``rounds`` rounds, in turn and in reversed order every other round, and each keeps the median of its rounds: a GEMM of milliseconds
     heats the GPU, and its clock drifts under whichever run comes second (one shape read 0.85x
     cuBLAS in one call and 1.16x in the next when each was timed once, one after the other)."""
     timed = {}
@@ -59,8 +59,9 @@ def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: 
         except Exception as exc:  # noqa: BLE001
             row[f"{name}_ms"], row[f"{name}_error"] = math.inf, f"{type(exc).__name__}: {str(exc)[:200]}"
     times = {name: [] for name in timed}
-    for _ in range(rounds):
-        for name, run in timed.items():
+    for round_ in range(max(rounds, 1)):
+        order = list(timed.items())
+        for name, run in order if round_ % 2 == 0 else order[::-1]:  # A B, B A, ...: neither is always second
             if f"{name}_error" in row:
                 continue
             try:

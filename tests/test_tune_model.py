@@ -16,6 +16,7 @@ from stof_cc.tune.database import TuningDatabase
 from stof_cc.tune.model import (
     MAX_INPUT_SETS,
     MIN_INPUT_SETS,
+    InputSets,
     group_signature,
     input_set_count,
     tune_model,
@@ -38,6 +39,17 @@ def test_stage_2_rotates_through_twice_the_l2():
     assert input_set_count(512 * 2**20, l2) == MIN_INPUT_SETS
     assert input_set_count(4096, l2) == MAX_INPUT_SETS
     assert input_set_count(0, l2) == MAX_INPUT_SETS
+
+
+def test_input_sets_hand_set_0_to_the_check_and_the_rest_in_turn_across_candidates():
+    """run(0) (the correctness check, and the warm-up's first launch) reads the real inputs; every
+    other launch takes the next set in turn, and two candidates sharing the sets carry the turn on,
+    so no set comes back before every other set has been read."""
+    sets = InputSets(["real", "a", "b", "c"])
+    first = [sets(i) for i in range(6)]
+    second = [sets(i) for i in range(6)]
+    assert first[0] == second[0] == "real"
+    assert first[1:] + second[1:] == ["real", "a", "b", "c", "real", "a", "b", "c", "real", "a"]
 
 
 def test_tune_without_a_gpu_is_a_clear_error(monkeypatch, example_path, capsys):

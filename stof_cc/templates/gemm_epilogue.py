@@ -43,7 +43,7 @@ from stof_cc.templates.registry import Launch
 
 BLOCK_MS = (64, 128)   # cooperative: one or two consumer warpgroups of 64 rows; ping-pong: per warpgroup
 BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SMs better
-STAGE_COUNTS = (3, 4)  # 5 and 6 were never a shape's best point at M = 4096 (docs/decisions.md#staging-ring)
+STAGE_COUNTS = (3, 4)  # 5 and 6 stages were never a shape's best point in the fifth session (docs/decisions.md#staging-ring)
 DEEP_STAGES = 8  # and the deepest ring that fits, up to this, where it is deeper than 4 (docs/decisions.md#deep-rings)
 SCHEDULES = ("cooperative", "pingpong")
 SMEM_LIMIT = 227 * 1024

@@ -29,7 +29,7 @@ EPILOGUE_OP_COST = {"gelu": 6.0}
 OTHER_EPILOGUE_OP_COST = 0.25      # any other elementwise op (add, scale, relu...)
 GROUP_LAUNCH_US = 4.0
 # A k-step's operands on their way from DRAM (a small, cold GEMM): a ring of `stages` buffers keeps
-# that many k-steps in flight, so a unit of work takes at least k-steps x this / stages
+# that many k-steps in flight, so a tile takes at least k-steps x this / stages
 # (docs/decisions.md#deep-rings)
 LOAD_LATENCY_US = 2.0
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store

@@ -32,9 +32,15 @@ class LibraryGemm:
 
     name = "library_gemm"
 
+    # how stage 2 times it, part of the record's key: records timed on operands left in L2 (four input
+    # sets) must not stand beside generated kernels timed on operands from DRAM (docs/decisions.md#deep-rings)
+    TIMING = "input sets holding twice the L2, rotated across launches"
+
     def digest(self) -> str:
-        """What decides cuBLAS's speed, as far as torch tells: its own and CUDA's versions."""
-        return hashlib.sha256(f"torch {torch.__version__} cuda {torch.version.cuda}".encode()).hexdigest()
+        """What decides cuBLAS's recorded speed, as far as torch tells: its own and CUDA's versions,
+        and how stage 2 timed it (`TIMING`)."""
+        return hashlib.sha256(f"torch {torch.__version__} cuda {torch.version.cuda} timing {self.TIMING}"
+                              .encode()).hexdigest()
 
 
 LIBRARY_GEMM = LibraryGemm()

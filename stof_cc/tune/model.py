@@ -13,6 +13,7 @@ Attention groups go through `tune_attention`. Groups no template covers are repo
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,9 +49,22 @@ MIN_INPUT_SETS = 4  # the real inputs, then random copies: no candidate times on
 MAX_INPUT_SETS = 64  # ... by the launch before: as many as twice the L2 takes, within these (`input_set_count`)
 
 
+class InputSets:
+    """Stage 2's input sets: the real inputs (set 0, which the correctness check's launch ``run(0)``
+    reads) and random copies, handed out in turn to every other launch, across all the candidates
+    that share this object, so that a launch finds its set last used ``len(sets) - 1`` sets ago."""
+
+    def __init__(self, sets: list[Any]) -> None:
+        self.sets = sets
+        self._turn = itertools.count()
+
+    def __call__(self, launch: int) -> Any:
+        return self.sets[0] if launch == 0 else self.sets[next(self._turn) % len(self.sets)]
+
+
 def input_set_count(set_bytes: int, l2_bytes: int | None = None) -> int:
-    """How many input sets stage 2 rotates through: enough that the sets together hold twice the
-    GPU's L2, so each launch finds its operands in DRAM, as a model's layer finds its weights.
+    """How many input sets stage 2 rotates through (`InputSets`): enough that the sets together hold
+    twice the GPU's L2, so each launch finds its operands in DRAM, as a model's layer finds its weights.
     Four sets of a small GEMM's 4 MB stayed in the 50 MB L2, and stage 2 then preferred points
     that lose once the operands come from DRAM (docs/decisions.md#deep-rings)."""
     if l2_bytes is None:
@@ -154,11 +168,12 @@ def tune_group(graph: Graph, group: FusionGroup, values: dict[str, torch.Tensor]
     operands = sorted({op.ref for problem in problems.values() for op in problem.operands})
     randomised = [k for k in operands if values[k].is_floating_point()]
     count = input_set_count(sum(values[k].nbytes for k in randomised) + reference.nbytes)
-    sets = [values] + [{**values, **{k: torch.randn_like(values[k]) for k in randomised}} for _ in range(count - 1)]
+    sets = InputSets([values] + [{**values, **{k: torch.randn_like(values[k]) for k in randomised}}
+                                 for _ in range(count - 1)])
 
     def build(candidate: Candidate):
         launch = GroupLaunch(candidate.template, problems[id(candidate)], candidate.params)
-        return lambda i: launch(sets[i % len(sets)])
+        return lambda i: launch(sets(i))
 
     return search(candidates, build, lambda out: relative_error(out, reference),
                   signature=group_signature(graph, group), arch=device_arch(), top_k=top_k, database=database,
@@ -181,8 +196,8 @@ def _time_library(graph, group, values, database, device, progress) -> None:
     # the real operands, then random copies of every one (weights too), as tune_group rotates the
     # generated candidates' inputs: neither side finds its operands in L2
     count = input_set_count(sum(t.nbytes for t in given if t is not None) + values[node.name].nbytes)
-    sets = [given] + [[None if t is None else torch.randn_like(t) for t in given] for _ in range(count - 1)]
-    micros = cuda_timer(lambda i: torch.nn.functional.linear(*sets[i % len(sets)]), runs=20)
+    sets = InputSets([given] + [[None if t is None else torch.randn_like(t) for t in given] for _ in range(count - 1)])
+    micros = cuda_timer(lambda i: torch.nn.functional.linear(*sets(i)), runs=20)
     database.store(LIBRARY_GEMM, signature, device, {}, micros)
     progress(f"{group.name}: library GEMM (cuBLAS through F.linear) {micros:.1f} us")
 

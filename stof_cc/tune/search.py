@@ -97,13 +97,13 @@ MAX_LEAD_CYCLES = 8 * LEAD_CYCLES
 def cuda_timer(run: Callable[[int], Any], runs: int, warmup: int = 3) -> float:
     """Median microseconds of ``run(i)`` over ``runs`` launches, each timed by CUDA events
     recorded while the stream is still busy with a sleep (``LEAD_CYCLES``); ``i`` counts
-    launches so the caller can rotate its input sets."""
+    launches (0, 1, ... through the warm-up and on) so the caller can rotate its input sets."""
     import torch
 
     for i in range(warmup):
         run(i)
     times, lead = [], LEAD_CYCLES
-    for i in range(runs):
+    for i in range(warmup, warmup + runs):  # the launches count on from the warm-up's
         while True:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(lead)
