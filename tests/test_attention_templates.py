@@ -39,6 +39,9 @@ INSTANCES = [(t, p, params) for p in PROBLEMS + STRIDED for t in ATTENTION_TEMPL
 # the warp-specialised kernel's bias variants (its register split leaves them least room)
 INSTANCES += [(WGMMA_WS, p, params) for p in (dataclasses.replace(p, bias=True) for p in PROBLEMS)
               for params in WGMMA_WS.space(p)]
+# the row-window variants (runtime.attention's cu_seqlens), fp16: every point of the templates that take them
+WINDOWS = [dataclasses.replace(p, row_windows=True) for p in PROBLEMS if p.dtype == torch.float16 and p.head_dim >= 64]
+INSTANCES += [(t, p, params) for p in WINDOWS for t in ATTENTION_TEMPLATES for params in t.space(p)]
 
 
 def test_spaces_are_not_empty_and_respect_limits():
@@ -56,6 +59,22 @@ def test_spaces_are_not_empty_and_respect_limits():
                 tiles = (4, 2, -(-1000 // params["block_m"]))
                 assert grid == ((tiles[0] * tiles[1] * tiles[2], 1, 1) if template.walks_tile_schedule else tiles)
                 assert threads == 32 * params["warps"] + producer
+
+
+def test_row_windows_are_a_variant_of_their_own():
+    """The row-window variant (packed documents per call) takes one more pointer and tests rows
+    against their windows; the plain kernels' sources carry none of it; rowwise takes no windows."""
+    problem = PROBLEMS[2]  # head_dim 64
+    windows = dataclasses.replace(problem, row_windows=True)
+    assert ROWWISE.space(windows) == [] and ROWWISE.space(problem)
+    for template in (BLOCKWISE, WGMMA, WGMMA_WS):
+        params = template.space(windows)[0]
+        assert params in template.space(problem)
+        plain, variant = template.render(problem, params), template.render(windows, params)
+        assert "row_window" not in plain and "const int2* __restrict__ row_windows)" in variant
+        assert "row_window_span(row_windows, batch_slot, q0, seq_q" in variant and "window.x" in variant
+        assert "_windows" in template.kernel_name(windows, params) and "_windows" not in template.kernel_name(
+            problem, params)
 
 
 def test_render_is_deterministic_and_names_the_kernel():

@@ -47,6 +47,7 @@ class LaunchPlan:
     mask_tensors: tuple[torch.Tensor, ...]  # keeps what mask_args point into alive
     bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
     reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
+    reads_windows: bool  # the kernel variant that narrows rows to per-call windows (problem.row_windows)
     tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads with TMA
     residues: int = 1  # a strided split's d (problem.residues)
     _maps: OrderedDict[tuple[int, int, int], list[bytes]] = field(default_factory=OrderedDict, compare=False,
@@ -72,11 +73,13 @@ class LaunchPlan:
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor | None = None, padding: KeyPadding | None = None,
-               bias: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+               windows: torch.Tensor | None = None) -> torch.Tensor:
         """Launch on q, k, v (laid out as planned) into ``out`` (or a new tensor), with key
         padding (per batch slot: [B * residues, S_k / residues]) and an additive ``bias``
         (`bias_view`'s result) when given; ``lse``, an fp32 [B, H, S_q] tensor (unit stride over
-        rows), receives each row's log-sum-exp."""
+        rows), receives each row's log-sum-exp; ``windows`` (`document_windows`' int32 [B, S_q, 2])
+        narrows each query row to its keys [x, y) in the plan's row-window variant."""
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \
@@ -100,6 +103,17 @@ class LaunchPlan:
             raise AttentionInputError("this plan was built " + ("with" if self.reads_bias else "without")
                                       + " a bias; pass the same kind of call")
         bias_args = (0, 0, 0, 0) if bias is None else (bias.data_ptr(), *bias.stride()[:3])
+        if (windows is not None) != self.reads_windows:
+            raise AttentionInputError("this plan was built " + ("with" if self.reads_windows else "without")
+                                      + " row windows (cu_seqlens); pass the same kind of call")
+        window_args = ()
+        if windows is not None:
+            if windows.shape != (self.shape[0], self.size_args[0], 2) or windows.dtype != torch.int32 \
+                    or windows.device != self.device or not windows.is_contiguous():
+                raise AttentionInputError(f"row windows must be a contiguous int32 tensor [{self.shape[0]}, "
+                                          f"{self.size_args[0]}, 2] on {self.device} (`document_windows`), got "
+                                          f"{windows.dtype} {tuple(windows.shape)} on {windows.device}")
+            window_args = (windows.data_ptr(),)
         if lse is None:
             lse_args = (0, 0, 0, 0, 0)
         elif lse.shape != self.shape[:3] or lse.dtype != torch.float32 or lse.device != self.device or lse.stride(2) != 1:
@@ -111,7 +125,7 @@ class LaunchPlan:
         self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *padding_args, *self.size_args, *residue_strides(out, self.residues), *self.end_args,
-                           *bias_args, self.bias_to_raw, *lse_args)
+                           *bias_args, self.bias_to_raw, *lse_args, *window_args)
         return out
 
 
@@ -156,6 +170,38 @@ def key_padding_on_device(padding: torch.Tensor) -> KeyPadding:
     return KeyPadding(ranges, valid.to(torch.uint8).contiguous())
 
 
+def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    """Packed documents as the row-window kernels read them, built on ``device`` with no host read:
+    ``cu_seqlens`` (FlashAttention's cumulative lengths, int32 or int64 [n + 1]: 0, then each
+    document's end) gives every row of document d the keys [cu[d], cu[d + 1]) and a row past the
+    last end none; int32 [batch, seq, 2], the same for every batch element. A CUDA graph that
+    captured the call replays it with whatever boundaries the same ``cu_seqlens`` buffer holds.
+    A CPU tensor is checked (starts at 0, never decreases); a device one is the caller's to keep
+    so (as FlashAttention's varlen functions take it): values are clamped to [0, seq], so a bad one
+    can give wrong rows but never a read out of bounds."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise AttentionInputError("cu_seqlens must be a 1-D int32 or int64 tensor of cumulative document lengths "
+                                  "(0, then each document's end), got "
+                                  + (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+                                     if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__))
+    if cu_seqlens.device.type == "cpu":
+        if cu_seqlens[0] != 0 or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()) or cu_seqlens[-1] > seq:
+            raise AttentionInputError(f"cu_seqlens must start at 0, never decrease and end at most at the "
+                                      f"sequence length {seq}; got {cu_seqlens.tolist()[:8]}"
+                                      + ("..." if cu_seqlens.numel() > 8 else ""))
+        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
+    elif cu_seqlens.device != device:
+        raise AttentionInputError(f"cu_seqlens is on {cu_seqlens.device}; the inputs are on {device}")
+    bounds = cu_seqlens.to(torch.int32).clamp(0, seq)
+    rows = torch.arange(seq, device=device, dtype=torch.int32)
+    document = (torch.searchsorted(bounds, rows, right=True) - 1).clamp(0, bounds.numel() - 2)
+    inside = rows < bounds[-1]
+    start = torch.where(inside, bounds[document], seq)
+    end = torch.where(inside, bounds[document + 1], seq)
+    return torch.stack((start, end), -1).to(torch.int32).expand(batch, seq, 2).contiguous()
+
+
 def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
                 template: KernelTemplate, params: dict[str, Any], block_mask: BlockMask,
                 scale: float | None) -> LaunchPlan:
@@ -190,6 +236,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem), residues,
                   division_magic(residues, problem.batch)),
         mask_tensors=mask_tensors, bias_to_raw=1.0 / scale, reads_bias=problem.bias,
+        reads_windows=problem.row_windows,
         tma_box_rows=(params["block_m"], params["block_n"]) if template.loads_with_tma else None,
         residues=residues,
     )
@@ -226,10 +273,10 @@ def division_magic(divisor: int, below: int) -> int:
 
 def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params: dict[str, Any]) -> Kernel:
     """Render, compile (nvcc, cached on disk) and load the kernel; cached per process."""
-    key = (template.name, problem.dtype, problem.head_dim, problem.bias, problem.residues > 1,
+    key = (template.name, problem.dtype, problem.head_dim, problem.bias, problem.residues > 1, problem.row_windows,
            tuple(sorted(params.items())))
     if key not in _kernels:
-        arg_format = TENSOR_MAP_FORMAT * 3 * template.loads_with_tma + template.arg_format
+        arg_format = TENSOR_MAP_FORMAT * 3 * template.loads_with_tma + template.arg_format + "P" * problem.row_windows
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
                                     arg_format, arch_features=template.arch_features,
                                     waits_for_producers=template.waits_for_producers)

@@ -21,6 +21,7 @@ from stof_cc.backends.attention_launch import (
     KeyPadding,
     LaunchPlan,
     bias_view,
+    document_windows,
     key_padding_on_device,
     launch_plan,
 )
@@ -47,7 +48,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskDescription | torch.Tensor | None = None, scale: float | None = None,
               *, key_padding: torch.Tensor | KeyPadding | None = None, bias: torch.Tensor | None = None,
               params: dict[str, Any] | None = None, out: torch.Tensor | None = None,
-              return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              return_lse: bool = False,
+              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
 
     ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
@@ -66,6 +68,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``return_lse``: also return each query row's log-sum-exp of its scaled scores, fp32
     [B, H, S_q] (natural log; -inf where no key is allowed), as FlashAttention does: partial
     results over disjoint key sets merge with it (`merge_partials`).
+    ``cu_seqlens`` (FlashAttention's cumulative lengths [n + 1], int32 or int64: 0, then each
+    document's end): packed documents, new in every call, on top of ``mask`` (``masks.causal()``
+    for a decoder's packed batch, None for an encoder's): each query row attends only to its own
+    document's keys. The boundaries are read on the device (`document_windows`) by the kernels'
+    row-window variant, so the call needs no host read and no new plan when they change, and a
+    CUDA graph replays it with whatever the same buffer holds; ``mask`` keeps its one plan. Equal
+    query and key lengths; not with a pinned strided split.
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
@@ -82,11 +91,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,
                              return_lse=return_lse)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
+    windows = None
+    if cu_seqlens is not None:
+        if q.shape[2] != k.shape[2]:
+            raise AttentionInputError(f"cu_seqlens packs one sequence of queries and keys; got {q.shape[2]} "
+                                      f"queries and {k.shape[2]} keys")
+        windows = document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device)
+        plan = _planned(q, k, v, description, scale, params, bias is not None, windows=True)
+        out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse, windows)
+        return (out, lse) if return_lse else out
     split = _strided_split(q, k, v, description, key_padding, bias, params)
     if split is not None:
         out = _run_split(q, k, v, split, scale, key_padding, out, lse)
         return (out, lse) if return_lse else out
     plan = _planned(q, k, v, description, scale, params, bias is not None)
+    out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _launched(plan: LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              description: MaskDescription | None, scale: float | None, params: dict[str, Any] | None,
+              key_padding: Any, bias: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
+              windows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(output, lse): ``plan`` launched, or its twin for contiguous copies of q, k, v where the
+    plan cannot take their layout; key padding and the bias in the kernels' forms."""
     if isinstance(key_padding, torch.Tensor):
         key_padding = key_padding_on_device(key_padding)
     if bias is not None:
@@ -94,29 +122,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if plan.copy_inputs or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
         q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-        plan = _planned(q, k, v, description, scale, params, bias is not None)
-    out = plan.launch(q, k, v, out, key_padding, bias, lse)
-    return (out, lse) if return_lse else out
+        plan = _planned(q, k, v, description, scale, params, bias is not None, windows=windows is not None)
+    return plan.launch(q, k, v, out, key_padding, bias, lse, windows), lse
 
 
 def _planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
-             scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int = 1) -> LaunchPlan:
+             scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int = 1,
+             windows: bool = False) -> LaunchPlan:
     """The launch plan for this mask and input layout (``residues``: a strided split's d, the
-    mask then being each residue's): built on the first call, then reused."""
+    mask then being each residue's; ``windows``: the row-window variant): built on the first
+    call, then reused."""
     layout = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, k.dtype, v.dtype,
               q.device, k.device, v.device, scale, None if params is None else tuple(sorted(params.items())), bias,
-              residues)
+              residues, windows)
     per_mask = _plans.setdefault(description, {})
     plan = per_mask.get(layout)
     if plan is None:
-        plan = per_mask[layout] = _plan(q, k, v, description, scale, params, bias, residues)
+        plan = per_mask[layout] = _plan(q, k, v, description, scale, params, bias, residues, windows)
     return plan
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription,
-          scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int) -> LaunchPlan:
+          scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int,
+          windows: bool = False) -> LaunchPlan:
     """Validate the inputs, choose the kernel, fetch the mask and build the launch plan."""
-    problem = _residue_problem(dataclasses.replace(problem_of(q, k, v), bias=bias), residues)
+    problem = _residue_problem(dataclasses.replace(problem_of(q, k, v), bias=bias, row_windows=windows), residues)
     choice = choose(problem, description) if params is None else pinned_choice(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
     return launch_plan(q, k, v, problem, choice.template, choice.params, block_mask, scale)

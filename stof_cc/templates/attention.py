@@ -39,6 +39,12 @@ MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (
 # m64 n64 w2 (estimated 239) 12 / 20 bytes at 255, the ws m192 n128 d64 consumers (160 of 160) 32 / 40
 # bytes: a strided space keeps this margin.
 STRIDED_REGISTERS = 20
+# The row-window variant's per-row window loads and tests (runtime.attention's cu_seqlens): ptxas gave it
+# 13-34 more registers (nvcc 13). With this in the estimate, and WS_WINDOW_REGISTERS in the warp-specialised
+# space, no point of the wgmma, wgmma_ws and blockwise spaces spilled at d = 64 and 128; without them
+# three-warpgroup points and m128 n128 at d = 128 did (4-104 bytes). Rowwise takes no windows: one warp
+# per 16-32 rows spilled at d = 128, and packed sequences are long.
+WINDOW_REGISTERS = 20
 
 
 def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int) -> int:
@@ -56,6 +62,9 @@ class AttentionProblem:
     dtype: torch.dtype
     kv_heads: int | None = None  # grouped-query attention: fewer K/V heads (None: as many as q)
     bias: bool = False  # an additive bias is read and added to the scores (its own kernel variant)
+    # Per-call row windows (packed documents: each query row's keys [x, y), read on the device) narrow
+    # the mask (its own kernel variant; `runtime.attention`'s ``cu_seqlens``).
+    row_windows: bool = False
     # A strided split's d (its own kernel variant): batch and seq_q / seq_k are then the split's, B * d
     # slots of S / d positions, slot b * d + r reading positions r, r + d, ... of batch element b.
     residues: int = 1
@@ -137,13 +146,15 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 16 strides
     # (batch, head, row, residue of q, k, v, o), 2 mask-row strides, scale * log2(e), the K/V head
     # multiplier (attention_launch.kv_head_magic), residues and theirs, bias, its strides over
-    # (B, H, S_q), 1 / scale, the log-sum-exp output (or null) and its strides over (B, H, row, residue)
+    # (B, H, S_q), 1 / scale, the log-sum-exp output (or null) and its strides over (B, H, row, residue);
+    # the row-window variant then takes the windows (`attention_launch.compiled_kernel` adds its "P")
     arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f" + "P" + "q" * 4
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
     waits_for_producers = True  # attention_common.setup() waits first
     walks_tile_schedule = False  # True: grid (CTAs, 1, 1) over a `tile_schedule` passed as row_order
+    takes_row_windows = True  # renders the row-window variant (problem.row_windows; WINDOW_REGISTERS)
     loads_with_tma = False  # True: takes Q, K and V's tensor maps before arg_format's arguments (attention_launch)
     shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
@@ -151,7 +162,8 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     head_dims = SUPPORTED_HEAD_DIMS
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
-        if problem.head_dim not in self.head_dims or problem.batch > GRID_YZ_LIMIT:
+        if problem.head_dim not in self.head_dims or problem.batch > GRID_YZ_LIMIT \
+                or problem.row_windows and not self.takes_row_windows:
             return []
         points = []
         for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
@@ -168,7 +180,8 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """Registers per thread as ptxas allocates them: 1.34 x the accumulators plus 25 for
         addressing, softmax state and mask words (a least-squares fit to the sm_90 reports)."""
-        return round(1.34 * _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"])) + 25
+        return (round(1.34 * _accumulator_registers(problem.head_dim, params["block_n"], params["m_tiles"])) + 25
+                + WINDOW_REGISTERS * problem.row_windows)
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
@@ -177,11 +190,12 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return (f"stof_attn_{self.strategy}_{problem.dtype_name}_d{problem.head_dim}"
                 f"_m{params['block_m']}_n{params['block_n']}_w{params['warps']}_s{params['stages']}"
-                + ("_bias" if problem.bias else "") + ("_strided" if problem.residues > 1 else ""))
+                + ("_bias" if problem.bias else "") + ("_strided" if problem.residues > 1 else "")
+                + ("_windows" if problem.row_windows else ""))
 
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
         return {"mma": self.mma, "dtype": problem.dtype_name, "head_dim": problem.head_dim, "bias": problem.bias,
-                "strided": problem.residues > 1}
+                "strided": problem.residues > 1, "row_windows": problem.row_windows}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         """One CTA per (head, batch, block row), heads fastest so the scheduler starts all long
@@ -194,6 +208,7 @@ class RowwiseAttention(_AttentionTemplate):
     name = "attention_rowwise"
     strategy = "rowwise"
     shapes = ((16, 1), (32, 2))  # one warp per CTA
+    takes_row_windows = False
 
 
 class BlockwiseAttention(_AttentionTemplate):
@@ -216,7 +231,7 @@ class WgmmaAttention(_AttentionTemplate):
     head_dims = (64, 128)  # whole 128-byte swizzle rows
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
-        return WGMMA_REGISTERS[(problem.head_dim, params["block_n"])]
+        return WGMMA_REGISTERS[(problem.head_dim, params["block_n"])] + WINDOW_REGISTERS * problem.row_windows
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
@@ -232,6 +247,7 @@ WS_CONSUMER_REGISTERS = {(64, 64): 121, (64, 128): 160, (128, 64): 160, (128, 12
 # spilled: every three-warpgroup one (52-368 bytes at 160 registers) and m128 n128 at d = 128 (112-148
 # bytes at 240); CI compiles the rest without spills.
 WS_BIAS_REGISTERS = 40
+WS_WINDOW_REGISTERS = 40  # the same for the row-window variant (WINDOW_REGISTERS)
 
 
 class WarpSpecialisedWgmmaAttention(WgmmaAttention):
@@ -260,7 +276,8 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         of its variants)."""
         return [params | {"persistent": persistent} for params in super().space(problem)
                 if WS_CONSUMER_REGISTERS[(problem.head_dim, params["block_n"])] + WS_BIAS_REGISTERS * problem.bias
-                + STRIDED_REGISTERS * (problem.residues > 1) <= self.consumer_registers(params)
+                + STRIDED_REGISTERS * (problem.residues > 1) + WS_WINDOW_REGISTERS * problem.row_windows
+                <= self.consumer_registers(params)
                 and (params["block_m"] == 128 or params["stages"] == 3) for persistent in self.schedules]
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:

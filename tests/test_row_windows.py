@@ -1,0 +1,147 @@
+"""Packed documents given per call (`stof_cc.attention(..., cu_seqlens=...)`): the row windows built on
+the device, their errors on the CPU, and the kernels' row-window variant against the reference on the GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from stof_cc import masks
+from stof_cc.backends.attention_launch import document_windows
+from stof_cc.ir.reference import masked_attention, relative_error
+from stof_cc.runtime.attention import attention
+from stof_cc.templates.attention import AttentionInputError, problem_of
+from stof_cc.tune.attention import candidates
+
+
+def _boundaries(seq: int, documents: int, seed: int, tail: int = 0) -> list[int]:
+    """0, then the ends of ``documents`` documents (one of them empty when there are three or
+    more) covering the first ``seq - tail`` rows: the last ``tail`` rows are padding."""
+    generator = torch.Generator().manual_seed(seed)
+    used = seq - tail
+    cuts = sorted(torch.randperm(used - 1, generator=generator)[: documents - 1].add(1).tolist())
+    if documents >= 3:
+        cuts[1] = cuts[0]  # an empty document
+    return [0, *cuts, used]
+
+
+def _dense(bounds: list[int], seq: int, causal: bool) -> torch.Tensor:
+    """The mask the windows mean: same document (rows past the last end see nothing), causal or not."""
+    rows = torch.arange(seq)
+    document = torch.bucketize(rows, torch.tensor(bounds[1:]), right=True)
+    inside = rows < bounds[-1]
+    allowed = (document[:, None] == document[None, :]) & inside[:, None] & inside[None, :]
+    return allowed & (rows[None, :] <= rows[:, None]) if causal else allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_windows_give_each_row_its_documents_keys(dtype):
+    seq = 300
+    for documents, tail in ((1, 0), (5, 0), (9, 37)):
+        bounds = _boundaries(seq, documents, seed=documents, tail=tail)
+        windows = document_windows(torch.tensor(bounds, dtype=dtype), 2, seq, torch.device("cpu"))
+        assert windows.shape == (2, seq, 2) and windows.dtype == torch.int32 and windows.is_contiguous()
+        keys = torch.arange(seq)
+        got = (keys[None, :] >= windows[0, :, :1]) & (keys[None, :] < windows[0, :, 1:])
+        assert torch.equal(got, _dense(bounds, seq, causal=False)), (documents, tail)
+        assert torch.equal(windows[0], windows[1])
+        assert (windows[0, 1:] >= windows[0, :-1]).all()  # both ends never decrease: what the kernels assume
+
+
+@pytest.mark.parametrize(("cu_seqlens", "message"), [
+    (torch.tensor([[0, 4]]), "1-D int32 or int64"),
+    (torch.tensor([0.0, 4.0]), "1-D int32 or int64"),
+    (torch.tensor([0]), "1-D int32 or int64"),
+    (torch.tensor([1, 4]), "start at 0"),
+    (torch.tensor([0, 6, 4]), "never decrease"),
+    (torch.tensor([0, 4, 20]), "at most at the sequence length 16"),
+])
+def test_bad_cu_seqlens_are_named(cu_seqlens, message):
+    with pytest.raises(AttentionInputError, match=message):
+        document_windows(cu_seqlens, 1, 16, torch.device("cpu"))
+
+
+def test_cu_seqlens_need_one_packed_sequence_of_queries_and_keys():
+    q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+    k = v = torch.randn(1, 2, 24, 64, dtype=torch.float16)
+    with pytest.raises(AttentionInputError, match="16 queries and 24 keys"):
+        attention(q, k, v, masks.causal(), cu_seqlens=torch.tensor([0, 16]))
+
+
+# ---- on the GPU ----------------------------------------------------------------------------------
+
+DTYPES = (torch.float16, torch.bfloat16)
+BATCH, HEADS = 2, 3
+
+
+def _inputs(seq: int, head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.randn(BATCH, HEADS, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3)]
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, label: str) -> None:
+    assert not torch.isnan(out).any(), f"{label}: NaN in output"
+    err = relative_error(out, ref)
+    assert err < 1e-2, f"{label}: relative error {err:.2e}"
+    assert (out.float() - ref.float()).abs().max() < 5e-2, f"{label}: max abs error"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_every_template_point_matches_the_reference_with_new_documents_each_call(dtype, head_dim, causal):
+    """Every point of every template that takes row windows, on a ragged length (1000: no block
+    divides it), two boundary sets in turn through one plan: documents cut blocks anywhere, one is
+    empty, the second set leaves 37 rows of padding (they give 0)."""
+    seq = 1000
+    q, k, v = _inputs(seq, head_dim, dtype)
+    static = masks.causal() if causal else None
+    problem = dataclasses.replace(problem_of(q, k, v), row_windows=True)
+    for template, params in candidates(problem):
+        for documents, tail in ((6, 0), (11, 37)):
+            bounds = _boundaries(seq, documents, seed=documents, tail=tail)
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+            out = torch.full_like(q, float("nan"))
+            attention(q, k, v, static, cu_seqlens=cu_seqlens, params=params, out=out)
+            dense = _dense(bounds, seq, causal).cuda()
+            _check(out, masked_attention(q, k, v, dense),
+                   f"{template.name} {params}, {documents} documents, {tail} padded rows")
+
+
+@pytest.mark.gpu
+def test_a_captured_call_replays_with_new_documents():
+    """The boundaries are data on the device: a call captured in a CUDA graph replays with new
+    boundaries copied into the same buffer, with no new plan."""
+    seq = 2048
+    q, k, v = _inputs(seq, 128, torch.bfloat16)
+    causal, out = masks.causal(), torch.empty_like(q)
+    cu_seqlens = torch.tensor(_boundaries(seq, 8, seed=0), dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the plan is built outside the capture, as torch.cuda.graph asks
+        attention(q, k, v, causal, cu_seqlens=cu_seqlens, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention(q, k, v, causal, cu_seqlens=cu_seqlens, out=out)
+    for seed, documents in ((1, 8), (2, 8), (3, 3)):  # the buffer keeps 9 entries: fewer documents end empty ones
+        bounds = _boundaries(seq, documents, seed=seed, tail=40 * seed)
+        bounds += [bounds[-1]] * (cu_seqlens.numel() - len(bounds))
+        cu_seqlens.copy_(torch.tensor(bounds, dtype=torch.int32))
+        graph.replay()
+        _check(out, masked_attention(q, k, v, _dense(bounds, seq, causal=True).cuda()),
+               f"replayed with {documents} documents")
+
+
+@pytest.mark.gpu
+def test_a_plan_is_kept_for_its_kind_of_call():
+    """The row-window plan and the plain one are different kernels: each call finds its own."""
+    q, k, v = _inputs(256, 64, torch.float16)
+    causal = masks.causal()
+    cu_seqlens = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
+    with_windows = attention(q, k, v, causal, cu_seqlens=cu_seqlens)
+    plain = attention(q, k, v, causal)
+    _check(with_windows, masked_attention(q, k, v, _dense([0, 100, 256], 256, causal=True).cuda()), "windows")
+    _check(plain, masked_attention(q, k, v, masks.causal().to_dense(256).cuda()), "plain")
