@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from stof_cc import masks
-from stof_cc.backends.attention_launch import document_windows
-from stof_cc.ir.reference import masked_attention, relative_error
+from stof_cc.backends.attention_launch import document_windows, windows_of
+from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionInputError, problem_of
 from stof_cc.tune.attention import candidates
@@ -63,11 +63,24 @@ def test_bad_cu_seqlens_are_named(cu_seqlens, message):
         document_windows(cu_seqlens, 1, 16, torch.device("cpu"))
 
 
-def test_cu_seqlens_need_one_packed_sequence_of_queries_and_keys():
+def test_rows_outside_every_document_see_no_key():
+    """A device cu_seqlens is not validated (that would be a host read): rows before its first
+    entry or past its last get an empty window, values past the sequence are clamped, and both
+    ends still never decrease."""
+    windows = windows_of(torch.tensor([3, 6, 9, 40]), 1, 12)[0]
+    assert windows[:3].tolist() == [[0, 0]] * 3
+    assert windows[3:6].tolist() == [[3, 6]] * 3 and windows[6:9].tolist() == [[6, 9]] * 3
+    assert windows[9:].tolist() == [[9, 12]] * 3  # the last document clamped to the sequence
+    assert (windows[1:] >= windows[:-1]).all()
+
+
+def test_cu_seqlens_need_one_packed_sequence_of_queries_and_keys_and_no_bias():
     q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
     k = v = torch.randn(1, 2, 24, 64, dtype=torch.float16)
     with pytest.raises(AttentionInputError, match="16 queries and 24 keys"):
         attention(q, k, v, masks.causal(), cu_seqlens=torch.tensor([0, 16]))
+    with pytest.raises(AttentionInputError, match="cu_seqlens with a bias is not supported"):
+        attention(q, q, q, masks.causal(), cu_seqlens=torch.tensor([0, 16]), bias=torch.zeros(16, 16))
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------
@@ -145,3 +158,27 @@ def test_a_plan_is_kept_for_its_kind_of_call():
     plain = attention(q, k, v, causal)
     _check(with_windows, masked_attention(q, k, v, _dense([0, 100, 256], 256, causal=True).cuda()), "windows")
     _check(plain, masked_attention(q, k, v, masks.causal().to_dense(256).cuda()), "plain")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+def test_documents_with_key_padding_grouped_heads_a_padded_tail_and_the_lse(causal):
+    """Documents on top of key padding with a hole, grouped-query heads (3 per K/V head), and a
+    tail of 400 padded rows (whole block rows whose windows are empty): those rows give exactly 0
+    and a log-sum-exp of -inf; every other row matches the reference, its log-sum-exp too."""
+    seq, tail = 1000, 400
+    q = torch.randn(BATCH, 6, seq, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(BATCH, 2, seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    padding = torch.ones(BATCH, seq, dtype=torch.int64, device="cuda")
+    padding[1, 50:60] = 0  # a hole: the kernels test those keys one by one
+    bounds = _boundaries(seq, 7, seed=5, tail=tail)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    out, lse = attention(q, k, v, masks.causal() if causal else None, cu_seqlens=cu_seqlens, key_padding=padding,
+                         return_lse=True)
+    dense = _dense(bounds, seq, causal).cuda()[None, None] & (padding != 0)[:, None, None, :]
+    _check(out, masked_attention(q, k, v, dense), "documents + key padding")
+    assert (out[:, :, seq - tail:] == 0).all(), "padded rows must give exactly 0"
+    want_lse = masked_lse(q, k, dense)
+    assert torch.isneginf(lse[:, :, seq - tail:]).all()
+    live = torch.isfinite(want_lse)
+    assert torch.equal(live, torch.isfinite(lse)) and (lse[live] - want_lse[live]).abs().max() < 2e-2

@@ -109,7 +109,7 @@ class LaunchPlan:
         window_args = ()
         if windows is not None:
             if windows.shape != (self.shape[0], self.size_args[0], 2) or windows.dtype != torch.int32 \
-                    or windows.device != self.device or not windows.is_contiguous():
+                    or windows.device != self.device or not windows.is_contiguous() or windows.data_ptr() % 8:
                 raise AttentionInputError(f"row windows must be a contiguous int32 tensor [{self.shape[0]}, "
                                           f"{self.size_args[0]}, 2] on {self.device} (`document_windows`), got "
                                           f"{windows.dtype} {tuple(windows.shape)} on {windows.device}")
@@ -190,15 +190,24 @@ def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: tor
             raise AttentionInputError(f"cu_seqlens must start at 0, never decrease and end at most at the "
                                       f"sequence length {seq}; got {cu_seqlens.tolist()[:8]}"
                                       + ("..." if cu_seqlens.numel() > 8 else ""))
-        cu_seqlens = cu_seqlens.to(device, non_blocking=True)
+        cu_seqlens = cu_seqlens.to(device)
     elif cu_seqlens.device != device:
         raise AttentionInputError(f"cu_seqlens is on {cu_seqlens.device}; the inputs are on {device}")
-    bounds = cu_seqlens.to(torch.int32).clamp(0, seq)
+    return windows_of(cu_seqlens, batch, seq)
+
+
+def windows_of(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """`document_windows` once the input is checked: torch ops on ``cu_seqlens``' device, with no
+    host read. Values are clamped to [0, seq]; rows before the first entry or past the last get no
+    key, so both ends of the windows never decrease, whatever the entries."""
+    device = cu_seqlens.device
+    bounds = cu_seqlens.clamp(0, seq).to(torch.int32)
     rows = torch.arange(seq, device=device, dtype=torch.int32)
     document = (torch.searchsorted(bounds, rows, right=True) - 1).clamp(0, bounds.numel() - 2)
-    inside = rows < bounds[-1]
-    start = torch.where(inside, bounds[document], seq)
-    end = torch.where(inside, bounds[document + 1], seq)
+    inside = (rows >= bounds[0]) & (rows < bounds[-1])
+    outside = torch.where(rows < bounds[0], 0, seq)  # no keys, both ends still never decreasing
+    start = torch.where(inside, bounds[document], outside)
+    end = torch.where(inside, bounds[document + 1], outside)
     return torch.stack((start, end), -1).to(torch.int32).expand(batch, seq, 2).contiguous()
 
 

@@ -73,8 +73,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for a decoder's packed batch, None for an encoder's): each query row attends only to its own
     document's keys. The boundaries are read on the device (`document_windows`) by the kernels'
     row-window variant, so the call needs no host read and no new plan when they change, and a
-    CUDA graph replays it with whatever the same buffer holds; ``mask`` keeps its one plan. Equal
-    query and key lengths; not with a pinned strided split.
+    CUDA graph replays it with whatever the same buffer holds (a device ``cu_seqlens``; a CPU one is
+    copied, and cannot be captured); ``mask`` keeps its one plan. Equal query and key lengths; not
+    with a bias.
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
@@ -89,13 +90,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
         with torch.cuda.device(q.device):
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,
-                             return_lse=return_lse)
+                             return_lse=return_lse, cu_seqlens=cu_seqlens)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     windows = None
     if cu_seqlens is not None:
+        if q.dim() != 4 or k.dim() != 4:
+            problem_of(q, k, v)  # raises, naming the argument
         if q.shape[2] != k.shape[2]:
             raise AttentionInputError(f"cu_seqlens packs one sequence of queries and keys; got {q.shape[2]} "
                                       f"queries and {k.shape[2]} keys")
+        if bias is not None:
+            raise AttentionInputError("cu_seqlens with a bias is not supported yet (its kernel variants spilled "
+                                      "registers); describe the documents with masks.document(lengths) instead")
         windows = document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device)
         plan = _planned(q, k, v, description, scale, params, bias is not None, windows=True)
         out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse, windows)

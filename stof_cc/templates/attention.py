@@ -163,7 +163,7 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
         if problem.head_dim not in self.head_dims or problem.batch > GRID_YZ_LIMIT \
-                or problem.row_windows and not self.takes_row_windows:
+                or problem.row_windows and (not self.takes_row_windows or problem.residues > 1):
             return []
         points = []
         for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
