@@ -67,3 +67,44 @@ def test_on_the_gpu_the_op_runs_the_kernels_compiled_and_matches(dtype):
     for run in (block, torch.compile(block, fullgraph=True)):
         got = run(q, k, v, padding)
         assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < 1e-2
+
+
+def _same_document(cu_seqlens: list[int]) -> torch.Tensor:
+    """[S, S]: query and key in one document of ``cu_seqlens`` (rows past its end see nothing)."""
+    rows = torch.arange(S)
+    document = torch.bucketize(rows, torch.tensor(cu_seqlens[1:]), right=True)
+    inside = rows < cu_seqlens[-1]
+    return (document[:, None] == document[None, :]) & inside[:, None] & inside[None, :]
+
+
+def test_packed_documents_pass_torch_library_checks_and_compile_as_one_node():
+    """cu_seqlens through the op: torch.library's checks, the reference's values (documents on top
+    of the causal mask and the padding), and one graph under torch.compile."""
+    q, k, v, padding = _inputs()
+    cu_seqlens = torch.tensor([0, 30, 31, 70, 90], dtype=torch.int32)  # a one-row document; 6 rows of no document
+    torch.library.opcheck(torch.ops.stof_cc.attention.default, (q, k, v, "causal", None, padding, cu_seqlens))
+    got = torch.ops.stof_cc.attention(q, k, v, "causal", None, padding, cu_seqlens)
+    allowed = parse_spec("causal").to_dense(S, S) & padding[:, None, None, :] & _same_document(cu_seqlens.tolist())
+    torch.testing.assert_close(got, masked_attention(q, k, v, allowed))
+    assert (got[:, :, 90:] == 0).all()
+
+    def block(q, k, v, cu_seqlens):
+        return torch.ops.stof_cc.attention(q, k, v, "causal", None, None, cu_seqlens) * 2.0
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, cu_seqlens), block(q, k, v, cu_seqlens))
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_packed_documents_run_the_kernels_compiled_and_match():
+    q, k, v, _ = _inputs("cuda", torch.bfloat16)
+    cu_seqlens = torch.tensor([0, 30, 31, 70, 90], dtype=torch.int32, device="cuda")
+
+    def block(q, k, v, cu_seqlens):
+        return torch.ops.stof_cc.attention(q, k, v, "causal", None, None, cu_seqlens)
+
+    allowed = (parse_spec("causal").to_dense(S, S) & _same_document(cu_seqlens.tolist())).cuda()
+    want = masked_attention(q.float(), k.float(), v.float(), allowed)
+    for run in (block, torch.compile(block, fullgraph=True)):
+        got = run(q, k, v, cu_seqlens)
+        assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < 1e-2
