@@ -273,12 +273,15 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
         """Three consumer warpgroups (block_m 192) take 3 stages: each K/V buffer stays held until
         the third has read it (measured on the H100: 2 stages no faster, and ptxas spilled one
-        of its variants)."""
+        of its variants). The row-window variant runs one CTA per tile only."""
         return [params | {"persistent": persistent} for params in super().space(problem)
                 if WS_CONSUMER_REGISTERS[(problem.head_dim, params["block_n"])] + WS_BIAS_REGISTERS * problem.bias
                 + STRIDED_REGISTERS * (problem.residues > 1) + WS_WINDOW_REGISTERS * problem.row_windows
                 <= self.consumer_registers(params)
-                and (params["block_m"] == 128 or params["stages"] == 3) for persistent in self.schedules]
+                and (params["block_m"] == 128 or params["stages"] == 3) for persistent in self.schedules
+                # a persistent CTA's share of tiles is cut by the static mask's work, which per-call row
+                # windows change: a causal share of many short rows would hold as many whole documents
+                if not (persistent and problem.row_windows)]
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return super().kernel_name(problem, params) + ("_persistent" if params["persistent"] else "")
