@@ -39,12 +39,12 @@ MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (
 # m64 n64 w2 (estimated 239) 12 / 20 bytes at 255, the ws m192 n128 d64 consumers (160 of 160) 32 / 40
 # bytes: a strided space keeps this margin.
 STRIDED_REGISTERS = 20
-# The row-window variant's per-row window loads and tests (runtime.attention's cu_seqlens): ptxas gave it
-# 13-34 more registers (nvcc 13). With this in the estimate, and WS_WINDOW_REGISTERS in the warp-specialised
-# space, no point of the wgmma, wgmma_ws and blockwise spaces spilled at d = 64 and 128; without them
-# three-warpgroup points and m128 n128 at d = 128 did (4-104 bytes). Rowwise takes no windows: one warp
-# per 16-32 rows spilled at d = 128, and packed sequences are long.
-WINDOW_REGISTERS = 20
+# The row-window variant's per-row window loads and tests (runtime.attention's cu_seqlens), in the
+# estimate; WS_WINDOW_REGISTERS is its margin in the warp-specialised space. With both, no point of the
+# blockwise, wgmma and wgmma_ws spaces spills at d = 64 and 128 (nvcc 13); with no margin, the
+# three-warpgroup points with n128 at d = 64 and n64 at d = 128 did (4-24 bytes). Rowwise takes no
+# windows: one warp per 16-32 rows spilled at d = 128, and packed sequences are long.
+WINDOW_REGISTERS = 10
 
 
 def _accumulator_registers(head_dim: int, block_n: int, m_tiles: int) -> int:
@@ -247,7 +247,7 @@ WS_CONSUMER_REGISTERS = {(64, 64): 121, (64, 128): 160, (128, 64): 160, (128, 12
 # spilled: every three-warpgroup one (52-368 bytes at 160 registers) and m128 n128 at d = 128 (112-148
 # bytes at 240); CI compiles the rest without spills.
 WS_BIAS_REGISTERS = 40
-WS_WINDOW_REGISTERS = 40  # the same for the row-window variant (WINDOW_REGISTERS)
+WS_WINDOW_REGISTERS = 16  # the same for the row-window variant (WINDOW_REGISTERS)
 
 
 class WarpSpecialisedWgmmaAttention(WgmmaAttention):
