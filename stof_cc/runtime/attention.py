@@ -100,8 +100,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             raise AttentionInputError(f"cu_seqlens packs one sequence of queries and keys; got {q.shape[2]} "
                                       f"queries and {k.shape[2]} keys")
         if bias is not None:
-            raise AttentionInputError("cu_seqlens with a bias is not supported yet (its kernel variants spilled "
-                                      "registers); describe the documents with masks.document(lengths) instead")
+            raise AttentionInputError("cu_seqlens with a bias is not supported yet (the kernels' variant for both "
+                                      "is not built: its wgmma points spilled); describe the documents with "
+                                      "masks.document(lengths) instead")
         windows = document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device)
         plan = _planned(q, k, v, description, scale, params, bias is not None, windows=True)
         out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse, windows)
