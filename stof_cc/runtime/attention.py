@@ -92,7 +92,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,
                              return_lse=return_lse, cu_seqlens=cu_seqlens)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
-    windows = None
     if cu_seqlens is not None:
         if q.dim() != 4 or k.dim() != 4:
             problem_of(q, k, v)  # raises, naming the argument
@@ -104,8 +103,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                       "is not built: its wgmma points spilled); describe the documents with "
                                       "masks.document(lengths) instead")
         windows = document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device)
-        plan = _planned(q, k, v, description, scale, params, bias is not None, windows=True)
-        out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse, windows)
+        plan = _planned(q, k, v, description, scale, params, False, windows=True)
+        out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, None, out, lse, windows)
         return (out, lse) if return_lse else out
     split = _strided_split(q, k, v, description, key_padding, bias, params)
     if split is not None:
