@@ -13,6 +13,8 @@ over ``--calls``, the median over ``--passes`` passes after a warm-up pass:
   boundaries as FlashAttention's cumulative lengths (int32, on the device, made before timing, as
   a collator hands them over): one plan for every call, the documents read by the kernels' row-window
   variant (the whole call: what the bar measures);
+- ``stof_varlen_graph``: the same call captured once in a CUDA graph on one cu_seqlens buffer; each
+  call copies its boundaries into the buffer and replays (the bar's "in a CUDA graph");
 - ``stof``: `stof_cc.attention(q, k, v, masks.causal() & masks.document(lengths))`, the
   description made in the call, as a user makes it (its kernel choice is shared by masks of one
   kind, its block mask built per call on the host);
@@ -58,7 +60,7 @@ from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
 
 TOLERANCE = 1e-2
 SAMPLED_ROWS = 256
-IMPLEMENTATIONS = ("stof_varlen", "stof", "stof_prebuilt", "fa4_varlen", "flex", "flex_flash")
+IMPLEMENTATIONS = ("stof_varlen", "stof_varlen_graph", "stof", "stof_prebuilt", "fa4_varlen", "flex", "flex_flash")
 
 
 def boundary_sets(seq: int, docs: int, calls: int, seed: int = 0) -> list[list[int]]:
@@ -100,6 +102,7 @@ def implementations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sets: lis
         "stof_varlen": lambda i: attention(q, k, v, causal, cu_seqlens=bounds[i]),
         "stof": lambda i: attention(q, k, v, masks.causal() & masks.document(sets[i])),
     }
+    runs["stof_varlen_graph"] = _captured(lambda cu_seqlens: attention(q, k, v, causal, cu_seqlens=cu_seqlens), bounds)
     prebuilt = [masks.causal() & masks.document(lengths) for lengths in sets]
     runs["stof_prebuilt"] = lambda i: attention(q, k, v, prebuilt[i])
     for i in range(len(sets)):  # described and planned (block mask, kernel, schedule) before timing
@@ -109,6 +112,26 @@ def implementations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sets: lis
     runs["flex"] = _flex(q, k, v, sets, None)
     runs["flex_flash"] = _flex(q, k, v, sets, {"BACKEND": "FLASH"})
     return runs
+
+
+def _captured(call: Callable[[torch.Tensor], torch.Tensor], bounds: list[torch.Tensor]):
+    """``run(i)``: ``call`` captured once in a CUDA graph on one cu_seqlens buffer, each call copying
+    boundary set i into the buffer and replaying (every set has as many documents: one buffer size)."""
+    buffer = bounds[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # plans and compiles outside the capture, as torch.cuda.graph asks
+        call(buffer)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(buffer)
+
+    def run(i: int) -> torch.Tensor:
+        buffer.copy_(bounds[i])
+        graph.replay()
+        return out
+    return run
 
 
 def _cu_seqlens(sets: list[list[int]], device: torch.device) -> list[torch.Tensor]:
