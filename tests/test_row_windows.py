@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stof_cc import masks
-from stof_cc.backends.attention_launch import document_windows, windows_of
+from stof_cc.backends.attention_launch import document_windows, position_windows, windows_of
 from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionInputError, problem_of
@@ -74,6 +74,40 @@ def test_rows_outside_every_document_see_no_key():
     assert (windows[1:] >= windows[:-1]).all()
 
 
+def _positions(bounds: list[int], seq: int) -> torch.Tensor:
+    """HF's position ids for documents ``bounds`` (0, then each end): counting from 0 in each; the
+    padded rows past the last end count on from the last document (HF pads that way)."""
+    rows = torch.arange(seq)
+    starts = torch.tensor(bounds[:-1])
+    start = starts[torch.bucketize(rows.clamp(max=bounds[-1] - 1), starts, right=True) - 1]
+    return rows - start
+
+
+def test_position_ids_give_the_same_windows_as_cu_seqlens_per_batch_element():
+    """Position ids restarting at 0 (per batch element: each its own documents) give the windows the
+    cumulative lengths give; a one-row document and an empty one (no row of its own) included."""
+    seq = 300
+    per_element = [_boundaries(seq, documents, seed=documents) for documents in (1, 6)]
+    ids = torch.stack([_positions(bounds, seq) for bounds in per_element])
+    windows = position_windows(ids, 2, seq, torch.device("cpu"))
+    for element, bounds in enumerate(per_element):
+        distinct = sorted(set(bounds))  # an empty document has no row that restarts its ids
+        assert torch.equal(windows[element], document_windows(torch.tensor(distinct), 1, seq, torch.device("cpu"))[0])
+    shared = position_windows(ids[1], 2, seq, torch.device("cpu"))
+    assert torch.equal(shared[0], shared[1]) and torch.equal(shared[0], windows[1])
+
+
+def test_bad_position_ids_are_named_or_kept_in_bounds():
+    with pytest.raises(AttentionInputError, match=r"integer tensor \[16\] or \[2, 16\]"):
+        position_windows(torch.zeros(3, 16, dtype=torch.long), 2, 16, torch.device("cpu"))
+    with pytest.raises(AttentionInputError, match="integer tensor"):
+        position_windows(torch.zeros(16), 2, 16, torch.device("cpu"))
+    windows = position_windows(torch.tensor([5, 9, 0, 7, 1, 2]), 1, 6, torch.device("cpu"))[0]
+    rows = torch.arange(6)
+    assert (windows[:, 0] <= rows).all() and (windows[:, 1] > rows).all() and (windows[:, 1] <= 6).all()
+    assert (windows[1:] >= windows[:-1]).all()
+
+
 def test_cu_seqlens_need_one_packed_sequence_of_queries_and_keys_and_no_bias():
     q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
     k = v = torch.randn(1, 2, 24, 64, dtype=torch.float16)
@@ -81,6 +115,8 @@ def test_cu_seqlens_need_one_packed_sequence_of_queries_and_keys_and_no_bias():
         attention(q, k, v, masks.causal(), cu_seqlens=torch.tensor([0, 16]))
     with pytest.raises(AttentionInputError, match="cu_seqlens with a bias is not supported"):
         attention(q, q, q, masks.causal(), cu_seqlens=torch.tensor([0, 16]), bias=torch.zeros(16, 16))
+    with pytest.raises(AttentionInputError, match="not both"):
+        attention(q, q, q, masks.causal(), cu_seqlens=torch.tensor([0, 16]), position_ids=torch.arange(16))
 
 
 # ---- on the GPU ----------------------------------------------------------------------------------
@@ -182,3 +218,17 @@ def test_documents_with_key_padding_grouped_heads_a_padded_tail_and_the_lse(caus
     assert torch.isneginf(lse[:, :, seq - tail:]).all()
     live = torch.isfinite(want_lse)
     assert torch.equal(live, torch.isfinite(lse)) and (lse[live] - want_lse[live]).abs().max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_position_ids_give_each_batch_element_its_own_documents():
+    """Position ids [B, S]: batch element 0 one document with a padded tail, element 1 nine; the
+    kernels read them on the device."""
+    seq = 1000
+    q, k, v = _inputs(seq, 128, torch.bfloat16)
+    per_element = [_boundaries(seq, 1, seed=1, tail=200), _boundaries(seq, 9, seed=9)]
+    ids = torch.stack([_positions(bounds, seq) for bounds in per_element]).cuda()
+    out = attention(q, k, v, masks.causal(), position_ids=ids)
+    # the padded rows count on from the last document (HF's padding), so they join it
+    dense = torch.stack([_dense(sorted(set(bounds[:-1])) + [seq], seq, causal=True) for bounds in per_element])
+    _check(out, masked_attention(q, k, v, dense[:, None].cuda()), "position ids per batch element")

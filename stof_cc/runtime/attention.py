@@ -24,6 +24,7 @@ from stof_cc.backends.attention_launch import (
     document_windows,
     key_padding_on_device,
     launch_plan,
+    position_windows,
 )
 from stof_cc.backends.pycuda_backend import current_device
 from stof_cc.masks import MaskDescription
@@ -48,8 +49,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: MaskDescription | torch.Tensor | None = None, scale: float | None = None,
               *, key_padding: torch.Tensor | KeyPadding | None = None, bias: torch.Tensor | None = None,
               params: dict[str, Any] | None = None, out: torch.Tensor | None = None,
-              return_lse: bool = False,
-              cu_seqlens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              return_lse: bool = False, cu_seqlens: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
 
     ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
@@ -75,7 +76,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     row-window variant, so the call needs no host read and no new plan when they change, and a
     CUDA graph replays it with whatever the same buffer holds (a device ``cu_seqlens``; a CPU one is
     copied, and cannot be captured); ``mask`` keeps its one plan. Equal query and key lengths; not
-    with a bias.
+    with a bias. ``position_ids`` ([S] or [B, S], restarting at 0 at each document's start: HF's
+    padding-free batches) says the same per batch element instead (`position_windows`).
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
@@ -90,19 +92,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
         with torch.cuda.device(q.device):
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,
-                             return_lse=return_lse, cu_seqlens=cu_seqlens)
+                             return_lse=return_lse, cu_seqlens=cu_seqlens, position_ids=position_ids)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
-    if cu_seqlens is not None:
+    if cu_seqlens is not None or position_ids is not None:
+        packing = "cu_seqlens" if cu_seqlens is not None else "position_ids"
+        if cu_seqlens is not None and position_ids is not None:
+            raise AttentionInputError("pass cu_seqlens or position_ids, not both: each says where the documents are")
         if q.dim() != 4 or k.dim() != 4:
             problem_of(q, k, v)  # raises, naming the argument
         if q.shape[2] != k.shape[2]:
-            raise AttentionInputError(f"cu_seqlens packs one sequence of queries and keys; got {q.shape[2]} "
+            raise AttentionInputError(f"{packing} packs one sequence of queries and keys; got {q.shape[2]} "
                                       f"queries and {k.shape[2]} keys")
         if bias is not None:
-            raise AttentionInputError("cu_seqlens with a bias is not supported yet (the kernels' variant for both "
+            raise AttentionInputError(f"{packing} with a bias is not supported yet (the kernels' variant for both "
                                       "is not built: its wgmma points spilled); describe the documents with "
                                       "masks.document(lengths) instead")
-        windows = document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device)
+        windows = (document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device) if cu_seqlens is not None
+                   else position_windows(position_ids, q.shape[0], q.shape[2], q.device))
         plan = _planned(q, k, v, description, scale, params, False, windows=True)
         out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, None, out, lse, windows)
         return (out, lse) if return_lse else out
