@@ -208,7 +208,7 @@ def windows_of(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     outside = torch.where(rows < bounds[0], 0, seq)  # no keys, both ends still never decreasing
     start = torch.where(inside, bounds[document], outside)
     end = torch.where(inside, bounds[document + 1], outside)
-    return torch.stack((start, end), -1).to(torch.int32).expand(batch, seq, 2).contiguous()
+    return _windows(start, end, batch)
 
 
 def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -234,7 +234,13 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
     opens = torch.where(ids == 0, rows, seq)  # a document opens at each id 0
     later = torch.cat((opens[:, 1:], torch.full_like(opens[:, :1], seq)), 1)  # the rows after each row
     end = torch.flip(torch.cummin(torch.flip(later, [1]), dim=1).values, [1])  # the next opening, or seq
-    return torch.stack((start, end), -1).to(torch.int32).expand(batch, seq, 2).contiguous()
+    return _windows(start, end, batch)
+
+
+def _windows(start: torch.Tensor, end: torch.Tensor, batch: int) -> torch.Tensor:
+    """Row windows as the kernels read them: int32 [batch, seq, 2] of (start, end), contiguous, from
+    starts and ends [seq] or [1 | batch, seq]."""
+    return torch.stack((start, end), -1).to(torch.int32).expand(batch, start.shape[-1], 2).contiguous()
 
 
 def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,

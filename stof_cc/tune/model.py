@@ -167,7 +167,12 @@ def tune_group(graph: Graph, group: FusionGroup, values: dict[str, torch.Tensor]
     reference = values[group_output(graph, group)]
     operands = sorted({op.ref for problem in problems.values() for op in problem.operands})
     randomised = [k for k in operands if values[k].is_floating_point()]
-    count = input_set_count(sum(values[k].nbytes for k in randomised) + reference.nbytes)
+    # A group that reads weights (a GEMM) finds them in DRAM in a model's forward: enough sets to
+    # keep every launch's operands out of L2. One that reads only activations (a norm, an
+    # elementwise chain) reads what the kernel before it just wrote: the minimum, as before.
+    weighted = any(k in graph.constants for k in randomised)
+    count = input_set_count(sum(values[k].nbytes for k in randomised) + reference.nbytes) if weighted \
+        else MIN_INPUT_SETS
     sets = InputSets([values] + [{**values, **{k: torch.randn_like(values[k]) for k in randomised}}
                                  for _ in range(count - 1)])
 
