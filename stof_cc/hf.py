@@ -9,12 +9,16 @@ that runs `stof_cc.attention` on it.
 What the mask function recognises in transformers' mask functions (by identity, or by the
 closures `and_masks`, `sliding_window_overlay` and `packed_sequence_mask_function` keep): causal,
 bidirectional (no mask), a causal sliding window, packed sequences (found by transformers from
-`position_ids` that restart at 0) as `masks.document`; anything else (chunked attention, an
+`position_ids` that restart at 0; see below); anything else (chunked attention, an
 image's bidirectional block) becomes `masks.from_mask_mod` of the function itself, exact, its
 block mask built on each call. The model's 2-D ``attention_mask`` becomes key padding, read on the device.
 Packed sequences given as ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (transformers' padding-free arguments,
-which reach the attention function in encoders too, where its masks do not see packing) add
-`masks.document` of their lengths (`packed_documents`).
+which reach the attention function in encoders too, where its masks do not see packing) reach the
+kernels as ``cu_seqlens`` (their row-window variant: the layer keeps its own mask's plan, the documents
+are read on the device; `packed_documents`); packing that transformers finds from ``position_ids``
+(its mask function's segment ids) reaches them as ``position_ids`` (`without_packing`). With a
+position bias they are a `masks.document` mask instead (built on the host), and SDPA gets them in its
+dense mask.
 
 A position bias (T5's relative positions) is added to the scores; cross-attention (no mask, other
 lengths) runs in the kernels too. Runs in transformers' own SDPA instead, with one warning naming
@@ -63,8 +67,11 @@ class HFMask:
     description: MaskDescription | None
     key_padding: torch.Tensor | None
     arguments: dict[str, Any]
+    packing: _Packing | None = field(default=None, repr=False)  # cu_seq_lens' documents, beside description
+    segments: torch.Tensor | None = field(default=None, repr=False)  # packing found from position ids: [B, S] ids
     _dense: torch.Tensor | None = field(default=None, repr=False)
-    _documents: tuple[MaskDescription, int] | None = field(default=None, repr=False)  # packed: documents, S
+    _positions: torch.Tensor | None = field(default=None, repr=False)
+    _segment_documents: MaskDescription | None = field(default=None, repr=False)
     _built: bool = field(default=False, repr=False)  # dense() ran (its answer may be None)
 
     def __getattr__(self, name: str):  # a tensor's attribute: code that expects a mask tensor
@@ -77,6 +84,24 @@ class HFMask:
 
     __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
 
+    def positions(self) -> torch.Tensor:
+        """The segment ids as position ids restarting at 0 at each document (the kernels'
+        ``position_ids``), made on their device once per forward: every layer shares this mask."""
+        if self._positions is None:
+            segments = self.segments
+            rows = torch.arange(segments.shape[-1], device=segments.device)
+            opens = torch.ones_like(segments, dtype=torch.bool)
+            opens[:, 1:] = segments[:, 1:] != segments[:, :-1]
+            self._positions = rows - torch.cummax(torch.where(opens, rows, 0), dim=-1).values
+        return self._positions
+
+    def segment_documents(self) -> MaskDescription:
+        """The segment ids as a document mask (where the kernels cannot take them as row windows),
+        made once per forward."""
+        if self._segment_documents is None:
+            self._segment_documents = document(segment_ids=self.segments)
+        return self._segment_documents
+
     def dense(self, device: torch.device | None = None) -> torch.Tensor | None:
         """transformers' own SDPA mask for these arguments (and packed sequences' documents), built once;
         None where transformers' SDPA would pass none either (`sdpa_mask`'s skips, with the flags
@@ -87,12 +112,13 @@ class HFMask:
         if self.arguments:
             from transformers.masking_utils import sdpa_mask
 
-            skips = {} if self._documents is None else {"allow_is_causal_skip": False,
-                                                          "allow_is_bidirectional_skip": False}
+            skips = {} if self.packing is None else {"allow_is_causal_skip": False,
+                                                       "allow_is_bidirectional_skip": False}
             self._dense = sdpa_mask(**(self.arguments | skips))
-        if self._documents is not None:  # without transformers' arguments the description is the whole mask
-            documents, seq = self._documents
-            own = (documents if self.arguments else self.description).to_dense(seq, seq).to(device)
+        if self.packing is not None:  # without transformers' arguments the description is the layer's mask
+            documents, seq = self.packing.documents, self.packing.total
+            whole = documents if self.arguments or self.description is None else self.description & documents
+            own = whole.to_dense(seq, seq).to(device)
             self._dense = own if self._dense is None else self._dense & own.to(self._dense.device)
         self._built = True  # only once built: a build that raised is tried again, never taken for "no mask"
         return self._dense
@@ -210,7 +236,8 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
     key_padding = None
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
         key_padding = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
-    return HFMask(describe(mask_function), key_padding, arguments)
+    description, segments = without_packing(mask_function)
+    return HFMask(description, key_padding, arguments, segments=segments)
 
 
 def describe(mask_function: Callable) -> MaskDescription | None:
@@ -221,20 +248,53 @@ def describe(mask_function: Callable) -> MaskDescription | None:
         return CAUSAL  # one object per mask: choices and launch plans are cached per description
     if mask_function is mu.bidirectional_mask_function:
         return None
+    segments = _segments(mask_function)
+    if segments is not None:
+        return document(segment_ids=segments)  # packed sequences: one document id per position
     captured = _captured(mask_function)
-    packed = captured.get("packed_sequence_mask")
-    if _made_by(mask_function, "packed_sequence_mask_function") and isinstance(packed, torch.Tensor):
-        return document(segment_ids=packed)  # packed sequences: one document id per position
     if _made_by(mask_function, "and_masks") and "mask_functions" in captured:
         functions = list(captured["mask_functions"])
-        if any(_made_by(f, "packed_sequence_mask_function") for f in functions):
+        if any(_segments(f) is not None for f in functions):
             functions = [_within_documents(f) for f in functions]
-        windows = [w for part in functions if (w := captured_window(part)) is not None]
-        if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
-            return causal_window(windows[0] - 1)  # 0 <= q - k < window
-        parts = [p for p in map(describe, functions) if p is not None]
-        return functools.reduce(operator.and_, parts) if parts else None
+        return _described_together(functions)
     return from_mask_mod(mask_function, name=getattr(mask_function, "__qualname__", "transformers mask"))
+
+
+def without_packing(mask_function: Callable) -> tuple[MaskDescription | None, torch.Tensor | None]:
+    """A mask function's description without the packed sequences transformers found (from
+    position ids that restart at 0), and their segment ids [B, S] (one document id per position;
+    None: no packing), which the kernels read on the device as row windows."""
+    segments = _segments(mask_function)
+    if segments is not None:
+        return None, segments
+    captured = _captured(mask_function)
+    if _made_by(mask_function, "and_masks") and "mask_functions" in captured:
+        functions = list(captured["mask_functions"])
+        packed = [(f, found) for f in functions if (found := _segments(f)) is not None]
+        if len(packed) == 1:
+            rest = [_within_documents(f) for f in functions if f is not packed[0][0]]
+            return _described_together(rest), packed[0][1]
+    return describe(mask_function), None
+
+
+def _described_together(functions: list[Callable]) -> MaskDescription | None:
+    """The description of mask functions that all must allow a key (and_masks); causal with a
+    window overlay is the sliding window."""
+    from transformers import masking_utils as mu
+
+    windows = [w for part in functions if (w := captured_window(part)) is not None]
+    if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
+        return causal_window(windows[0] - 1)  # 0 <= q - k < window
+    parts = [p for p in map(describe, functions) if p is not None]
+    return functools.reduce(operator.and_, parts) if parts else None
+
+
+def _segments(mask_function: Callable) -> torch.Tensor | None:
+    """The segment ids of transformers' `packed_sequence_mask_function`, else None."""
+    if not _made_by(mask_function, "packed_sequence_mask_function"):
+        return None
+    packed = _captured(mask_function).get("packed_sequence_mask")
+    return packed if isinstance(packed, torch.Tensor) else None
 
 
 def _within_documents(mask_function: Callable) -> Callable:
@@ -291,7 +351,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise ValueError(f"attn_implementation='{NAME}': {type(module).__name__} got cu_seq_lens_q (packed sequences) "
                          "and a mask tensor the caller built; pass one or the other")
     if packing is not None:
-        attention_mask = _with_documents(attention_mask, packing, _causal(module, kwargs), query.shape[2])
+        attention_mask = _with_documents(attention_mask, packing, _causal(module, kwargs))
     if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias,
                          "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
@@ -307,21 +367,51 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is None and _causal(module, kwargs) and query.shape[2] > 1:
         description = CAUSAL  # transformers' convention: no mask tensor on a causal module
     key_padding = None if attention_mask is None else attention_mask.key_padding
-    out = attention(query, key, value, description, scale=scaling, key_padding=key_padding, bias=position_bias)
+    # Packed sequences reach the kernels as row windows read on the device (one kind at a call, and
+    # not beside a bias); any other packing as a document mask, built on the host.
+    cu_seqlens = position_ids = None
+    documents = []
+    if packing is not None:
+        if position_bias is None:
+            cu_seqlens = packing.bounds_on(query.device)
+        else:
+            documents.append(packing.documents)
+    if attention_mask is not None and attention_mask.segments is not None:
+        if position_bias is None and cu_seqlens is None:
+            position_ids = attention_mask.positions()
+        else:
+            documents.append(attention_mask.segment_documents())
+    for part in documents:
+        description = part if description is None else description & part
+    out = attention(query, key, value, description, scale=scaling, key_padding=key_padding, bias=position_bias,
+                    cu_seqlens=cu_seqlens, position_ids=position_ids)
     return out.transpose(1, 2).contiguous(), None
 
 
 @dataclass
 class _Packing:
     """One forward's packed sequences: the cu_seq_lens tensors (weakly), a stamp of their contents,
-    the document mask, and each layer mask it was added to (every layer of the forward gets the
-    same `HFMask`, and with it the same description, block masks and launch plans)."""
+    the cumulative lengths read once, their document mask (for SDPA and the bias path), and each
+    layer mask they were added to (every layer of the forward gets the same `HFMask`, and with it
+    the same description and launch plans)."""
 
     tensors: tuple[weakref.ref, weakref.ref]
     stamp: tuple
+    bounds: list[int]
     documents: MaskDescription
-    total: int
     combined: dict[tuple, tuple[Any, HFMask]] = field(default_factory=dict)  # id(layer mask), causal -> it, ours
+    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return self.bounds[-1]
+
+    def bounds_on(self, device: torch.device) -> torch.Tensor:
+        """The cumulative lengths as the kernels' ``cu_seqlens`` (int32 on ``device``), copied once
+        per forward and shared by its layers."""
+        if device not in self._on_device:
+            self._on_device[device] = torch.tensor(self.bounds, dtype=torch.int32, device=device)
+        return self._on_device[device]
 
 
 _last_packing: list[_Packing] = []  # the last forward's
@@ -359,7 +449,7 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
         if not lengths or bounds[0] != 0 or min(lengths) <= 0:
             raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
                              f"lengths), got {bounds}")
-        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, document(lengths), bounds[-1])
+        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, bounds, document(lengths))
         _last_packing[:] = [last]
     if query.shape[0] != 1 or last.total != query.shape[2] or key.shape[2] != query.shape[2]:
         raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.total}) "
@@ -367,19 +457,17 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
     return last
 
 
-def _with_documents(mask: HFMask | None, packing: _Packing, causal_module: bool, seq: int) -> HFMask:
-    """The layer's mask with packed sequences' document mask added, made once per layer mask of
-    the forward; SDPA, where it runs, gets the documents in its dense mask too (transformers'
-    own SDPA ignores cu_seq_lens)."""
+def _with_documents(mask: HFMask | None, packing: _Packing, causal_module: bool) -> HFMask:
+    """The layer's mask with packed sequences beside it, made once per layer mask of the forward:
+    the kernels read them as ``cu_seqlens``; SDPA, where it runs, gets the documents in its dense
+    mask (transformers' own SDPA ignores cu_seq_lens)."""
     causal = mask is None and causal_module  # no mask on a causal module: causal
     key = (id(mask), causal)
     if key not in packing.combined:
-        documents = packing.documents
         if mask is None:
-            ours = HFMask(CAUSAL & documents if causal else documents, None, {}, _documents=(documents, seq))
+            ours = HFMask(CAUSAL if causal else None, None, {}, packing=packing)
         else:
-            described = documents if mask.description is None else mask.description & documents
-            ours = HFMask(described, mask.key_padding, mask.arguments, _documents=(documents, seq))
+            ours = HFMask(mask.description, mask.key_padding, mask.arguments, packing=packing)
         packing.combined[key] = (mask, ours)  # the layer mask held: its id is not reused meanwhile
     return packing.combined[key][1]
 

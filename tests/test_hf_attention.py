@@ -7,6 +7,7 @@ prefill and match sdpa."""
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 
 import pytest
@@ -284,9 +285,10 @@ def test_decode_steps_give_sdpa_the_mask_transformers_would(config, window, monk
     assert all(mask.dense() is not None for mask in seen)  # padding: always a mask
 
 
-def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch):
+def test_packed_position_ids_reach_the_attention_as_segments_beside_the_layers_mask(monkeypatch):
     """Two sequences packed in one row (position ids restarting at 0, no attention_mask): transformers
-    finds the packing, the mask function describes it, and each sequence's output equals running it alone."""
+    finds the packing, the mask travels as causal plus the segment ids (the kernels' position_ids:
+    row windows, no host-built document mask), and each sequence's output equals running it alone."""
     masks_seen = _recorded_masks(monkeypatch)
     torch.manual_seed(0)
     model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
@@ -296,9 +298,32 @@ def test_packed_position_ids_reach_the_attention_as_a_document_mask(monkeypatch)
         packed = model(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state  # no cache: packing found
         first = model(input_ids=ids[:, :20]).last_hidden_state
         second = model(input_ids=ids[:, 20:]).last_hidden_state
-    seen = [repr(mask.description) for mask in masks_seen]
-    assert seen[0] == "(causal() & document(segment_ids=<1x48>))", seen
+    mask = masks_seen[0]
+    assert mask.description is stof_cc.hf.CAUSAL and mask.segments.tolist() == [[0] * 20 + [1] * (SEQ - 20)]
+    assert torch.equal(mask.positions(), positions)  # what the kernels read: the documents restart at 0
+    assert repr(mask.segment_documents()) == "document(segment_ids=<1x48>)"  # with a bias
     torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-4, atol=1e-4)
+
+
+def test_packing_is_split_from_the_mask_functions_transformers_combines():
+    documents = torch.tensor([[0] * 20 + [1] * 28, [0] * 5 + [1] * 30 + [2] * 13])
+    packed = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(documents))
+    description, segments = stof_cc.hf.without_packing(packed)
+    assert description is stof_cc.hf.CAUSAL and segments is documents
+    alone = stof_cc.hf.without_packing(mu.packed_sequence_mask_function(documents))
+    assert alone[0] is None and alone[1] is documents  # an encoder's: no mask beside the documents
+    assert stof_cc.hf.without_packing(mu.causal_mask_function) == (stof_cc.hf.CAUSAL, None)
+    if hasattr(mu, "remap_positions_for_packed_sequence"):  # 5.2x: the window on per-document positions
+        positions = torch.cat([torch.cat([torch.arange(n) for n in lengths])[None]
+                               for lengths in ((20, 28), (5, 30, 13))])
+        window = mu.remap_positions_for_packed_sequence(mu.sliding_window_causal_mask_function(8), positions)
+        description, segments = stof_cc.hf.without_packing(mu.and_masks(window, mu.packed_sequence_mask_function(documents)))
+        assert repr(description) == "sliding_window(w=7, causal=True)" and segments is documents
+    found = stof_cc.hf.mask_for_layer(2, SEQ, SEQ, mask_function=packed)
+    starts = [0, 20], [0, 5, 35]
+    expected = torch.stack([torch.arange(SEQ) - torch.tensor([max(s for s in st if s <= r) for r in range(SEQ)])
+                            for st in starts])
+    assert torch.equal(found.positions(), expected)
 
 
 @pytest.mark.parametrize("family", ["bert", "cohere", "distilbert", "gemma3", "gpt2", "gpt_neox", "gptj", "granite",
@@ -386,13 +411,15 @@ def _packed_against_alone(model, device: str, dtype: torch.dtype) -> tuple[torch
 @pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
 def test_packed_encoders_attend_within_each_sequence(family, monkeypatch):
     """Encoders get no packing from transformers' masks: cu_seq_lens (which transformers passes to
-    the attention function) become a document mask, on the CPU in SDPA's dense mask too."""
+    the attention function) travel beside the layer's mask (the kernels' cu_seqlens), and on the
+    CPU become a document mask in SDPA's dense mask."""
     masks_seen = _recorded_masks(monkeypatch)
     torch.manual_seed(0)
     packed, alone = _packed_against_alone(_packed_encoder(family), "cpu", torch.float32)
-    seen = [repr(mask.description) for mask in masks_seen]
-    packed_layers = seen[:SMALL["num_hidden_layers"]]  # then the sequences run alone, without documents
-    assert all("document(" in label for label in packed_layers) and "document(lengths=[9, 30, 9])" in seen[0], seen
+    packed_layers = masks_seen[:SMALL["num_hidden_layers"]]  # then the sequences run alone, without documents
+    assert all(mask.packing is not None and mask.packing.bounds == [0, 9, 39, 48] for mask in packed_layers)
+    assert repr(packed_layers[0].packing.documents) == "document(lengths=[9, 30, 9])"
+    assert all(mask.packing is None for mask in masks_seen[SMALL["num_hidden_layers"]:])
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
@@ -432,6 +459,42 @@ def test_packed_encoders_run_the_kernels_and_match_each_sequence_alone(family, m
     assert (packed - alone).abs().max().item() < 1e-2 * alone.abs().max().item()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("packing", ["cu_seq_lens", "position_ids"])
+def test_packed_decoders_run_the_kernels_row_windows_and_match_each_sequence_alone(packing, monkeypatch):
+    """A decoder's packed row, as the collator hands it over (cu_seq_lens) or as transformers finds
+    it from position ids (no cache): the kernels run it with the layer's causal plan and the
+    documents read on the device, and each sequence matches running it alone."""
+    stof_cc.hf.register()
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
+    torch.manual_seed(0)
+    model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval().to("cuda", torch.float16)
+    calls = []
+    kernels = stof_cc.hf.attention
+
+    def recording(*args, **kwargs):
+        calls.append((args[3], kwargs.get("cu_seqlens"), kwargs.get("position_ids")))
+        return kernels(*args, **kwargs)
+
+    monkeypatch.setattr(stof_cc.hf, "attention", recording)
+    ids = torch.randint(1, 100, (1, SEQ), device="cuda")
+    cu = torch.tensor([0, *itertools.accumulate(LENGTHS)], dtype=torch.int32, device="cuda")
+    positions = torch.cat([torch.arange(n, device="cuda") for n in LENGTHS])[None]
+    extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu} if packing == "cu_seq_lens" else {"use_cache": False}
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        packed = model(input_ids=ids, position_ids=positions, **extra).last_hidden_state
+    assert not [w for w in caught if "sdpa runs this attention" in str(w.message)]
+    assert len(calls) == SMALL["num_hidden_layers"]
+    for description, cu_seqlens, position_ids in calls:
+        assert description is stof_cc.hf.CAUSAL
+        assert (cu_seqlens is not None) == (packing == "cu_seq_lens") and (position_ids is not None) == (packing != "cu_seq_lens")
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=ids[:, a:b]).last_hidden_state
+                           for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)], dim=1)
+    assert (packed - alone).abs().max().item() < 1e-2 * alone.abs().max().item()
+
+
 def test_every_layer_of_a_packed_forward_gets_one_mask_and_inference_mode_works(monkeypatch):
     """The layers share one description (and with it block masks and launch plans), under causal
     too; cu_seq_lens made under torch.inference_mode() (no version counter) are read as well."""
@@ -442,7 +505,8 @@ def test_every_layer_of_a_packed_forward_gets_one_mask_and_inference_mode_works(
         packed, alone = _packed_against_alone(model, "cpu", torch.float32)
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
     layers = seen[:SMALL["num_hidden_layers"]]
-    assert all(mask is layers[0] for mask in layers) and "document(" in repr(layers[0].description)
+    assert all(mask is layers[0] for mask in layers) and layers[0].packing is not None
+    assert layers[0].description is stof_cc.hf.CAUSAL  # the layer's own mask: its plan is every forward's
 
 
 def test_a_layer_without_a_mask_tensor_gets_the_documents_on_the_device_path():
@@ -455,10 +519,14 @@ def test_a_layer_without_a_mask_tensor_gets_the_documents_on_the_device_path():
     cu = torch.tensor([0, 9, 48], dtype=torch.int32)
     q, k = OnDevice(1, 4, SEQ, 32), OnDevice(1, 4, SEQ, 32)
     packing = stof_cc.hf.packed_documents(q, k, cu, cu)
-    mask = stof_cc.hf._with_documents(None, packing, False, SEQ)  # a bidirectional layer, no mask
-    assert stof_cc.hf._why_sdpa(q, k, k, mask) is None  # the kernels run it
-    assert repr(mask.description) == "document(lengths=[9, 39])"
-    assert torch.equal(mask.dense()[0, 0], mask.description.to_dense(SEQ, SEQ)[0, 0])
+    mask = stof_cc.hf._with_documents(None, packing, False)  # a bidirectional layer, no mask
+    assert stof_cc.hf._why_sdpa(q, k, k, mask) is None  # the kernels run it, the documents as cu_seqlens
+    assert mask.description is None and mask.packing is packing
+    assert torch.equal(packing.bounds_on(torch.device("cpu")), cu)
+    assert torch.equal(mask.dense()[0, 0], packing.documents.to_dense(SEQ, SEQ)[0, 0])
+    causal = stof_cc.hf._with_documents(None, packing, True)  # a causal one: causal within each document
+    assert causal.description is stof_cc.hf.CAUSAL
+    assert torch.equal(causal.dense()[0, 0], (stof_cc.hf.CAUSAL & packing.documents).to_dense(SEQ, SEQ)[0, 0])
 
 
 def test_cu_seq_lens_of_the_wrong_rank_are_named():
