@@ -10,7 +10,8 @@ CASE is mask:S:D as in `ab_attention.py` (D = 64: fp16, H = 12; D = 128: bf16, H
 8 up to S = 512). ``--params`` pins a point (JSON, e.g. ``'{"strategy": "wgmma_ws", "block_m": 128,
 "block_n": 128, "warps": 8, "m_tiles": 1, "stages": 2, "persistent": true}'``); ``--no-peer`` leaves
 cuDNN out. Both outputs are checked against the fp32 reference first. The session that wrote this
-(benchmarks/history/20-2026-11-27.md) found with it where the short causal tiles wait.
+(benchmarks/history/20-2026-11-27.md) found with its scratch predecessor where the short causal tiles
+wait; this committed form has not run on a GPU yet (the session's device time was spent).
 Needs an NVIDIA GPU, PyCUDA and nvcc.
 """
 
