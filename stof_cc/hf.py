@@ -67,10 +67,10 @@ class HFMask:
     description: MaskDescription | None
     key_padding: torch.Tensor | None
     arguments: dict[str, Any]
-    packing: _Packing | None = field(default=None, repr=False)  # cu_seq_lens' documents, beside description
+    packing: PackedDocuments | None = field(default=None, repr=False)  # cu_seq_lens', beside description
     segments: torch.Tensor | None = field(default=None, repr=False)  # packing found from position ids: [B, S] ids
     _dense: torch.Tensor | None = field(default=None, repr=False)
-    _positions: torch.Tensor | None = field(default=None, repr=False)
+    _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     _segment_documents: MaskDescription | None = field(default=None, repr=False)
     _built: bool = field(default=False, repr=False)  # dense() ran (its answer may be None)
 
@@ -84,16 +84,17 @@ class HFMask:
 
     __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
 
-    def positions(self) -> torch.Tensor:
+    def positions(self, device: torch.device) -> torch.Tensor:
         """The segment ids as position ids restarting at 0 at each document (the kernels'
-        ``position_ids``), made on their device once per forward: every layer shares this mask."""
-        if self._positions is None:
-            segments = self.segments
-            rows = torch.arange(segments.shape[-1], device=segments.device)
+        ``position_ids``) on ``device``, made once per forward and device: every layer shares this
+        mask, and a model split over GPUs runs layers on each."""
+        if device not in self._positions:
+            segments = self.segments.to(device)
+            rows = torch.arange(segments.shape[-1], device=device)
             opens = torch.ones_like(segments, dtype=torch.bool)
             opens[:, 1:] = segments[:, 1:] != segments[:, :-1]
-            self._positions = rows - torch.cummax(torch.where(opens, rows, 0), dim=-1).values
-        return self._positions
+            self._positions[device] = rows - torch.cummax(torch.where(opens, rows, 0), dim=-1).values
+        return self._positions[device]
 
     def segment_documents(self) -> MaskDescription:
         """The segment ids as a document mask (where the kernels cannot take them as row windows),
@@ -371,14 +372,15 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # not beside a bias); any other packing as a document mask, built on the host.
     cu_seqlens = position_ids = None
     documents = []
-    if packing is not None:
+    packed = None if attention_mask is None else attention_mask.packing
+    if packed is not None:
         if position_bias is None:
-            cu_seqlens = packing.bounds_on(query.device)
+            cu_seqlens = packed.bounds_on(query.device)
         else:
-            documents.append(packing.documents)
+            documents.append(packed.documents)
     if attention_mask is not None and attention_mask.segments is not None:
         if position_bias is None and cu_seqlens is None:
-            position_ids = attention_mask.positions()
+            position_ids = attention_mask.positions(query.device)
         else:
             documents.append(attention_mask.segment_documents())
     for part in documents:
@@ -389,18 +391,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 @dataclass
-class _Packing:
-    """One forward's packed sequences: the cu_seq_lens tensors (weakly), a stamp of their contents,
-    the cumulative lengths read once, their document mask (for SDPA and the bias path), and each
-    layer mask they were added to (every layer of the forward gets the same `HFMask`, and with it
-    the same description and launch plans)."""
+class PackedDocuments:
+    """Packed sequences given as cu_seq_lens: the cumulative lengths, read once per forward, their
+    document mask (for SDPA and the bias path) and their copies on each device the layers run on."""
 
-    tensors: tuple[weakref.ref, weakref.ref]
-    stamp: tuple
     bounds: list[int]
     documents: MaskDescription
-    combined: dict[tuple, tuple[Any, HFMask]] = field(default_factory=dict)  # id(layer mask), causal -> it, ours
-    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _on_device: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def total(self) -> int:
@@ -408,10 +405,22 @@ class _Packing:
 
     def bounds_on(self, device: torch.device) -> torch.Tensor:
         """The cumulative lengths as the kernels' ``cu_seqlens`` (int32 on ``device``), copied once
-        per forward and shared by its layers."""
+        per forward and device and shared by the layers."""
         if device not in self._on_device:
             self._on_device[device] = torch.tensor(self.bounds, dtype=torch.int32, device=device)
         return self._on_device[device]
+
+
+@dataclass
+class _Packing:
+    """One forward's cu_seq_lens: the tensors (weakly), a stamp of their contents, what they say,
+    and each layer mask they were added to (every layer of the forward gets the same `HFMask`, and
+    with it the same description and launch plans). The masks refer to `found`, not back to this."""
+
+    tensors: tuple[weakref.ref, weakref.ref]
+    stamp: tuple
+    found: PackedDocuments
+    combined: dict[tuple, tuple[Any, HFMask]] = field(default_factory=dict)  # id(layer mask), causal -> it, ours
 
 
 _last_packing: list[_Packing] = []  # the last forward's
@@ -449,10 +458,10 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
         if not lengths or bounds[0] != 0 or min(lengths) <= 0:
             raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
                              f"lengths), got {bounds}")
-        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, bounds, document(lengths))
+        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, PackedDocuments(bounds, document(lengths)))
         _last_packing[:] = [last]
-    if query.shape[0] != 1 or last.total != query.shape[2] or key.shape[2] != query.shape[2]:
-        raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.total}) "
+    if query.shape[0] != 1 or last.found.total != query.shape[2] or key.shape[2] != query.shape[2]:
+        raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.found.total}) "
                          f"must fill one row: query {tuple(query.shape)}, key {tuple(key.shape)} ([B, H, S, D], B = 1)")
     return last
 
@@ -465,9 +474,10 @@ def _with_documents(mask: HFMask | None, packing: _Packing, causal_module: bool)
     key = (id(mask), causal)
     if key not in packing.combined:
         if mask is None:
-            ours = HFMask(CAUSAL if causal else None, None, {}, packing=packing)
-        else:
-            ours = HFMask(mask.description, mask.key_padding, mask.arguments, packing=packing)
+            ours = HFMask(CAUSAL if causal else None, None, {}, packing=packing.found)
+        else:  # packing transformers found from position ids stays too (the documents of both apply)
+            ours = HFMask(mask.description, mask.key_padding, mask.arguments, packing=packing.found,
+                          segments=mask.segments)
         packing.combined[key] = (mask, ours)  # the layer mask held: its id is not reused meanwhile
     return packing.combined[key][1]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import pickle
 import warnings
 
 import pytest
@@ -300,7 +301,7 @@ def test_packed_position_ids_reach_the_attention_as_segments_beside_the_layers_m
         second = model(input_ids=ids[:, 20:]).last_hidden_state
     mask = masks_seen[0]
     assert mask.description is stof_cc.hf.CAUSAL and mask.segments.tolist() == [[0] * 20 + [1] * (SEQ - 20)]
-    assert torch.equal(mask.positions(), positions)  # what the kernels read: the documents restart at 0
+    assert torch.equal(mask.positions(torch.device("cpu")), positions)  # what the kernels read: restarting at 0
     assert repr(mask.segment_documents()) == "document(segment_ids=<1x48>)"  # with a bias
     torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-4, atol=1e-4)
 
@@ -323,7 +324,8 @@ def test_packing_is_split_from_the_mask_functions_transformers_combines():
     starts = [0, 20], [0, 5, 35]
     expected = torch.stack([torch.arange(SEQ) - torch.tensor([max(s for s in st if s <= r) for r in range(SEQ)])
                             for st in starts])
-    assert torch.equal(found.positions(), expected)
+    assert torch.equal(found.positions(torch.device("cpu")), expected)
+    assert found.positions(torch.device("meta")).device.type == "meta"  # each device the layers run on gets its own
 
 
 @pytest.mark.parametrize("family", ["bert", "cohere", "distilbert", "gemma3", "gpt2", "gpt_neox", "gptj", "granite",
@@ -521,12 +523,51 @@ def test_a_layer_without_a_mask_tensor_gets_the_documents_on_the_device_path():
     packing = stof_cc.hf.packed_documents(q, k, cu, cu)
     mask = stof_cc.hf._with_documents(None, packing, False)  # a bidirectional layer, no mask
     assert stof_cc.hf._why_sdpa(q, k, k, mask) is None  # the kernels run it, the documents as cu_seqlens
-    assert mask.description is None and mask.packing is packing
-    assert torch.equal(packing.bounds_on(torch.device("cpu")), cu)
-    assert torch.equal(mask.dense()[0, 0], packing.documents.to_dense(SEQ, SEQ)[0, 0])
+    assert mask.description is None and mask.packing is packing.found
+    assert pickle.loads(pickle.dumps(mask.packing)).bounds == [0, 9, 48]  # no way back to the forward's cache
+    assert torch.equal(packing.found.bounds_on(torch.device("cpu")), cu)
+    assert torch.equal(mask.dense()[0, 0], packing.found.documents.to_dense(SEQ, SEQ)[0, 0])
     causal = stof_cc.hf._with_documents(None, packing, True)  # a causal one: causal within each document
     assert causal.description is stof_cc.hf.CAUSAL
-    assert torch.equal(causal.dense()[0, 0], (stof_cc.hf.CAUSAL & packing.documents).to_dense(SEQ, SEQ)[0, 0])
+    assert torch.equal(causal.dense()[0, 0], (stof_cc.hf.CAUSAL & packing.found.documents).to_dense(SEQ, SEQ)[0, 0])
+
+
+@pytest.mark.parametrize(("cu_seq_lens", "found_segments", "bias", "description", "cu_seqlens", "position_ids"), [
+    (True, False, False, "causal()", True, False),  # the collator's cu_seq_lens: row windows
+    (False, True, False, "causal()", False, True),  # transformers' segment ids: row windows from position ids
+    (True, True, False, "(causal() & document(segment_ids=<1x48>))", True, False),  # both: both apply
+    (True, False, True, "(causal() & document(lengths=[9, 30, 9]))", False, False),  # a bias: documents as a mask
+    (False, True, True, "(causal() & document(segment_ids=<1x48>))", False, False),
+])
+def test_packed_sequences_reach_the_kernels_as_row_windows_or_else_as_documents(
+        cu_seq_lens, found_segments, bias, description, cu_seqlens, position_ids, monkeypatch):
+    """What the attention function hands the kernels for each kind of packing (the kernels and the
+    device replaced by a recorder: the dispatch on the host)."""
+    calls = []
+
+    def recording(q, k, v, mask, **kwargs):
+        calls.append((mask, kwargs))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(stof_cc.hf, "attention", recording)
+    monkeypatch.setattr(stof_cc.hf, "_why_sdpa", lambda *args: None)
+    segments = torch.tensor([[0] * 9 + [1] * 30 + [2] * 9])
+    function = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(segments)) \
+        if found_segments else mu.causal_mask_function
+    mask = stof_cc.hf.mask_for_layer(1, SEQ, SEQ, mask_function=function)
+    cu = torch.tensor([0, 9, 39, 48], dtype=torch.int32)
+    extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu} if cu_seq_lens else {}
+    if bias:
+        extra["position_bias"] = torch.randn(1, 4, SEQ, SEQ)
+    q = torch.randn(1, 4, SEQ, 32)
+    stof_cc.hf.attention_forward(torch.nn.Module(), q, q, q, mask, **extra)
+    (seen, kwargs), = calls
+    assert repr(seen) == description
+    assert (kwargs["cu_seqlens"] is not None) == cu_seqlens and (kwargs["position_ids"] is not None) == position_ids
+    if cu_seqlens:
+        assert torch.equal(kwargs["cu_seqlens"], cu)
+    if position_ids:
+        assert torch.equal(kwargs["position_ids"], torch.cat([torch.arange(n) for n in (9, 30, 9)])[None])
 
 
 def test_cu_seq_lens_of_the_wrong_rank_are_named():
