@@ -7,7 +7,7 @@ cuDNN's (causal masks, through SDPA), each launched once inside a CUDA profiler 
     python benchmarks/ncu_stalls.py stof.csv
 
 CASE is mask:S:D as in `ab_attention.py` (D = 64: fp16, H = 12; D = 128: bf16, H = 16; B = 4096 // S,
-8 up to S = 512). ``--params`` pins a point (JSON, e.g. ``'{"strategy": "wgmma_ws", "block_m": 128,
+8 up to S = 512; ``--batch`` sets another B). ``--params`` pins a point (JSON, e.g. ``'{"strategy": "wgmma_ws", "block_m": 128,
 "block_n": 128, "warps": 8, "m_tiles": 1, "stages": 2, "persistent": true}'``); ``--no-peer`` leaves
 cuDNN out. Both outputs are checked against the fp32 reference first. The session that wrote this
 (benchmarks/history/20-2026-11-27.md) found with its scratch predecessor where the short causal tiles
@@ -43,12 +43,14 @@ def main() -> int:
     parser.add_argument("case", help="mask:S:D, e.g. causal:512:128")
     parser.add_argument("--params", help="a point to pin, as JSON (default: the model's choice)")
     parser.add_argument("--no-peer", action="store_true", help="profile stof-cc's kernel alone")
+    parser.add_argument("--batch", type=int, help="B (default: the grid's, 4096 // S, 8 up to S = 512)")
     args = parser.parse_args()
     name, seq, d = args.case.split(":")
     seq, d = int(seq), int(d)
     heads, dtype = (12, torch.float16) if d == 64 else (16, torch.bfloat16)
     desc = grid_mask(name, seq)
-    q, k, v = (torch.randn(grid_batch(seq), heads, seq, d, device="cuda", dtype=dtype) for _ in range(3))
+    batch = args.batch or grid_batch(seq)
+    q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype) for _ in range(3))
     params = json.loads(args.params) if args.params else None
     label = config_label(params or choose(problem_of(q, k, v), desc).params)
     runs = {f"stof-cc {label}": lambda: attention(q, k, v, desc, params=params)}
