@@ -395,16 +395,19 @@ def _packed_encoder(family: str):
 LENGTHS = (9, 30, 9)  # three sequences packed in one row of SEQ tokens
 
 
-def _packed_against_alone(model, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _packed_against_alone(model, device: str, dtype: torch.dtype,
+                          packing: str = "cu_seq_lens") -> tuple[torch.Tensor, torch.Tensor]:
     """(the packed row's output, each sequence run alone, concatenated), padding-free as
-    transformers' DataCollatorWithFlattening hands them over: cu_seq_lens and restarting positions."""
+    transformers' DataCollatorWithFlattening hands them over: cu_seq_lens and restarting positions
+    (``packing="position_ids"``: the positions alone and no cache, so transformers finds the packing)."""
     model = model.to(device, dtype)
     ids = torch.randint(1, 100, (1, SEQ), device=device)
     cu = torch.tensor([0, 9, 39, 48], dtype=torch.int32, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in LENGTHS])[None]
+    extra = ({"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(LENGTHS), "max_length_k": max(LENGTHS)}
+             if packing == "cu_seq_lens" else {"use_cache": False})
     with torch.no_grad():
-        packed = model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=max(LENGTHS), max_length_k=max(LENGTHS)).last_hidden_state
+        packed = model(input_ids=ids, position_ids=positions, **extra).last_hidden_state
         alone = [model(input_ids=ids[:, a:b], position_ids=positions[:, a:b]).last_hidden_state
                  for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)]
     return packed, torch.cat(alone, dim=1)
@@ -425,11 +428,19 @@ def test_packed_encoders_attend_within_each_sequence(family, monkeypatch):
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_decoders_with_cu_seq_lens_attend_causally_within_each_sequence():
+def _packed_decoder(family: str):
+    """A small decoder of ``family`` (Mistral with a window shorter than the longest sequence)."""
+    config = {"llama": lambda: T.LlamaConfig(**SMALL), "qwen3": lambda: T.Qwen3Config(**SMALL),
+              "olmo2": lambda: T.Olmo2Config(**SMALL), "mistral": lambda: T.MistralConfig(sliding_window=16, **SMALL)}
+    return T.AutoModel.from_config(config[family](), attn_implementation="stof_cc").eval()
+
+
+@pytest.mark.parametrize("packing", ["cu_seq_lens", "position_ids"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "mistral"])
+def test_packed_decoders_attend_causally_within_each_sequence(family, packing):
     stof_cc.hf.register()
     torch.manual_seed(0)
-    model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval()
-    packed, alone = _packed_against_alone(model, "cpu", torch.float32)
+    packed, alone = _packed_against_alone(_packed_decoder(family), "cpu", torch.float32, packing)
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
@@ -462,15 +473,16 @@ def test_packed_encoders_run_the_kernels_and_match_each_sequence_alone(family, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 @pytest.mark.parametrize("packing", ["cu_seq_lens", "position_ids"])
-def test_packed_decoders_run_the_kernels_row_windows_and_match_each_sequence_alone(packing, monkeypatch):
+def test_packed_decoders_run_the_kernels_row_windows_and_match_each_sequence_alone(family, packing, monkeypatch):
     """A decoder's packed row, as the collator hands it over (cu_seq_lens) or as transformers finds
     it from position ids (no cache): the kernels run it with the layer's causal plan and the
     documents read on the device, and each sequence matches running it alone."""
     stof_cc.hf.register()
     monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
     torch.manual_seed(0)
-    model = T.AutoModel.from_config(T.LlamaConfig(**SMALL), attn_implementation="stof_cc").eval().to("cuda", torch.float16)
+    model = _packed_decoder(family).to("cuda", torch.float16)
     calls = []
     kernels = stof_cc.hf.attention
 
@@ -489,7 +501,7 @@ def test_packed_decoders_run_the_kernels_row_windows_and_match_each_sequence_alo
     assert not [w for w in caught if "sdpa runs this attention" in str(w.message)]
     assert len(calls) == SMALL["num_hidden_layers"]
     for description, cu_seqlens, position_ids in calls:
-        assert description is stof_cc.hf.CAUSAL
+        assert "document" not in repr(description)  # the layer's own mask: causal, or Mistral's window
         assert (cu_seqlens is not None) == (packing == "cu_seq_lens") and (position_ids is not None) == (packing != "cu_seq_lens")
     with torch.no_grad():
         alone = torch.cat([model(input_ids=ids[:, a:b]).last_hidden_state
