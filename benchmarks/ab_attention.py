@@ -24,13 +24,24 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from stof_cc.masks.workloads import grid_batch  # noqa: E402
+from stof_cc.masks.workloads import grid_batch, grid_mask  # noqa: E402
 from stof_cc.templates.attention import WarpSpecialisedWgmmaAttention  # noqa: E402
 
 DEFAULT_CASES = ("causal:512:64,causal:1024:64,causal:8192:64,sliding:8192:64,longformer:8192:64,bigbird:8192:64,"
                  "document:8192:64,causal:1024:128,causal:4096:128,causal:8192:128,sliding:8192:128,"
                  "longformer:8192:128,bigbird:8192:128")
 TOLERANCE = 1e-2
+
+
+def case_inputs(case: str, batch: int | None = None) -> tuple[str, int, object, tuple[torch.Tensor, ...]]:
+    """(mask name, S, its description, random q, k, v on the GPU) of a case "mask:S:D": D = 64 fp16
+    with H = 12, D = 128 bf16 with H = 16, B = ``batch`` or the grid's (also profile_attention.py's)."""
+    name, seq, d = case.split(":")
+    seq, d = int(seq), int(d)
+    heads, dtype = (12, torch.float16) if d == 64 else (16, torch.bfloat16)
+    batch = batch or grid_batch(seq)
+    return name, seq, grid_mask(name, seq), tuple(torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype)
+                                                  for _ in range(3))
 
 
 def old_template(folder: str) -> WarpSpecialisedWgmmaAttention:
@@ -52,15 +63,10 @@ def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
 
     from stof_cc.backends.attention_launch import launch_plan
     from stof_cc.ir.reference import masked_attention, relative_error
-    from stof_cc.masks.workloads import grid_mask
     from stof_cc.templates.attention import WGMMA_WS, config_label, problem_of
     from stof_cc.tune.attention import cached_block_mask, choose
 
-    name, seq, d = case.split(":")
-    seq, d = int(seq), int(d)
-    heads, dtype = (12, torch.float16) if d == 64 else (16, torch.bfloat16)
-    desc = grid_mask(name, seq)
-    q, k, v = (torch.randn(grid_batch(seq), heads, seq, d, device="cuda", dtype=dtype) for _ in range(3))
+    name, seq, desc, (q, k, v) = case_inputs(case)
     problem = problem_of(q, k, v)
     ref = masked_attention(q, k, v, desc.to_dense(seq, seq).cuda()).float()
     floor = min(bench(lambda fn=fn: fn(q, k, v)) for fn in dense_floors().values()) \

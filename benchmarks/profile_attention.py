@@ -27,11 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ab_attention import case_inputs  # noqa: E402
 from mha import under  # noqa: E402
 
 from stof_cc import attention  # noqa: E402
 from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
-from stof_cc.masks.workloads import grid_batch, grid_mask  # noqa: E402
 from stof_cc.templates.attention import config_label, problem_of  # noqa: E402
 from stof_cc.tune.attention import choose  # noqa: E402
 
@@ -45,12 +45,7 @@ def main() -> int:
     parser.add_argument("--no-peer", action="store_true", help="profile stof-cc's kernel alone")
     parser.add_argument("--batch", type=int, help="B (default: the grid's, 4096 // S, 8 up to S = 512)")
     args = parser.parse_args()
-    name, seq, d = args.case.split(":")
-    seq, d = int(seq), int(d)
-    heads, dtype = (12, torch.float16) if d == 64 else (16, torch.bfloat16)
-    desc = grid_mask(name, seq)
-    batch = args.batch or grid_batch(seq)
-    q, k, v = (torch.randn(batch, heads, seq, d, device="cuda", dtype=dtype) for _ in range(3))
+    name, seq, desc, (q, k, v) = case_inputs(args.case, args.batch)
     params = json.loads(args.params) if args.params else None
     label = config_label(params or choose(problem_of(q, k, v), desc).params)
     runs = {f"stof-cc {label}": lambda: attention(q, k, v, desc, params=params)}
