@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite (`pytest -m gpu`) split over the visible GPUs: each GPU runs its own share of
 # the test files in its own process (CUDA_VISIBLE_DEVICES), then the tests that need every GPU
-# (tests/test_devices.py, tests/test_tensor_parallel.py) run once with all of them. With
+# (tests/test_devices.py, tests/test_tensor_parallel.py, context parallelism's two-GPU test) run once with all of them. With
 # pytest-xdist installed each share runs WORKERS test processes on its GPU (default 8: the tests
 # compile their kernels with nvcc, which the host's cores do in parallel). Logs go to LOGS
 # (default: gpu-logs/); the last lines printed are each share's pytest summary, and
@@ -34,7 +34,7 @@ for g in $(seq 0 $((gpus - 1))); do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_devices.py tests/test_tensor_parallel.py \
-  >"$logs/devices.log" 2>&1
+  tests/test_context_parallel.py::test_two_gpus_compute_what_one_gpu_does >"$logs/devices.log" 2>&1
 for log in "$logs"/gpu*.log "$logs/devices.log"; do
   echo "== $log: $(grep -E '^(FAILED|ERROR)' "$log" | head -5 | tr '\n' ' ')"
   tail -1 "$log"
