@@ -29,16 +29,17 @@ ROUNDS = 3  # alternating timing rounds per implementation (check_and_time)
 
 
 def searched_kernel(graph: Graph, group: FusionGroup, inputs: tuple[torch.Tensor, ...], top_k: int = 8) \
-        -> tuple[Callable[[], torch.Tensor], str, dict[str, torch.Tensor]]:
-    """(run the winner of the search `stof-cc tune` runs for ``group``, its template and point,
-    the values it reads and writes): stage 1 over every point, stage 2 measuring ``top_k``."""
+        -> tuple[GroupLaunch, str, dict[str, torch.Tensor]]:
+    """(the winner of the search `stof-cc tune` runs for ``group``, loaded: call it on a values
+    dict; its template and point; the values it reads and writes, ``inputs`` among them): stage 1
+    over every point, stage 2 measuring ``top_k``."""
     values = interpret_values(graph, [*(r.name for n in group.nodes for r in graph.node(n).refs()),
                                       group_output(graph, group)], *inputs)
     report = tune_group(graph, group, values, None, Device.current(), top_k, progress=lambda _: None)
     found, _ = applicable_templates(graph, group, torch.cuda.get_device_capability())
     problem = next(a.problem for a in found if a.template is report.winner.template)
     launch = GroupLaunch(report.winner.template, problem, report.winner.params)
-    return (lambda: launch(values)), f"{report.winner.template.name} {report.winner.params}", values
+    return launch, f"{report.winner.template.name} {report.winner.params}", values
 
 
 def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: dict, rounds: int = ROUNDS) -> None:
@@ -70,6 +71,36 @@ def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: 
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     for name, measured in times.items():
         row[f"{name}_ms"] = statistics.median(measured) if f"{name}_error" not in row else math.inf
+
+
+def stream_ms(calls: list[Callable[[], Any]], min_launches: int = 16, replays: int = 15) -> float:
+    """Median time per launch of ``calls`` (each reading its own inputs and writing a new output)
+    run back to back, in turn, at least ``min_launches`` launches, in one CUDA graph: the steady
+    state of a model's memory-bound kernels, where each launch pays the DRAM write-back of the
+    output its predecessor left dirty in L2, and no more. `triton.testing.do_bench` flushes L2 by
+    zeroing 256 MB, which leaves the whole L2 dirty: a 67 MB kernel timed after it also pays for
+    up to 50 MB of the flush's writes (a plain copy of 67 MB: 2.35 TB/s there, 2.76 here;
+    benchmarks/history/21-2026-11-27.md). Give enough calls that their inputs hold twice the L2
+    (`stof_cc.tune.model.input_set_count`), or the launches read from L2."""
+    for call in calls:  # warm-up: compiles, allocations, Inductor's guards
+        call()
+    torch.cuda.synchronize()
+    laps = -(-min_launches // len(calls))
+    graph, outputs = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph):
+        for _ in range(laps):
+            for call in calls:
+                outputs.append(call())  # kept: every launch writes memory no other launch wrote
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (laps * len(calls)))
+    return statistics.median(times)
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
