@@ -23,7 +23,8 @@ from stof_cc.templates.registry import KernelTemplate
 LOG2E = 1.4426950408889634
 
 _kernels: dict[tuple, Kernel] = {}
-MAX_CACHED_MAPS = 64  # per plan: the (q, k, v) address triples whose tensor maps are kept (least recent out)
+MAX_CACHED_MAPS = 64  # per plan: the (q, k, v, out) address sets whose tensor maps are kept (least recent out)
+OUT_BOX_ROWS = 64  # the output map's box: a consumer warpgroup's rows (attention_wgmma_ws stores them with TMA)
 
 
 @dataclass(frozen=True)
@@ -48,25 +49,26 @@ class LaunchPlan:
     bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
     reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
     reads_windows: bool  # the kernel variant that narrows rows to per-call windows (problem.row_windows)
-    tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads with TMA
+    tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads (and stores) with TMA
     residues: int = 1  # a strided split's d (problem.residues)
-    _maps: OrderedDict[tuple[int, int, int], list[bytes]] = field(default_factory=OrderedDict, compare=False,
-                                                                  repr=False)
+    _maps: OrderedDict[tuple[int, ...], list[bytes]] = field(default_factory=OrderedDict, compare=False,
+                                                             repr=False)
 
-    def tensor_maps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[bytes]:
-        """Q, K and V's tensor maps for a TMA kernel (none otherwise), encoded once per address
-        triple and kept for the MAX_CACHED_MAPS triples used last: a model's buffers, or a CUDA
-        graph's, are encoded on their first call only."""
+    def tensor_maps(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> list[bytes]:
+        """Q, K, V and O's tensor maps for a TMA kernel (none otherwise; O's boxes are a warpgroup's
+        64 rows), encoded once per address and stride set and kept for the MAX_CACHED_MAPS sets used
+        last: a model's buffers, or a CUDA graph's, are encoded on their first call only (the
+        caching allocator hands a call's new output the address the last one freed)."""
         if self.tma_box_rows is None:
             return []
-        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *out.stride())
         maps = self._maps.get(key)
         if maps is None:
             if len(self._maps) >= MAX_CACHED_MAPS:
                 self._maps.popitem(last=False)
             q_rows, kv_rows = self.tma_box_rows
             maps = self._maps[key] = [encode_heads(t, rows, self.residues)
-                                      for t, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows))]
+                                      for t, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows), (out, OUT_BOX_ROWS))]
         else:
             self._maps.move_to_end(key)
         return maps
@@ -122,7 +124,7 @@ class LaunchPlan:
                                       f"strides {lse.stride()}")
         else:
             lse_args = (lse.data_ptr(), *residue_strides(lse.unsqueeze(-1), self.residues))
-        self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v),
+        self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v, out),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *padding_args, *self.size_args, *residue_strides(out, self.residues), *self.end_args,
                            *bias_args, self.bias_to_raw, *lse_args, *window_args)
@@ -317,7 +319,7 @@ def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params:
     key = (template.name, problem.dtype, problem.head_dim, problem.bias, problem.residues > 1, problem.row_windows,
            tuple(sorted(params.items())))
     if key not in _kernels:
-        arg_format = TENSOR_MAP_FORMAT * 3 * template.loads_with_tma + template.arg_format + "P" * problem.row_windows
+        arg_format = TENSOR_MAP_FORMAT * 4 * template.loads_with_tma + template.arg_format + "P" * problem.row_windows
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
                                     arg_format, arch_features=template.arch_features,
                                     waits_for_producers=template.waits_for_producers)

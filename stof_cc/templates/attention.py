@@ -155,7 +155,7 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     waits_for_producers = True  # attention_common.setup() waits first
     walks_tile_schedule = False  # True: grid (CTAs, 1, 1) over a `tile_schedule` passed as row_order
     takes_row_windows = True  # renders the row-window variant (problem.row_windows; WINDOW_REGISTERS)
-    loads_with_tma = False  # True: takes Q, K and V's tensor maps before arg_format's arguments (attention_launch)
+    loads_with_tma = False  # True: takes Q, K, V and O's tensor maps before arg_format's arguments (attention_launch)
     shapes: tuple[tuple[int, int], ...]  # (block_m, m_tiles): each warp owns 16 * m_tiles rows
     block_ns = (32, 64, 128)
     stage_counts = (1, 2)
