@@ -198,6 +198,8 @@ def register() -> None:
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_for_layer)
+    for function in _CONSTANT_WHILE_TRACING:
+        torch.compiler.assume_constant_result(function)
 
 
 @functools.cache
@@ -229,6 +231,8 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
                  "allow_is_bidirectional_skip": extra.get("allow_is_bidirectional_skip", False),
                  "local_size": extra.get("local_size")}
     config = extra.get("config")
+    if torch.compiler.is_compiling():  # dynamo traces this call: no host reads, no closure introspection
+        return _traced_mask(arguments, config, extra)
     if config is not None and own_attention_code(type(config)):
         _warn_once(f"{config.model_type} computes attention in its own code, not through transformers' "
                    "AttentionInterface: it runs as attn_implementation='eager' would (use stof_cc.compile for "
@@ -346,6 +350,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sinks is not None:
         raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
                          f"{sinks}): use attn_implementation='eager' for this model")
+    if torch.compiler.is_compiling() and (attention_mask is None or isinstance(attention_mask, TracedMask)):
+        return _traced_attention(module, query, key, value, attention_mask, scaling, **kwargs)
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores
     packing = packed_documents(query, key, kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None))
     if packing is not None and not isinstance(attention_mask, HFMask | None):
@@ -525,3 +531,122 @@ def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, sca
     if position_bias is not None:
         kwargs["position_bias"] = position_bias
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None
+
+
+# While dynamo traces (torch.compile, torch.export) it cannot read the closure cells of the mask
+# functions transformers builds inside the forward (`fn.__closure__` raises there, and
+# `inspect.getclosurevars` with it), nor host values (`bool(mask.all())`), nor `warnings.warn`: each
+# was a graph break, ten in a two-layer Llama. So the traced path describes only what it can know
+# exactly: transformers' causal and bidirectional functions by identity, and a causal window, whose
+# closure holds constants only, by `assume_constant_result` (dynamo rebuilds the function and
+# `describe` runs once, at trace time; its answer is baked into the graph). Those reach
+# `torch.ops.stof_cc.attention` as a spec string, with the 2-D mask as key padding (read on the
+# device); any other mask (packed sequences, chunked attention, image blocks, a custom mask function)
+# runs transformers' own SDPA inside the graph with transformers' mask. No graph break either way.
+
+
+class TracedMask:
+    """The mask function's answer while dynamo traces: the op's spec (None: every key attends), the
+    key padding [B, KV] (the 2-D mask as it is, no host read of whether any key is padded), whether
+    stof-cc described the mask (else SDPA runs with transformers' mask) and transformers' arguments."""
+
+    def __init__(self, spec: str | None, key_padding: torch.Tensor | None, described: bool,
+                 arguments: dict[str, Any]) -> None:
+        self.spec, self.key_padding, self.described, self.arguments = spec, key_padding, described, arguments
+
+
+def _window_spec(mask_function: Callable) -> str:
+    """The op's spec for transformers' causal window (and_masks of the causal function and a
+    `sliding_window_overlay`), "" for anything else; run once at trace time. Only called on functions
+    whose closures hold constants: on a closure over a tensor dynamo raises (not a graph break)."""
+    captured = _captured(mask_function)
+    parts = list(captured.get("mask_functions", ())) if _made_by(mask_function, "and_masks") else []
+    windows = [w for part in parts if (w := captured_window(part)) is not None]
+    if len(windows) == 1 and describe(mask_function) is causal_window(windows[0] - 1):
+        return f"sliding:w={windows[0] - 1},causal=1"
+    return ""
+
+
+def _own_attention_code_traced(config_class: type) -> bool:
+    return own_attention_code(config_class)
+
+
+def _warned_while_tracing(what: str) -> bool:
+    """A warning given once, at trace time (dynamo cannot trace `warnings.warn`)."""
+    _warn_once(what)
+    return True
+
+
+# Run once at trace time, their answers baked into the graph: marked by `register` (marking imports dynamo,
+# which `import stof_cc` must not).
+_CONSTANT_WHILE_TRACING = (_window_spec, _own_attention_code_traced, _warned_while_tracing)
+
+
+def _traced_mask(arguments: dict[str, Any], config: Any, extra: dict[str, Any]) -> TracedMask | torch.Tensor:
+    """`mask_for_layer` while dynamo traces."""
+    from transformers import masking_utils as mu
+
+    if config is not None and _own_attention_code_traced(type(config)):
+        return mu.eager_mask(**arguments, dtype=extra.get("dtype", torch.float32))
+    fn, mask = arguments["mask_function"], arguments["attention_mask"]
+    key_padding = None
+    if mask is not None and mask.dim() == 2:
+        offset = arguments["kv_offset"]
+        key_padding = mask[:, offset:offset + arguments["kv_length"]].to(device=arguments["device"], dtype=torch.bool)
+    if fn is mu.causal_mask_function:
+        return TracedMask("causal", key_padding, True, arguments)
+    if fn is mu.bidirectional_mask_function:
+        return TracedMask(None, key_padding, True, arguments)
+    chunked = extra.get("local_size") is not None \
+        and extra.get("local_size") == getattr(config, "attention_chunk_size", None)  # its closure holds a tensor
+    custom = extra.get("use_vmap", False)  # an or/and_mask_function was given: its closure may hold anything
+    # transformers allows the causal skip only for its plain masks (no packing, no image blocks): causal or
+    # a causal window, whose closures hold constants only
+    if not custom and not chunked and extra.get("allow_is_causal_skip", False):
+        spec = _window_spec(fn)
+        if spec:
+            return TracedMask(spec, key_padding, True, arguments)
+    return TracedMask(None, key_padding, False, arguments)
+
+
+def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      mask: TracedMask | None, scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`attention_forward` while dynamo traces: `torch.ops.stof_cc.attention` where the op has a kernel
+    for the call (on the CPU its torch reference; on CUDA fp16/bf16 without autograd), else
+    transformers' SDPA with transformers' mask; either way a node of the graph."""
+    why = _why_sdpa_traced(query, key, value, mask, kwargs)
+    if why is None:
+        if mask is None:
+            spec = "causal" if _causal(module, kwargs) and query.shape[2] > 1 else None
+            key_padding = None
+        else:
+            spec, key_padding = mask.spec, mask.key_padding
+        out = torch.ops.stof_cc.attention(query, key, value, spec, scaling, key_padding, kwargs.get("cu_seq_lens_q"))
+        return out.transpose(1, 2).contiguous(), None
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
+
+    _warned_while_tracing(f"transformers' sdpa runs this attention in the compiled graph: {why}")
+    dense = None if mask is None else sdpa_mask(**mask.arguments)
+    return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None
+
+
+def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: TracedMask | None,
+                     kwargs: dict[str, Any]) -> str | None:
+    """Why the op does not run this call while dynamo traces (None: it does), from what dynamo knows at
+    trace time: dtypes, devices and shapes (guarded, not read on the host)."""
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return "autograd is on (torch.ops.stof_cc.attention has no backward)"
+    if query.is_cuda and query.dtype not in (torch.float16, torch.bfloat16):
+        return f"the model runs in {query.dtype} on CUDA (the kernels are fp16/bf16)"
+    if not query.is_cuda and query.device.type != "cpu":
+        return f"its tensors are on {query.device.type}"
+    if kwargs.get("position_bias") is not None:
+        return "a position bias (the op takes none)"
+    if mask is not None and not mask.described:
+        return "a mask stof-cc describes only outside a compiled graph (packed sequences, chunked, image blocks, custom)"
+    offsets = () if mask is None else (mask.arguments["q_offset"], mask.arguments["kv_offset"])
+    if any(not isinstance(offset, int) or offset != 0 for offset in offsets) \
+            or (query.shape[2] != key.shape[2] and (mask is None or mask.spec is not None)):
+        return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
+    return None

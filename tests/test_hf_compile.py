@@ -1,0 +1,133 @@
+"""`torch.compile` of a transformers model with ``attn_implementation="stof_cc"`` (issue 36, item 3):
+one graph, no graph break (``fullgraph=True``), each layer's attention a `torch.ops.stof_cc.attention`
+node with its mask as a spec where stof-cc describes the mask while dynamo traces, else transformers'
+SDPA inside the graph; the compiled model gives sdpa's output. On the CPU (the op's torch reference)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+T = pytest.importorskip("transformers")
+
+import stof_cc.hf  # noqa: E402  (registers "stof_cc")
+
+SEQ = 32
+SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 128, "vocab_size": 100}
+
+
+def _models(config):
+    """(the model on stof_cc, the same weights on sdpa), fp32, eval."""
+    torch.manual_seed(0)
+    ours = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    sdpa = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(ours.state_dict())
+    return ours, sdpa
+
+
+def _compiled(model):
+    """The model under torch.compile with fullgraph=True (a graph break raises), and the attention
+    nodes of its graphs: ("op", spec) or ("sdpa", None)."""
+    found = []
+
+    def backend(graph_module, _inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and "stof_cc.attention" in str(node.target):
+                found.append(("op", node.args[3]))
+            elif node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                found.append(("sdpa", None))
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, fullgraph=True), found
+
+
+CONFIGS = {"llama": lambda: T.LlamaConfig(**SMALL), "qwen3": lambda: T.Qwen3Config(head_dim=16, **SMALL),
+           "mistral": lambda: T.MistralConfig(sliding_window=8, **SMALL),
+           "gemma3": lambda: T.Gemma3TextConfig(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                                head_dim=16, **SMALL)}
+SPECS = {"llama": ["causal"] * 2, "qwen3": ["causal"] * 2, "mistral": ["sliding:w=7,causal=1"] * 2,
+         "gemma3": ["sliding:w=7,causal=1", "causal"]}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_compiled_model_is_one_graph_of_stof_cc_ops_and_matches_sdpa(family, padded):
+    ours, sdpa = _models(CONFIGS[family]())
+    ids = torch.randint(0, 100, (2, SEQ))
+    kwargs = {"input_ids": ids, "use_cache": True}
+    if padded:  # left padding: the 2-D mask reaches the op as key padding
+        mask = torch.ones(2, SEQ, dtype=torch.long)
+        mask[1, :5] = 0
+        kwargs["attention_mask"] = mask
+    compiled, found = _compiled(ours)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = compiled(**kwargs).logits
+        want = sdpa(**kwargs).logits
+    assert found == [("op", spec) for spec in SPECS[family]]
+    rows = slice(None) if not padded else (1, slice(5, None))  # padded queries: 0 here, sdpa attends every key
+    torch.testing.assert_close(got[rows] if padded else got, want[rows] if padded else want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_mask_described_only_outside_a_graph_runs_sdpa_inside_it():
+    """With no cache and no 2-D mask, transformers wraps the causal mask in its packing functions while
+    tracing (their closures hold tensors dynamo cannot read): SDPA with transformers' own mask, in the
+    graph, with one warning given at trace time."""
+    ours, sdpa = _models(CONFIGS["llama"]())
+    ids = torch.randint(0, 100, (1, SEQ))
+    stof_cc.hf._WARNED.clear()
+    compiled, found = _compiled(ours)
+    with torch.no_grad(), pytest.warns(UserWarning, match="sdpa runs this attention in the compiled graph"):
+        got = compiled(input_ids=ids, use_cache=False).logits
+    with torch.no_grad():
+        want = sdpa(input_ids=ids, use_cache=False).logits
+    assert found == [("sdpa", None)] * 2
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_encoder_is_one_graph_of_ops_with_its_padding():
+    torch.manual_seed(0)
+    config = T.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                          vocab_size=100)
+    ours = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    sdpa = T.AutoModel.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(ours.state_dict())
+    ids, mask = torch.randint(0, 100, (2, SEQ)), torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, -7:] = 0
+    compiled, found = _compiled(ours)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+        want = sdpa(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert found == [("op", None)] * 2
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1, :-7], want[1, :-7], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
+def test_on_the_gpu_the_compiled_model_runs_the_kernels_and_matches_sdpa(family, monkeypatch):
+    """Inductor's graph calls the op, whose CUDA implementation runs stof-cc's kernels (d = 64, fp16)."""
+    import stof_cc.runtime.attention_op as attention_op
+
+    calls = []
+    kernels = attention_op.attention
+    monkeypatch.setattr(attention_op, "attention", lambda *a, **k: calls.append(1) or kernels(*a, **k))
+    sizes = SMALL | {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    config = {"llama": T.LlamaConfig, "mistral": lambda **kw: T.MistralConfig(sliding_window=8, **kw),
+              "gemma3": lambda **kw: T.Gemma3TextConfig(sliding_window=8, layer_types=["sliding_attention",
+                                                                                      "full_attention"], **kw)}[family]
+    ours, sdpa = _models(config(**sizes))
+    ours, sdpa = ours.half().cuda(), sdpa.half().cuda()
+    ids = torch.randint(0, 100, (2, 256), device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(input_ids=ids, use_cache=True).logits.float()
+        want = sdpa(input_ids=ids, use_cache=True).logits.float()
+    assert len(calls) >= 2  # each layer's attention, through the op
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
