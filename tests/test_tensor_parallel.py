@@ -58,6 +58,7 @@ SCRIPT = textwrap.dedent('''
     if local is None:  # the local graph is on the fallback: the warning says why
         with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:
             out.write(repr({"errors": errors, "said": said}))
+        dist.destroy_process_group()  # gloo's threads joined: an exit with them running aborts the rank
         sys.exit(0)
     variant = next(iter(local.variants.values()))
     def named(node):  # an opaque node is the torch op it calls
