@@ -350,7 +350,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sinks is not None:
         raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
                          f"{sinks}): use attn_implementation='eager' for this model")
-    if torch.compiler.is_compiling() and (attention_mask is None or isinstance(attention_mask, TracedMask)):
+    if isinstance(attention_mask, TracedMask) or (torch.compiler.is_compiling() and attention_mask is None):
         return _traced_attention(module, query, key, value, attention_mask, scaling, **kwargs)
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores
     packing = packed_documents(query, key, kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None))
@@ -514,9 +514,16 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(what: str) -> None:
+    if torch.compiler.is_compiling():  # dynamo cannot trace warnings.warn: given once, at trace time
+        _warned_while_tracing(what)
+    else:
+        _warn(what)
+
+
+def _warn(what: str) -> None:
     if what not in _WARNED:
         _WARNED.add(what)
-        warnings.warn(f"attn_implementation='{NAME}': {what}", stacklevel=4)
+        warnings.warn(f"attn_implementation='{NAME}': {what}", stacklevel=5)
 
 
 def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
@@ -572,8 +579,8 @@ def _own_attention_code_traced(config_class: type) -> bool:
 
 
 def _warned_while_tracing(what: str) -> bool:
-    """A warning given once, at trace time (dynamo cannot trace `warnings.warn`)."""
-    _warn_once(what)
+    """`_warn` run by dynamo at trace time, not traced."""
+    _warn(what)
     return True
 
 
@@ -613,7 +620,14 @@ def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       mask: TracedMask | None, scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """`attention_forward` while dynamo traces: `torch.ops.stof_cc.attention` where the op has a kernel
     for the call (on the CPU its torch reference; on CUDA fp16/bf16 without autograd), else
-    transformers' SDPA with transformers' mask; either way a node of the graph."""
+    transformers' SDPA with transformers' mask; either way a node of the graph. Packed sequences'
+    ``cu_seq_lens_*`` go to the op, or into SDPA's mask (SDPA ignores them); their values cannot be
+    checked while tracing (a host read), only that they pack one row of a self-attention."""
+    cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
+    if (cu_q is None) != (cu_k is None) or (cu_q is not None and (query.shape[0] != 1 or key.shape[2] != query.shape[2])):
+        raise ValueError(f"attn_implementation='{NAME}' packs one row of a self-attention: cu_seq_lens_q and "
+                         f"cu_seq_lens_k must both be given, with a batch of one and as many keys as queries; got "
+                         f"{'both' if cu_k is not None else 'one'}, queries {tuple(query.shape)}, keys {tuple(key.shape)}")
     why = _why_sdpa_traced(query, key, value, mask, kwargs)
     if why is None:
         if mask is None:
@@ -621,13 +635,23 @@ def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             key_padding = None
         else:
             spec, key_padding = mask.spec, mask.key_padding
-        out = torch.ops.stof_cc.attention(query, key, value, spec, scaling, key_padding, kwargs.get("cu_seq_lens_q"))
+        out = torch.ops.stof_cc.attention(query, key, value, spec, scaling, key_padding, cu_q)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
-    _warned_while_tracing(f"transformers' sdpa runs this attention in the compiled graph: {why}")
-    dense = None if mask is None else sdpa_mask(**mask.arguments)
+    _warn_once(f"transformers' sdpa runs this attention in the compiled graph: {why}")
+    if cu_q is None:
+        dense = None if mask is None else sdpa_mask(**mask.arguments)
+    else:  # the documents into SDPA's mask, as `HFMask.dense` puts them
+        rows = torch.arange(query.shape[2], device=query.device)
+        document_of = torch.searchsorted(cu_q.to(query.device), rows, right=True)
+        dense = (document_of[:, None] == document_of[None, :])[None, None]
+        if mask is not None:
+            dense = dense & sdpa_mask(**(mask.arguments | {"allow_is_causal_skip": False,
+                                                           "allow_is_bidirectional_skip": False}))
+        elif _causal(module, kwargs):
+            dense = dense & (rows[:, None] >= rows[None, :])
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None
 
 
@@ -643,10 +667,12 @@ def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return f"its tensors are on {query.device.type}"
     if kwargs.get("position_bias") is not None:
         return "a position bias (the op takes none)"
+    if value.shape[-1] != query.shape[-1]:
+        return f"values of head dim {value.shape[-1]}, queries of {query.shape[-1]} (the kernels take one)"
     if mask is not None and not mask.described:
         return "a mask stof-cc describes only outside a compiled graph (packed sequences, chunked, image blocks, custom)"
     offsets = () if mask is None else (mask.arguments["q_offset"], mask.arguments["kv_offset"])
     if any(not isinstance(offset, int) or offset != 0 for offset in offsets) \
-            or (query.shape[2] != key.shape[2] and (mask is None or mask.spec is not None)):
+            or (query.shape[2] != key.shape[2] and mask is not None and mask.spec is not None):
         return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
     return None

@@ -131,3 +131,70 @@ def test_on_the_gpu_the_compiled_model_runs_the_kernels_and_matches_sdpa(family,
         want = sdpa(input_ids=ids, use_cache=True).logits.float()
     assert len(calls) >= 2  # each layer's attention, through the op
     assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def _packed_inputs():
+    """One row of two documents (6 and 10 tokens), as transformers' DataCollatorWithFlattening gives it."""
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+    positions = torch.cat([torch.arange(6), torch.arange(10)])[None]
+    return {"input_ids": torch.randint(0, 100, (1, 16)), "position_ids": positions, "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu, "max_length_q": 10, "max_length_k": 10, "use_cache": True}
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_packed_sequences_stay_apart_in_the_graph_on_the_op_and_on_sdpa(grad):
+    """cu_seq_lens reach the op (no_grad) or, where SDPA runs (autograd on), SDPA's mask."""
+    ours, _ = _models(CONFIGS["llama"]())
+    inputs = _packed_inputs()
+    with torch.no_grad():
+        alone = ours(input_ids=inputs["input_ids"][:, 6:], use_cache=False).logits
+    compiled, found = _compiled(ours)
+    with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = compiled(**inputs).logits.detach()
+    assert found == ([("sdpa", None)] * 2 if grad else [("op", "causal")] * 2)
+    torch.testing.assert_close(got[0, 6:], alone[0], atol=1e-4, rtol=1e-4)
+
+
+def test_packing_a_cross_attention_is_refused_while_tracing():
+    config = T.BartConfig(vocab_size=100, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                          decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64)
+    model = T.BartForConditionalGeneration._from_config(config, attn_implementation="stof_cc").eval()
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    compiled, _ = _compiled(model.get_decoder())
+    with torch.no_grad(), pytest.raises(Exception, match="packs one row of a self-attention"):
+        compiled(input_ids=torch.randint(3, 100, (1, 8)), encoder_hidden_states=torch.randn(1, 10, 32),
+                 use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+
+
+def test_a_mask_tensor_the_caller_built_runs_sdpa_in_the_graph():
+    ours, sdpa = _models(CONFIGS["llama"]())
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.tril(torch.ones(12, 12, dtype=torch.bool))[None, None].expand(2, 1, 12, 12).clone()
+    mask[1, :, :, :3] = False
+    mask[1, :, :3, :3] = torch.eye(3, dtype=torch.bool)
+    compiled, found = _compiled(ours)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want = sdpa(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert found == [("sdpa", None)] * 2
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_layer_run_eagerly_inside_a_compiled_model_takes_the_traced_mask():
+    ours, sdpa = _models(CONFIGS["llama"]())
+    ids = torch.randint(0, 100, (2, 12))
+    layer = ours.model.layers[1].self_attn
+    layer.forward = torch.compiler.disable(layer.forward)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(ours, backend="eager")(input_ids=ids, use_cache=True).logits
+        want = sdpa(input_ids=ids, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_ops_fake_kernel_gives_the_values_head_dim():
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 8)
+    out = torch.compile(lambda *t: torch.ops.stof_cc.attention(*t, "causal", None, None), fullgraph=True)(q, k, v)
+    assert out.shape == (1, 2, 8, 8)

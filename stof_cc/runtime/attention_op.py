@@ -64,4 +64,4 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | No
 @attention_op.register_fake
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
            key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    return q.new_empty(q.shape)
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
