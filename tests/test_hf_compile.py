@@ -50,8 +50,13 @@ CONFIGS = {"llama": lambda: T.LlamaConfig(**SMALL), "qwen3": lambda: T.Qwen3Conf
            "mistral": lambda: T.MistralConfig(sliding_window=8, **SMALL),
            "gemma3": lambda: T.Gemma3TextConfig(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                                 head_dim=16, **SMALL)}
+# and decoders no issue names: the same mask functions, so the same path
+CONFIGS |= {"olmo2": lambda: T.Olmo2Config(**SMALL), "phi3": lambda: T.Phi3Config(pad_token_id=0, **SMALL),
+            "starcoder2": lambda: T.Starcoder2Config(sliding_window=8, **SMALL),
+            "gpt_neox": lambda: T.GPTNeoXConfig(**{k: v for k, v in SMALL.items() if k != "num_key_value_heads"})}
 SPECS = {"llama": ["causal"] * 2, "qwen3": ["causal"] * 2, "mistral": ["sliding:w=7,causal=1"] * 2,
-         "gemma3": ["sliding:w=7,causal=1", "causal"]}
+         "gemma3": ["sliding:w=7,causal=1", "causal"], "olmo2": ["causal"] * 2, "phi3": ["causal"] * 2,
+         "starcoder2": ["sliding:w=7,causal=1"] * 2, "gpt_neox": ["causal"] * 2}
 
 
 @pytest.mark.parametrize("padded", [False, True])
