@@ -591,18 +591,24 @@ _CONSTANT_WHILE_TRACING = (_window_spec, _own_attention_code_traced, _warned_whi
 
 def _traced_mask(arguments: dict[str, Any], config: Any, extra: dict[str, Any]) -> TracedMask | torch.Tensor:
     """`mask_for_layer` while dynamo traces."""
-    from transformers import masking_utils as mu
+    # names, not `from transformers import masking_utils`: dynamo refuses an import whose result is
+    # transformers' lazy package (torch 2.11: "Bad import result")
+    from transformers.masking_utils import (
+        bidirectional_mask_function,
+        causal_mask_function,
+        eager_mask,
+    )
 
     if config is not None and _own_attention_code_traced(type(config)):
-        return mu.eager_mask(**arguments, dtype=extra.get("dtype", torch.float32))
+        return eager_mask(**arguments, dtype=extra.get("dtype", torch.float32))
     fn, mask = arguments["mask_function"], arguments["attention_mask"]
     key_padding = None
     if mask is not None and mask.dim() == 2:
         offset = arguments["kv_offset"]
         key_padding = mask[:, offset:offset + arguments["kv_length"]].to(device=arguments["device"], dtype=torch.bool)
-    if fn is mu.causal_mask_function:
+    if fn is causal_mask_function:
         return TracedMask("causal", key_padding, True, arguments)
-    if fn is mu.bidirectional_mask_function:
+    if fn is bidirectional_mask_function:
         return TracedMask(None, key_padding, True, arguments)
     chunked = extra.get("local_size") is not None \
         and extra.get("local_size") == getattr(config, "attention_chunk_size", None)  # its closure holds a tensor

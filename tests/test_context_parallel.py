@@ -13,6 +13,7 @@ from ranks import torchrun, two_gpus
 
 from stof_cc import masks
 from stof_cc.distributed import context_parallel_plan, rank_chunks, shard_sequence
+from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 from stof_cc.masks.region import region
 
 
@@ -80,9 +81,32 @@ def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side(
         want = torch.cat([dense[..., c * chunk:(c + 1) * chunk] for c in (0, 2, 5)], dim=-1)
         part = region(mask, seq, 5 * chunk, 2 * chunk, [(c * chunk, chunk) for c in (0, 2, 5)])
         assert torch.equal(part.to_dense(2 * chunk, 3 * chunk).expand_as(want), want), mask
-        for block_m, block_n in ((64, 64), (160, 64), (96, 128)):  # whole parent blocks; a ragged row; evaluated
+        # whole parent blocks; a ragged row; blocks pooled from 32 x 128 and 64 x 64 parent blocks; evaluated
+        for block_m, block_n in ((64, 64), (160, 64), (96, 128), (192, 64), (80, 40)):
             built = part.block_mask(2 * chunk, 3 * chunk, block_m, block_n)
             assert torch.equal(built.to_dense().expand_as(want), want), (mask, block_m, block_n)
+
+
+def test_a_region_whose_blocks_do_not_divide_its_start_is_classified_without_evaluating_the_mask(monkeypatch):
+    """The kernel's 192-row blocks at rank 3's last chunk of causal CP = 4 at S = 524288 (a start of
+    7 x 65536): pooled from the parent's 64 x 64 classes, exact, nothing evaluated (it was 2.6e10
+    elements over the evaluation budget, found on four H100s)."""
+    import stof_cc.masks.build as build
+
+    seq, chunk = 524288, 65536
+    part = region(masks.causal(), seq, 7 * chunk, chunk, [(c * chunk, chunk) for c in range(1, 8)])
+    grid_rows, grid_cols = -(-chunk // 192), 7 * chunk // 64
+    monkeypatch.setattr(build, "EVALUATION_BUDGET", 0)  # any evaluation raises
+    runs = part.block_runs(chunk, 7 * chunk, 192, 64)
+    classes = runs.to_dense()[0, 0]
+    assert classes.shape == (grid_rows, grid_cols)
+    assert bool((classes[:, :6 * chunk // 64] == FULL).all())  # the six earlier chunks
+    diagonal = classes[:, 6 * chunk // 64:]
+    rows, cols = torch.arange(grid_rows).view(-1, 1), torch.arange(chunk // 64).view(1, -1)
+    first_q, last_q = rows * 192, (rows * 192 + 191).clamp(max=chunk - 1)
+    first_k, last_k = cols * 64, cols * 64 + 63
+    want = torch.where(last_k <= first_q, FULL, torch.where(first_k > last_q, EMPTY, PARTIAL))
+    assert torch.equal(diagonal, want.to(torch.int8))
 
 
 SCRIPT = textwrap.dedent('''

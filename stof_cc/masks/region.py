@@ -5,20 +5,30 @@ attends with (stof_cc/distributed.py).
 
 is the mask of queries q_start .. q_start + q_len - 1 of ``mask`` (for sequences of ``seq``)
 against the keys of ``key_ranges`` ((start, length) pairs: keys start .. start + length - 1),
-laid side by side in that order. Its blocks are classified from the parent's exact classes (the
-region's block rows taken from the parent's runs, no element evaluated) wherever the block shape
-divides q_start and every range's start and length, so FULL blocks stay FULL (no mask work in the
-kernel) and EMPTY ones are skipped; elsewhere every block is evaluated.
+laid side by side in that order. Its blocks are classified from the parent's exact classes, no
+element evaluated: on the parent's grid of the largest blocks that tile both the region's blocks and
+its rectangle (sides dividing the block shape, q_start and every range's start and length), a region
+block is FULL where all its parent blocks are, EMPTY where all are, else PARTIAL. So FULL blocks stay
+FULL (no mask work in the kernel) and EMPTY ones are skipped, whatever the kernel's block shape
+(a 192-row block at a chunk start of 7 x 65536, say). Only where that grid would have blocks under
+16 x 16 is every block evaluated.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 
 from stof_cc.masks.description import MaskDescription
 from stof_cc.masks.errors import MaskError, check_int
-from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent
+from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL, BlockGrid, Extent
 from stof_cc.masks.runs import ClassRuns
+
+SMALLEST_PARENT_BLOCK = 16  # the parent grid's blocks: no side under this (else the region is evaluated)
+POOL_BYTES = 1 << 26  # the parent classes a pooling step holds densely at once
+_NONE = -1  # a parent block past the region's rows or keys: neither keeps a region block from FULL or EMPTY
 
 
 class _Region(MaskDescription):
@@ -56,31 +66,51 @@ class _Region(MaskDescription):
         ext = ext or Extent(self.q_len, self.keys)
         return self.parent._eval(self._parent_extent(ext), b, h, q + self.q_start, self._parent_keys(k))
 
-    def _reads_parent(self, grid: BlockGrid) -> bool:
-        """Whether the region's block rows start on the parent's and its key ranges are whole
-        parent block columns: then each region block lies in one parent block."""
-        return self.q_start % grid.block_m == 0 and all(
-            start % grid.block_n == 0 and length % grid.block_n == 0 for start, length in self.key_ranges)
+    def _parent_blocks(self, grid: BlockGrid) -> tuple[int, int] | None:
+        """The parent block shape whose blocks tile the region's: its sides divide the block shape,
+        q_start and every key range's start and length (None where a side would be under
+        `SMALLEST_PARENT_BLOCK`)."""
+        sub_m = math.gcd(grid.block_m, self.q_start)
+        sub_n = functools.reduce(math.gcd, (v for pair in self.key_ranges for v in pair), grid.block_n)
+        if min(sub_m, sub_n) < SMALLEST_PARENT_BLOCK:
+            return None
+        return sub_m, sub_n
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         dims = self._dims(grid.ext)
-        if not self._reads_parent(grid):
+        shape = self._parent_blocks(grid)
+        if shape is None:
             return ClassRuns.filled(grid.shape(*dims), PARTIAL)
-        parent = self.parent.block_runs(self.seq, self.seq, grid.block_m, grid.block_n, grid.ext.batch,
-                                        grid.ext.heads)
-        n_rb = grid.n_rb
-        slices = torch.arange(parent.batch * parent.heads).view(-1, 1) * parent.n_rb
-        rows = (slices + self.q_start // grid.block_m + torch.arange(n_rb)).flatten()
-        mine = parent.take_rows(rows, parent.batch, parent.heads, n_rb).to_dense()  # only the region's rows
-        columns = torch.cat([torch.arange(start // grid.block_n, (start + length) // grid.block_n)
+        sub_m, sub_n = shape
+        per_m, per_n = grid.block_m // sub_m, grid.block_n // sub_n
+        parent = self.parent.block_runs(self.seq, self.seq, sub_m, sub_n, grid.ext.batch, grid.ext.heads)
+        slices = parent.batch * parent.heads
+        first_row = self.q_start // sub_m
+        rows_in = -(-self.q_len // sub_m)  # parent block rows holding region queries
+        columns = torch.cat([torch.arange(start // sub_n, (start + length) // sub_n)
                              for start, length in self.key_ranges])
-        return ClassRuns.from_dense(mine[..., columns].contiguous())
+        step = max(1, POOL_BYTES // max(1, slices * per_m * grid.n_cb * per_n))  # region block rows per step
+        pooled = []
+        for top in range(0, grid.n_rb, step):
+            count = min(step, grid.n_rb - top)
+            local = torch.arange(top * per_m, (top + count) * per_m)
+            local = local[local < rows_in]
+            rows = (torch.arange(slices).view(-1, 1) * parent.n_rb + first_row + local).flatten()
+            mine = parent.take_rows(rows, parent.batch, parent.heads, len(local)).to_dense()[..., columns]
+            fine = torch.full((parent.batch, parent.heads, count * per_m, grid.n_cb * per_n), _NONE, dtype=torch.int8)
+            fine[:, :, :len(local), :len(columns)] = mine
+            fine = fine.view(parent.batch, parent.heads, count, per_m, grid.n_cb, per_n)
+            full = ((fine == FULL) | (fine == _NONE)).all(5).all(3)
+            empty = ((fine == EMPTY) | (fine == _NONE)).all(5).all(3)
+            pooled.append(torch.where(full, FULL, torch.where(empty, EMPTY, PARTIAL)).to(torch.int8))
+        return ClassRuns.from_dense(torch.cat(pooled, dim=2).contiguous())
 
     def exact_classes(self, grid: BlockGrid) -> bool:
-        """Exact where every region block is a whole parent block; a ragged last block row lies
-        in a parent block that reaches past the region: its FULL and EMPTY hold, its PARTIAL
-        may not (the builder evaluates those tiles)."""
-        return self._reads_parent(grid) and self.q_len % grid.block_m == 0
+        """Exact where the classes are pooled from the parent's and no parent block row reaches past
+        the region's last query: a parent block that does holds other queries too, so its FULL and
+        EMPTY hold for the region's part, its PARTIAL may not (the builder evaluates those tiles)."""
+        shape = self._parent_blocks(grid)
+        return shape is not None and self.q_len % shape[0] == 0
 
 
 def _range_table(key_ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
