@@ -252,3 +252,30 @@ def test_a_launch_assembles_maps_operands_and_output(monkeypatch):
     out = torch.zeros(problem.shape)
     encoded = launch.tensor_map_args(tensors, out)
     assert [rows_cols[1:] for rows_cols in encoded] == [(rows, cols) for _, rows, cols in maps]
+
+
+def test_multicast_twins_only_for_128_by_256_tiles_in_at_most_two_waves():
+    """W-multicast twins (clusters of two CTAs on units of two row tiles): a twin of each cooperative
+    128 x 256 point where the tiles make at most two waves, priced as the plain point; W's tensor map
+    loads half a chunk per CTA; the grid is whole clusters; the source sets the cluster size."""
+    from stof_cc.templates.gemm_epilogue import point_tag
+    from stof_cc.templates.pricing import sm_count
+
+    graph, group = _gemm_group(torch.nn.Linear(4096, 4096, bias=False).half(), torch.randn(1000, 4096, dtype=torch.float16))
+    problem = GEMM_EPILOGUE.match(graph, group)  # 8 x 16 tiles of 128 x 256: one wave
+    space = GEMM_EPILOGUE.space(problem)
+    twins = [p for p in space if p.get("multicast")]
+    assert [point_tag(p) for p in twins] == ["co_m128_n256_s3_mc2", "co_m128_n256_s4_mc2"]
+    for twin in twins:
+        plain = {k: v for k, v in twin.items() if k != "multicast"}
+        assert plain in space
+        assert GEMM_EPILOGUE.estimate(problem, twin, sm_count()) == GEMM_EPILOGUE.estimate(problem, plain, sm_count())
+        assert GEMM_EPILOGUE.tensor_maps(problem, twin)[1] == (1, 128, 64)
+        (grid, _, _), threads, shared = GEMM_EPILOGUE.launch(problem, twin)
+        assert grid == 128 and (threads, shared) == GEMM_EPILOGUE.launch(problem, plain)[1:]
+        source = GEMM_EPILOGUE.render(problem, twin)
+        assert "__cluster_dims__(MULTICAST, 1, 1)" in source and "#define MULTICAST 2" in source
+        assert "__cluster_dims__" not in GEMM_EPILOGUE.render(problem, plain)
+    assert GEMM_EPILOGUE.default_params(problem).get("multicast") is None  # ties keep the plain point
+    graph, group = _gemm_group(torch.nn.Linear(4096, 4096, bias=False).half(), torch.randn(4096, 4096, dtype=torch.float16))
+    assert not any(p.get("multicast") for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))  # 512 tiles

@@ -82,17 +82,21 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
                    {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 3},
                    {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4},
                    {"schedule": "cooperative", "block_m": 64, "block_n": 128, "stages": 8},  # deep rings
-                   {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 8}):
+                   {"schedule": "pingpong", "block_m": 64, "block_n": 128, "stages": 8},
+                   # W multicast: one or three clusters of two walk the units (M = 333: the last unit's second tile
+                   # lies past M), each CTA's ring slots released by both CTAs' consumers
+                   {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 3, "multicast": 2},
+                   {"schedule": "cooperative", "block_m": 128, "block_n": 256, "stages": 4, "multicast": 2}):
         assert params in GEMM_EPILOGUE.space(problem), params
         ring = params["block_n"] == 256 and params["stages"] == 4 or module_name == "LinearGelu"
         assert gemm_epilogue.staging_boxes(problem.details, params) == (min(2, params["block_n"] // 64) if ring
                                                                          else params["block_n"] // 64), params
         launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
         _, threads, shared = launch.geometry
-        launch.geometry = ((ctas, 1, 1), threads, shared)
+        launch.geometry = ((ctas * params.get("multicast", 1), 1, 1), threads, shared)
         got = launch(values)
         err = relative_error(got, want)
-        assert err < 1e-2, f"{params} on {ctas} CTA(s): relative error {err}"
+        assert err < 1e-2, f"{params} on {launch.geometry[0][0]} CTA(s): relative error {err}"
 
 
 def test_gelu_is_within_its_fitted_bound():

@@ -11,9 +11,13 @@ alternate tiles so one's epilogue hides under the other's tensor-core work, unde
 ring of two shared staging boxes (one at block_n 64) and asynchronous TMA stores (``tma_store``); a residual, if
 any, is *staged*: TMA loads its boxes into the staging area (the whole tile where it fits beside the stages, else
 the ring) from under the products on. Rings of 3 or 4 operand stages, and the deepest of up to 8
-that fits, for small cold GEMMs.
+that fits, for small cold GEMMs. Where the tiles make at most two waves, cooperative 128 x 256 tiles
+also come as W-multicast twins (``"multicast": 2``): clusters of two CTAs on units of two row tiles
+sharing a column tile, each loading half of every W chunk into both, which is how cuBLAS runs
+those shapes; priced as their one-CTA twins, so only stage 2's measurement picks them.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
-#staged-residual, #staging-ring, #staged-residual-ring, #deep-rings, #mainloop-instructions; tried and taken out: #multicast-clusters (twice),
+#staged-residual, #staging-ring, #staged-residual-ring, #deep-rings, #mainloop-instructions, #multicast-clusters (taken out
+twice at more waves, back for one or two),
 #taller-cooperative-tiles, #deferred-epilogue, #split-k-and-stream-k; the tile order: #tile-bands.
 """
 
@@ -46,6 +50,8 @@ BLOCK_NS = (64, 128, 192, 256)  # 192: N = 768 in four column tiles fills 132 SM
 STAGE_COUNTS = (3, 4)  # 5 and 6 stages were never a shape's best point in the fifth session (docs/decisions.md#staging-ring)
 DEEP_STAGES = 8  # and the deepest ring that fits, up to this, where it is deeper than 4 (docs/decisions.md#deep-rings)
 SCHEDULES = ("cooperative", "pingpong")
+MULTICAST = 2  # CTAs per cluster of a multicast twin
+MULTICAST_WAVES = 2  # multicast twins where the tiles make at most this many waves
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232  # (65536 - 128 x 40) / 256, rounded down to a multiple of 8
@@ -112,7 +118,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
                         if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
-        return points
+        return points + [params | {"multicast": MULTICAST} for params in points if _multicast_twin(problem.details, params)]
 
     def default_params(self, problem: Problem) -> dict[str, Any]:
         """Stage 1's pick (how it compares with the measured best: docs/decisions.md#gemm-default-point)."""
@@ -135,7 +141,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
     def tensor_maps(self, problem: Problem, params: dict[str, Any]) -> list[tuple[int, int, int]]:
         """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store) and the
         staged operand: a consumer warpgroup's rows."""
-        maps = [(0, params["block_m"], 64), (1, params["block_n"], 64)]
+        maps = [(0, params["block_m"], 64), (1, params["block_n"] // _multicast(params), 64)]
         if problem.details.tma_store:
             maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
         if problem.details.staged is not None:
@@ -151,12 +157,15 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
                 "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
                 "staging_boxes": staging_boxes(problem.details, params),
-                "raster_rows": raster_rows(problem.details.m, problem.details.n, params, sm_count())}
+                "raster_rows": _unit_raster_rows(problem.details, params)}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
-        """Persistent: at most one CTA per SM (each walks the tiles blockIdx.x + i gridDim.x)."""
-        tiles = _tiles(problem.details, params)
-        return (min(tiles, sm_count()), 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
+        """Persistent: at most one CTA per SM (each walks the tiles blockIdx.x + i gridDim.x; under
+        multicast each cluster the units, the grid a multiple of the cluster, set in the source)."""
+        per_unit = _multicast(params)
+        units = -(-problem.details.m // (params["block_m"] * per_unit)) * -(-problem.details.n // params["block_n"])
+        grid = min(units, sm_count() // per_unit) * per_unit
+        return (grid, 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
@@ -231,9 +240,34 @@ def staging_boxes(details: GemmDetails, params: dict[str, Any]) -> int:
 
 
 def point_tag(params: dict[str, Any]) -> str:
-    """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``."""
+    """A point's short name, as in kernel names and benchmark tables: ``pp_m64_n256_s4``,
+    ``co_m128_n256_s4_mc2`` (a multicast twin)."""
     schedule = "pp" if params["schedule"] == "pingpong" else "co"
-    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}"
+    multicast = f"_mc{params['multicast']}" if _multicast(params) > 1 else ""
+    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}{multicast}"
+
+
+def _multicast(params: dict[str, Any]) -> int:
+    return params.get("multicast", 1)
+
+
+def _multicast_twin(details: GemmDetails, params: dict[str, Any]) -> bool:
+    """Whether a point gets a W-multicast twin: cooperative 128 x 256 tiles making at most
+    MULTICAST_WAVES waves. There the tiles in flight at once read every W column block several
+    times, and cuBLAS shares each among a cluster (ncu at M = 1024: its L2 throughput 46% against
+    this kernel's 80%). At M = 1024 the 128 x 256 twins gained 2-3% where K = 14336 and the
+    narrower ones lost 2-7%; at more waves the twins lost at 62 of 70 points
+    (docs/decisions.md#multicast-clusters)."""
+    return (params["schedule"] == "cooperative" and params["block_m"] == 128 and params["block_n"] == 256
+            and _tiles(details, params) <= MULTICAST_WAVES * sm_count())
+
+
+def _unit_raster_rows(details: GemmDetails, params: dict[str, Any]) -> int:
+    """`raster_rows` for the kernel's walk: over units of `_multicast` row tiles, one per cluster
+    in flight."""
+    per_unit = _multicast(params)
+    return raster_rows(details.m, details.n, params | {"block_m": params["block_m"] * per_unit},
+                       sm_count() // per_unit)
 
 
 def _tiles(details: GemmDetails, params: dict[str, Any]) -> int:
