@@ -193,11 +193,12 @@ def _shared_bytes(params: dict[str, Any], boxes: int) -> int:
 
 def raster_rows(m: int, n: int, params: dict[str, Any], sm_count: int) -> int:
     """How many row tiles a band of the tile order spans (1: row-major; the kernel's
-    ``tile_origin``). The tiles in flight at once (one per CTA, two under ping-pong) are
+    ``unit_origin``). The tiles in flight at once (one per CTA, two under ping-pong) are
     consecutive in that order; in bands of ``r`` row tiles, column-major inside a band, they
     cover about ``r`` row blocks of A and ``in_flight / r`` column blocks of W, which is what one
     wave reads from DRAM (the rest hits L2). The band height (a power of two) minimises those
-    bytes; ties keep the lower band. Row-major order at N = 28672 (112 column tiles of 256) reads
+    bytes; ties keep the lower band. (The kernel's ``unit_origin`` walks units: one row tile, or a
+    multicast cluster's two.) Row-major order at N = 28672 (112 column tiles of 256) reads
     236 MB per wave for 50 us of products: it ran at 0.63x cuBLAS (benchmarks/RESULTS.md)."""
     block_m, block_n = params["block_m"], params["block_n"]
     m_tiles, n_tiles = -(-m // block_m), -(-n // block_n)
@@ -218,7 +219,8 @@ def raster_rows(m: int, n: int, params: dict[str, Any], sm_count: int) -> int:
 
 
 def _tile_origin(tile: int, rows: int, m_tiles: int, n_tiles: int) -> tuple[int, int]:
-    """(row tile, column tile) of ``tile`` in bands of ``rows`` row tiles: the kernel's ``tile_origin``."""
+    """(row tile, column tile) of ``tile`` in bands of ``rows`` row tiles: the kernel's
+    ``unit_origin`` (where a unit is one row tile, or a multicast cluster's two)."""
     band, in_band = divmod(tile, rows * n_tiles)
     first = band * rows
     height = min(m_tiles - first, rows)
@@ -259,7 +261,7 @@ def _multicast_twin(details: GemmDetails, params: dict[str, Any]) -> bool:
     narrower ones lost 2-7%; at more waves the twins lost at 62 of 70 points
     (docs/decisions.md#multicast-clusters)."""
     return (params["schedule"] == "cooperative" and params["block_m"] == 128 and params["block_n"] == 256
-            and _tiles(details, params) <= MULTICAST_WAVES * sm_count())
+            and details.m > params["block_m"] and _tiles(details, params) <= MULTICAST_WAVES * sm_count())
 
 
 def _unit_raster_rows(details: GemmDetails, params: dict[str, Any]) -> int:
