@@ -7,10 +7,13 @@ against FlexAttention's `create_block_mask` on the same mask_mod.
 Each row: a fresh description per repeat (nothing cached), `block_mask(S, S, 128, 128,
 device=...)` (the launch's block mask, as `stof_cc.attention` builds it: where the mask is
 evaluated, or on the CPU and copied), median of 5 wall-clock
-repeats with the device synchronised; the cost model's first pick for a fresh description
+repeats with the device synchronised, twice: a mask built once (the mask_mod evaluated eagerly), and a
+mask built per call (its code compiled after two warm-up builds: stof_cc/masks/compiled.py, CUDA only);
+the cost model's first pick for a fresh description
 (`choose`: its 16 x 16 block mask, the rest of a first `stof_cc.attention` call's
 mask work); then the same description again (the cached repeat);
-`create_block_mask(mask_mod, None, None, S, S, device=...)` beside it (BLOCK_SIZE 128). The
+`create_block_mask(mask_mod, None, None, S, S, device=...)` beside it (BLOCK_SIZE 128), as is and
+with `_compile=True` (how FlexAttention builds a mask per call). The
 block masks are checked to hold the same blocks. On the CPU (--device cpu) FlexAttention is
 not run.
 """
@@ -18,6 +21,8 @@ not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import statistics
 import sys
 import time
@@ -28,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stof_cc import masks  # noqa: E402
+from stof_cc.masks import compiled  # noqa: E402
 from stof_cc.masks.workloads import GRID_MASKS, user_mask_mod  # noqa: E402
 from stof_cc.templates.attention import AttentionProblem  # noqa: E402
 from stof_cc.tune.attention import cached_block_mask, choose  # noqa: E402
@@ -60,16 +66,35 @@ def cases(seq: int, device: str) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def eager_masks():
+    """Every mask_mod evaluated eagerly (a mask built once: its code is never compiled)."""
+    saved = compiled.DEVICE_TYPES
+    compiled.DEVICE_TYPES = ()
+    try:
+        yield
+    finally:
+        compiled.DEVICE_TYPES = saved
+
+
 def measure(seq: int, make, mask_mod, device: str) -> dict:
-    """One row: the first build (a fresh description each repeat), the repeat, and
-    create_block_mask on the same mask_mod."""
+    """One row: the first build (a fresh description each repeat) eager and compiled, the first
+    choose, the repeat, and create_block_mask on the same mask_mod."""
     problem = AttentionProblem(1, 1, seq, seq, 64, torch.float16)
-    first = timed(lambda: cached_block_mask(make(), problem, {"block_m": BLOCK, "block_n": BLOCK},
-                                            torch.device(device)), device)
+    params = {"block_m": BLOCK, "block_n": BLOCK}
+
+    def build():
+        return cached_block_mask(make(), problem, params, torch.device(device))
+
+    with eager_masks():
+        first = timed(build, device)
+        choose_ms = timed(lambda: choose(problem, make()), device)
+    build(), build()  # the second evaluation of the code compiles it (where compiled.DEVICE_TYPES says)
     desc = make()
     kept = desc.block_mask(seq, seq, BLOCK, BLOCK)
-    row = {"S": seq, "first_ms": first, "choose_ms": timed(lambda: choose(problem, make()), device),
-           "repeat_ms": timed(lambda: desc.block_mask(seq, seq, BLOCK, BLOCK), device), "flex_ms": None}
+    row = {"S": seq, "first_ms": first, "per_call_ms": timed(build, device), "choose_ms": choose_ms,
+           "repeat_ms": timed(lambda: desc.block_mask(seq, seq, BLOCK, BLOCK), device), "flex_ms": None,
+           "flex_compiled_ms": None}
     if mask_mod is not None and device == "cuda":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -78,6 +103,10 @@ def measure(seq: int, make, mask_mod, device: str) -> dict:
 
         flex()  # warms the allocator
         row["flex_ms"] = timed(flex, device)
+        flex_compiled = functools.partial(create_block_mask, mask_mod, None, None, seq, seq, device=device,
+                                          BLOCK_SIZE=BLOCK, _compile=True)
+        flex_compiled(), flex_compiled()  # compiles
+        row["flex_compiled_ms"] = timed(flex_compiled, device)
         flex_blocks = flex().to_dense()[0, 0].cpu().bool()  # non-empty blocks
         ours = kept.block_classes()[0, 0] != 0
         row["same_blocks"] = bool(torch.equal(flex_blocks, ours)) if flex_blocks.shape == ours.shape else None
@@ -95,18 +124,21 @@ def main() -> None:
         for label, (make, mask_mod) in cases(seq, device).items():
             row = {"mask": label, **measure(seq, make, mask_mod, device)}
             rows.append(row)
-            print(f"S={seq:6d} {label:40s} first {row['first_ms']:9.1f} ms  choose {row['choose_ms']:9.1f} ms  "
-                  f"repeat {row['repeat_ms']:7.2f} ms"
-                  + (f"  create_block_mask {row['flex_ms']:8.1f} ms  same blocks: {row['same_blocks']}"
-                     if row["flex_ms"] is not None else ""), flush=True)
+            print(f"S={seq:6d} {label:40s} first {row['first_ms']:9.1f} ms  per call {row['per_call_ms']:8.2f} ms  "
+                  f"choose {row['choose_ms']:9.1f} ms  repeat {row['repeat_ms']:7.2f} ms"
+                  + (f"  create_block_mask {row['flex_ms']:8.1f} ms, compiled {row['flex_compiled_ms']:7.2f} ms  "
+                     f"same blocks: {row['same_blocks']}" if row["flex_ms"] is not None else ""), flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"\n{name}, torch {torch.__version__}, block {BLOCK}x{BLOCK}, device {device}")
-    print("| S | mask | stof-cc first build ms | first choose ms | repeat ms | create_block_mask ms |")
-    print("|---|---|---|---|---|---|")
+    print("| S | mask | stof-cc first build ms | per-call build ms (compiled) | first choose ms | repeat ms | "
+          "create_block_mask ms | create_block_mask _compile ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         same = {True: "", False: " (differs)", None: " (not compared)"}[r.get("same_blocks")]
         flex = "-" if r["flex_ms"] is None else f"{r['flex_ms']:.1f}{same}"
-        print(f"| {r['S']} | {r['mask']} | {r['first_ms']:.1f} | {r['choose_ms']:.1f} | {r['repeat_ms']:.2f} | {flex} |")
+        flex_compiled = "-" if r["flex_compiled_ms"] is None else f"{r['flex_compiled_ms']:.2f}"
+        print(f"| {r['S']} | {r['mask']} | {r['first_ms']:.1f} | {r['per_call_ms']:.2f} | {r['choose_ms']:.1f} | "
+              f"{r['repeat_ms']:.2f} | {flex} | {flex_compiled} |")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+import stof_cc.masks.compiled as compiled
 from stof_cc.masks.bits import bit_at, pack_last
 from stof_cc.masks.description import MaskDescription, MaskMod
 from stof_cc.masks.errors import MaskError, MaskTypeError, check_values
@@ -74,17 +75,23 @@ class _Evaluated(MaskDescription):
                 self._tiles = {key: tiles for key, tiles in self._tiles.items() if key[0] != evicted}
             device = self._evaluation_device()
             bits = torch.empty(batch, heads, ext.seq_q, words, dtype=torch.int32, device=device)
-            rows = max(1, ROW_CHUNK_ELEMENTS.get(device.type, 1 << 23) // (batch * heads * ext.seq_k))
+            rows = min(ext.seq_q, max(1, ROW_CHUNK_ELEMENTS.get(device.type, 1 << 23) // (batch * heads * ext.seq_k)))
             index = {"dtype": torch.int32, "device": device}  # FlexAttention's index dtype: half the bytes of int64
             b = torch.arange(batch, **index).view(-1, 1, 1, 1)
             h = torch.arange(heads, **index).view(1, -1, 1, 1)
-            k = torch.arange(ext.seq_k, **index).view(1, 1, 1, -1)
             for start in range(0, ext.seq_q, rows):
-                q = torch.arange(start, min(start + rows, ext.seq_q), **index).view(1, 1, -1, 1)
-                mask = self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k)
-                bits[:, :, start:start + q.shape[2]] = pack_last(mask)
+                # every chunk the same shape (the last one's rows past the end repeat the last row, then are
+                # dropped): one compiled kernel serves them all
+                q = torch.arange(start, start + rows, **index).clamp(max=ext.seq_q - 1).view(1, 1, -1, 1)
+                count = min(rows, ext.seq_q - start)
+                bits[:, :, start:start + count] = self._packed_rows(ext, b, h, q, batch, heads)[:, :, :count]
             self._bits[ext] = bits
         return self._bits[ext]
+
+    def _packed_rows(self, ext: Extent, b: Tensor, h: Tensor, q: Tensor, batch: int, heads: int) -> Tensor:
+        """`packed_bits`'s rows q: the mask evaluated at every key, packed."""
+        k = torch.arange(ext.seq_k, dtype=torch.int32, device=q.device).view(1, 1, 1, -1)
+        return pack_last(self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k))
 
     def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
         """int32 [Bm, Hm, n_rb, n_cb, words]: every block's packed tile (bits past the ends 0),
@@ -209,6 +216,14 @@ class _MaskMod(_Evaluated):
         if bits is None:
             return self._evaluate(ext, b, h, q, k)
         return bit_at(bits, (b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q), k).to(q.device)
+
+    def _packed_rows(self, ext: Extent, b: Tensor, h: Tensor, q: Tensor, batch: int, heads: int) -> Tensor:
+        """Compiled (evaluation and packing in one kernel) where `compiled.wanted` says it pays."""
+        if q.device == self._evaluation_device() and compiled.wanted(self.fn, q.device):
+            words = compiled.packed_words(self.fn, self.name, b, h, q, ext.seq_k, batch, heads)
+            if words is not None:
+                return words
+        return super()._packed_rows(ext, b, h, q, batch, heads)
 
     def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         home = q.device
