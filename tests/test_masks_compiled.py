@@ -3,6 +3,7 @@ the eager evaluation, on the CPU (the product compiles on CUDA only; the tests a
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -17,12 +18,16 @@ from stof_cc.masks.geometry import Extent
 
 @pytest.fixture
 def compile_on_cpu(monkeypatch):
-    """Compiled from the first evaluation, on the CPU, with fresh bookkeeping."""
+    """Compiled from the first build, on the CPU, with fresh bookkeeping; any warning fails."""
     monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
-    monkeypatch.setattr(compiled, "_evaluations", {})
-    monkeypatch.setattr(compiled, "_refused", set())
+    for name, empty in (("_builds", compiled.OrderedDict()), ("_refused", set()), ("_warned", set()),
+                        ("_functions", {})):
+        monkeypatch.setattr(compiled, name, empty)
     counters.clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="stof-cc")
+        yield
 
 
 def _eager_bits(fn, ext: Extent) -> torch.Tensor:
@@ -36,7 +41,8 @@ def _eager_bits(fn, ext: Extent) -> torch.Tensor:
 
 def test_compiled_bits_are_the_eager_bits(compile_on_cpu, monkeypatch):
     """Documents from a captured table, a head-dependent window over keys that do not fill the last
-    word, per-batch lengths; several row chunks, the last one ragged."""
+    word, per-batch lengths; several row chunks, the last one ragged. Each compiled (one graph each),
+    none refused."""
     monkeypatch.setitem(user.ROW_CHUNK_ELEMENTS, "cpu", 3 * 333 * 100)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 250, 7, 643]))
     lengths = torch.tensor([333, 41])
@@ -52,9 +58,11 @@ def test_compiled_bits_are_the_eager_bits(compile_on_cpu, monkeypatch):
 
     for fn, ext in ((documents, Extent(1000, 1000)), (widening, Extent(300, 333, 1, 3)),
                     (padded, Extent(250, 333, 2, 1))):
+        counters.clear()
         got = masks.from_mask_mod(fn).packed_bits(ext)
-        assert counters["stats"]["unique_graphs"] >= 1, "not compiled"
+        assert counters["stats"]["unique_graphs"] == 1, fn.__name__
         assert torch.equal(got, _eager_bits(fn, ext)), fn.__name__
+    assert not compiled._refused
 
 
 def test_closures_over_new_tables_reuse_one_compiled_kernel(compile_on_cpu):
@@ -81,31 +89,63 @@ def test_what_torch_compile_refuses_is_evaluated_eagerly_with_one_warning(compil
     with pytest.warns(UserWarning, match=r"from_mask_mod\(branching\) is evaluated eagerly"):
         got = masks.from_mask_mod(branching).packed_bits(Extent(64, 64))
     assert torch.equal(got, _eager_bits(branching, Extent(64, 64)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # refused once: not tried, nor warned about, again
-        masks.from_mask_mod(branching).packed_bits(Extent(64, 64))
+    masks.from_mask_mod(branching).packed_bits(Extent(64, 64))  # refused once: not tried, nor warned about, again
 
 
-def test_a_wrong_mask_mod_gets_the_eager_error(compile_on_cpu):
-    """The dims probe evaluates it eagerly first; compiled, a non-bool result would be refused too."""
-    with pytest.raises(MaskTypeError, match="torch.bool"):
-        masks.from_mask_mod(lambda b, h, q, k: q - k).packed_bits(Extent(64, 64))
-    b, h, q = (torch.zeros(1, 1, 1, 1, dtype=torch.int32) for _ in range(3))
-    with pytest.warns(UserWarning, match="evaluated eagerly"):
-        assert compiled.packed_words(lambda b, h, q, k: q - k, "difference", b, h, q, 64, 1, 1) is None
-
-
-def test_a_mask_mod_is_compiled_from_its_second_evaluation(monkeypatch):
-    monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
-    monkeypatch.setattr(compiled, "_evaluations", {})
-    monkeypatch.setattr(compiled, "_refused", set())
-    calls = []
-    monkeypatch.setattr(compiled, "packed_words", lambda *args, **kwargs: calls.append(args) or None)
+def test_a_refusal_is_for_the_captured_functions_too(compile_on_cpu):
+    """Two closures of one combinator's code over different mask_mods: refusing one leaves the other."""
+    def both(*parts):
+        return lambda b, h, q, k: functools.reduce(torch.logical_and, (part(b, h, q, k) for part in parts))
 
     def causal(b, h, q, k):
         return q >= k
 
-    masks.from_mask_mod(causal).packed_bits(Extent(64, 64))
-    assert not calls  # a mask built once never pays for compiling
-    masks.from_mask_mod(causal).packed_bits(Extent(64, 64))
-    assert len(calls) == 1
+    def branching(b, h, q, k):
+        return q >= k if bool((q > 3).any()) else q <= k
+
+    def near(b, h, q, k):
+        return (q - k).abs() < 9
+
+    with pytest.warns(UserWarning, match="evaluated eagerly"):
+        masks.from_mask_mod(both(causal, branching)).packed_bits(Extent(64, 64))
+    counters.clear()
+    fn = both(causal, near)
+    assert torch.equal(masks.from_mask_mod(fn).packed_bits(Extent(64, 64)), _eager_bits(fn, Extent(64, 64)))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_wrong_mask_mod_gets_the_eager_error(compile_on_cpu):
+    """The dims probe evaluates it eagerly first; compiled, a non-bool result is refused too."""
+    with pytest.raises(MaskTypeError, match="torch.bool"):
+        masks.from_mask_mod(lambda b, h, q, k: q - k).packed_bits(Extent(64, 64))
+    b, h, q = (torch.zeros(1, 1, 1, 1, dtype=torch.int32) for _ in range(3))
+    pack = compiled.packer(lambda b, h, q, k: q - k, "difference", torch.device("cpu"), 64, 1, 1, 1)
+    with pytest.warns(UserWarning, match="evaluated eagerly"):
+        assert pack(b, h, q) is None
+
+
+def test_compiled_per_shape_from_its_second_build_counting_builds_not_chunks(monkeypatch):
+    """A mask built once is never compiled, however many row chunks it takes; the second build at the
+    same shape is; a build at a new shape (a decode step's one more key) is not."""
+    monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(compiled, "_builds", compiled.OrderedDict())
+    monkeypatch.setattr(compiled, "_refused", set())
+    monkeypatch.setitem(user.ROW_CHUNK_ELEMENTS, "cpu", 16 * 256)  # 16 rows a chunk
+    made = []
+    real = compiled.packer
+    monkeypatch.setattr(compiled, "packer", lambda *args: made.append(real(*args) is not None) or None)
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    masks.from_mask_mod(causal).packed_bits(Extent(256, 256))  # 16 chunks
+    masks.from_mask_mod(causal).packed_bits(Extent(256, 256))
+    masks.from_mask_mod(causal).packed_bits(Extent(1, 257))
+    assert made == [False, True, False]
+
+
+def test_never_while_torch_compile_traces(monkeypatch):
+    monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert compiled.packer(lambda b, h, q, k: q >= k, "causal", torch.device("cpu"), 64, 64, 1, 1) is None

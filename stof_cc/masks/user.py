@@ -79,19 +79,22 @@ class _Evaluated(MaskDescription):
             index = {"dtype": torch.int32, "device": device}  # FlexAttention's index dtype: half the bytes of int64
             b = torch.arange(batch, **index).view(-1, 1, 1, 1)
             h = torch.arange(heads, **index).view(1, -1, 1, 1)
+            pack = self._row_packer(ext, rows, batch, heads, device)
             for start in range(0, ext.seq_q, rows):
                 # every chunk the same shape (the last one's rows past the end repeat the last row, then are
                 # dropped): one compiled kernel serves them all
                 q = torch.arange(start, start + rows, **index).clamp(max=ext.seq_q - 1).view(1, 1, -1, 1)
                 count = min(rows, ext.seq_q - start)
-                bits[:, :, start:start + count] = self._packed_rows(ext, b, h, q, batch, heads)[:, :, :count]
+                bits[:, :, start:start + count] = pack(b, h, q)[:, :, :count]
             self._bits[ext] = bits
         return self._bits[ext]
 
-    def _packed_rows(self, ext: Extent, b: Tensor, h: Tensor, q: Tensor, batch: int, heads: int) -> Tensor:
-        """`packed_bits`'s rows q: the mask evaluated at every key, packed."""
-        k = torch.arange(ext.seq_k, dtype=torch.int32, device=q.device).view(1, 1, 1, -1)
-        return pack_last(self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k))
+    def _row_packer(self, ext: Extent, rows: int, batch: int, heads: int,
+                    device: torch.device) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """For one `packed_bits` build: rows q (int32 [1, 1, rows, 1]) -> the mask at every key,
+        packed (int32 [batch, heads, rows, words])."""
+        k = torch.arange(ext.seq_k, dtype=torch.int32, device=device).view(1, 1, 1, -1)
+        return lambda b, h, q: pack_last(self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k))
 
     def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
         """int32 [Bm, Hm, n_rb, n_cb, words]: every block's packed tile (bits past the ends 0),
@@ -217,13 +220,19 @@ class _MaskMod(_Evaluated):
             return self._evaluate(ext, b, h, q, k)
         return bit_at(bits, (b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q), k).to(q.device)
 
-    def _packed_rows(self, ext: Extent, b: Tensor, h: Tensor, q: Tensor, batch: int, heads: int) -> Tensor:
-        """Compiled (evaluation and packing in one kernel) where `compiled.wanted` says it pays."""
-        if q.device == self._evaluation_device() and compiled.wanted(self.fn, q.device):
-            words = compiled.packed_words(self.fn, self.name, b, h, q, ext.seq_k, batch, heads)
-            if words is not None:
-                return words
-        return super()._packed_rows(ext, b, h, q, batch, heads)
+    def _row_packer(self, ext: Extent, rows: int, batch: int, heads: int,
+                    device: torch.device) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+        """Compiled (evaluation and packing in one kernel) where `compiled.packer` says it pays, with
+        the eager packer for a chunk it could not run."""
+        eager = super()._row_packer(ext, rows, batch, heads, device)
+        fast = compiled.packer(self.fn, self.name, device, ext.seq_k, rows, batch, heads)
+        if fast is None:
+            return eager
+
+        def pack(b: Tensor, h: Tensor, q: Tensor) -> Tensor:
+            words = fast(b, h, q)
+            return words if words is not None else eager(b, h, q)
+        return pack
 
     def _evaluate(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         home = q.device
