@@ -4,7 +4,9 @@
 # parallelism (examples/tensor_parallel.py), each on 2 GPUs and, where there are 4 or more, on 4;
 # with four, also issue 38's longer rows: TP at S = 16384 on 2 and 4, CP at S = 524288 on 4, and
 # data parallel (examples/multi_gpu.py) on all of them.
-# Each run is bounded by LIMIT seconds (default 240); logs go to LOGS (default several-gpu-logs/);
+# Each run is bounded by LIMIT seconds (default 240; the S = 16384 and 524288 runs by LONG_LIMIT, default 500:
+# each rank compiles and tunes its own shapes); output is unbuffered, so a run cut by its limit keeps what it
+# printed; logs go to LOGS (default several-gpu-logs/);
 # ONLY, if set, names the runs to make (tests cp2 tp2 cp4 tp4 tp2_16k tp4_16k cp4_512k dp); the
 # tables and errors are printed last.
 #
@@ -13,6 +15,8 @@ set -u
 cd "$(dirname "$0")/.."
 logs=${1:-several-gpu-logs}
 limit=${LIMIT:-240}
+long_limit=${LONG_LIMIT:-500}
+export PYTHONUNBUFFERED=1
 mkdir -p "$logs"
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [ "$gpus" -lt 2 ]; then echo "several_gpus.sh needs two GPUs or more (torch sees $gpus)" >&2; exit 2; fi
@@ -23,7 +27,9 @@ run() {  # run NAME NPROC SCRIPT ARGS...: torchrun on the first NPROC GPUs
   wanted "$name" || return 0
   made+=("$name")
   port=$((port + 1))
-  timeout "$limit" torchrun --nproc-per-node "$nproc" --master-port "$port" "$@" >"$logs/$name.log" 2>&1
+  local bound=$limit
+  [[ "$*" == *"--seq 16384"* || "$*" == *"--seq 524288"* ]] && bound=$long_limit
+  timeout "$bound" torchrun --nproc-per-node "$nproc" --master-port "$port" "$@" >"$logs/$name.log" 2>&1
   echo "exit status $?" >>"$logs/$name.log"
 }
 made=()
