@@ -591,6 +591,12 @@ def sliding_window(w: int, causal: bool = False) -> MaskDescription:
     return _Band(0 if causal else -_span(w), _span(w), label)
 
 
+def band_of(mask: MaskDescription) -> tuple[int, int | None] | None:
+    """(lo, hi) of a band of positions (lo <= q - k <= hi, hi None: no upper limit): `causal()` and
+    `sliding_window`; None for any other mask."""
+    return (mask.lo, mask.hi) if isinstance(mask, _Band) else None
+
+
 def dilated(w: int, dilation: int) -> MaskDescription:
     """|q - k| <= w * dilation and (q - k) % dilation == 0: w keys each side, every
     dilation-th position."""

@@ -1,0 +1,96 @@
+"""Run the decode-attention kernel (`templates/decode_attention.py`): q [B, H, T, D] (a few tokens)
+against k, v [B, H_kv, S_k, D] (a KV cache, any strides with unit stride in D and 16-byte rows),
+under a band of positions and optional key padding. Compiled and loaded once per (dtype, head dim,
+padded rows). Not yet run on a GPU: nothing calls it by default (docs/decisions.md#decode-kernel)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.masks import MaskDescription
+from stof_cc.masks.zoo import band_of
+from stof_cc.templates.attention import SUPPORTED_DTYPES
+from stof_cc.templates.decode_attention import DECODE_ATTENTION, HEAD_DIMS, MAX_ROWS, DecodeProblem
+
+UNBOUNDED = 1 << 40  # a band side with no limit
+_kernels: dict[tuple, tuple[Kernel, Kernel]] = {}
+
+
+class DecodeInputError(ValueError):
+    """q, k, v, the mask or the padding are not what the decode kernel takes; names the culprit."""
+
+
+def decode_unsupported(q: torch.Tensor, k: torch.Tensor, mask: MaskDescription | None) -> str | None:
+    """Why the decode kernel cannot run this call, or None."""
+    if not q.is_cuda or q.dtype not in SUPPORTED_DTYPES:
+        return f"the decode kernel is CUDA fp16/bf16; q is {q.dtype} on {q.device}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"the decode kernel takes head dims {HEAD_DIMS}, not {q.shape[-1]}"
+    if q.shape[1] % k.shape[1] or q.shape[1] // k.shape[1] * q.shape[2] > MAX_ROWS:
+        return (f"{q.shape[1] // max(k.shape[1], 1)} query heads per KV head x {q.shape[2]} tokens: the decode "
+                f"kernel takes at most {MAX_ROWS} rows per KV head")
+    if mask is not None and band_of(mask) is None:
+        return f"{mask!r} is not a band of positions (causal, a sliding window): the decode kernel takes bands only"
+    return None
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription | None = None, *,
+                     scale: float | None = None, q_position: int = 0, k_position: int = 0,
+                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T scale) v for the T queries of each sequence at absolute positions q_position ..
+    q_position + T - 1 against keys at k_position .., under ``mask`` (a band: `masks.causal()`,
+    `masks.sliding_window(w, causal=...)`, or None for every key) and ``key_padding`` ([B, S_k] bool,
+    True = attend). Returns [B, H, T, D], contiguous; a query with no key allowed gets zeros."""
+    why = decode_unsupported(q, k, mask)
+    if why is not None:
+        raise DecodeInputError(why)
+    batch, heads, tokens, dim = q.shape
+    if k.dim() != 4 or v.shape != k.shape or k.shape[0] != batch or k.shape[3] != dim:
+        raise DecodeInputError(f"k and v must be [{batch}, H_kv, S_k, {dim}] alike; got {tuple(k.shape)} and "
+                               f"{tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
+            raise DecodeInputError(f"{name} must be {q.dtype} on {q.device} with unit stride in D; got {t.dtype} on "
+                                   f"{t.device}, strides {t.stride()}")
+    for name, t in (("k", k), ("v", v)):  # 16-byte loads of key rows
+        if t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:3]):
+            raise DecodeInputError(f"{name}'s key rows must start on 16 bytes (address {t.data_ptr()}, strides "
+                                   f"{t.stride()})")
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    valid = None
+    if key_padding is not None:
+        if key_padding.shape != (batch, seq_k) or key_padding.device != q.device:
+            raise DecodeInputError(f"key_padding must be [{batch}, {seq_k}] on {q.device}; got "
+                                   f"{tuple(key_padding.shape)} on {key_padding.device}")
+        valid = key_padding.to(torch.uint8).contiguous()
+    lo, hi = (-UNBOUNDED, UNBOUNDED) if mask is None else band_of(mask)
+    problem = DecodeProblem(batch, kv_heads, heads // kv_heads, tokens, seq_k, dim, q.dtype)
+    params = DECODE_ATTENTION.space(problem)[0]
+    split_kernel, combine_kernel = _loaded(problem, params)
+    rows = problem.rows
+    part_acc = torch.empty(batch, kv_heads, params["splits"], rows, dim, dtype=torch.float32, device=q.device)
+    part_ml = torch.empty(batch, kv_heads, params["splits"], rows, 2, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    grid, threads, shared = DECODE_ATTENTION.launch(problem, params)
+    split_kernel.launch(grid, threads, shared, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                        0 if valid is None else valid.data_ptr(), part_acc.data_ptr(), part_ml.data_ptr(),
+                        problem.heads_per_kv, tokens, seq_k, params["keys_per_split"], *q.stride()[:3],
+                        *k.stride()[:3], *v.stride()[:3], seq_k, scale * math.log2(math.e),
+                        q_position, k_position, -UNBOUNDED if lo is None else lo, UNBOUNDED if hi is None else hi)
+    out = torch.empty(batch, heads, tokens, dim, dtype=q.dtype, device=q.device)
+    grid, threads, shared = DECODE_ATTENTION.combine_launch(problem)
+    combine_kernel.launch(grid, threads, shared, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
+                          problem.heads_per_kv, tokens, params["splits"], *out.stride()[:3])
+    return out
+
+
+def _loaded(problem: DecodeProblem, params: dict) -> tuple[Kernel, Kernel]:
+    key = (problem.dtype, problem.head_dim, problem.rows, torch.cuda.current_device())
+    if key not in _kernels:
+        source, name = DECODE_ATTENTION.render(problem, params), DECODE_ATTENTION.kernel_name(problem, params)
+        _kernels[key] = (load_kernel(source, name, DECODE_ATTENTION.arg_format),
+                         load_kernel(source, name + "_combine", DECODE_ATTENTION.combine_arg_format))
+    return _kernels[key]
