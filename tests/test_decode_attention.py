@@ -27,15 +27,30 @@ def test_bands_are_what_it_takes():
     assert "CUDA" in decode_unsupported(q, k, None)  # a CPU tensor
     with pytest.raises(DecodeInputError, match="CUDA fp16/bf16"):
         decode_attention(q, k, k)
+    meta = {"device": "meta", "dtype": torch.float16}
+    empty = torch.empty(1, 2, 0, 128, **meta)
+    assert "no empty dim" in _shape_check(torch.empty(1, 8, 1, 128, **meta), empty)
+    assert "at most 16 rows" in _shape_check(torch.empty(1, 32, 1, 128, **meta), torch.empty(1, 1, 10, 128, **meta))
+    assert "head dims" in _shape_check(torch.empty(1, 8, 1, 96, **meta), torch.empty(1, 2, 10, 96, **meta))
+
+
+def _shape_check(q, k):
+    """decode_unsupported's answer past its device check (meta tensors stand for CUDA ones)."""
+    from unittest import mock
+
+    with mock.patch.object(torch.Tensor, "is_cuda", property(lambda self: True)):
+        return decode_unsupported(q, k, None)
 
 
 def test_the_splits_bring_about_two_ctas_per_sm_in_whole_tiles():
+    from stof_cc.templates.pricing import sm_count
+
     for batch, kv_heads, seq_k in ((1, 8, 4096), (8, 8, 4096), (1, 1, 100), (64, 8, 128), (1, 8, 1)):
         problem = DecodeProblem(batch, kv_heads, 4, 1, seq_k, 128, torch.float16)
         (params,) = DECODE_ATTENTION.space(problem)
         assert params["keys_per_split"] % TILE_KEYS == 0
         assert (params["splits"] - 1) * params["keys_per_split"] < seq_k <= params["splits"] * params["keys_per_split"]
-        assert (params["splits"] - 1) * batch * kv_heads < 2 * 132
+        assert (params["splits"] - 1) * batch * kv_heads < 2 * sm_count()
 
 
 @pytest.mark.nvcc
@@ -83,6 +98,7 @@ def test_decode_matches_the_reference(dtype, head_dim):
         (2, 6, 2, 3, 130, masks.sliding_window(40), False),
         (4, 8, 8, 1, 1, None, False),
         (2, 8, 1, 1, 5000, None, True),
+        (8, 16, 8, 2, 2000, masks.sliding_window(699, causal=True), True),  # several tiles per CTA: the rescaling
     ]
     for batch, heads, kv_heads, tokens, keys, mask, padded in cases:
         cache = torch.randn(batch, kv_heads, keys + 64, head_dim, device="cuda", dtype=dtype)  # a static cache
@@ -94,12 +110,14 @@ def test_decode_matches_the_reference(dtype, head_dim):
             starts = torch.randint(0, keys, (batch,), device="cuda")
             padding = torch.arange(keys, device="cuda")[None, :] >= starts[:, None]
             padding[-1] = False
+            v[~padding[:, None, :, None].expand_as(v)] = float("nan")  # an unwritten cache slot: never read
         k_position = 3 if mask is not None else 0
         q_position = k_position + keys - tokens  # the queries are the cache's last positions
         scale = 1 / math.sqrt(head_dim)
         got = decode_attention(q, k, v, mask, scale=scale, q_position=q_position, k_position=k_position,
                                key_padding=padding)
-        want = _reference(q, k, v, mask, scale, q_position, k_position, padding)
+        want = _reference(q, k, v if padding is None else v.nan_to_num(0.0), mask, scale, q_position, k_position,
+                          padding)
         assert got.shape == (batch, heads, tokens, head_dim) and got.is_contiguous()
         error = float((got.float() - want).norm() / want.norm().clamp(min=1e-6))
         assert error < 1e-2, (batch, heads, kv_heads, tokens, keys, mask, padded, error)

@@ -16,6 +16,7 @@ from stof_cc.templates.attention import SUPPORTED_DTYPES
 from stof_cc.templates.decode_attention import DECODE_ATTENTION, HEAD_DIMS, MAX_ROWS, DecodeProblem
 
 UNBOUNDED = 1 << 40  # a band side with no limit
+GRID_LIMIT = 65535  # a grid's y and z (KV heads, batch)
 _kernels: dict[tuple, tuple[Kernel, Kernel]] = {}
 
 
@@ -27,6 +28,10 @@ def decode_unsupported(q: torch.Tensor, k: torch.Tensor, mask: MaskDescription |
     """Why the decode kernel cannot run this call, or None."""
     if not q.is_cuda or q.dtype not in SUPPORTED_DTYPES:
         return f"the decode kernel is CUDA fp16/bf16; q is {q.dtype} on {q.device}"
+    if q.dim() != 4 or k.dim() != 4 or 0 in (*q.shape, *k.shape):
+        return f"q [B, H, T, D] and k [B, H_kv, S_k, D] with no empty dim; got {tuple(q.shape)} and {tuple(k.shape)}"
+    if max(q.shape[0], k.shape[1]) > GRID_LIMIT:
+        return f"batch {q.shape[0]} or {k.shape[1]} KV heads: the decode kernel's grid takes at most {GRID_LIMIT}"
     if q.shape[-1] not in HEAD_DIMS:
         return f"the decode kernel takes head dims {HEAD_DIMS}, not {q.shape[-1]}"
     if q.shape[1] % k.shape[1] or q.shape[1] // k.shape[1] * q.shape[2] > MAX_ROWS:
@@ -65,9 +70,17 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
         if key_padding.shape != (batch, seq_k) or key_padding.device != q.device:
             raise DecodeInputError(f"key_padding must be [{batch}, {seq_k}] on {q.device}; got "
                                    f"{tuple(key_padding.shape)} on {key_padding.device}")
-        valid = key_padding.to(torch.uint8).contiguous()
+        valid = (key_padding != 0).to(torch.uint8).contiguous()
     lo, hi = (-UNBOUNDED, UNBOUNDED) if mask is None else band_of(mask)
     problem = DecodeProblem(batch, kv_heads, heads // kv_heads, tokens, seq_k, dim, q.dtype)
+    with torch.cuda.device(q.device):  # the kernels, their cache and the SM count are the current device's
+        return _launch(problem, q, k, v, valid, scale, q_position, k_position, lo, hi)
+
+
+def _launch(problem: DecodeProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
+            scale: float | None, q_position: int, k_position: int, lo: int, hi: int | None) -> torch.Tensor:
+    batch, heads, tokens, dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
     params = DECODE_ATTENTION.space(problem)[0]
     split_kernel, combine_kernel = _loaded(problem, params)
     rows = problem.rows
