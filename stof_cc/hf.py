@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from stof_cc.backends.decode_launch import decode_attention, decode_unsupported
 from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.runtime.attention import attention
 from stof_cc.tune.attention import CAUSAL, causal_window
@@ -334,6 +335,12 @@ def _captured(fn: Callable) -> dict[str, Any]:
         return {}
 
 
+# Decode steps (a few queries against a longer cache) through stof-cc's decode kernel
+# (backends/decode_launch.py) instead of transformers' SDPA. Off until the kernel's GPU test
+# (tests/test_decode_attention.py) has run: docs/decisions.md#decode-kernel.
+DECODE_KERNEL = False
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: HFMask | torch.Tensor | None, dropout: float = 0.0,
                       scaling: float | None = None, softcap: float | None = None,
@@ -367,6 +374,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise TypeError(f"attn_implementation='{NAME}' got a {type(attention_mask).__name__} mask, not the "
                         "description its own mask function makes: was the model's mask built by another "
                         "implementation?")
+    step = _decode_step(module, query, key, value, attention_mask, position_bias, kwargs) if DECODE_KERNEL else None
+    if step is not None:
+        out = decode_attention(query, key, value, step.mask, scale=scaling, q_position=step.q_position,
+                               k_position=step.k_position, key_padding=step.key_padding)
+        return out.transpose(1, 2).contiguous(), None
     why = _why_sdpa(query, key, value, attention_mask)
     if why is not None:
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias, why, **kwargs)
@@ -493,6 +505,40 @@ def _causal(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
     ``is_causal`` keyword, else the module's attribute, else True."""
     given = kwargs.get("is_causal")
     return bool(getattr(module, "is_causal", True) if given is None else given)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A generation step as the decode kernel takes it: the band, the absolute positions of the first
+    query and the first key, the key padding."""
+
+    mask: MaskDescription | None
+    q_position: int
+    k_position: int
+    key_padding: torch.Tensor | None
+
+
+def _decode_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 mask: HFMask | None, position_bias: torch.Tensor | None, kwargs: dict[str, Any]) -> DecodeStep | None:
+    """The step, where this call is one the decode kernel takes (queries at an offset into a longer cache,
+    a band of positions, key padding at most), else None (the kernels or SDPA take it)."""
+    tokens, keys = query.shape[2], key.shape[2]
+    if position_bias is not None or value.shape[-1] != query.shape[-1] \
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+        return None
+    if mask is None:  # transformers' causal skip: the queries are the cache's last positions
+        if tokens >= keys:
+            return None
+        step = DecodeStep(CAUSAL if tokens > 1 and _causal(module, kwargs) else None, keys - tokens, 0, None)
+    else:
+        if mask.packing is not None or mask.segments is not None:
+            return None
+        # ints for a dynamic cache; a static cache's offset is a device tensor (read here: a host sync)
+        q_offset, kv_offset = (int(mask.arguments.get(name) or 0) for name in ("q_offset", "kv_offset"))
+        if tokens >= keys and not q_offset and not kv_offset:  # a prefill
+            return None
+        step = DecodeStep(mask.description, q_offset, kv_offset, mask.key_padding)
+    return step if decode_unsupported(query, key, step.mask) is None else None
 
 
 def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None) -> str | None:

@@ -235,23 +235,83 @@ def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config, monkeypatch):
     assert error < 1e-2
 
 
+def _greedy_both(config, prompt_length: int, padding: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy generate() of one random-weight model on attn_implementation="stof_cc" and on "sdpa"
+    (same weights) from a batch of two prompts, the second left-padded by ``padding``, as generation pads."""
+    stof_cc.hf.register()
+    torch.manual_seed(0)
+    ours = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    theirs = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    theirs.load_state_dict(ours.state_dict())
+    prompt = torch.randint(1, 100, (2, prompt_length))
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :padding] = 0
+    settings = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        return (ours.generate(prompt, attention_mask=attention_mask, **settings),
+                theirs.generate(prompt, attention_mask=attention_mask, **settings))
+
+
 def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
     """The prefill and every decode step (queries against a longer cache: SDPA, said once) on
     the CPU, greedy: the same tokens as attn_implementation="sdpa"."""
-    stof_cc.hf.register()
-    config = T.LlamaConfig(**SMALL)
-    torch.manual_seed(0)
-    ours = T.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
-    theirs = T.LlamaForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
-    theirs.load_state_dict(ours.state_dict())
-    prompt = torch.randint(0, 100, (2, 12))
-    attention_mask = torch.ones_like(prompt)
-    attention_mask[1, :3] = 0  # left padding, as generation pads
-    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
-    with torch.no_grad():
-        got = ours.generate(prompt, attention_mask=attention_mask, **settings)
-        want = theirs.generate(prompt, attention_mask=attention_mask, **settings)
+    got, want = _greedy_both(T.LlamaConfig(**SMALL), 12, 3, 6)
     assert torch.equal(got, want) and got.shape == (2, 18)
+
+
+@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=8, **SMALL)])
+def test_with_the_decode_kernel_on_generate_gives_sdpas_tokens(config, monkeypatch):
+    """`DECODE_KERNEL` on (it is off until its GPU test has run): every decode step goes to
+    `decode_attention` with its band, positions and padding (here a float32 torch stand-in on the
+    CPU, tests/test_decode_attention.py's reference), the prefill does not, and greedy tokens match
+    sdpa's, with left padding and past Mistral's window."""
+    from test_decode_attention import _reference
+
+    calls = []
+
+    def stand_in(q, k, v, mask, *, scale, q_position, k_position, key_padding):
+        calls.append((q.shape[2], k.shape[2], mask, q_position, k_position))
+        return _reference(q, k, v, mask, scale, q_position, k_position, key_padding).to(q.dtype)
+
+    monkeypatch.setattr(stof_cc.hf, "DECODE_KERNEL", True)
+    monkeypatch.setattr(stof_cc.hf, "decode_unsupported", lambda q, k, mask: None)
+    monkeypatch.setattr(stof_cc.hf, "decode_attention", stand_in)
+    got, want = _greedy_both(config, 6, 2, 8)
+    assert torch.equal(got, want)
+    assert len(calls) == 7 * config.num_hidden_layers  # every step after the prefill, every layer
+    assert all(tokens == 1 and q_position == k_position + keys - 1 for tokens, keys, _, q_position, k_position in calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=8, **SMALL)])
+def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
+    """The decode kernel itself (`DECODE_KERNEL` on) on the GPU, fp16: a prompt with left padding, then
+    six decode steps fed sdpa's greedy tokens, past Mistral's window: every step's logits within 1e-2 of
+    sdpa's, and no decode step in SDPA."""
+    stof_cc.hf.register()
+    monkeypatch.setattr(stof_cc.hf, "DECODE_KERNEL", True)
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
+    torch.manual_seed(0)
+    ours = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="stof_cc")
+    theirs = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours, theirs = (m.to("cuda", torch.float16).eval() for m in (ours, theirs))
+    theirs.load_state_dict(ours.state_dict())
+    tokens = torch.randint(1, 100, (2, 40), device="cuda")
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1, :9] = 0
+    caches = [None, None]
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(7):  # the prefill, then six decode steps
+            outs = [model(tokens, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+                    for model, cache in zip((ours, theirs), caches, strict=True)]
+            got, want = (out.logits[:, -1].float() for out in outs)
+            assert float((got - want).norm() / want.norm()) < 1e-2, step
+            caches = [out.past_key_values for out in outs]
+            tokens = want.argmax(-1, keepdim=True)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
+    decode_fallbacks = [str(w.message) for w in caught if "decode" in str(w.message)]
+    assert not decode_fallbacks, decode_fallbacks
 
 
 @pytest.mark.parametrize(("config", "window"), [(T.LlamaConfig(**SMALL), None),
