@@ -74,6 +74,7 @@ class HFMask:
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     _segment_documents: MaskDescription | None = field(default=None, repr=False)
     _built: bool = field(default=False, repr=False)  # dense() ran (its answer may be None)
+    _offsets: tuple[int, int] | None = field(default=None, repr=False)
 
     def __getattr__(self, name: str):  # a tensor's attribute: code that expects a mask tensor
         if name.startswith("__"):  # protocols (copy, pickle) ask with getattr and expect AttributeError
@@ -84,6 +85,14 @@ class HFMask:
         raise MaskIsADescription("adds to the attention mask")
 
     __radd__ = __mul__ = __rmul__ = __getitem__ = __add__
+
+    def offsets(self) -> tuple[int, int]:
+        """(q_offset, kv_offset) as ints: the first query's and the first key's positions, read once
+        per mask (a static cache's q_offset is a device tensor: one host sync, not one per layer)."""
+        if self._offsets is None:
+            self._offsets = tuple(0 if self.arguments.get(name) is None else int(self.arguments[name])
+                                  for name in ("q_offset", "kv_offset"))
+        return self._offsets
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """The segment ids as position ids restarting at 0 at each document (the kernels'
@@ -224,6 +233,8 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
     from transformers.masking_utils import causal_mask_function, eager_mask
 
     mask_function = mask_function or causal_mask_function
+    if isinstance(q_offset, torch.Tensor):  # a static cache's own counter, which its update() advances in
+        q_offset = q_offset.clone()  # place before the attention reads the mask: the mask keeps its value now
     arguments = {"batch_size": batch_size, "q_length": q_length, "kv_length": kv_length, "q_offset": q_offset,
                  "kv_offset": kv_offset, "mask_function": mask_function, "attention_mask": attention_mask,
                  "device": device, "use_vmap": extra.get("use_vmap", False),
@@ -240,8 +251,13 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
                    "stof-cc's kernels)")
         return eager_mask(**arguments, dtype=extra.get("dtype", torch.float32))
     key_padding = None
-    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        key_padding = attention_mask[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        if attention_mask.shape[-1] < kv_offset + kv_length:  # a static cache's unwritten slots: not keys,
+            attention_mask = torch.nn.functional.pad(  # as transformers' own padding of the mask says
+                attention_mask, (0, kv_offset + kv_length - attention_mask.shape[-1]))
+        window = attention_mask[:, kv_offset:kv_offset + kv_length]
+        if not bool(window.all()):
+            key_padding = window.to(device=device, dtype=torch.bool)
     description, segments = without_packing(mask_function)
     return HFMask(description, key_padding, arguments, segments=segments)
 
@@ -526,18 +542,19 @@ def _decode_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     if position_bias is not None or value.shape[-1] != query.shape[-1] \
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
         return None
-    if mask is None:  # transformers' causal skip: the queries are the cache's last positions
-        if tokens >= keys:
+    if mask is None:  # no mask: one query against every key (where SDPA's is_causal would line several
+        if tokens != 1 or keys == 1:  # queries up with the first keys, not the last)
             return None
-        step = DecodeStep(CAUSAL if tokens > 1 and _causal(module, kwargs) else None, keys - tokens, 0, None)
+        step = DecodeStep(None, keys - 1, 0, None)
     else:
         if mask.packing is not None or mask.segments is not None:
             return None
-        # ints for a dynamic cache; a static cache's offset is a device tensor (read here: a host sync)
-        q_offset, kv_offset = (int(mask.arguments.get(name) or 0) for name in ("q_offset", "kv_offset"))
-        if tokens >= keys and not q_offset and not kv_offset:  # a prefill
+        q_offset, kv_offset = mask.offsets()
+        if tokens >= keys and not q_offset and not kv_offset:  # a prefill without a cache
             return None
         step = DecodeStep(mask.description, q_offset, kv_offset, mask.key_padding)
+        if step.key_padding is not None and step.key_padding.shape[-1] != keys:
+            return None
     return step if decode_unsupported(query, key, step.mask) is None else None
 
 
@@ -549,7 +566,7 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with dtype=torch.bfloat16)"
-    if mask is not None and (mask.arguments.get("q_offset") or mask.arguments.get("kv_offset")):
+    if mask is not None and any(mask.offsets()):
         return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
     if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:
         return "a decode step (fewer queries than keys under a mask): stof-cc has no decode kernel yet"

@@ -235,36 +235,33 @@ def test_the_prefill_runs_stof_cc_kernels_and_matches_sdpa(config, monkeypatch):
     assert error < 1e-2
 
 
-def _greedy_both(config, prompt_length: int, padding: int, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy generate() of one random-weight model on attn_implementation="stof_cc" and on "sdpa"
-    (same weights) from a batch of two prompts, the second left-padded by ``padding``, as generation pads."""
+def _twins(config) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """One random-weight causal LM on attn_implementation="stof_cc" and on "sdpa", same weights."""
     stof_cc.hf.register()
     torch.manual_seed(0)
     ours = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
     theirs = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
     theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def _greedy_both(config, prompt_length: int, padding: int, new_tokens: int, **settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy generate() of `_twins` from a batch of two prompts, the second left-padded by
+    ``padding``, as generation pads."""
+    ours, theirs = _twins(config)
     prompt = torch.randint(1, 100, (2, prompt_length))
     attention_mask = torch.ones_like(prompt)
     attention_mask[1, :padding] = 0
-    settings = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0}
+    settings = {"max_new_tokens": new_tokens, "do_sample": False, "pad_token_id": 0} | settings
     with torch.no_grad():
         return (ours.generate(prompt, attention_mask=attention_mask, **settings),
                 theirs.generate(prompt, attention_mask=attention_mask, **settings))
 
 
-def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
-    """The prefill and every decode step (queries against a longer cache: SDPA, said once) on
-    the CPU, greedy: the same tokens as attn_implementation="sdpa"."""
-    got, want = _greedy_both(T.LlamaConfig(**SMALL), 12, 3, 6)
-    assert torch.equal(got, want) and got.shape == (2, 18)
-
-
-@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=8, **SMALL)])
-def test_with_the_decode_kernel_on_generate_gives_sdpas_tokens(config, monkeypatch):
-    """`DECODE_KERNEL` on (it is off until its GPU test has run): every decode step goes to
-    `decode_attention` with its band, positions and padding (here a float32 torch stand-in on the
-    CPU, tests/test_decode_attention.py's reference), the prefill does not, and greedy tokens match
-    sdpa's, with left padding and past Mistral's window."""
+@pytest.fixture
+def decode_stand_in(monkeypatch) -> list:
+    """`DECODE_KERNEL` on, the kernel replaced by tests/test_decode_attention.py's float32 reference
+    (on the CPU); the list fills with each call's (tokens, keys, mask, q_position, k_position)."""
     from test_decode_attention import _reference
 
     calls = []
@@ -276,10 +273,77 @@ def test_with_the_decode_kernel_on_generate_gives_sdpas_tokens(config, monkeypat
     monkeypatch.setattr(stof_cc.hf, "DECODE_KERNEL", True)
     monkeypatch.setattr(stof_cc.hf, "decode_unsupported", lambda q, k, mask: None)
     monkeypatch.setattr(stof_cc.hf, "decode_attention", stand_in)
+    return calls
+
+
+GEMMA3 = T.Gemma3TextConfig(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=64, **SMALL)
+QWEN2_WINDOW = T.Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, **SMALL)
+
+
+def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
+    """The prefill and every decode step (queries against a longer cache: SDPA, said once) on
+    the CPU, greedy: the same tokens as attn_implementation="sdpa"."""
+    got, want = _greedy_both(T.LlamaConfig(**SMALL), 12, 3, 6)
+    assert torch.equal(got, want) and got.shape == (2, 18)
+
+
+@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=8, **SMALL)])
+def test_with_the_decode_kernel_on_generate_gives_sdpas_tokens(config, decode_stand_in):
+    """`DECODE_KERNEL` on (it is off until its GPU test has run): every decode step goes to
+    `decode_attention` with its band, positions and padding, the prefill does not, and greedy tokens
+    match sdpa's, with left padding and past Mistral's window."""
     got, want = _greedy_both(config, 6, 2, 8)
     assert torch.equal(got, want)
-    assert len(calls) == 7 * config.num_hidden_layers  # every step after the prefill, every layer
-    assert all(tokens == 1 and q_position == k_position + keys - 1 for tokens, keys, _, q_position, k_position in calls)
+    assert len(decode_stand_in) == 7 * config.num_hidden_layers  # every step after the prefill, every layer
+    assert all(tokens == 1 and q_position == k_position + keys - 1
+               for tokens, keys, _, q_position, k_position in decode_stand_in)
+
+
+@pytest.mark.parametrize("config", [GEMMA3, QWEN2_WINDOW])
+def test_with_the_decode_kernel_on_static_caches_give_sdpas_tokens(config, decode_stand_in):
+    """A static cache: the keys are its whole length (unwritten slots beyond the 2-D mask: not keys)
+    and its position counter a device tensor that its update advances before the attention runs
+    (a review found the positions one token late and the padding too short); the prefill into it
+    (fewer queries than keys) takes the decode path too. Alternating and sliding-window layers."""
+    got, want = _greedy_both(config, 12, 3, 6, cache_implementation="static")
+    assert torch.equal(got, want)
+    assert decode_stand_in
+
+
+def test_several_tokens_at_once_against_a_cache_give_sdpas_logits(decode_stand_in):
+    """Chunks of three tokens fed with a dynamic cache past Mistral's window, left padding."""
+    ours, theirs = _twins(T.MistralConfig(sliding_window=8, **SMALL))
+    tokens = torch.randint(1, 100, (2, 16))
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1, :3] = 0
+    caches = [T.DynamicCache(config=ours.config), T.DynamicCache(config=ours.config)]
+    with torch.no_grad():
+        for start, stop in ((0, 7), (7, 10), (10, 13), (13, 16)):
+            got, want = (model(tokens[:, start:stop], attention_mask=attention_mask[:, :stop], past_key_values=cache,
+                               use_cache=True).logits for model, cache in zip((ours, theirs), caches, strict=True))
+            torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got[1, -1], want[1, -1], rtol=1e-4, atol=1e-4)
+    assert any(tokens == 3 for tokens, *_ in decode_stand_in)
+
+
+def test_a_static_cache_reused_after_a_reset_gives_sdpas_logits():
+    """The SDPA fallback (decode kernel off) read a static cache's position counter after its update
+    had advanced it: a cache reused after reset() let the prefill see later prompt tokens (logits
+    0.48 off) and every decode step one slot too many. The mask keeps the counter's value now."""
+    config = T.LlamaConfig(**SMALL)
+    ours, theirs = _twins(config)
+    tokens = torch.randint(1, 100, (2, 9))
+    logits = []
+    for model in (ours, theirs):
+        cache = T.StaticCache(config=config, max_cache_len=20)
+        with torch.no_grad():
+            model(tokens[:, :3], past_key_values=cache, use_cache=True)
+            cache.reset()
+            steps = [model(tokens[:, :6], past_key_values=cache, use_cache=True).logits]
+            steps += [model(tokens[:, i:i + 1], past_key_values=cache, use_cache=True).logits for i in range(6, 9)]
+        logits.append(steps)
+    for got, want in zip(*logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
