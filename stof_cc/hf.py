@@ -68,6 +68,10 @@ class HFMask:
     description: MaskDescription | None
     key_padding: torch.Tensor | None
     arguments: dict[str, Any]
+    # A mask made ahead of the forward (generate() with a static cache builds each step's masks first and
+    # hands them to the model): transformers' mask creation reads ``ndim``, takes it for a prepared
+    # 4-D mask, and the mask function returns it as it is (`mask_for_layer`).
+    ndim = 4
     packing: PackedDocuments | None = field(default=None, repr=False)  # cu_seq_lens', beside description
     segments: torch.Tensor | None = field(default=None, repr=False)  # packing found from position ids: [B, S] ids
     _dense: torch.Tensor | None = field(default=None, repr=False)
@@ -141,10 +145,9 @@ class MaskIsADescription(AttributeError, TypeError):
 
     def __init__(self, what: str) -> None:
         super().__init__(f"attn_implementation='{NAME}': code outside the attention {what}, which stof-cc hands "
-                         "over as a description, not a tensor: the model's own attention code, or "
-                         "generate() with a static cache (it builds the mask ahead of the model). stof-cc serves "
+                         "over as a description, not a tensor: the model's own attention code, say. stof-cc serves "
                          "models whose attention goes through transformers' AttentionInterface (Llama, Mistral, "
-                         "Qwen, Gemma, BERT, T5, ...), with a dynamic cache; use 'sdpa', or stof_cc.compile, here")
+                         "Qwen, Gemma, BERT, T5, ...); use 'sdpa', or stof_cc.compile, here")
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
@@ -232,6 +235,8 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
     for a model whose attention is its own code (`own_attention_code`), eager's mask tensor."""
     from transformers.masking_utils import causal_mask_function, eager_mask
 
+    if isinstance(attention_mask, HFMask):  # made ahead of the forward by this function (`HFMask.ndim`)
+        return attention_mask
     mask_function = mask_function or causal_mask_function
     if isinstance(q_offset, torch.Tensor):  # a static cache's own counter, which its update() advances in
         q_offset = q_offset.clone()  # place before the attention reads the mask: the mask keeps its value now
@@ -461,9 +466,10 @@ _last_packing: list[_Packing] = []  # the last forward's
 
 
 def _stamp(t: torch.Tensor) -> object:
-    """What changes when ``t``'s contents do: its version counter, or (an inference tensor has
-    none) its values."""
-    return tuple(t.tolist()) if t.is_inference() else t._version
+    """What changes when ``t``'s contents do: its values (a few numbers, read once per layer; the
+    version counter misses writes through numpy or ``.data``, which a collator refilling one buffer
+    makes, and an inference tensor has none)."""
+    return tuple(t.tolist())
 
 
 def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor | None,
