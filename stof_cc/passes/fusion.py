@@ -33,6 +33,7 @@ import networkx as nx
 
 from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.ops import pattern_kind
+from stof_cc.passes.canonicalize import mutating_nodes
 
 ANCHOR_KINDS = ("gemm", "attention", "reduction")
 # layout ops torch makes as views of their input (no kernel, no copy): a group of nothing else
@@ -94,9 +95,18 @@ class FusionPlan:
 
 
 def partition(graph: Graph) -> FusionPlan:
-    """The default fusion scheme of ``graph`` and its alternatives."""
+    """The default fusion scheme of ``graph`` and its alternatives. A graph with in-place ops left
+    (writes through views, which canonicalize could not make functional) is not fused: a group per
+    node, in the graph's order, since a mutation has no data edge to the readers it must precede or
+    follow (ordered by data edges alone, ``z[:, 0] = 0`` ran after a reader of ``z``)."""
     computed = [n for n in graph.nodes() if n.op not in (INPUT, CONSTANT)]
     kind = {n.name: pattern_kind(n.op) for n in computed}
+    mutating = mutating_nodes(graph)
+    if mutating:
+        order = {n.name: i for i, n in enumerate(computed)}
+        return FusionPlan(_scheme({n.name: [n.name] for n in computed}, kind, order),
+                          refused=[f"nothing fused: in-place ops ({', '.join('%' + m for m in mutating[:3])}) "
+                                   "write through views, and every node keeps its place"])
     dag = graph.nx_graph
     owner: dict[str, str] = {}  # node -> anchor (or run) that owns it
     members: dict[str, list[str]] = {}

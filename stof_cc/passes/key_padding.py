@@ -212,7 +212,7 @@ def _describe(graph: Graph, node: Node, mask: Ref) -> Described | str:
         return Described(None, False, {}, None)  # attends everything: no mask at all
     empty_rows = None
     if keys is not None:
-        empty_rows = _empty_rows(graph, node, evaluate, batch, seq_k, marks_padding, device)
+        empty_rows = _empty_rows(graph, node, evaluate, batch, seq_k, marks_padding, device, bias is not None)
         if empty_rows is None:
             return ("a query whose keys are all padding gets neither 0, the mean of V nor NaN from the model's "
                     "attention, so the mask stays a tensor")
@@ -239,12 +239,14 @@ def _key_vector(graph: Graph, dag: nx.DiGraph, upstream: set[str], source: str, 
 
 
 def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, marks_padding: bool,
-                device: torch.device) -> str | None:
+                device: torch.device, has_bias: bool) -> str | None:
     """What the model's attention gives a query whose keys are all padding, found by running the
     node as the model wrote it (its mask tensor, SDPA or the recognised chain) on the model's
     device, where the answer is decided (SDPA's backends differ): "zero", "mean" (of V over
     every key), "nan", "unmasked" (the attention with no mask and no bias: a finite fill that
-    shifts every score alike, in a kernel that accumulates in fp32), or None for anything else."""
+    shifts every score alike, in a kernel that accumulates in fp32), or None for anything else.
+    Never "unmasked" beside a bias: such a model's row is the attention with the bias, which the
+    fill does not give (a small bias came within the tolerance and its rows lost it: a helper's hunt)."""
     keep = torch.ones(batch, seq_k, dtype=torch.bool)
     keep[0] = False
     value = evaluate(~keep if marks_padding else keep, device)
@@ -269,8 +271,9 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
         return "zero"
     # the mean of V, or the attention with no mask and no bias: at long rows of soft scores the two
     # come close, so the nearer one is the answer where both are within the tolerance
-    candidates = {"mean": v.float().mean(-2, keepdim=True),
-                  "unmasked": attention_reference(q, k, v, scale=kwargs.get("scale"), softcap=kwargs.get("softcap"))}
+    candidates = {"mean": v.float().mean(-2, keepdim=True)}
+    if not has_bias:
+        candidates["unmasked"] = attention_reference(q, k, v, scale=kwargs.get("scale"), softcap=kwargs.get("softcap"))
     distance = {name: float((out - value.float()).abs().max()) for name, value in candidates.items()}
     nearest = min(distance, key=distance.get)
     return nearest if distance[nearest] <= tolerance else None

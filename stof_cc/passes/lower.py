@@ -84,12 +84,17 @@ class PassReports:
 
 
 def run_passes(graph: Graph, reports: PassReports | None = None, instrument: Instrument | None = None) -> Graph:
-    """Every `PIPELINE` pass in order (each pure: ``graph`` is not modified)."""
+    """Every `PIPELINE` pass in order (each pure: ``graph`` is not modified). A graph whose in-place
+    ops canonicalize could not make functional (a write through a view) stops there: a rewrite
+    around a mutation could change what its readers see (canonicalize's report says which ops), and
+    `partition` keeps its nodes apart, in order."""
     reports = reports if reports is not None else PassReports()
     for stage in PIPELINE:
         graph = stage.run(graph, report=getattr(reports, stage.report))
         if instrument is not None:
             instrument(stage.name, graph)
+        if stage.report == "canonical" and reports.canonical.skipped:
+            break
     return graph
 
 
