@@ -143,6 +143,7 @@ SCRIPT = textwrap.dedent('''
         found[name] = (error, plan.bytes_sent(rank, row_bytes), plan.ring_bytes_sent(row_bytes))
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
         out.write(repr(found))
+    dist.barrier()  # both ranks done before either closes its connections (a gloo rank can abort otherwise)
     dist.destroy_process_group()
 ''')
 
@@ -189,6 +190,7 @@ TORCH_CONVENTION = textwrap.dedent('''
     error = float((full - masked_attention(q, k, v, mask.to_dense(512, 512, 1, 2))).abs().max())
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as found:
         found.write(repr((same_layout, error)))
+    dist.barrier()
     dist.destroy_process_group()
 ''')
 

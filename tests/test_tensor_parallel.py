@@ -58,7 +58,8 @@ SCRIPT = textwrap.dedent('''
     if local is None:  # the local graph is on the fallback: the warning says why
         with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:
             out.write(repr({"errors": errors, "said": said}))
-        dist.destroy_process_group()  # gloo's threads joined: an exit with them running aborts the rank
+        dist.barrier()  # both ranks done before either closes its connections: a gloo rank whose peer
+        dist.destroy_process_group()  # closed first aborted ("terminate called") under CI's load
         sys.exit(0)
     variant = next(iter(local.variants.values()))
     def named(node):  # an opaque node is the torch op it calls
@@ -73,6 +74,7 @@ SCRIPT = textwrap.dedent('''
     with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:  # one file a rank: prints interleave
         out.write(repr({"errors": errors, "said": said, "kinds": kinds, "weights": len(weights), "in_place": in_place,
                         "inputs": [str(n.spec) for n in variant.graph.inputs], "explain": local.explain()}))
+    dist.barrier()  # as above
     dist.destroy_process_group()
 ''')
 
