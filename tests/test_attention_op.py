@@ -108,3 +108,22 @@ def test_on_the_gpu_packed_documents_run_the_kernels_compiled_and_match():
     for run in (block, torch.compile(block, fullgraph=True)):
         got = run(q, k, v, cu_seqlens)
         assert torch.linalg.norm(got.float() - want) / torch.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda q, k, v, p: (q, k[:, :, :, :16], v, p), "k and v must be"),  # head dims differ
+    (lambda q, k, v, p: (q[:, :3], k, v, p), "dividing"),  # 3 query heads over 2 KV heads
+    (lambda q, k, v, p: (q, k, v[:, :, :50], p), "k and v must be"),  # k and v lengths differ
+    (lambda q, k, v, p: (q, k, v, p[:, :50]), "key_padding must be"),
+    (lambda q, k, v, p: (q, k, v, p[:1]), "key_padding must be"),
+    (lambda q, k, v, p: (q[0], k, v, p), "4-D"),
+    (lambda q, k, v, p: (q, k.half(), v.half(), p), "one dtype"),
+])
+def test_on_the_cpu_the_op_refuses_what_the_kernels_refuse_naming_it(change, match):
+    """The CPU kernel (the reference) runs the CUDA path's checks on shapes, so a graph that runs on
+    the CPU does not fail on the GPU (it broadcast a batch or failed deep inside torch before)."""
+    q, k, v, padding = change(*_inputs())
+    with pytest.raises(stof_cc.AttentionInputError, match=match):
+        torch.ops.stof_cc.attention(q, k, v, "causal", None, padding)
+    with pytest.raises(stof_cc.AttentionInputError, match="scale must be positive"):
+        torch.ops.stof_cc.attention(*_inputs()[:3], "causal", -1.0, None)

@@ -28,3 +28,20 @@ def test_empty_inputs_give_empty_outputs():
     assert reference.masked_attention(q, k, v, None).shape == (1, 2, 0, 8)
     q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 0, 8), torch.randn(1, 2, 0, 8)
     assert torch.equal(reference.masked_attention(q, k, v, None), torch.zeros(1, 2, 3, 8))  # no key: 0
+
+
+def test_a_row_with_no_key_gives_zero_and_a_nan_from_the_inputs_stays_nan():
+    """Only rows whose every score is -inf (mask or bias) are zeroed: a blanket nan_to_num hid a NaN
+    query, key or scale as zeros (a helper's hunt), where the kernels and SDPA give NaN."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+    mask[0, 0, 1] = False  # query 1 sees no key
+    bias = torch.zeros(1, 1, 4, 6)
+    bias[0, 0, 2] = float("-inf")  # query 2 neither, through its bias
+    out = reference.masked_attention(q, k, v, mask, bias=bias)
+    assert not out[0, 0, 1:3].any() and out[0, 0, [0, 3]].abs().sum() > 0
+    q[0, 0, 3, 0] = float("nan")
+    out = reference.masked_attention(q, k, v, mask)
+    assert torch.isnan(out[0, 0, 3]).all() and not torch.isnan(out[0, 0, :3]).any()
+    assert torch.isnan(reference.masked_attention(q[..., :1, :], k, v, None, scale=float("nan"))).all()

@@ -49,7 +49,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         scores = scores + bias.float()
     if mask is not None:
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows: NaN -> 0
+    # a row whose every score is -inf (no allowed key) gives 0; a NaN from the inputs stays NaN (a blanket
+    # nan_to_num made a NaN query, key or scale read as zeros). V's masked rows still meet P as 0 x V, as in
+    # SDPA's math and the kernels' partial blocks: a NaN there reaches the rows of that block.
+    probs = torch.softmax(scores, dim=-1).masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 

@@ -27,6 +27,7 @@ from stof_cc.backends.attention_launch import document_windows
 from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, parse_spec
 from stof_cc.runtime.attention import attention
+from stof_cc.templates.attention import AttentionInputError, check_layout
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,6 +48,17 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | 
 @attention_op.register_kernel("cpu")
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
                key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference, with the checks of the CUDA path that do not depend on the kernels (any
+    dtype and head dim run here): a graph that runs here does not fail there on its shapes."""
+    check_layout(q, k, v)
+    if scale is not None and not scale > 0:
+        raise AttentionInputError(f"scale must be positive, got {scale}")
+    if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
+        raise AttentionInputError(f"key_padding must be [{q.shape[0]}, {k.shape[2]}] (batch, keys; nonzero = attend), "
+                                  f"got shape {tuple(key_padding.shape)}")
+    if cu_seqlens is not None and q.shape[2] != k.shape[2]:
+        raise AttentionInputError(f"cu_seqlens packs one sequence of queries and keys; got {q.shape[2]} queries "
+                                  f"and {k.shape[2]} keys")
     allowed = None
     if mask is not None:
         allowed = _described(mask).to_dense(q.shape[2], k.shape[2], batch=q.shape[0], heads=q.shape[1])

@@ -84,24 +84,36 @@ class AttentionInputError(ValueError):
 
 
 def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionProblem:
-    """The problem q, k and v pose, checked (tensors, 4-D, CUDA, one dtype and device, shapes
-    and sizes the kernels support); AttentionInputError naming the argument otherwise."""
+    """The problem q, k and v pose, checked (`check_layout`, CUDA, sizes and a dtype the kernels
+    support); AttentionInputError naming the argument otherwise."""
+    check_layout(q, k, v)
+    if v.shape[3] != q.shape[3]:
+        raise AttentionInputError(f"v's head dim must be q's {q.shape[3]} (the kernels take one); got v {tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices "
+                                      "(stof_cc.ir.reference.masked_attention is the CPU reference)")
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads = None if k.shape[1] == heads else k.shape[1]
+    return validated_problem(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype, kv_heads))
+
+
+def check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q [B, H, S_q, D], k [B, H_kv, S_k, D] and v [B, H_kv, S_k, D_v] with H_kv dividing H, tensors
+    of one dtype and device: what every attention path needs, the CPU reference included (which
+    also takes D_v != D); AttentionInputError naming the argument otherwise."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise AttentionInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise AttentionInputError(f"{name} must be 4-D [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
-        if t.device.type != "cuda":
-            raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices "
-                                      "(stof_cc.ir.reference.masked_attention is the CPU reference)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise AttentionInputError("q, k and v must share one dtype and one device")
-    batch, heads, seq_q, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[1] < 1 or heads % k.shape[1] or v.shape != k.shape or k.shape[3] != head_dim:
+    batch, heads, _, head_dim = q.shape
+    if k.shape[0] != batch or k.shape[1] < 1 or heads % k.shape[1] or v.shape[:3] != k.shape[:3] \
+            or k.shape[3] != head_dim:
         raise AttentionInputError(f"k and v must be [{batch}, H_kv, S_k, {head_dim}] like q, with H_kv dividing "
                                   f"q's {heads} heads; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    kv_heads = None if k.shape[1] == heads else k.shape[1]
-    return validated_problem(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype, kv_heads))
 
 
 def validated_problem(problem: AttentionProblem) -> AttentionProblem:
