@@ -302,6 +302,10 @@ BAD_ARGUMENTS = [
         r"document: segment_ids must have shape \[S\] or \[B, S\], got \(2, 2, 2\)",
     ),
     (
+        lambda: masks.document(segment_ids=torch.zeros(0, 5, dtype=torch.long)),  # no batch element
+        r"document: segment_ids must have shape \[S\] or \[B, S\], got \(0, 5\)",
+    ),
+    (
         lambda: masks.document(segment_ids=torch.zeros(8, dtype=torch.long)).to_dense(10),
         "document: segment_ids cover 8 positions, but the mask is 10 x 10",
     ),

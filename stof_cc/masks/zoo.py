@@ -699,7 +699,7 @@ def document(
         or segment_ids.dtype == torch.bool
     ):
         raise MaskTypeError(f"document: segment_ids must be an integer tensor, got {segment_ids!r}")
-    if segment_ids.dim() not in (1, 2) or segment_ids.shape[-1] == 0:
+    if segment_ids.dim() not in (1, 2) or 0 in segment_ids.shape:  # [0, S]: no batch element to describe
         raise MaskError(
             f"document: segment_ids must have shape [S] or [B, S], got {tuple(segment_ids.shape)}"
         )
