@@ -87,6 +87,13 @@ def test_a_region_is_the_rectangle_of_the_mask_with_its_key_chunks_side_by_side(
             assert torch.equal(built.to_dense().expand_as(want), want), (mask, block_m, block_n)
 
 
+def test_a_malformed_key_range_is_named():
+    from stof_cc.masks.errors import MaskError
+
+    with pytest.raises(MaskError, match=r"\(start, length\) pairs"):
+        region(masks.causal(), 10, 0, 6, [(0,)])
+
+
 def test_a_region_whose_blocks_do_not_divide_its_start_is_classified_without_evaluating_the_mask(monkeypatch):
     """The kernel's 192-row blocks at rank 3's last chunk of causal CP = 4 at S = 524288 (a start of
     7 x 65536): pooled from the parent's 64 x 64 classes, exact, nothing evaluated (it was 2.6e10

@@ -129,6 +129,8 @@ def region(mask: MaskDescription, seq: int, q_start: int, q_len: int,
     seq = check_int("region", "seq", seq)
     q_len = check_int("region", "q_len", q_len)
     q_start = check_int("region", "q_start", q_start, minimum=0)
+    if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in key_ranges):
+        raise MaskError(f"region: key_ranges must be (start, length) pairs, got {list(key_ranges)}")
     key_ranges = tuple((check_int("region", "key start", start, minimum=0), check_int("region", "key length", length))
                        for start, length in key_ranges)
     if q_start + q_len > seq or not key_ranges or any(start + length > seq for start, length in key_ranges):
