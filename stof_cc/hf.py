@@ -24,7 +24,8 @@ A position bias (T5's relative positions) is added to the scores; cross-attentio
 lengths) runs in the kernels too. Runs in transformers' own SDPA instead, with one warning naming
 why (`_fallback`): autograd on (the kernels are inference-only), a CPU tensor (the kernels are
 CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate()`` (offsets into
-a cache, or fewer queries than keys under a mask: no decode kernel yet), and a 4-D mask tensor the
+a cache, or fewer queries than keys under a mask, unless `DECODE_KERNEL` sends them to the decode
+kernel, off until it has run on a GPU), and a 4-D mask tensor the
 caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
 ``attn_implementation="eager"`` there. A model whose attention is its own code (BLOOM, MPT:
@@ -573,9 +574,11 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with dtype=torch.bfloat16)"
     if mask is not None and any(mask.offsets()):
-        return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
+        return ("a decode step (queries at an offset into a cache): the decode kernel is off "
+                "(stof_cc.hf.DECODE_KERNEL) or does not take it (a band mask and key padding only)")
     if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:
-        return "a decode step (fewer queries than keys under a mask): stof-cc has no decode kernel yet"
+        return ("a decode step (fewer queries than keys under a mask): the decode kernel is off "
+                "(stof_cc.hf.DECODE_KERNEL) or does not take it (a band mask and key padding only)")
     return None  # cross-attention (no mask, other lengths) runs in the kernels
 
 
@@ -749,5 +752,5 @@ def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     offsets = () if mask is None else (mask.arguments["q_offset"], mask.arguments["kv_offset"])
     if any(not isinstance(offset, int) or offset != 0 for offset in offsets) \
             or (query.shape[2] != key.shape[2] and mask is not None and mask.spec is not None):
-        return "a decode step (queries at an offset into a cache): stof-cc has no decode kernel yet"
+        return "a decode step (queries at an offset into a cache): compiled graphs do not call the decode kernel"
     return None
