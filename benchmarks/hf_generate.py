@@ -2,7 +2,7 @@
 (issue 36's bar).
 
     python benchmarks/hf_generate.py [--families llama,qwen2,mistral,gemma3] [--hidden 2048] [--layers 4]
-                                     [--prompt 4096] [--new 128] [--batch 1,8] [--dtype bfloat16] [--decode-kernel]
+                                     [--prompt 4096] [--new 128] [--batch 1,8] [--dtype bfloat16] [--sdpa-decode]
                                      [--json out.json]
 
 Per family and batch: one random-weight model (``--hidden``, head dim 128, a quarter as many K/V
@@ -12,8 +12,8 @@ as generation pads); the prefill (one forward, no cache) timed with `triton.test
 then greedy `generate()` of ``--new`` tokens timed end to end (the median of 3 after one
 warm-up). Every implementation's tokens are compared with sdpa's: the bar asks for identical
 greedy tokens, and random weights make near-ties, so the row reports the first position where
-they differ. stof-cc's decode steps run in SDPA (stof_cc/hf.py says so once), or with ``--decode-kernel``
-in stof-cc's decode kernel (`stof_cc.hf.DECODE_KERNEL`, off by default until its GPU tests have run).
+they differ. stof-cc's decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`), or with
+``--sdpa-decode`` in transformers' SDPA (as before the kernel; stof_cc/hf.py says so once).
 Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 """
 
@@ -154,11 +154,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
-    parser.add_argument("--decode-kernel", action="store_true", help="stof-cc's decode steps in its decode kernel")
+    parser.add_argument("--sdpa-decode", action="store_true", help="stof-cc's decode steps in SDPA, not its decode kernel")
     parser.add_argument("--json")
     args = parser.parse_args()
     stof_cc.hf.register()
-    stof_cc.hf.DECODE_KERNEL = args.decode_kernel
+    stof_cc.hf.DECODE_KERNEL = not args.sdpa_decode
     rows = []
     for family in args.families.split(","):
         for batch in map(int, args.batch.split(",")):
@@ -168,7 +168,7 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}, {args.new} new tokens, "
-          f"decode steps in {'the decode kernel' if args.decode_kernel else 'SDPA'}")
+          f"decode steps in {'SDPA' if args.sdpa_decode else 'the decode kernel'}")
     print(table(rows))
 
 

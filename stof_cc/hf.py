@@ -24,8 +24,9 @@ A position bias (T5's relative positions) is added to the scores; cross-attentio
 lengths) runs in the kernels too. Runs in transformers' own SDPA instead, with one warning naming
 why (`_fallback`): autograd on (the kernels are inference-only), a CPU tensor (the kernels are
 CUDA), an fp32 model (the kernels are fp16/bf16), the decode steps of ``generate()`` (offsets into
-a cache, or fewer queries than keys under a mask, unless `DECODE_KERNEL` sends them to the decode
-kernel, off until it has run on a GPU), and a 4-D mask tensor the
+a cache, or fewer queries than keys under a mask) that the decode kernel does not take (anything but
+a band of positions and key padding, a head dim other than 64 or 128; `DECODE_KERNEL` off sends
+every one to SDPA), and a 4-D mask tensor the
 caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
 ``attn_implementation="eager"`` there. A model whose attention is its own code (BLOOM, MPT:
@@ -358,9 +359,8 @@ def _captured(fn: Callable) -> dict[str, Any]:
 
 
 # Decode steps (a few queries against a longer cache) through stof-cc's decode kernel
-# (backends/decode_launch.py) instead of transformers' SDPA. Off until the kernel's GPU test
-# (tests/test_decode_attention.py) has run: docs/decisions.md#decode-kernel.
-DECODE_KERNEL = False
+# (backends/decode_launch.py); False sends them to transformers' SDPA: docs/decisions.md#decode-kernel.
+DECODE_KERNEL = True
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -396,12 +396,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         raise TypeError(f"attn_implementation='{NAME}' got a {type(attention_mask).__name__} mask, not the "
                         "description its own mask function makes: was the model's mask built by another "
                         "implementation?")
-    step = _decode_step(module, query, key, value, attention_mask, position_bias, kwargs) if DECODE_KERNEL else None
+    step, refusal = _decode_step(query, key, value, attention_mask, position_bias) if DECODE_KERNEL \
+        else (None, "the decode kernel is off (stof_cc.hf.DECODE_KERNEL)")
     if step is not None:
         out = decode_attention(query, key, value, step.mask, scale=scaling, q_position=step.q_position,
                                k_position=step.k_position, key_padding=step.key_padding)
         return out.transpose(1, 2).contiguous(), None
-    why = _why_sdpa(query, key, value, attention_mask)
+    why = _why_sdpa(query, key, value, attention_mask, refusal)
     if why is not None:
         return _fallback(module, query, key, value, attention_mask, scaling, position_bias, why, **kwargs)
     description = None if attention_mask is None else attention_mask.description
@@ -541,32 +542,39 @@ class DecodeStep:
     key_padding: torch.Tensor | None
 
 
-def _decode_step(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 mask: HFMask | None, position_bias: torch.Tensor | None, kwargs: dict[str, Any]) -> DecodeStep | None:
-    """The step, where this call is one the decode kernel takes (queries at an offset into a longer cache,
-    a band of positions, key padding at most), else None (the kernels or SDPA take it)."""
+def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None,
+                 position_bias: torch.Tensor | None) -> tuple[DecodeStep | None, str]:
+    """(the step, "") where this call is one the decode kernel takes (queries at an offset into a
+    longer cache, a band of positions, key padding at most), else (None, why the kernel does not take
+    it): the kernels or SDPA run it, and SDPA's warning says why."""
     tokens, keys = query.shape[2], key.shape[2]
-    if position_bias is not None or value.shape[-1] != query.shape[-1] \
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
-        return None
+    if position_bias is not None:
+        return None, "the decode kernel adds no position bias"
+    if value.shape[-1] != query.shape[-1]:
+        return None, "the decode kernel takes V with Q's head dim"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return None, "the decode kernel is inference-only"
     if mask is None:  # no mask: one query against every key (where SDPA's is_causal would line several
         if tokens != 1 or keys == 1:  # queries up with the first keys, not the last)
-            return None
+            return None, "the decode kernel takes several queries only under a mask"
         step = DecodeStep(None, keys - 1, 0, None)
     else:
         if mask.packing is not None or mask.segments is not None:
-            return None
+            return None, "the decode kernel takes no packed sequences"
         q_offset, kv_offset = mask.offsets()
         if tokens >= keys and not q_offset and not kv_offset:  # a prefill without a cache
-            return None
+            return None, "a prefill is not a decode step"
         step = DecodeStep(mask.description, q_offset, kv_offset, mask.key_padding)
         if step.key_padding is not None and step.key_padding.shape[-1] != keys:
-            return None
-    return step if decode_unsupported(query, key, step.mask) is None else None
+            return None, f"key padding of {step.key_padding.shape[-1]} keys for {keys} keys"
+    why = decode_unsupported(query, key, step.mask)
+    return (step, "") if why is None else (None, f"the decode kernel does not take it: {why}")
 
 
-def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None) -> str | None:
-    """Why this call runs in transformers' SDPA rather than stof-cc's kernels, or None."""
+def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: HFMask | None,
+              decode_refusal: str) -> str | None:
+    """Why this call runs in transformers' SDPA rather than stof-cc's kernels, or None;
+    ``decode_refusal`` is why the decode kernel did not take it."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return "autograd is on (the kernels are inference-only: call the model under torch.no_grad())"
     if not query.is_cuda:
@@ -574,11 +582,9 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with dtype=torch.bfloat16)"
     if mask is not None and any(mask.offsets()):
-        return ("a decode step (queries at an offset into a cache): the decode kernel is off "
-                "(stof_cc.hf.DECODE_KERNEL) or does not take it (a band mask and key padding only)")
+        return f"a decode step (queries at an offset into a cache): {decode_refusal}"
     if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:
-        return ("a decode step (fewer queries than keys under a mask): the decode kernel is off "
-                "(stof_cc.hf.DECODE_KERNEL) or does not take it (a band mask and key padding only)")
+        return f"a decode step (fewer queries than keys under a mask): {decode_refusal}"
     return None  # cross-attention (no mask, other lengths) runs in the kernels
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from group_cases import HeadSplit, LinearResidual, build
+from group_cases import HeadSplit, build
 
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.frontend import trace
@@ -279,30 +279,3 @@ def test_multicast_twins_only_for_128_by_256_tiles_in_at_most_two_waves():
     assert GEMM_EPILOGUE.default_params(problem).get("multicast") is None  # ties keep the plain point
     graph, group = _gemm_group(torch.nn.Linear(4096, 4096, bias=False).half(), torch.randn(4096, 4096, dtype=torch.float16))
     assert not any(p.get("multicast") for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))  # 512 tiles
-
-
-def test_narrow_twins_where_96_columns_fill_the_waves_better():
-    """96-column twins of the cooperative 128-column points (M = 1024, N = 768: 96 tiles of 64 x 128,
-    128 of 64 x 96), priced as them; they store directly (no output map, no staging), and none is
-    made where a residual is staged or where 128 columns fill the waves as well (M = 4096, N = 1024)."""
-    from stof_cc.templates.gemm_epilogue import point_tag
-    from stof_cc.templates.pricing import sm_count
-
-    graph, group = _gemm_group(torch.nn.Linear(3072, 768).half(), torch.randn(1024, 3072, dtype=torch.float16))
-    problem = GEMM_EPILOGUE.match(graph, group)
-    space = GEMM_EPILOGUE.space(problem)
-    twins = [p for p in space if p["block_n"] == 96]
-    assert {point_tag(p) for p in twins} >= {"co_m64_n96_s3", "co_m64_n96_s4", "co_m64_n96_s8"}
-    for twin in twins:
-        plain = twin | {"block_n": 128}
-        assert plain in space and plain["schedule"] == "cooperative"
-        assert GEMM_EPILOGUE.estimate(problem, twin, sm_count()) == GEMM_EPILOGUE.estimate(problem, plain, sm_count())
-        assert [index for index, _, _ in GEMM_EPILOGUE.tensor_maps(problem, twin)] == [0, 1]
-        assert GEMM_EPILOGUE.tensor_maps(problem, twin)[1] == (1, 96, 64)
-        assert GEMM_EPILOGUE.shared_bytes(problem, twin) == twin["stages"] * (twin["block_m"] + 96) * 128 + 1024
-        assert "map_out" not in GEMM_EPILOGUE.render(problem, twin)
-    assert GEMM_EPILOGUE.default_params(problem)["block_n"] != 96  # ties keep the plain point
-    _, _, graph, group = build(LinearResidual, "gemm", (2, 512, 768), torch.float16)
-    assert not any(p["block_n"] == 96 for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))
-    graph, group = _gemm_group(torch.nn.Linear(4096, 1024).half(), torch.randn(4096, 4096, dtype=torch.float16))
-    assert not any(p["block_n"] == 96 for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))

@@ -160,41 +160,6 @@ def test_gemm_output_layouts_and_dtypes(module_type):
         assert err < 1e-2, f"{module_type.__name__} {params}: relative error {err}"
 
 
-class _NarrowTiles(torch.nn.Module):
-    """1000 x 264 @ 264 x 760, then bias and GELU: 64-row tiles of 128 columns are 96 for 132 SMs, of
-    96 columns 128, so the space has 96-column twins; neither M nor N is a multiple of their tiles."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(264, 760)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.gelu(self.fc(x))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_narrow_twins_store_directly_and_match_torch(dtype):
-    from stof_cc.ir.frontend import trace
-    from stof_cc.passes import canonicalize, partition
-    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
-
-    if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
-        pytest.skip("gemm_epilogue needs sm_90")
-    module, x = _NarrowTiles().to(dtype), torch.randn(1000, 264, dtype=dtype)
-    graph = canonicalize(trace(module, (x,), {}))
-    (group,) = [g for g in partition(graph).default.groups if g.kind == "gemm"]
-    problem = GEMM_EPILOGUE.match(graph, group)
-    twins = [params for params in GEMM_EPILOGUE.space(problem) if params["block_n"] == 96]
-    assert twins
-    values = {graph.inputs[0].name: x.cuda()} | {name: t.cuda() for name, t in graph.constants.items()}
-    want = module.float()(x.float()).cuda()
-    precompile(GEMM_EPILOGUE, problem, twins)
-    for params in twins:
-        got = run_group(GEMM_EPILOGUE, problem, params, values)
-        err = relative_error(got, want)
-        assert err < 1e-2, f"{params}: relative error {err}"
-
-
 @pytest.mark.parametrize("module_type", ["RowAmax", "RowMean"])
 def test_a_row_value_with_nan_in_its_row_is_nan(module_type):
     """torch.amax and mean give NaN for a row holding a NaN; so does every point of the kernel."""

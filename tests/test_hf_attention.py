@@ -290,7 +290,7 @@ def test_generate_runs_its_decode_steps_through_sdpa_and_gives_sdpas_tokens():
 
 @pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=8, **SMALL)])
 def test_with_the_decode_kernel_on_generate_gives_sdpas_tokens(config, decode_stand_in):
-    """`DECODE_KERNEL` on (it is off until its GPU test has run): every decode step goes to
+    """`DECODE_KERNEL` on, the kernel a CPU stand-in: every decode step goes to
     `decode_attention` with its band, positions and padding, the prefill does not, and greedy tokens
     match sdpa's, with left padding and past Mistral's window."""
     got, want = _greedy_both(config, 6, 2, 8)
@@ -356,12 +356,16 @@ def test_a_static_cache_reused_after_a_reset_gives_sdpas_logits():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+DECODE_SHAPES = SMALL | {"hidden_size": 256}  # head dim 64: the decode kernel takes 64 and 128
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), T.MistralConfig(sliding_window=8, **SMALL)])
+@pytest.mark.parametrize("config", [T.LlamaConfig(**DECODE_SHAPES), T.MistralConfig(sliding_window=8, **DECODE_SHAPES)])
 def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
     """The decode kernel itself (`DECODE_KERNEL` on) on the GPU, fp16: a prompt with left padding, then
     six decode steps fed sdpa's greedy tokens, past Mistral's window: every step's logits within 1e-2 of
-    sdpa's, and no decode step in SDPA."""
+    sdpa's, and no decode step in SDPA (the test's first run, at head dim 32, found the fallback's
+    warning saying only "off or does not take it": it now names the kernel's reason)."""
     stof_cc.hf.register()
     monkeypatch.setattr(stof_cc.hf, "DECODE_KERNEL", True)
     monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
@@ -386,6 +390,16 @@ def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
             attention_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
     decode_fallbacks = [str(w.message) for w in caught if "decode" in str(w.message)]
     assert not decode_fallbacks, decode_fallbacks
+
+
+def test_a_decode_step_the_kernel_refuses_says_why():
+    """Where the decode kernel does not take a step, SDPA's warning carries the kernel's own reason
+    (a head dim it has no instance for, a CPU tensor), not only "off or does not take it"."""
+    q, k = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 9, 32)
+    step, why = stof_cc.hf._decode_step(q, k, k, None, None)
+    assert step is None and "CUDA fp16/bf16" in why
+    step, why = stof_cc.hf._decode_step(q, k, k, None, torch.zeros(1, 4, 1, 9))
+    assert step is None and "position bias" in why
 
 
 @pytest.mark.parametrize(("config", "window"), [(T.LlamaConfig(**SMALL), None),
@@ -678,7 +692,7 @@ def test_a_layer_without_a_mask_tensor_gets_the_documents_on_the_device_path():
     q, k = OnDevice(1, 4, SEQ, 32), OnDevice(1, 4, SEQ, 32)
     packing = stof_cc.hf.packed_documents(q, k, cu, cu)
     mask = stof_cc.hf._with_documents(None, packing, False)  # a bidirectional layer, no mask
-    assert stof_cc.hf._why_sdpa(q, k, k, mask) is None  # the kernels run it, the documents as cu_seqlens
+    assert stof_cc.hf._why_sdpa(q, k, k, mask, "") is None  # the kernels run it, the documents as cu_seqlens
     assert mask.description is None and mask.packing is packing.found
     assert pickle.loads(pickle.dumps(mask.packing)).bounds == [0, 9, 48]  # no way back to the forward's cache
     assert torch.equal(packing.found.bounds_on(torch.device("cpu")), cu)

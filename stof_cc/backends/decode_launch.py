@@ -1,7 +1,8 @@
 """Run the decode-attention kernel (`templates/decode_attention.py`): q [B, H, T, D] (a few tokens)
 against k, v [B, H_kv, S_k, D] (a KV cache, any strides with unit stride in D and 16-byte rows),
 under a band of positions and optional key padding. Compiled and loaded once per (dtype, head dim,
-padded rows). Not yet run on a GPU: nothing calls it by default (docs/decisions.md#decode-kernel)."""
+padded rows). `attn_implementation="stof_cc"` sends `generate()`'s decode steps here
+(docs/decisions.md#decode-kernel)."""
 
 from __future__ import annotations
 

@@ -14,13 +14,10 @@ the ring) from under the products on. Rings of 3 or 4 operand stages, and the de
 that fits, for small cold GEMMs. Where the tiles make at most two waves, cooperative 128 x 256 tiles
 also come as W-multicast twins (``"multicast": 2``): clusters of two CTAs on units of two row tiles
 sharing a column tile, each loading half of every W chunk into both, which is how cuBLAS runs
-those shapes; priced as their one-CTA twins, so only stage 2's measurement picks them. Where 96
-columns fill the SMs' waves better than 128 (N = 768 at M = 1024), cooperative 128-column points
-come as 96-column twins too, stored directly (a 96-column tile is not whole 64-column boxes),
-priced the same way.
+those shapes; priced as their one-CTA twins, so only stage 2's measurement picks them.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
 #staged-residual, #staging-ring, #staged-residual-ring, #deep-rings, #mainloop-instructions, #multicast-clusters (taken out
-twice at more waves, back for one or two), #narrow-twins,
+twice at more waves, back for one or two),
 #taller-cooperative-tiles, #deferred-epilogue, #split-k-and-stream-k; the tile order: #tile-bands.
 """
 
@@ -55,8 +52,6 @@ DEEP_STAGES = 8  # and the deepest ring that fits, up to this, where it is deepe
 SCHEDULES = ("cooperative", "pingpong")
 MULTICAST = 2  # CTAs per cluster of a multicast twin
 MULTICAST_WAVES = 2  # multicast twins where the tiles make at most this many waves
-NARROW_N = 96  # the column count of a narrow twin
-NARROW_FILL_GAIN = 0.1  # narrow twins where they fill the SMs' waves by this much more than 128 columns
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232  # (65536 - 128 x 40) / 256, rounded down to a multiple of 8
@@ -123,17 +118,14 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
                         if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
-        return (points + [params | {"multicast": MULTICAST} for params in points if _multicast_twin(problem.details, params)]
-                + [params | {"block_n": NARROW_N} for params in points if _narrow_twin(problem.details, params)])
+        return points + [params | {"multicast": MULTICAST} for params in points if _multicast_twin(problem.details, params)]
 
     def default_params(self, problem: Problem) -> dict[str, Any]:
         """Stage 1's pick (how it compares with the measured best: docs/decisions.md#gemm-default-point)."""
         return min(self.space(problem), key=lambda params: self.estimate(problem, params, sm_count()))
 
     def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
-        """Stage 1's price; a twin (multicast, narrow) is priced as the point it was made from."""
         d = problem.details
-        params = _priced_as(params)
         a_and_w = (d.m + d.n) * d.k * problem.dtype.itemsize
         staged = d.m * d.n * problem.dtype.itemsize if d.staged is not None else 0  # under the products
         epilogue = moved_bytes(problem) - a_and_w - staged  # the output and the epilogue's other operands
@@ -150,7 +142,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store) and the
         staged operand: a consumer warpgroup's rows."""
         maps = [(0, params["block_m"], 64), (1, params["block_n"] // _multicast(params), 64)]
-        if _tma_store(problem.details, params):
+        if problem.details.tma_store:
             maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
         if problem.details.staged is not None:
             maps.append((problem.details.staged, _rows_per_warpgroup(params), 64))
@@ -164,7 +156,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         tile raster's band height."""
         return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
                 "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
-                "staging_boxes": staging_boxes(problem.details, params), "tma_store": _tma_store(problem.details, params),
+                "staging_boxes": staging_boxes(problem.details, params),
                 "raster_rows": _unit_raster_rows(problem.details, params)}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
@@ -177,7 +169,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
-        return _shared_bytes(params, staging_boxes(problem.details, params) if _tma_store(problem.details, params) else 0)
+        return _shared_bytes(params, staging_boxes(problem.details, params) if problem.details.tma_store else 0)
 
 
 def _stage_counts(problem: Problem, schedule: str, block_m: int, block_n: int) -> list[int]:
@@ -259,33 +251,6 @@ def point_tag(params: dict[str, Any]) -> str:
 
 def _multicast(params: dict[str, Any]) -> int:
     return params.get("multicast", 1)
-
-
-def _tma_store(details: GemmDetails, params: dict[str, Any]) -> bool:
-    """Whether this point stores through staging boxes and TMA: where the problem allows it and the
-    tile is whole 64-column boxes (a narrow twin's 96 columns store directly)."""
-    return details.tma_store and params["block_n"] % 64 == 0
-
-
-def _narrow_twin(details: GemmDetails, params: dict[str, Any]) -> bool:
-    """Whether a cooperative 128-column point gets a 96-column twin: where no operand is staged (the
-    twin stores directly) and its tiles fill the SMs' waves at least NARROW_FILL_GAIN better. At
-    M = 1024 and N = 768, 64-row tiles of 128 columns are 96 for 132 SMs, of 96 columns 128: the
-    two lowest points of the bare grid there (0.91-0.95x cuBLAS, whose kernel is 96 x 64)."""
-    if params["schedule"] != "cooperative" or params["block_n"] != 128 or details.staged is not None:
-        return False
-
-    def fill(block_n: int) -> float:
-        tiles = -(-details.m // params["block_m"]) * -(-details.n // block_n)
-        return tiles / (-(-tiles // sm_count()) * sm_count())
-    return fill(NARROW_N) >= fill(128) + NARROW_FILL_GAIN
-
-
-def _priced_as(params: dict[str, Any]) -> dict[str, Any]:
-    """The point a twin was made from (itself for any other): twins are priced as it, so only stage
-    2's measurement picks them."""
-    plain = {key: value for key, value in params.items() if key != "multicast"}
-    return plain | {"block_n": 128} if plain["block_n"] == NARROW_N else plain
 
 
 def _multicast_twin(details: GemmDetails, params: dict[str, Any]) -> bool:
