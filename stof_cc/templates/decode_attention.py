@@ -8,7 +8,6 @@ Correct on the H100 against a float32 reference (tests/test_decode_attention.py;
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -42,23 +41,6 @@ class DecodeProblem:
         return max(2, 1 << math.ceil(math.log2(self.heads_per_kv * self.tokens)))
 
 
-@functools.lru_cache(maxsize=4096)
-def tiles_per_split(tiles: int, units: int, slots: int) -> int:
-    """Key tiles per CTA for ``units`` (sequences x KV heads) of ``tiles`` tiles each, ``slots`` CTAs
-    at once (CTAS_PER_SM per SM): the split that finishes soonest, counted as waves of CTAs times the
-    tiles each takes (ties: fewer splits, less to merge). 64 units of 512 tiles (B = 8, 8 KV heads,
-    32768 keys) take 4 splits, 256 CTAs in one wave of 264, where a split count that only reaches
-    the slots (5: 320 CTAs) leaves a second wave a fifth full. Splits beyond four waves' worth are
-    not tried (each adds a partial to merge and gains at most a wave's rounding)."""
-    def finish(splits: int) -> tuple[int, int]:
-        per_split = -(-tiles // splits)
-        splits = -(-tiles // per_split)
-        return -(-units * splits // slots) * per_split, splits
-
-    best = min(range(1, min(tiles, 4 * -(-slots // units)) + 1), key=finish)
-    return -(-tiles // best)
-
-
 class DecodeAttentionTemplate(KernelTemplate[DecodeProblem]):
     name = "decode_attention"
     source_file = "decode_attention.cu.j2"
@@ -67,9 +49,10 @@ class DecodeAttentionTemplate(KernelTemplate[DecodeProblem]):
     combine_arg_format = "PPP" + "iii" + "qqq"
 
     def space(self, problem: DecodeProblem) -> list[dict[str, Any]]:
-        """One point: the key split that finishes soonest (`tiles_per_split`)."""
+        """One point: as many key splits as bring the CTAs to CTAS_PER_SM per SM, whole tiles each."""
         tiles = -(-problem.seq_k // TILE_KEYS)
-        keys_per_split = tiles_per_split(tiles, problem.batch * problem.kv_heads, CTAS_PER_SM * sm_count()) * TILE_KEYS
+        splits = max(1, min(tiles, -(-CTAS_PER_SM * sm_count() // (problem.batch * problem.kv_heads))))
+        keys_per_split = -(-tiles // splits) * TILE_KEYS
         return [{"splits": -(-problem.seq_k // keys_per_split), "keys_per_split": keys_per_split}]
 
     def kernel_name(self, problem: DecodeProblem, params: dict[str, Any]) -> str:
@@ -77,17 +60,11 @@ class DecodeAttentionTemplate(KernelTemplate[DecodeProblem]):
 
     def context(self, problem: DecodeProblem, params: dict[str, Any]) -> dict[str, Any]:
         return {"dtype": SUPPORTED_DTYPES[problem.dtype], "head_dim": problem.head_dim, "rows": problem.rows,
-                "tile_keys": TILE_KEYS, "threads": THREADS, "ctas_per_sm": CTAS_PER_SM,
-                "shared_bytes": self.shared_bytes(problem)}
-
-    @staticmethod
-    def shared_bytes(problem: DecodeProblem) -> int:
-        """K and V tiles, two buffers each, the fp32 queries and the tile's scores (the dynamic part)."""
-        return 4 * TILE_KEYS * problem.head_dim * 2 + problem.rows * (problem.head_dim + TILE_KEYS) * 4
+                "tile_keys": TILE_KEYS, "threads": THREADS, "ctas_per_sm": CTAS_PER_SM}
 
     def launch(self, problem: DecodeProblem, params: dict[str, Any]) -> Launch:
-        """The split pass: a CTA per (split, KV head, sequence)."""
-        return (params["splits"], problem.kv_heads, problem.batch), THREADS, self.shared_bytes(problem)
+        """The split pass: a CTA per (split, KV head, sequence); its shared memory is static."""
+        return (params["splits"], problem.kv_heads, problem.batch), THREADS, 0
 
     def combine_launch(self, problem: DecodeProblem) -> Launch:
         """The merge: a CTA per (query row, KV head, sequence), a thread per dim."""
