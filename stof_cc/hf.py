@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.backends.decode_launch import decode_attention, decode_unsupported
+from stof_cc.backends.decode_launch import decode_attention, decode_unsupported, every_key_counts
 from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.runtime.attention import attention
 from stof_cc.tune.attention import CAUSAL, causal_window
@@ -398,6 +398,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                         "implementation?")
     step, refusal = _decode_step(query, key, value, attention_mask, position_bias) if DECODE_KERNEL \
         else (None, "the decode kernel is off (stof_cc.hf.DECODE_KERNEL)")
+    if step is not None and query.shape[2] == 1 and step.key_padding is None \
+            and every_key_counts(1, key.shape[2], step.mask, step.q_position, step.k_position):
+        # one query over its whole cache, no padding: SDPA's flash kernel (no mask, GQA) is faster here,
+        # by measurement (docs/decisions.md#decode-kernel); the mask is all true, so None is exact
+        return _sdpa(module, query, key, value, None, scaling, position_bias, **kwargs)
     if step is not None:
         out = decode_attention(query, key, value, step.mask, scale=scaling, q_position=step.q_position,
                                k_position=step.k_position, key_padding=step.key_padding)
@@ -609,10 +614,16 @@ def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, sca
     """transformers' SDPA as ``attn_implementation="sdpa"`` runs it: its own mask, skips included,
     and the model's ``is_causal`` (a keyword the model passes, else the module's), which SDPA
     applies only where no mask is given (and the position bias, which it adds)."""
+    _warn_once(f"transformers' sdpa runs this attention: {why}")
+    return _sdpa(module, query, key, value, mask.dense(query.device) if isinstance(mask, HFMask) else mask,
+                 scaling, position_bias, **kwargs)
+
+
+def _sdpa(module, query, key, value, dense: torch.Tensor | None, scaling, position_bias,
+          **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa_attention_forward` with ``dense`` (transformers' mask, or None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    _warn_once(f"transformers' sdpa runs this attention: {why}")
-    dense = mask.dense(query.device) if isinstance(mask, HFMask) else mask
     if position_bias is not None:
         kwargs["position_bias"] = position_bias
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None

@@ -18,6 +18,17 @@ from stof_cc.masks.zoo import band_of
 from stof_cc.templates.decode_attention import DECODE_ATTENTION, TILE_KEYS, DecodeProblem
 
 
+def test_every_key_counts_where_each_query_sees_the_whole_cache():
+    from stof_cc.backends.decode_launch import every_key_counts
+
+    assert every_key_counts(1, 100, None, 0, 0)
+    assert every_key_counts(1, 100, masks.causal(), 99, 0)  # the last query over its cache
+    assert not every_key_counts(2, 100, masks.causal(), 98, 0)  # the first of two does not see the last key
+    assert every_key_counts(1, 8, masks.sliding_window(7, causal=True), 107, 100)  # a full window cache
+    assert not every_key_counts(1, 9, masks.sliding_window(7, causal=True), 108, 100)
+    assert not every_key_counts(1, 100, masks.dilated(2, 2), 99, 0)
+
+
 def test_bands_are_what_it_takes():
     assert band_of(masks.causal()) == (0, None)
     assert band_of(masks.sliding_window(4095, causal=True)) == (0, 4095)

@@ -43,6 +43,21 @@ def decode_unsupported(q: torch.Tensor, k: torch.Tensor, mask: MaskDescription |
     return None
 
 
+def every_key_counts(tokens: int, keys: int, mask: MaskDescription | None, q_position: int, k_position: int) -> bool:
+    """Whether each of ``tokens`` queries (at q_position ..) attends every one of ``keys`` keys (at
+    k_position ..) under ``mask`` (a band, or None): a generation step's attention over its whole cache,
+    which SDPA's flash kernel runs faster than this one (docs/decisions.md#decode-kernel)."""
+    if mask is None:
+        return True
+    band = band_of(mask)
+    if band is None:
+        return False
+    lo, hi = band
+    nearest = q_position - (k_position + keys - 1)  # the first query and the last key
+    farthest = q_position + tokens - 1 - k_position  # the last query and the first key
+    return nearest >= lo and (hi is None or farthest <= hi)
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription | None = None, *,
                      scale: float | None = None, q_position: int = 0, k_position: int = 0,
                      key_padding: torch.Tensor | None = None) -> torch.Tensor:
