@@ -215,6 +215,57 @@ def test_buffers_sharded_by_pytorchs_context_parallel_go_in_as_they_are(tmp_path
         assert same_layout and error < 1e-5, (rank, same_layout, error)
 
 
+MISTAKES = textwrap.dedent('''
+    import datetime, sys
+    import torch, torch.distributed as dist
+    from stof_cc import masks
+    from stof_cc.distributed import context_parallel_attention
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a regression fails, not hangs
+    rank = dist.get_rank()
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    said = {}
+
+    def attempt(name, *args, grad=False, **kwargs):
+        try:
+            with torch.set_grad_enabled(grad):
+                context_parallel_attention(*args, **kwargs)
+            said[name] = "ran"
+        except Exception as exc:
+            said[name] = f"{type(exc).__name__}: {exc}"
+
+    attempt("grad", q.requires_grad_(), k, v, masks.causal(), grad=True)
+    q = q.detach()
+    attempt("v head dim", q, k, v[..., :1], masks.causal())
+    attempt("masks differ", q, k, v, masks.causal() if rank == 0 else masks.sliding_window(64))
+    attempt("lengths differ", q if rank == 0 else q[..., :128, :], k if rank == 0 else k[..., :128, :],
+            v if rank == 0 else v[..., :128, :], masks.causal())
+    attempt("agreed", q, k, v, masks.causal())
+    with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
+        out.write(repr(said))
+    dist.barrier()
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+def test_mistakes_are_refused_on_every_rank_before_anything_is_sent(tmp_path):
+    """Found by a helper's hunt: autograd on gave wrong dK and dV without a word (keys sent to another
+    rank carry no gradient back), V of head dim 1 was broadcast into a q-shaped output, and ranks
+    passing different masks or shard lengths aborted gloo or hung. Each is now an error on every rank."""
+    script = tmp_path / "mistakes.py"
+    script.write_text(MISTAKES)
+    run = torchrun(str(script), str(tmp_path))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    for rank in (0, 1):
+        said = eval((tmp_path / f"rank{rank}.txt").read_text())  # noqa: S307 (the script's repr)
+        assert said["grad"].startswith("AttentionInputError") and "inference-only" in said["grad"], said
+        assert said["v head dim"].startswith("ValueError") and "v (1, 2, 256, 1)" in said["v head dim"], said
+        assert said["masks differ"].startswith("ValueError") and "rank 1: mask" in said["masks differ"], said
+        assert said["lengths differ"].startswith("ValueError") and "rank 1: q (1, 2, 128, 16)" in said["lengths differ"]
+        assert said["agreed"] == "ran", said
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not two_gpus(), reason="needs two GPUs")
 def test_two_gpus_compute_what_one_gpu_does(tmp_path):
