@@ -78,6 +78,7 @@ class HFMask:
     segments: torch.Tensor | None = field(default=None, repr=False)  # packing found from position ids: [B, S] ids
     _dense: torch.Tensor | None = field(default=None, repr=False)
     _positions: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    _on_device: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
     _segment_documents: MaskDescription | None = field(default=None, repr=False)
     _built: bool = field(default=False, repr=False)  # dense() ran (its answer may be None)
     _offsets: tuple[int, int] | None = field(default=None, repr=False)
@@ -99,6 +100,18 @@ class HFMask:
             self._offsets = tuple(0 if self.arguments.get(name) is None else int(self.arguments[name])
                                   for name in ("q_offset", "kv_offset"))
         return self._offsets
+
+    def key_padding_on(self, device: torch.device) -> torch.Tensor | None:
+        """The key padding on ``device``, copied once per forward and device: a model split over GPUs
+        (``device_map``) runs layers on each, and accelerate's hooks cannot move a description."""
+        return None if self.key_padding is None else self._copy_on("key_padding", self.key_padding, device)
+
+    def _copy_on(self, name: str, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if tensor.device == device:
+            return tensor
+        if (name, device) not in self._on_device:
+            self._on_device[name, device] = tensor.to(device)
+        return self._on_device[name, device]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """The segment ids as position ids restarting at 0 at each document (the kernels'
@@ -124,8 +137,13 @@ class HFMask:
         None where transformers' SDPA would pass none either (`sdpa_mask`'s skips, with the flags
         transformers gave: a decode step or a causal prefill without padding, so SDPA runs its flash
         kernels, not the masked one). Packed sequences' documents always get a mask tensor."""
-        if self._built:  # every layer of a forward shares the mask: built once, None included
+        if not self._built:
+            self._build_dense(device)
+        if self._dense is None or device is None:
             return self._dense
+        return self._copy_on("dense", self._dense, device)  # the layer's device (a model split over GPUs)
+
+    def _build_dense(self, device: torch.device | None) -> None:
         if self.arguments:
             from transformers.masking_utils import sdpa_mask
 
@@ -138,7 +156,6 @@ class HFMask:
             own = whole.to_dense(seq, seq).to(device)
             self._dense = own if self._dense is None else self._dense & own.to(self._dense.device)
         self._built = True  # only once built: a build that raised is tried again, never taken for "no mask"
-        return self._dense
 
 
 class MaskIsADescription(AttributeError, TypeError):
@@ -413,7 +430,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     description = None if attention_mask is None else attention_mask.description
     if attention_mask is None and _causal(module, kwargs) and query.shape[2] > 1:
         description = CAUSAL  # transformers' convention: no mask tensor on a causal module
-    key_padding = None if attention_mask is None else attention_mask.key_padding
+    key_padding = None if attention_mask is None else attention_mask.key_padding_on(query.device)
     # Packed sequences reach the kernels as row windows read on the device (one kind at a call, and
     # not beside a bias); any other packing as a document mask, built on the host.
     cu_seqlens = position_ids = None
@@ -569,7 +586,7 @@ def _decode_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ma
         q_offset, kv_offset = mask.offsets()
         if tokens >= keys and not q_offset and not kv_offset:  # a prefill without a cache
             return None, "a prefill is not a decode step"
-        step = DecodeStep(mask.description, q_offset, kv_offset, mask.key_padding)
+        step = DecodeStep(mask.description, q_offset, kv_offset, mask.key_padding_on(query.device))
         if step.key_padding is not None and step.key_padding.shape[-1] != keys:
             return None, f"key padding of {step.key_padding.shape[-1]} keys for {keys} keys"
     why = decode_unsupported(query, key, step.mask)
@@ -729,7 +746,8 @@ def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             spec = "causal" if _causal(module, kwargs) and query.shape[2] > 1 else None
             key_padding = None
         else:
-            spec, key_padding = mask.spec, mask.key_padding
+            spec = mask.spec
+            key_padding = None if mask.key_padding is None else mask.key_padding.to(query.device)  # device_map
         out = torch.ops.stof_cc.attention(query, key, value, spec, scaling, key_padding, cu_q)
         return out.transpose(1, 2).contiguous(), None
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

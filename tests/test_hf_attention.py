@@ -411,6 +411,22 @@ def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
     assert not decode_fallbacks, decode_fallbacks
 
 
+def test_a_layer_on_another_device_gets_the_padding_and_dense_mask_there():
+    """A model split over GPUs (device_map) runs layers on each; the mask is made on the first and
+    accelerate's hooks cannot move a description: the key padding and SDPA's dense mask are copied to
+    the layer's device, once per forward (a helper's hunt found the decode kernel refusing the padding
+    of another device, and the prefill and SDPA paths the same). 'meta' stands for a second GPU."""
+    padding = torch.tensor([[True, True, False], [True, True, True]])
+    mask = stof_cc.hf.HFMask(stof_cc.hf.CAUSAL, padding, {})
+    mask._dense, mask._built = padding[:, None, None, :], True
+    other = torch.device("meta")
+    assert mask.key_padding_on(torch.device("cpu")) is padding
+    moved = mask.key_padding_on(other)
+    assert moved.device == other and moved.shape == padding.shape and mask.key_padding_on(other) is moved
+    assert mask.dense(other).device == other and mask.dense(other) is mask.dense(other)
+    assert mask.dense() is mask._dense and stof_cc.hf.HFMask(None, None, {}).key_padding_on(other) is None
+
+
 def test_a_decode_step_the_kernel_refuses_says_why():
     """Where the decode kernel does not take a step, SDPA's warning carries the kernel's own reason
     (a head dim it has no instance for, a CPU tensor), not only "off or does not take it"."""
