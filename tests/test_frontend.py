@@ -92,6 +92,19 @@ def test_data_dependent_control_flow_names_the_line():
     assert "inputs: float32[4]" in message  # the call it could not trace
 
 
+def test_a_size_that_depends_on_values_names_the_op_and_the_line():
+    """Boolean indexing traces (torch.export gives it an unbacked size), and crashed stof-cc's IR with
+    a raw GuardOnDataDependentSymNode (a newcomer's review): a TraceError names it now."""
+    class Selecting(nn.Module):
+        def forward(self, x):
+            return x[x > 0].sum()  # how many elements: known only at run time
+
+    with pytest.raises(TraceError) as info:
+        trace(Selecting(), (torch.randn(4, 8),))
+    message = str(info.value)
+    assert "aten.index.Tensor" in message and "x[x > 0]" in message and "torch.where" in message
+
+
 def test_bad_example_inputs_are_named():
     with pytest.raises(TraceError, match="needs a torch.nn.Module"):
         trace(lambda x: x, (torch.randn(2),))

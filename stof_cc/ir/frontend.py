@@ -252,8 +252,22 @@ def _convert_call(fx_node: torch.fx.Node) -> Node:
         target=target,
         args=tuple(to_value(a) for a in fx_node.args),
         kwargs={k: to_value(v) for k, v in fx_node.kwargs.items()},
-        spec=spec_of_value(fx_node.meta.get("val")),
+        spec=_static_spec(fx_node, target),
     )
+
+
+def _static_spec(fx_node: torch.fx.Node, target: str) -> Any:
+    """The node's value spec; a TraceError naming the op and the model's line where a size depends on
+    tensor values (boolean indexing, nonzero, masked_select): stof-cc's IR has static shapes."""
+    value = fx_node.meta.get("val")
+    values = value if isinstance(value, (list, tuple)) else (value,)
+    if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape) for v in values):
+        trace = (fx_node.meta.get("stack_trace") or "").strip().splitlines()
+        where = f"\n  {trace[-2].strip()}\n    {trace[-1].strip()}" if len(trace) >= 2 else ""
+        raise TraceError(f"{target} makes a tensor whose size depends on tensor values (boolean indexing, nonzero, "
+                         f"masked_select); stof-cc compiles static shapes.{where}\n  what to try: keep the shape "
+                         "static, e.g. torch.where(cond, x, 0) instead of x[cond]")
+    return spec_of_value(value)
 
 
 def _set_outputs(graph: Graph, fx_node: torch.fx.Node, output_specs: list[Any]) -> None:
