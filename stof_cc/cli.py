@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import stof_cc
-from stof_cc.backends.nvcc import CompileError, compile_cubin, nvcc_path, nvcc_version
+from stof_cc.backends.nvcc import NVCC_MISSING, CompileError, compile_cubin, nvcc_path, nvcc_version
 from stof_cc.backends.pycuda_backend import BackendError
 from stof_cc.codegen import NotFusable
 from stof_cc.ir.frontend import TraceError
@@ -208,8 +208,9 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     report = write_report(graph, plan, builds, out_dir)
     print(f"\nwrote {out_dir}/: the .cu files above, {', '.join(p.name for p in report)}")
     written = [b for b in builds if b.path]
+    skipped = " (not compiled: --no-nvcc)" if args.no_nvcc else f" (not compiled: {NVCC_MISSING})"
     print(f"\n{len(written)} of {len(builds)} groups generated"
-          + (", all compiled with nvcc for sm_90" if compile_kernels else " (not compiled: nvcc skipped)"))
+          + (", all compiled with nvcc for sm_90" if compile_kernels else skipped))
     for reason in plan.refused:
         print(f"not fused: {reason}")
     return 0
@@ -283,7 +284,7 @@ def _write_and_compile(choice, problem: AttentionProblem, build_dir: Path) -> No
     source_path.write_text(source)
     print(f"\nwrote {source_path}")
     if nvcc_path() is None:
-        print("nvcc not found: not compiled")
+        print(f"not compiled: {NVCC_MISSING}")
         return
     arch = "sm_90" + choice.template.arch_features
     report = compile_cubin(source, arch=arch, source_path=source_path).resources[name]

@@ -76,6 +76,9 @@ class Compiled:
     source_path: Path
 
 
+NVCC_MISSING = "nvcc not found: put the CUDA toolkit's bin/ on PATH or set CUDA_HOME"
+
+
 def nvcc_path() -> str | None:
     return shutil.which("nvcc") or (
         str(Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc") if "CUDA_HOME" in os.environ else None
@@ -85,7 +88,12 @@ def nvcc_path() -> str | None:
 @functools.cache
 def nvcc_version() -> str:
     exe = _require_nvcc()
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:  # a CUDA_HOME with no nvcc in it, say
+        where = "from PATH" if shutil.which("nvcc") else f"from CUDA_HOME={os.environ.get('CUDA_HOME')}"
+        raise CompileError(f"nvcc at {exe} ({where}) does not run ({exc}): point CUDA_HOME at a CUDA toolkit "
+                           "or put its bin/ on PATH") from exc
     match = re.search(r"release ([\d.]+)", out)
     return match.group(1) if match else out.strip().splitlines()[-1]
 
@@ -175,7 +183,7 @@ def compile_many(jobs: list[tuple[str, str]], workers: int | None = None) -> lis
 def _require_nvcc() -> str:
     exe = nvcc_path()
     if exe is None:
-        raise CompileError("nvcc not found: put the CUDA toolkit's bin/ on PATH or set CUDA_HOME")
+        raise CompileError(NVCC_MISSING)
     return exe
 
 
