@@ -456,3 +456,25 @@ def test_padding_values_and_fully_padded_rows_mean_what_they_mean_in_the_model(a
             want = module(*args, attention_mask=mask).last_hidden_state
         torch.testing.assert_close(compiled(*args, attention_mask=mask).last_hidden_state, want,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp32_models_attention_in_the_fp16_kernels_is_said_once():
+    """A newcomer's review: dtype=torch.float32 ran the attention in fp16 without a word. The step's
+    note says so, and one warning per compiled model."""
+    from stof_cc.passes import lower
+    from stof_cc.runtime.compiled import CompiledModule
+
+    class Attending(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.randn(1, 2, 128, 64)
+    graph, plan = lower(Attending(), (q, q, q))
+    module = CompiledModule(Attending(), torch.float32, None, use_gpu_kernels=False, build_dir=None)
+    with pytest.warns(UserWarning, match="runs in torch.float32; its attention runs in the fp16 kernels") as caught:
+        steps = module.steps(graph, plan, gpu=True)
+        module.steps(graph, plan, gpu=True)
+    assert len([w for w in caught if "fp16 kernels" in str(w.message)]) == 1
+    assert any(s.kind == "attention" and "in fp16" in s.note for s in steps)
+    half = CompiledModule(Attending(), torch.float16, None, use_gpu_kernels=False, build_dir=None)
+    assert not any("in fp16" in s.note for s in half.steps(graph, plan, gpu=True))

@@ -125,6 +125,7 @@ class CompiledModule:
         self._watch = WeightWatch(source)
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
+        self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         changed = self._watch.changed()
@@ -300,6 +301,14 @@ class CompiledModule:
         # a query whose keys are all padding gets what the model's own attention gave it (the
         # kernels write 0); under mask= the mask is the user's, and such a query gets 0
         empty_rows = given.get("empty_rows") if override is None and given.get("key_padding") is not None else None
+        if self.dtype not in (torch.float16, torch.bfloat16):  # `_attention` converts: say so, once per model
+            note += f", in fp16 (the kernels' dtype; the model runs in {self.dtype})"
+            if not self._said_fp16:
+                self._said_fp16 = True
+                warnings.warn(f"stof_cc.compile: the model runs in {self.dtype}; its attention runs in the fp16 kernels "
+                              "(q, k and v converted, the output converted back: about 1e-3 of relative rounding). "
+                              "Pass dtype=torch.float16 or torch.bfloat16 to run the whole model in the kernels' "
+                              "dtype", stacklevel=4)
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
                     bias=tuple(r.name for r in bias), empty_rows=empty_rows)
 
@@ -374,7 +383,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
             dtype: torch.dtype = torch.float16, build_dir: str | Path | None = None, tune: bool = True,
             database: TuningDatabase | str | Path | None = None, cuda_graphs: bool = True) -> CompiledModule:
     """Compile ``model`` for inputs shaped like ``example_inputs`` / ``example_kwargs`` (more
-    shapes compile on first use). The model and floating inputs run in ``dtype``; ``mask``
+    shapes compile on first use). The model and floating inputs run in ``dtype`` (with float32 the
+    attention still runs in the fp16 kernels, said once with a warning); ``mask``
     replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`.
     Group kernels run the tuning database's winners where it has them (``database``: a
     `TuningDatabase` or its path; default the user's); ``tune`` (the default) first measures, on
