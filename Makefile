@@ -33,7 +33,7 @@ test: $(STAMP)
 	@echo "make test 1/2: the CPU suite (GPU tests skip without a GPU), on every core"
 	$(PY) -m pytest -q -n auto -m "not slow"
 	@echo "make test 2/2: the slow tests: every kernel template rendered and compiled for sm_90 by nvcc"
-	@echo "  (minutes on 2 cores the first time; the cubins are kept in $${STOF_CC_CACHE:-~/.cache/stof-cc}, so later runs are quick)"
+	@echo "  (minutes on 2 cores the first time; the cubins are kept in $${STOF_CC_CACHE:-~/.cache/stof-cc}/cubin, so later runs are quick)"
 	$(PY) -m pytest -q -n auto -m slow --durations=5
 
 lint: $(STAMP)

@@ -235,22 +235,22 @@ def _cmd_tune(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
-    if args.action == "clear":
-        check_database_argument(args.db if args.db is not None else default_path(), "--db")  # touches nothing
-        path = Path(args.db) if args.db is not None else default_path()
-        if not path.exists():
-            print(f"{path}: no tuning database there; nothing to clear")
-            return 0
+    path, origin = _database_choice(args)
+    check_database_argument(path, origin)  # touches nothing
+    path = Path(path)
+    if not path.exists():  # nothing tuned yet: the first tuned compile makes it
+        print(f"{path} ({origin}): no tuning database there"
+              + ("; nothing to clear" if args.action == "clear" else
+                 " yet, 0 records (a tuned compile or `stof-cc tune` makes it)"))
+        return 0
+    try:
         TuningDatabase(path, read_only=True).close()  # not a tuning database: an error, and the file untouched
+    except TuningDatabaseError as exc:
+        raise TuningDatabaseError(f"{exc}; stof-cc leaves such a file as it is: move it aside or remove it, "
+                                  f"or name another file ({origin})") from None
+    if args.action == "clear":
         db = TuningDatabase(path)
         print(f"{db.path}: removed {db.clear()} record(s)")
-        return 0
-    path = Path(args.db) if args.db is not None else default_path()
-    check_database_argument(path, "--db")
-    if not path.exists():  # nothing tuned yet: the first tuned compile makes it
-        origin = "" if args.db is not None else \
-            " ($STOF_CC_TUNING_DB)" if os.environ.get("STOF_CC_TUNING_DB") else " (the default)"
-        print(f"{path}{origin}: no tuning database yet, 0 records (a tuned compile or `stof-cc tune` makes it)")
         return 0
     db = TuningDatabase(path, read_only=True)  # a listing creates, moves and writes nothing
     records = db.records()
@@ -259,6 +259,16 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         print(f"  {r.template:<16} {r.signature:<40} {r.micros:9.2f} us  {json.dumps(r.params, sort_keys=True)}  "
               f"[{r.device}]")
     return 0
+
+
+def _database_choice(args: argparse.Namespace) -> tuple[str | Path, str]:
+    """The tuning database's path and where it came from, for messages: ``--db``, the
+    STOF_CC_TUNING_DB variable, or the default."""
+    if args.db is not None:
+        return args.db, "--db"
+    if os.environ.get("STOF_CC_TUNING_DB"):
+        return default_path(), "STOF_CC_TUNING_DB"
+    return default_path(), "the default"
 
 
 def _cmd_attention(args: argparse.Namespace) -> int:

@@ -381,7 +381,8 @@ def test_cache_list_refuses_what_is_not_a_tuning_database_and_changes_nothing(tm
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert main(["cache", "list", "--db", str(path)]) == 2
-    assert capsys.readouterr().err == f"stof-cc: error: {message}\n"
+    assert capsys.readouterr().err == (f"stof-cc: error: {message}; stof-cc leaves such a file as it is: move it "
+                                       "aside or remove it, or name another file (--db)\n")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*")} == before
 
 
@@ -392,8 +393,8 @@ def test_cache_list_of_no_database_yet_lists_nothing_and_creates_nothing(tmp_pat
 
     missing = tmp_path / "no" / "such" / "dir" / "t.sqlite"
     assert main(["cache", "list", "--db", str(missing)]) == 0
-    assert capsys.readouterr().out == f"{missing}: no tuning database yet, 0 records (a tuned compile or " \
-                                      "`stof-cc tune` makes it)\n"
+    assert capsys.readouterr().out == f"{missing} (--db): no tuning database there yet, 0 records (a tuned " \
+                                      "compile or `stof-cc tune` makes it)\n"
     assert list(tmp_path.iterdir()) == []
 
 
@@ -426,5 +427,5 @@ def test_cache_clear_touches_only_a_tuning_database(tmp_path: Path, capsys, case
     if case == "missing":
         assert code == 0 and "nothing to clear" in captured.out and not path.parent.exists()
     else:
-        assert code == 2 and captured.err == f"stof-cc: error: {message}\n"
+        assert code == 2 and captured.err.startswith(f"stof-cc: error: {message}; ") and "move it aside" in captured.err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
