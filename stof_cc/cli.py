@@ -170,7 +170,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     graph, plan = lower(module, example_args, example_kwargs, name=_model_name(args.model), reports=reports,
                         instrument=lambda stage, g: [instrument(stage, g) for instrument in instruments])
     if args.passes:
-        print(f"{reports}\n\nfusion partition (`stof-cc compile` generates it):\n{plan}\n")
+        print(f"{reports}\n\nfusion partition (`stof-cc compile` generates it, splitting a group no template takes whole):\n{plan}\n")
     else:
         graph = stages["trace"]
     if not args.quiet_graph:

@@ -35,9 +35,9 @@ class HorizontalReport:
 
     def __str__(self) -> str:
         if not self.merged:
-            return "horizontal: no sibling linears"
+            return "merge_parallel_linears: no sibling linears"
         parts = [f"%{name} = {' + '.join('%' + s for s in siblings)}" for name, siblings in self.merged.items()]
-        return f"horizontal: {len(self.merged)} merge{'s' if len(self.merged) > 1 else ''} ({'; '.join(parts)})"
+        return f"merge_parallel_linears: {len(self.merged)} merge{'s' if len(self.merged) > 1 else ''} ({'; '.join(parts)})"
 
 
 def merge_parallel_linears(graph: Graph, report: HorizontalReport | None = None) -> Graph:

@@ -69,7 +69,7 @@ class KeyPaddingReport:
 
     def __str__(self) -> str:
         padded = sum(bool(source) for source in self.rewritten.values())
-        lines = [f"key_padding: {len(self.rewritten)} attention mask(s) described, {padded} with key_padding"]
+        lines = [f"describe_key_padding: {len(self.rewritten)} attention mask(s) described, {padded} with key_padding"]
         lines += [f"  %{node} <- {'%' + source if source else 'no input'}, {self.structure[node]}"
                   for node, source in self.rewritten.items()]
         lines += [f"  kept the mask tensor of %{node}: {why}" for node, why in self.refused.items()]

@@ -46,7 +46,7 @@ class LayoutReport:
     collapsed: list[str] = field(default_factory=list)  # linears whose input chain became permute + reshape
 
     def __str__(self) -> str:
-        return (f"gemm_layouts: {len(self.transposed_outputs)} prologue transpose(s) moved after the GEMM, "
+        return (f"simplify_gemm_layouts: {len(self.transposed_outputs)} prologue transpose(s) moved after the GEMM, "
                 f"{len(self.moved_before)} layout chain(s) moved before it, {len(self.collapsed)} input chain(s) "
                 f"collapsed to permute + reshape")
 
