@@ -260,7 +260,7 @@ def test_attention_says_why_its_pick_differs_from_stofs_rule(monkeypatch, capsys
     chosen = re.search(r"chosen: attention_wgmma_ws (wgmma_ws m\d+ n\d+ w\d+ s\d+[a-z ]*),", out).group(1)
     ours = re.search(rf"  {chosen}: ([\d.]+) us est", out).group(1)
     best_blockwise = re.search(r"  (blockwise m\d+ n\d+ w\d+ s\d+): ([\d.]+) us est", out)
-    assert ("STOF's density rule suggests blockwise (rho=0.1248 >= tau=0.0156); the cost model picks wgmma_ws "
+    assert ("STOF's density rule suggests blockwise (rho=0.1248, the share of 16 x 16 blocks with an allowed element, >= tau=0.0156); the cost model picks wgmma_ws "
             f"instead:\n  estimated {ours} us against {best_blockwise.group(2)} us for the best blockwise point "
             f"({best_blockwise.group(1)})\n") in out
     assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096", "--head-dim", "32"]) == 0

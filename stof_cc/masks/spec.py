@@ -125,6 +125,8 @@ def _factor(text: str, spec: str, seq: int | None) -> MaskDescription:
         return ~_factor(text[1:], spec, seq)
     name, _, args = text.partition(":")
     name = name.strip()
+    if not name:
+        raise MaskError(f"spec {spec!r}: an empty term (an operator with nothing on one side, such as '&&')")
     if name == "grid":
         if seq is None:
             raise MaskError(f"spec {spec!r}: grid masks depend on the sequence length; pass seq")

@@ -60,7 +60,8 @@ from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
 
-NO_GPU = "no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA)"
+NO_GPU = ("no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA): every group runs in torch; "
+          "`stof-cc compile --why` says what would be generated, and why not")
 
 
 @dataclass

@@ -61,7 +61,8 @@ class AttentionChoice:
 
     def _against_stof_rule(self) -> str:
         rho, tau, suggested = self.stof_rule
-        rule = f"STOF's density rule suggests {suggested} (rho={rho:.4f} {'>=' if rho >= tau else '<'} tau={tau:.4f})"
+        rule = (f"STOF's density rule suggests {suggested} (rho={rho:.4f}, the share of 16 x 16 blocks with an allowed "
+                f"element, {'>=' if rho >= tau else '<'} tau={tau:.4f})")
         strategy = self.params["strategy"]
         if strategy == suggested:
             return f"{rule}: the chosen strategy too"
