@@ -29,7 +29,7 @@ from stof_cc.ir.ops import OPAQUE, pattern_kind
 from stof_cc.ir.paths import PathError, blocking_file, path_in
 from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.loading import FactoryError, load_factory
-from stof_cc.masks import MaskError
+from stof_cc.masks import MaskDescription, MaskError
 from stof_cc.masks.cli import add_masks_command
 from stof_cc.masks.spec import parse_spec
 from stof_cc.passes import PassReports, cast_floating, dump_to, lower
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--passes", action="store_true",
                          help="a line per pass saying what it did (--check checks the graph after each), then the fusion partition")
     inspect.add_argument("--dump-ir", metavar="DIR", help="write the graph after tracing and after each pass to DIR")
+    inspect.add_argument("--mask", metavar="SPEC", help=MASK_HELP)
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
     compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                           help="the model and its floating inputs are cast to this before tracing (%(default)s)")
+    compile_.add_argument("--mask", metavar="SPEC", help=MASK_HELP)
     compile_.add_argument("--why", action="store_true",
                           help="under each group torch runs, every template's reason, not only the one that matters")
     compile_.set_defaults(run=_cmd_compile)
@@ -183,7 +185,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           + (f"; trace-time checks (assert_metadata, dropped by canonicalize): {checks}" if checks else ""))
     for node in opaque:
         print(f"  %{node.name}: {node.target}")
-    _print_attention_choices(graph)
+    _print_attention_choices(graph, _mask_argument(args))
     dot_path = path_in(Path(args.build_dir), graph.name, "graph.dot")
     dot_path.parent.mkdir(parents=True, exist_ok=True)
     dot_path.write_text(graph.to_dot())
@@ -203,7 +205,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     plan = choose_scheme(graph, plan)
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
     out_dir = path_in(Path(args.build_dir), graph.name)
-    builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels)
+    builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels, mask=_mask_argument(args))
     print(format_builds(builds, plan, why=args.why))
     report = write_report(graph, plan, builds, out_dir)
     print(f"\nwrote {out_dir}/: the .cu files above, {', '.join(p.name for p in report)}")
@@ -317,20 +319,29 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
     return 0 if ok else 1
 
 
-def _print_attention_choices(graph: Graph) -> None:
-    """For each SDPA or recognised attention node: the kernel the cost model would pick (its
-    own mask: causal when it says so, none when it has none), or why there is none."""
+def _print_attention_choices(graph: Graph, mask: MaskDescription | None) -> None:
+    """For each SDPA or recognised attention node: the kernel the cost model would pick (under
+    ``mask``, else its own: causal when it says so, none when it has none), or why there is none."""
     nodes = [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
     if nodes and not torch.cuda.is_available():
         print()
         _say_assumed_gpu("choosing attention kernels")
     for node in nodes:
         try:
-            template, problem, params, _ = attention_kernel(graph, node)
+            template, problem, params, _ = attention_kernel(graph, node, mask)
         except NotFusable as why:
             print(f"\n{why}")
             continue
         print(f"\n%{node.name}: attention kernel {config_label(params)} ({template.kernel_name(problem, params)})")
+
+
+MASK_HELP = ("a mask spec as in `masks show` (causal, sliding:w=256, bigbird:..., & | ~ to combine) replacing the "
+             "attention nodes' own masks, as stof_cc.compile(mask=) does")
+
+
+def _mask_argument(args: argparse.Namespace) -> MaskDescription | None:
+    """``--mask`` as a description (grid masks need a sequence length: `stof-cc attention` takes those)."""
+    return None if args.mask is None else parse_spec(args.mask)
 
 
 def _say_assumed_gpu(doing: str) -> None:

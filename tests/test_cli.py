@@ -293,3 +293,20 @@ def test_a_reader_that_goes_away_is_not_an_error(example_path):
         errors = process.stderr.read().decode()
         process.wait(timeout=120)
     assert "error" not in errors, errors
+
+
+def test_compile_with_a_mask_generates_the_attention_a_runtime_mask_kept_in_torch(tmp_path, capsys):
+    """A newcomer's review: the encoder layer's boolean mask tensor kept its attention in torch, and the
+    message's remedy (a description) had no form on the command line. `--mask SPEC` is that form."""
+    from stof_cc.cli import main
+
+    assert main(["compile", "examples/encoder_layer.py:factory", "--no-nvcc", "--build-dir", str(tmp_path)]) == 0
+    without = capsys.readouterr().out
+    assert "--mask SPEC" in without
+    assert main(["compile", "examples/encoder_layer.py:factory", "--no-nvcc", "--build-dir", str(tmp_path),
+                 "--mask", "sliding:w=64"]) == 0
+    attention_rows = [line for line in capsys.readouterr().out.splitlines() if " attention " in line]
+    assert attention_rows and "attention_" in attention_rows[0] and ".cu" in attention_rows[0], attention_rows
+    assert main(["inspect", "examples/encoder_layer.py:factory", "--quiet-graph", "--build-dir", str(tmp_path),
+                 "--mask", "causal & ~sliding:w=8"]) == 0
+    assert "attention kernel" in capsys.readouterr().out

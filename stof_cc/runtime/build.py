@@ -24,6 +24,7 @@ from stof_cc.backends.rotary_launch import rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.paths import blocking_file, path_in
+from stof_cc.masks import MaskDescription
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.templates.group import applicable_templates, group_header
 from stof_cc.templates.pricing import sm_count, target_capability
@@ -56,14 +57,16 @@ class _NoTemplate(NotFusable):
 
 
 def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels: bool = True,
-                 measured: Callable[[KernelTemplate, FusionGroup], float | None] | None = None) -> list[GroupBuild]:
+                 measured: Callable[[KernelTemplate, FusionGroup], float | None] | None = None,
+                 mask: MaskDescription | None = None) -> list[GroupBuild]:
     """Write (and compile) the kernel of every group a template covers; one entry per group.
-    ``measured(template, group)``, if given, looks up a tuned time (the tuning database)."""
+    ``measured(template, group)``, if given, looks up a tuned time (the tuning database); ``mask``
+    replaces the attention nodes' own masks, as `stof_cc.compile(mask=)` does."""
     out_dir.mkdir(parents=True, exist_ok=True)
     builds = []
     for group in plan.scheme.groups:
         try:
-            template, source, params, note, estimate_us = _generate(graph, group)
+            template, source, params, note, estimate_us = _generate(graph, group, mask)
         except NotFusable as why:
             refused = why.refused if isinstance(why, _NoTemplate) else (str(why),)
             builds.append(GroupBuild(group, None, None, None, f"torch: {why}", refused=refused))
@@ -117,9 +120,10 @@ def _rotary_sources(graph: Graph, group: FusionGroup) -> tuple[list[str], list[s
     return list(sources.values()), notes
 
 
-def _generate(graph: Graph, group: FusionGroup) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
+def _generate(graph: Graph, group: FusionGroup,
+              mask: MaskDescription | None) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
     if group.kind == "attention":
-        template, problem, params, estimate_us = attention_kernel(graph, graph.node(group.anchor))
+        template, problem, params, estimate_us = attention_kernel(graph, graph.node(group.anchor), mask)
         header = group_header(graph, group, template.name, params)
         rotary, rotary_notes = _rotary_sources(graph, group)
         views = any(n != group.anchor and graph.node(n).op != "rotary" for n in group.nodes)

@@ -289,7 +289,7 @@ class CompiledModule:
             raise ValueError(f"stof_cc.compile: mask= cannot replace the mask of %{anchor.name}: its scores are "
                              "softcapped, which only the model's own attention computes")
         try:
-            attention_kernel(graph, anchor, ignore_mask=override is not None)
+            attention_kernel(graph, anchor, mask=override)
         except NotFusable as why:  # the model's meaning is kept; its speed is not stof-cc's
             warnings.warn(f"stof_cc.compile: attention {why}; it runs in torch", stacklevel=4)
             return Step(group, "torch", str(why), mask=override)

@@ -221,20 +221,22 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
     return CAUSAL if given.get("window") is None else causal_window(given["window"])
 
 
-def attention_kernel(graph: Graph, node: Node,
-                     ignore_mask: bool = False) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
+def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = None
+                     ) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
     """The attention template, problem, parameters and estimate the cost model picks for an SDPA
-    or recognised attention node (its own static mask: causal, a causal window or none; key
-    padding is read by the kernel per call and chosen for as if no key were padded); NotFusable
+    or recognised attention node under ``mask`` (`compile(mask=)`, replacing the node's own mask,
+    a boolean tensor included), else its own static mask (causal, a causal window or none); key
+    padding is read by the kernel per call and chosen for as if no key were padded. NotFusable
     with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
     q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
     attn_mask = given.get("attn_mask")
     bias = bool(added_biases(graph, node))  # a float mask, ALiBi: the kernel variant that adds it (kept under mask=)
-    if attn_mask is not None and not ignore_mask and not is_bias(graph, attn_mask):  # (ignored: `compile(mask=)` replaces it)
+    if attn_mask is not None and mask is None and not is_bias(graph, attn_mask):  # (`compile(mask=)` replaces it)
         raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
-                         "(give the mask as a description: stof_cc.compile(..., mask=) or stof_cc.backend(mask=))")
+                         "(give the mask as a description: stof_cc.compile(..., mask=), stof_cc.backend(mask=) or "
+                         "stof-cc compile --mask SPEC)")
     if given.get("softcap") is not None:
         raise NotFusable(f"%{node.name}: softcapped scores (c * tanh(s / c), c = {given['softcap']}) are not in "
                          "stof-cc's attention kernels yet")
@@ -242,8 +244,7 @@ def attention_kernel(graph: Graph, node: Node,
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
-    mask = node_mask(given, None)
-    choice = explain_attention(b, h, s_q, k.shape[2], d, mask, dtype=dtype)
+    choice = explain_attention(b, h, s_q, k.shape[2], d, node_mask(given, mask), dtype=dtype)
     kv_heads = k.shape[1] if k.shape[1] != h else None  # grouped-query: the kernel reads K/V head h // group
     return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads, bias), choice.params,
             choice.estimates[0].micros)

@@ -210,7 +210,7 @@ def _time_library(graph, group, values, database, device, progress) -> None:
 def _tune_attention_group(graph, group, values, database, top_k, progress, override=None) -> SearchReport | None:
     given = attention_arguments(graph.node(group.anchor))
     try:
-        attention_kernel(graph, graph.node(group.anchor), ignore_mask=override is not None)
+        attention_kernel(graph, graph.node(group.anchor), mask=override)
     except NotFusable as why:
         progress(f"{group.name}: not tuned ({why})")
         return None
