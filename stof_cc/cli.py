@@ -37,7 +37,13 @@ from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, format_builds
 from stof_cc.runtime.report import write_report
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem, config_label
-from stof_cc.templates.pricing import H100, H100_SM_COUNT
+from stof_cc.templates.pricing import (
+    TARGETS,
+    choose_target,
+    chosen_target,
+    target_capability,
+    target_name,
+)
 from stof_cc.tune.attention import attention_kernel, explain_attention
 from stof_cc.tune.database import (
     TuningDatabase,
@@ -54,6 +60,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        choose_target(getattr(args, "arch", None))
         return args.run(args)
     except (FactoryError, TraceError, GraphError, AttentionInputError, MaskError, CompileError,
             BackendError, TuningDatabaseError, PathError) as exc:
@@ -65,6 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a --build-dir, --out or --db that cannot be written (under a file, read-only)
         print(f"stof-cc: error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
+    finally:
+        choose_target(None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a line per pass saying what it did (--check checks the graph after each), then the fusion partition")
     inspect.add_argument("--dump-ir", metavar="DIR", help="write the graph after tracing and after each pass to DIR")
     inspect.add_argument("--mask", metavar="SPEC", help=MASK_HELP)
+    inspect.add_argument("--arch", choices=sorted(TARGETS), help=ARCH_HELP)
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -95,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16",
                            help="dtype of q, k and v (default: %(default)s)")
     attention.add_argument("--build-dir", help="write the chosen kernel's .cu here and compile it with nvcc")
+    attention.add_argument("--arch", choices=sorted(TARGETS), help=ARCH_HELP + " (not with --check)")
     attention.add_argument("--check", action="store_true",
                            help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
     attention.set_defaults(run=_cmd_attention)
@@ -107,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                           help="the model and its floating inputs are cast to this before tracing (%(default)s)")
     compile_.add_argument("--mask", metavar="SPEC", help=MASK_HELP)
+    compile_.add_argument("--arch", choices=sorted(TARGETS), help=ARCH_HELP)
     compile_.add_argument("--why", action="store_true",
                           help="under each group torch runs, every template's reason, not only the one that matters")
     compile_.set_defaults(run=_cmd_compile)
@@ -212,7 +224,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     written = [b for b in builds if b.path]
     skipped = " (not compiled: --no-nvcc)" if args.no_nvcc else f" (not compiled: {NVCC_MISSING})"
     print(f"\n{len(written)} of {len(builds)} groups generated"
-          + (", all compiled with nvcc for sm_90" if compile_kernels else skipped))
+          + (f", all compiled with nvcc for {target_name().split()[0]}" if compile_kernels else skipped))
     for reason in plan.refused:
         print(f"not fused: {reason}")
     return 0
@@ -274,6 +286,9 @@ def _database_choice(args: argparse.Namespace) -> tuple[str | Path, str]:
 
 
 def _cmd_attention(args: argparse.Namespace) -> int:
+    if args.check and args.arch:
+        print("stof-cc: error: --check runs the kernel on the visible GPU; it does not go with --arch", file=sys.stderr)
+        return 2
     mask = parse_spec(args.mask, seq=args.seq)
     _say_assumed_gpu("choosing the kernel")
     choice = explain_attention(args.batch, args.heads, args.seq, args.seq, args.head_dim, mask, _DTYPES[args.dtype])
@@ -298,7 +313,8 @@ def _write_and_compile(choice, problem: AttentionProblem, build_dir: Path) -> No
     if nvcc_path() is None:
         print(f"not compiled: {NVCC_MISSING}")
         return
-    arch = "sm_90" + choice.template.arch_features
+    major, minor = target_capability()
+    arch = f"sm_{major}{minor}" + choice.template.arch_features
     report = compile_cubin(source, arch=arch, source_path=source_path).resources[name]
     print(f"nvcc {arch}: {report.registers} registers, {report.spill_stores} bytes spilled, "
           f"{choice.template.shared_bytes(problem, choice.params)} bytes of dynamic shared memory")
@@ -323,7 +339,7 @@ def _print_attention_choices(graph: Graph, mask: MaskDescription | None) -> None
     """For each SDPA or recognised attention node: the kernel the cost model would pick (under
     ``mask``, else its own: causal when it says so, none when it has none), or why there is none."""
     nodes = [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
-    if nodes and not torch.cuda.is_available():
+    if nodes and (chosen_target() or not torch.cuda.is_available()):
         print()
         _say_assumed_gpu("choosing attention kernels")
     for node in nodes:
@@ -344,11 +360,15 @@ def _mask_argument(args: argparse.Namespace) -> MaskDescription | None:
     return None if args.mask is None else parse_spec(args.mask)
 
 
+ARCH_HELP = ("generate for this GPU generation instead of the visible GPU (or, without one, the H100); "
+             "sm_80 and sm_86 get no wgmma kernels")
+
+
 def _say_assumed_gpu(doing: str) -> None:
-    """Say which GPU a command targets when none is visible: the H100, whose constants the
-    cost model and templates hold (`templates/pricing.py`)."""
-    if not torch.cuda.is_available():
-        print(f"no GPU visible: {doing} for sm_{H100[0]}{H100[1]} (H100, {H100_SM_COUNT} SMs)")
+    """Say which GPU a command targets when it is not the visible one: ``--arch``'s, or without a
+    GPU the H100, whose constants the cost model and templates hold (`templates/pricing.py`)."""
+    if chosen_target() or not torch.cuda.is_available():
+        print(f"{'--arch' if chosen_target() else 'no GPU visible'}: {doing} for {target_name()}")
 
 
 def format_histogram(graph: Graph) -> str:

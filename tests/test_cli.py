@@ -310,3 +310,22 @@ def test_compile_with_a_mask_generates_the_attention_a_runtime_mask_kept_in_torc
     assert main(["inspect", "examples/encoder_layer.py:factory", "--quiet-graph", "--build-dir", str(tmp_path),
                  "--mask", "causal & ~sliding:w=8"]) == 0
     assert "attention kernel" in capsys.readouterr().out
+
+
+def test_arch_generates_for_another_gpu_generation_and_then_lets_go(tmp_path, capsys):
+    """A newcomer's review: without a GPU everything targeted sm_90, so an A100 user could not
+    preview their kernels. `--arch sm_80`: attention on the mma.sync templates, GEMM groups in torch
+    (the GEMM template is sm_90a), estimates at 108 SMs; the target is the visible GPU's again after."""
+    from stof_cc.cli import main
+    from stof_cc.templates.pricing import chosen_target, sm_count, target_capability
+
+    before = (target_capability(), sm_count())
+    assert main(["compile", "examples/encoder_layer.py:factory", "--no-nvcc", "--build-dir", str(tmp_path),
+                 "--arch", "sm_80", "--mask", "causal"]) == 0
+    out = capsys.readouterr().out
+    assert "--arch: generating for sm_80 (A100, 108 SMs)" in out
+    assert re.search(r"attention\s+scaled_dot_product_attention\s+attention_(blockwise|rowwise)\s+g1\.cu", out), out
+    assert "torch: gemm_epilogue: not for compute capability 8.0" in out
+    assert chosen_target() is None and (target_capability(), sm_count()) == before
+    assert main(["attention", "--mask", "causal", "--seq", "256", "--arch", "sm_80", "--check"]) == 2
+    assert "does not go with --arch" in capsys.readouterr().err

@@ -98,15 +98,48 @@ def epilogue_cost(ops: list[str]) -> float:
 
 H100 = (9, 0)  # the target when no GPU is visible (kernels are written and compiled for sm_90)
 H100_SM_COUNT = 132  # the GPU the constants describe
+# Targets the shell commands can generate for without that GPU (`--arch`): capability, SMs and the
+# GPU whose SM count stands for the family (estimates scale by SM count).
+TARGETS = {"sm_80": ((8, 0), 108, "A100"), "sm_86": ((8, 6), 84, "A40"), "sm_89": ((8, 9), 142, "L40S"),
+           "sm_90": (H100, H100_SM_COUNT, "H100")}
+_chosen_target: list[str] = []  # `choose_target`'s, while set
+
+
+def choose_target(arch: str | None) -> None:
+    """Generate for ``arch`` (a TARGETS key) instead of the visible GPU or the H100 (None: back to
+    those): what `stof-cc compile --arch` and friends do; nothing runs kernels then."""
+    if arch is not None and arch not in TARGETS:
+        raise ValueError(f"unknown target {arch!r}; known: {', '.join(TARGETS)}")
+    _chosen_target[:] = [arch] if arch is not None else []
+
+
+def chosen_target() -> str | None:
+    """`choose_target`'s arch, or None."""
+    return _chosen_target[0] if _chosen_target else None
+
+
+def target_name() -> str:
+    """The target as commands print it: 'sm_90 (H100, 132 SMs)'."""
+    major, minor = target_capability()
+    arch = f"sm_{major}{minor}"
+    gpu = TARGETS[_chosen_target[0]][2] if _chosen_target else torch.cuda.get_device_name() \
+        if torch.cuda.is_available() else "H100"
+    return f"{arch} ({gpu}, {sm_count()} SMs)"
 
 
 def target_capability() -> tuple[int, int]:
-    """The compute capability kernels are chosen for: the current GPU's, else the H100's."""
+    """The compute capability kernels are chosen for: `choose_target`'s, else the current GPU's,
+    else the H100's."""
+    if _chosen_target:
+        return TARGETS[_chosen_target[0]][0]
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else H100
 
 
 def sm_count() -> int:
-    """SMs of the current GPU; without one, the H100's 132 (estimates still rank on the CPU)."""
+    """SMs of `choose_target`'s GPU, else the current GPU's; without one, the H100's 132
+    (estimates still rank on the CPU)."""
+    if _chosen_target:
+        return TARGETS[_chosen_target[0]][1]
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return H100_SM_COUNT
