@@ -102,27 +102,28 @@ H100_SM_COUNT = 132  # the GPU the constants describe
 # GPU whose SM count stands for the family (estimates scale by SM count).
 TARGETS = {"sm_80": ((8, 0), 108, "A100"), "sm_86": ((8, 6), 84, "A40"), "sm_89": ((8, 9), 142, "L40S"),
            "sm_90": (H100, H100_SM_COUNT, "H100")}
-_chosen_target: list[str] = []  # `choose_target`'s, while set
+_chosen_target: str | None = None  # `choose_target`'s, while set
 
 
 def choose_target(arch: str | None) -> None:
     """Generate for ``arch`` (a TARGETS key) instead of the visible GPU or the H100 (None: back to
     those): what `stof-cc compile --arch` and friends do; nothing runs kernels then."""
+    global _chosen_target
     if arch is not None and arch not in TARGETS:
         raise ValueError(f"unknown target {arch!r}; known: {', '.join(TARGETS)}")
-    _chosen_target[:] = [arch] if arch is not None else []
+    _chosen_target = arch
 
 
 def chosen_target() -> str | None:
     """`choose_target`'s arch, or None."""
-    return _chosen_target[0] if _chosen_target else None
+    return _chosen_target
 
 
 def target_name() -> str:
     """The target as commands print it: 'sm_90 (H100, 132 SMs)'."""
     major, minor = target_capability()
     arch = f"sm_{major}{minor}"
-    gpu = TARGETS[_chosen_target[0]][2] if _chosen_target else torch.cuda.get_device_name() \
+    gpu = TARGETS[_chosen_target][2] if _chosen_target else torch.cuda.get_device_name() \
         if torch.cuda.is_available() else "H100"
     return f"{arch} ({gpu}, {sm_count()} SMs)"
 
@@ -131,7 +132,7 @@ def target_capability() -> tuple[int, int]:
     """The compute capability kernels are chosen for: `choose_target`'s, else the current GPU's,
     else the H100's."""
     if _chosen_target:
-        return TARGETS[_chosen_target[0]][0]
+        return TARGETS[_chosen_target][0]
     return torch.cuda.get_device_capability() if torch.cuda.is_available() else H100
 
 
@@ -139,7 +140,7 @@ def sm_count() -> int:
     """SMs of `choose_target`'s GPU, else the current GPU's; without one, the H100's 132
     (estimates still rank on the CPU)."""
     if _chosen_target:
-        return TARGETS[_chosen_target[0]][1]
+        return TARGETS[_chosen_target][1]
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return H100_SM_COUNT
