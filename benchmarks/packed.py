@@ -18,6 +18,10 @@ over ``--calls``, the median over ``--passes`` passes after a warm-up pass:
 - ``stof``: `stof_cc.attention(q, k, v, masks.causal() & masks.document(lengths))`, the
   description made in the call, as a user makes it (its kernel choice is shared by masks of one
   kind, its block mask built per call on the host);
+- ``stof_mask_mod``: `stof_cc.attention(q, k, v, masks.from_mask_mod(mask_mod))` with the mask_mod a
+  FlexAttention user writes (the ``flex`` row's, over that call's document ids), made in the call: its
+  code compiled once, its block mask assembled on the GPU per call (`BlockMask.from_grid`), its kernel
+  choice shared by closures of one code (`MaskDescription.choice_group`);
 - ``stof_prebuilt``: the same masks described and planned before timing: the attention alone,
   which the bar measures the whole call against (within 1.1x);
 - ``fa4_varlen``: FlashAttention-4's `flash_attn_varlen_func` with ``cu_seqlens`` (int32, on the
@@ -60,7 +64,7 @@ from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
 
 TOLERANCE = 1e-2
 SAMPLED_ROWS = 256
-IMPLEMENTATIONS = ("stof_varlen", "stof_varlen_graph", "stof", "stof_prebuilt", "fa4_varlen", "flex", "flex_flash")
+IMPLEMENTATIONS = ("stof_varlen", "stof_varlen_graph", "stof", "stof_mask_mod", "stof_prebuilt", "fa4_varlen", "flex", "flex_flash")
 
 
 def boundary_sets(seq: int, docs: int, calls: int, seed: int = 0) -> list[list[int]]:
@@ -102,6 +106,8 @@ def implementations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sets: lis
         "stof_varlen": lambda i: attention(q, k, v, causal, cu_seqlens=bounds[i]),
         "stof": lambda i: attention(q, k, v, masks.causal() & masks.document(sets[i])),
     }
+    ids = [document_ids(lengths, q.device) for lengths in sets]
+    runs["stof_mask_mod"] = lambda i: attention(q, k, v, masks.from_mask_mod(_documents_mask_mod(ids[i])))
     runs["stof_varlen_graph"] = _captured(lambda cu_seqlens: attention(q, k, v, causal, cu_seqlens=cu_seqlens), bounds)
     prebuilt = [masks.causal() & masks.document(lengths) for lengths in sets]
     runs["stof_prebuilt"] = lambda i: attention(q, k, v, prebuilt[i])
@@ -166,10 +172,14 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sets: list[list[int
 
     def run(i: int) -> torch.Tensor:
         doc = ids[i]
-        block_mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki), 1, None, seq, seq,
-                                       device=q.device, _compile=True)
+        block_mask = create_block_mask(_documents_mask_mod(doc), 1, None, seq, seq, device=q.device, _compile=True)
         return compiled(q, k, v, block_mask=block_mask, kernel_options=kernel_options)
     return run
+
+
+def _documents_mask_mod(doc: torch.Tensor) -> Callable:
+    """The mask_mod a FlexAttention user writes for packed causal documents (ids on the device)."""
+    return lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (qi >= ki)
 
 
 def per_call_ms(run: Callable[[int], torch.Tensor], calls: int, passes: int) -> float:

@@ -40,4 +40,4 @@ def test_the_table_says_which_peer_failed_or_was_wrong():
     row = {"seq": 32768, "docs": 8, "stof_varlen_ms": 1.0, "stof_ms": 1.2, "stof_prebuilt_ms": 0.95, "fa4_varlen_ms": 1.5,
            "flex_ms": math.inf, "flex_flash_ms": math.inf, "flex_flash_error": "NYI"}
     text = packed.table([row], "head")
-    assert "| 32768 | 8 | 1.000 | - | 1.200 | 0.950 | 1.500 | wrong | error | 1.05x | 1.50x |" in text
+    assert "| 32768 | 8 | 1.000 | - | 1.200 | - | 0.950 | 1.500 | wrong | error | 1.05x | 1.50x |" in text

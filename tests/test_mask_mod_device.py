@@ -91,3 +91,30 @@ def test_a_user_mask_built_on_the_gpu_equals_the_cpu_build(seq):
             built = on_gpu.block_mask(seq, seq, *block, device="cuda")
             assert all(t.is_cuda for t in (built.any_ptr, built.any_cols, built.any_tile, built.part_bits))
             assert torch.equal(built.to("cpu").to_dense(), want), (on_gpu, block, "built on the GPU")
+            if on_cpu is not None:  # assembled on the GPU (BlockMask.from_grid): the CPU's arrays exactly
+                _assert_same_arrays(built, on_cpu.block_mask(seq, seq, *block))
+
+
+@pytest.mark.gpu
+def test_a_mask_mod_over_batch_and_heads_is_assembled_on_the_gpu_as_on_the_cpu():
+    """Per-sequence lengths and per-head windows (a CUDA table): the block mask assembled on the
+    GPU keeps the batch and head dims the CPU's keeps, array for array; one over neither dim
+    collapses to 1 x 1 there too."""
+    lengths = torch.tensor([700, 1000])
+
+    def mask_mod(table):
+        return lambda b, h, q, k: (k < table[b]) & ((q - k).abs() <= 64 * (h + 1))
+
+    for fn_gpu, fn_cpu in ((mask_mod(lengths.cuda()), mask_mod(lengths)),
+                           (lambda b, h, q, k: (k <= q) | (h < 0), lambda b, h, q, k: (k <= q) | (h < 0))):
+        for block in (64, 128):
+            built = masks.from_mask_mod(fn_gpu).block_mask(1000, 1000, block, block, batch=2, heads=3, device="cuda")
+            _assert_same_arrays(built, masks.from_mask_mod(fn_cpu, device="cpu").block_mask(
+                1000, 1000, block, block, batch=2, heads=3))
+
+
+def _assert_same_arrays(got, want):
+    assert (got.batch, got.heads) == (want.batch, want.heads)
+    for name in ("full_ptr", "full_cols", "part_ptr", "part_cols", "part_bits", "any_ptr", "any_cols", "any_tile"):
+        a, b = getattr(got, name).cpu(), getattr(want, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name

@@ -310,3 +310,31 @@ def test_counts_at_a_coarser_block_shape_equal_the_coarse_masks_counts(seq):
                 (description, block_m, block_n)
     with pytest.raises(ValueError, match="not a multiple"):
         coarse_counts(masks.causal().block_classes(seq, seq, 16, 16), 16, 16, seq, seq, [(24, 32)])
+
+
+@pytest.mark.parametrize("seq_q,seq_k", [(1000, 1000), (1024, 1024), (300, 500)])
+def test_a_block_mask_assembled_from_the_class_grid_equals_the_one_from_runs(monkeypatch, seq_q, seq_k):
+    """`BlockMask.from_grid` (where an evaluated mask's classes and tiles are, on the GPU; allowed on
+    the CPU here) gives every array `from_runs` gives: the grid masks as user mask_mods, a mask over
+    batch and heads (kept, and collapsed where it does not depend on them) and a dense mask."""
+    from stof_cc.masks import build
+    from stof_cc.masks.workloads import user_mask_mod
+
+    lengths, windows = torch.tensor([seq_k - 300, seq_k]), torch.tensor([16, 64, 200])
+    cases = [(masks.from_mask_mod(user_mask_mod(name, max(seq_q, seq_k), "cpu")), 1, 1) for name in GRID_MASKS]
+    cases += [(masks.from_mask_mod(lambda b, h, q, k: (k < lengths[b]) & ((q - k).abs() <= windows[h])), 2, 3),
+              (masks.from_mask_mod(lambda b, h, q, k: (k <= q) | (h < 0)), 2, 3),
+              (masks.from_dense(torch.rand(2, 1, seq_q, seq_k, generator=torch.Generator().manual_seed(0)) < 0.3), 2, 4)]
+    for desc, batch, heads in cases:
+        for block_m, block_n in ((128, 128), (64, 32), (16, 16)):
+            monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ("cpu",))
+            desc._built.clear()
+            got = desc.block_mask(seq_q, seq_k, block_m, block_n, batch=batch, heads=heads)
+            monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ())
+            desc._built.clear()
+            want = desc.block_mask(seq_q, seq_k, block_m, block_n, batch=batch, heads=heads)
+            assert (got.batch, got.heads) == (want.batch, want.heads), desc
+            for name in ("full_ptr", "full_cols", "part_ptr", "part_cols", "part_bits", "any_ptr", "any_cols",
+                         "any_tile"):
+                a, b = getattr(got, name), getattr(want, name)
+                assert a.dtype == b.dtype and torch.equal(a, b), (desc, block_m, block_n, name)

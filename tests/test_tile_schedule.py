@@ -58,7 +58,7 @@ def test_persistent_schedule_balances_ctas_and_keeps_each_longest_first():
     per_cta = _decode(schedule.table, ctas, bm)
     _every_tile_once(per_cta, batch, heads, bm.n_rb)
     loads = [sum(int(costs[r, b, h]) + 1 for h, b, r in tiles) for tiles in per_cta]
-    total = int(costs.sum()) + costs.numel()
+    total = int(costs.sum()) + costs.size
     assert max(loads) <= total / ctas + int(costs.max()) + 1  # LPT's bound: one tile above the mean
     assert max(loads) - min(loads) <= 0.05 * total / ctas
     for tiles in per_cta:

@@ -69,3 +69,33 @@ def test_documents_with_new_boundaries_share_the_kernel_choice(monkeypatch):
     tune_attention.choose(problem, masks.sliding_window(100, causal=True))  # a mask that does not change: its own
     assert len(priced) == 3
     assert masks.causal().choice_group() is None
+
+
+def test_mask_mods_over_new_tables_share_the_kernel_choice(monkeypatch):
+    """A mask_mod over per-call tables is a new description every call: closures of one code over
+    tables of the same shapes take the choice already priced; another shape, another captured
+    scalar or another code is priced anew."""
+    import stof_cc.tune.attention as tune_attention
+    from stof_cc import masks
+    from stof_cc.masks.user import mask_mod_kind
+    from stof_cc.templates.attention import AttentionProblem
+
+    def documents(ids, window=None):
+        if window is None:
+            return lambda b, h, q, k: ids[q] == ids[k]
+        return lambda b, h, q, k: (ids[q] == ids[k]) & ((q - k).abs() <= window)
+
+    problem = AttentionProblem(1, 4, 1024, 1024, 64, torch.float16)
+    first = tune_attention.choose(problem, masks.from_mask_mod(documents(torch.arange(1024) // 300)))
+    priced = []
+    counts = tune_attention.coarse_counts
+    monkeypatch.setattr(tune_attention, "coarse_counts", lambda *a, **k: priced.append(1) or counts(*a, **k))
+    again = tune_attention.choose(problem, masks.from_mask_mod(documents(torch.arange(1024) // 100)))
+    assert again is first and not priced
+    tune_attention.choose(problem, masks.from_mask_mod(documents(torch.arange(2048) // 100)))  # another table shape
+    tune_attention.choose(problem, masks.from_mask_mod(documents(torch.arange(1024) // 100, window=64)))
+    tune_attention.choose(problem, masks.from_mask_mod(documents(torch.arange(1024) // 100, window=128)))
+    tune_attention.choose(problem, masks.from_mask_mod(lambda b, h, q, k: q >= k))
+    assert len(priced) == 4
+    assert mask_mod_kind(documents(torch.arange(8))) == mask_mod_kind(documents(torch.arange(8) // 2))
+    assert mask_mod_kind(documents(torch.arange(8))) != mask_mod_kind(documents(torch.arange(8.0)))  # dtype

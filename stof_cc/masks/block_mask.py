@@ -127,6 +127,51 @@ class BlockMask:
             any_tile,
         )
 
+    @classmethod
+    def from_grid(
+        cls,
+        classes: torch.Tensor,
+        tiles: torch.Tensor,
+        seq_q: int,
+        seq_k: int,
+        block_m: int,
+        block_n: int,
+    ) -> BlockMask:
+        """Assemble the block mask where ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and
+        ``tiles`` (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) already are: on a GPU
+        that evaluated the mask, every array is made there and the host waits once, for two
+        counts. `from_runs` makes them on the CPU from runs, the way for masks too large to hold
+        a class per block; on the lent H100's host that took a per-call causal mask_mod's build
+        from 2.0 to 16-20 ms at S = 8192 and from 6.2 to 80 ms at S = 32768, where the GPU's
+        share was 0.1 and 1.4 ms (benchmarks/history/24-2026-11-27.md)."""
+        batch, heads, n_rb, n_cb = classes.shape
+        rows, device = batch * heads * n_rb, classes.device
+        flat = classes.reshape(rows, n_cb)
+        full, part = flat == FULL, flat == PARTIAL
+        stored = full | part
+        n_full, n_part = (int(n) for n in torch.stack((full.sum(), part.sum())).tolist())
+        if n_full + n_part > INT32_MAX:
+            raise MaskError(
+                f"block_mask: {n_full + n_part} non-empty blocks of {block_m} x {block_n} at {seq_q} x {seq_k} "
+                f"are past the format's int32 offsets ({INT32_MAX}); use larger blocks")
+
+        def csr(chosen: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """(ptr, columns, flat block indices) of the chosen blocks, row-major."""
+            ptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+            ptr[1:] = chosen.sum(1).cumsum(0)
+            where = torch.nonzero_static(chosen.flatten(), size=count).squeeze(1)
+            return ptr, (where % n_cb).to(torch.int32), where
+
+        full_ptr, full_cols, _ = csr(full, n_full)
+        part_ptr, part_cols, part_at = csr(part, n_part)
+        any_ptr, any_cols, any_at = csr(stored, n_full + n_part)
+        part_flat = part.flatten()
+        rank = (part_flat.cumsum(0) - 1).to(torch.int32)  # a PARTIAL block's row in part_bits
+        any_tile = torch.where(part_flat[any_at], rank[any_at], -1).to(torch.int32)
+        bits = tiles.reshape(rows * n_cb, -1)[part_at]
+        return cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
+                   bits.view(torch.uint32), any_ptr, any_cols, any_tile)
+
     # -- shape and statistics -------------------------------------------------------------
 
     @property

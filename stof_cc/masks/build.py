@@ -6,7 +6,10 @@ Memory is the classes as runs per block row (ClassRuns) plus the tiles of partia
 step holds a class per block of the grid, nor a dense seq_q x seq_k mask unless the
 description itself is one (from_dense). The classes and the CSR offsets are made on the CPU;
 the tiles are gathered where the block mask is wanted (`tile_bits_on`), so a mask evaluated on
-the GPU never sends its tiles to the host and back.
+the GPU never sends its tiles to the host and back. A mask evaluated on the GPU whose packed bits
+are kept there (`grid_classes`: a mask_mod or a dense mask up to PACKED_BUDGET) is assembled there
+instead, classes, CSR and all (`BlockMask.from_grid`): a mask built per call then costs the GPU's
+time and one wait for two counts, not the host's work over every block.
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ if TYPE_CHECKING:
 #: Elements of maybe-partial blocks evaluated for one build, past which it is refused: a mask
 #: with so little structure (a user mask over S = 131072 x 131072 is this many) takes minutes.
 EVALUATION_BUDGET = 1 << 34
+#: Devices on which a description that holds its class grid (`grid_classes`) gets its block mask
+#: assembled there (`BlockMask.from_grid`); elsewhere, and on the CPU, from runs. Tests add "cpu".
+GRID_DEVICE_TYPES = ("cuda",)
 
 
 def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, int],
                      device: torch.device) -> BlockMask:
     """The BlockMask of `desc` on `grid`, with leading mask dims `dims` = (Bm, Hm), on `device`."""
+    held = desc.grid_classes(grid) if device.type in GRID_DEVICE_TYPES else None
+    if held is not None and held[0].device.type == device.type:  # assembled where the mask was evaluated
+        classes, tiles = _collapse_grid(*held)
+        return BlockMask.from_grid(classes, tiles, grid.ext.seq_q, grid.ext.seq_k, grid.block_m,
+                                   grid.block_n).to(device)
     runs, bits = _exact(desc, grid, dims, device, keep_bits=True)
     runs, bits = _collapse(runs, bits)
     return BlockMask.from_runs(
@@ -89,6 +100,17 @@ def _check_budget(desc: MaskDescription, grid: BlockGrid, blocks: int) -> None:
             "the zoo (masks.causal(), masks.sliding_window(w), masks.document(...), ...), whose blocks "
             "are classified without evaluating them, or intersect it with one "
             "(masks.sliding_window(w) & from_mask_mod(fn)) so that fewer blocks stay partial")
+
+
+def _collapse_grid(classes: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_collapse` for a class grid and every block's tile: a dim shrinks to 1 where every slice
+    along it is the same (equal classes and tiles; FULL and EMPTY blocks' tiles are equal too)."""
+    for dim in (0, 1):
+        if classes.shape[dim] > 1:
+            first = (slice(None),) * dim + (slice(0, 1),)
+            if bool((classes == classes[first]).all() & (tiles == tiles[first]).all()):
+                classes, tiles = classes[first], tiles[first]
+    return classes.contiguous(), tiles.contiguous()
 
 
 def _collapse(runs: ClassRuns, bits: torch.Tensor) -> tuple[ClassRuns, torch.Tensor]:

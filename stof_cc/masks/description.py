@@ -106,6 +106,13 @@ class MaskDescription:
         choice is this mask's own."""
         return None
 
+    def grid_classes(self, grid: BlockGrid) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(exact classes int8 [Bm, Hm, n_rb, n_cb], every block's tile int32 [Bm, Hm, n_rb, n_cb,
+        words]) where the description holds them on its evaluation device (an evaluated mask's
+        packed bits), so that a block mask can be built there in one go (`BlockMask.from_grid`);
+        None (the default) where it classifies by runs."""
+        return None
+
     def exact_classes(self, grid: BlockGrid) -> bool:
         """Whether `_classify` is exact on this grid (its PARTIAL blocks are all partial, as
         when they were read off evaluated bits), so the builder need not re-check tiles."""

@@ -30,6 +30,7 @@ from stof_cc.masks.zoo import key_padding
 
 PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept, all extents together (S = 32768 with Bm = Hm = 1: 128 MiB)
 ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
+KIND_ITEMS = 16  # a captured tuple or list up to this long is part of a mask_mod's kind item by item
 
 
 class _Evaluated(MaskDescription):
@@ -122,12 +123,20 @@ class _Evaluated(MaskDescription):
         self._tiles = {key: tiles}  # the latest block shape only: the cost model walks the shapes in turn
         return tiles
 
-    def _classify(self, grid: BlockGrid) -> ClassRuns:
+    def grid_classes(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
+        """(classes int8 [Bm, Hm, n_rb, n_cb], every block's tile) read off the packed bits, both
+        on the evaluation device; None where `_grid_tiles` is (the bits are not kept)."""
         tiles = self._grid_tiles(grid)
         if tiles is None:
-            return ClassRuns.filled(grid.shape(), PARTIAL)
+            return None
         valid = grid.valid_grid(tiles.device)
-        return ClassRuns.from_dense(classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)).cpu())
+        return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)), tiles
+
+    def _classify(self, grid: BlockGrid) -> ClassRuns:
+        read = self.grid_classes(grid)
+        if read is None:
+            return ClassRuns.filled(grid.shape(), PARTIAL)
+        return ClassRuns.from_dense(read[0].cpu())
 
     def exact_classes(self, grid: BlockGrid) -> bool:
         return self._grid_tiles(grid) is not None  # read off the evaluated bits
@@ -203,6 +212,13 @@ class _MaskMod(_Evaluated):
 
     def __repr__(self) -> str:
         return f"from_mask_mod({self.name})"
+
+    def choice_group(self) -> object | None:
+        """mask_mods of one kind (`mask_mod_kind`: one code over tables of the same shapes, the
+        same scalars) share the cost model's kernel choice, as packed documents do: a mask_mod
+        over per-call tables is a new description every call, and pricing it again took 17-46 ms
+        at S = 8192 on the lent H100's host (benchmarks/user_mask_build.py, "first choose")."""
+        return "mask_mod", mask_mod_kind(self.fn)
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         """Probe the function with b = arange(batch), h = arange(heads): a result that does
@@ -322,7 +338,20 @@ def captured_device(fn: Callable) -> torch.device | None:
     globals it names, and for a functools.partial its bound arguments): the one GPU they are
     on, the CPU when all are CPU tensors, None when it captures none or several GPUs; meta
     when any is a meta tensor."""
-    seen = []
+    _, seen = _captures(fn)
+    devices = {t.device for t in seen if isinstance(t, Tensor)}
+    if torch.device("meta") in devices:  # no values to evaluate with: `from_mask_mod` says so
+        return torch.device("meta")
+    gpus = devices - {torch.device("cpu")}
+    if len(gpus) == 1:
+        return gpus.pop()
+    return torch.device("cpu") if devices == {torch.device("cpu")} else None
+
+
+def _captures(fn: Callable) -> tuple[Callable, list[object]]:
+    """``fn`` without its functools.partial layers, and what it captures: its closure, default
+    arguments, the globals it names, and a partial's bound arguments."""
+    seen: list[object] = []
     while isinstance(fn, functools.partial):
         seen += [*fn.args, *fn.keywords.values()]
         fn = fn.func
@@ -331,13 +360,28 @@ def captured_device(fn: Callable) -> torch.device | None:
         seen += [_cell_value(c) for c in fn.__closure__ or ()]
         seen += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
         seen += [fn.__globals__[n] for n in code.co_names if n in fn.__globals__]
-    devices = {t.device for t in seen if isinstance(t, Tensor)}
-    if torch.device("meta") in devices:  # no values to evaluate with: `from_mask_mod` says so
-        return torch.device("meta")
-    gpus = devices - {torch.device("cpu")}
-    if len(gpus) == 1:
-        return gpus.pop()
-    return torch.device("cpu") if devices == {torch.device("cpu")} else None
+    return fn, seen
+
+
+def mask_mod_kind(fn: Callable, depth: int = 2) -> object:
+    """What a mask_mod is apart from the contents of its tables: its code, and per captured value
+    a tensor's shape, dtype and device, a scalar's value, a captured function's own kind (two
+    levels deep). Closures of one code over new tables of the same shapes (a packed batch's
+    document ids, per-request lengths) are one kind; a different window (a captured int) is not."""
+    fn, seen = _captures(fn)
+    return getattr(fn, "__code__", type(fn)), tuple(_value_kind(value, depth) for value in seen)
+
+
+def _value_kind(value: object, depth: int) -> object:
+    if isinstance(value, Tensor):
+        return "tensor", tuple(value.shape), value.dtype, value.device
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list) and len(value) <= KIND_ITEMS:
+        return tuple(_value_kind(item, depth) for item in value)
+    if callable(value) and not isinstance(value, type):
+        return mask_mod_kind(value, depth - 1) if depth else getattr(value, "__code__", type(value))
+    return type(value)
 
 
 def _cell_value(cell: object) -> object:
