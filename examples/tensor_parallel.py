@@ -133,22 +133,33 @@ def main() -> int:
         return 2
     torch.manual_seed(1)
     x = torch.randn(1, args.seq, args.hidden, device=device, dtype=dtype)
+    started = time.perf_counter()
+
+    def progress(what: str) -> None:  # rank 0 says what it is doing: model building and compiling take minutes
+        if rank == 0:
+            print(f"[{time.perf_counter() - started:6.1f} s] {what}", file=sys.stderr, flush=True)
+
     with torch.no_grad():
         want = exact = None
         if rank == 0:  # the unsharded model run eagerly on one GPU: in the same dtype (the bar), and in fp32
+            progress("building the unsharded reference model and running it eagerly")
             whole = llama(args).to(device)
             if args.seq <= 8192:  # fp32 attention with grouped heads runs SDPA's math path: S x S scores per head
                 exact = whole(inputs_embeds=x.float()).last_hidden_state
             want = whole.to(dtype)(inputs_embeds=x).last_hidden_state.float()
             del whole
+        progress(f"building the model and sharding it over {world} ranks")
         model = shard(llama(args).to(device, dtype), world, device.type)
         run = torch.compile(model, backend="stof_cc", dynamic=False)
+        progress("first call: dynamo traces, stof-cc fuses, generates, compiles and tunes each rank's graph")
         got = run(inputs_embeds=x).last_hidden_state
+        progress("timing stof-cc")
         line = f"rank {rank}: stof-cc {median_ms(lambda: run(inputs_embeds=x), device):.2f} ms"
         if args.profile and device.type == "cuda":
             line += f" ({kernel_split(lambda: run(inputs_embeds=x))})"
         if not args.no_peer:  # Inductor in its default mode and with CUDA graphs; the faster is the peer
             for mode in ("default", "reduce-overhead"):
+                progress(f"compiling and timing torch.compile (Inductor, {mode})")
                 torch._dynamo.reset()
                 peer = torch.compile(model, mode=mode, dynamic=False)
                 peer(inputs_embeds=x)
