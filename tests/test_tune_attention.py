@@ -98,4 +98,17 @@ def test_mask_mods_over_new_tables_share_the_kernel_choice(monkeypatch):
     tune_attention.choose(problem, masks.from_mask_mod(lambda b, h, q, k: q >= k))
     assert len(priced) == 4
     assert mask_mod_kind(documents(torch.arange(8))) == mask_mod_kind(documents(torch.arange(8) // 2))
+    config = [64]
+    config.append(config)  # a list that holds itself: a kind two levels deep, no endless walk
+    assert masks.from_mask_mod(lambda b, h, q, k: (q - k).abs() <= config[0]).choice_group() is not None
+
+    class Window(int):  # equal by value, not hashable: no kind, so the mask keeps its own choice
+        def __eq__(self, other):
+            return int(self) == other
+        __hash__ = None
+
+    window = Window(64)
+    unhashable = masks.from_mask_mod(lambda b, h, q, k: (q - k).abs() <= window)
+    assert unhashable.choice_group() is None
+    tune_attention.choose(problem, unhashable)
     assert mask_mod_kind(documents(torch.arange(8))) != mask_mod_kind(documents(torch.arange(8.0)))  # dtype

@@ -217,8 +217,14 @@ class _MaskMod(_Evaluated):
         """mask_mods of one kind (`mask_mod_kind`: one code over tables of the same shapes, the
         same scalars) share the cost model's kernel choice, as packed documents do: a mask_mod
         over per-call tables is a new description every call, and pricing it again took 17-46 ms
-        at S = 8192 on the lent H100's host (benchmarks/user_mask_build.py, "first choose")."""
-        return "mask_mod", mask_mod_kind(self.fn)
+        at S = 8192 on the lent H100's host (benchmarks/user_mask_build.py, "first choose"). None
+        (its own choice) where what it captures has no usable kind (unhashable, unreadable)."""
+        try:
+            group = "mask_mod", mask_mod_kind(self.fn)
+            hash(group)
+        except Exception:  # noqa: BLE001 (whatever a captured object raises: the choice stays the mask's own)
+            return None
+        return group
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         """Probe the function with b = arange(batch), h = arange(heads): a result that does
@@ -365,8 +371,8 @@ def _captures(fn: Callable) -> tuple[Callable, list[object]]:
 
 def mask_mod_kind(fn: Callable, depth: int = 2) -> object:
     """What a mask_mod is apart from the contents of its tables: its code, and per captured value
-    a tensor's shape, dtype and device, a scalar's value, a captured function's own kind (two
-    levels deep). Closures of one code over new tables of the same shapes (a packed batch's
+    a tensor's shape, dtype and device, a scalar's value, a short tuple's or list's items and a
+    captured function's own kind (two levels deep). Closures of one code over new tables of the same shapes (a packed batch's
     document ids, per-request lengths) are one kind; a different window (a captured int) is not."""
     fn, seen = _captures(fn)
     return getattr(fn, "__code__", type(fn)), tuple(_value_kind(value, depth) for value in seen)
@@ -377,8 +383,8 @@ def _value_kind(value: object, depth: int) -> object:
         return "tensor", tuple(value.shape), value.dtype, value.device
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    if isinstance(value, tuple | list) and len(value) <= KIND_ITEMS:
-        return tuple(_value_kind(item, depth) for item in value)
+    if isinstance(value, tuple | list) and len(value) <= KIND_ITEMS and depth:
+        return tuple(_value_kind(item, depth - 1) for item in value)
     if callable(value) and not isinstance(value, type):
         return mask_mod_kind(value, depth - 1) if depth else getattr(value, "__code__", type(value))
     return type(value)
