@@ -174,6 +174,12 @@ def test_from_padding_uses_lengths_for_right_padding():
     holes = masks.from_padding(torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]]), seq_q=4)
     dense = holes.to_dense(4, 4, batch=2, heads=1)
     assert dense[0, 0, :, 1].logical_not().all() and dense[0, 0, :, 2].all() and dense[1].all()
+    # any number of queries, as right padding: the mask says which keys are real, not how many queries there are
+    for padding in ([[1, 1, 0], [1, 1, 1]], [[0, 1, 1], [1, 1, 1]]):
+        keep = torch.tensor(padding).bool()
+        for seq_q in (1, 2, 5):
+            got = masks.from_padding(torch.tensor(padding)).to_dense(seq_q, 3, batch=2, heads=1)
+            assert torch.equal(got, keep[:, None, None, :].expand(2, 1, seq_q, 3)), (padding, seq_q)
 
 
 # -- before / expected ---------------------------------------------------------------------

@@ -398,10 +398,12 @@ def _cell_value(cell: object) -> object:
 
 
 
-def from_padding(padding: Tensor, seq_q: int) -> MaskDescription:
-    """The mask of an ``attention_mask``-style tensor [B, S_k] (nonzero = a real token):
-    `key_padding` with per-row lengths when every row is ones then zeros (the usual right
-    padding), else the dense [B, 1, seq_q, S_k] mask."""
+def from_padding(padding: Tensor, seq_q: int | None = None) -> MaskDescription:
+    """The mask of an ``attention_mask``-style tensor [B, S_k] (nonzero = a real token), for any
+    number of queries: `key_padding` with per-row lengths when every row is ones then zeros (the
+    usual right padding), else a mask_mod over the keys kept (dims [B, 1]). ``seq_q`` is not
+    needed; it is accepted for calls written when the second form was a dense [B, 1, seq_q, S_k]
+    mask fixed to that many queries."""
     if not isinstance(padding, Tensor) or padding.dim() != 2:
         raise MaskTypeError(f"from_padding: padding must be a [batch, keys] tensor, got {getattr(padding, 'shape', padding)}")
     keep = (padding != 0).cpu()
@@ -409,4 +411,4 @@ def from_padding(padding: Tensor, seq_q: int) -> MaskDescription:
     prefix = torch.arange(keep.shape[1])[None, :] < lengths[:, None]
     if torch.equal(keep, prefix):
         return key_padding(lengths.tolist())
-    return from_dense(keep[:, None, None, :].expand(keep.shape[0], 1, seq_q, keep.shape[1]).contiguous())
+    return from_mask_mod(lambda b, h, q, k: keep[b, k], name="padding")
