@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.stof-installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing torch 2.13.0 into $(VENV) (a CPU wheel where pip finds one, else the CUDA build: several GB)"
-	$(PY) -m pip install -q --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==2.13.0"
+	$(PY) -m pip install --disable-pip-version-check $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev,hf]"
 	touch $(STAMP)
 

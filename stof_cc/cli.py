@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a line per pass saying what it did (--check checks the graph after each), then the fusion partition")
     inspect.add_argument("--dump-ir", metavar="DIR", help="write the graph after tracing and after each pass to DIR")
     inspect.add_argument("--mask", metavar="SPEC", help=MASK_HELP)
-    inspect.add_argument("--arch", choices=sorted(TARGETS), help=ARCH_HELP)
+    inspect.add_argument("--arch", type=_arch, choices=sorted(TARGETS), help=ARCH_HELP)
     inspect.set_defaults(run=_cmd_inspect)
 
     attention = sub.add_parser("attention", help="show the attention kernel the cost model picks, and why")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16",
                            help="dtype of q, k and v (default: %(default)s)")
     attention.add_argument("--build-dir", help="write the chosen kernel's .cu here and compile it with nvcc")
-    attention.add_argument("--arch", choices=sorted(TARGETS), help=ARCH_HELP + " (not with --check)")
+    attention.add_argument("--arch", type=_arch, choices=sorted(TARGETS), help=ARCH_HELP + " (not with --check)")
     attention.add_argument("--check", action="store_true",
                            help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
     attention.set_defaults(run=_cmd_attention)
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                           help="the model and its floating inputs are cast to this before tracing (%(default)s)")
     compile_.add_argument("--mask", metavar="SPEC", help=MASK_HELP)
-    compile_.add_argument("--arch", choices=sorted(TARGETS), help=ARCH_HELP)
+    compile_.add_argument("--arch", type=_arch, choices=sorted(TARGETS), help=ARCH_HELP)
     compile_.add_argument("--why", action="store_true",
                           help="under each group torch runs, every template's reason, not only the one that matters")
     compile_.set_defaults(run=_cmd_compile)
@@ -175,6 +175,7 @@ def describe_os_error(exc: OSError) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    mask = _mask_argument(args)  # a bad spec fails before the model loads
     module, example_args, example_kwargs = load_factory(args.model)
     stages: dict[str, Graph] = {}
     instruments = [lambda stage, graph: stages.setdefault(stage, graph)]
@@ -183,6 +184,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     reports = PassReports()
     graph, plan = lower(module, example_args, example_kwargs, name=_model_name(args.model), reports=reports,
                         instrument=lambda stage, g: [instrument(stage, g) for instrument in instruments])
+    lowered = graph  # the attention nodes the passes recognised: what --mask applies to
     if args.passes:
         print(f"{reports}\n\nfusion partition (`stof-cc compile` generates it, splitting a group no template takes whole):\n{plan}\n")
     else:
@@ -197,7 +199,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
           + (f"; trace-time checks (assert_metadata, dropped by canonicalize): {checks}" if checks else ""))
     for node in opaque:
         print(f"  %{node.name}: {node.target}")
-    _print_attention_choices(graph, _mask_argument(args))
+    _print_attention_choices(lowered, mask)
     dot_path = path_in(Path(args.build_dir), graph.name, "graph.dot")
     dot_path.parent.mkdir(parents=True, exist_ok=True)
     dot_path.write_text(graph.to_dot())
@@ -210,14 +212,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    mask = _mask_argument(args)  # a bad spec fails before the model loads
     module, example_args, example_kwargs = load_factory(args.model)  # a bad FILE.py:FACTORY fails first
     _say_assumed_gpu("generating")
     graph, plan = lower(module, example_args, example_kwargs, dtype=getattr(torch, args.dtype),
                         name=_model_name(args.model))
     plan = choose_scheme(graph, plan)
+    _say_mask(graph, mask)
     compile_kernels = not args.no_nvcc and nvcc_path() is not None
     out_dir = path_in(Path(args.build_dir), graph.name)
-    builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels, mask=_mask_argument(args))
+    builds = build_groups(graph, plan, out_dir, compile_kernels=compile_kernels, mask=mask)
     print(format_builds(builds, plan, why=args.why))
     report = write_report(graph, plan, builds, out_dir)
     print(f"\nwrote {out_dir}/: the .cu files above, {', '.join(p.name for p in report)}")
@@ -335,10 +339,29 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
     return 0 if ok else 1
 
 
+def _attention_nodes(graph: Graph) -> list:
+    return [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
+
+
+def _say_mask(graph: Graph, mask: MaskDescription | None) -> None:
+    """What ``--mask`` does here: the attention nodes it replaces the masks of, or that there are none."""
+    if mask is None:
+        return
+    nodes = _attention_nodes(graph)
+    if nodes:
+        print(f"--mask: {mask!r} replaces the own mask of {len(nodes)} attention node(s): "
+              + ", ".join(f"%{n.name}" for n in nodes))
+    else:
+        print(f"--mask: {mask!r} applies to nothing: the passes found no attention node in this model", file=sys.stderr)
+
+
 def _print_attention_choices(graph: Graph, mask: MaskDescription | None) -> None:
     """For each SDPA or recognised attention node: the kernel the cost model would pick (under
     ``mask``, else its own: causal when it says so, none when it has none), or why there is none."""
-    nodes = [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
+    nodes = _attention_nodes(graph)
+    if mask is not None:
+        print()
+        _say_mask(graph, mask)
     if nodes and (chosen_target() or not torch.cuda.is_available()):
         print()
         _say_assumed_gpu("choosing attention kernels")
@@ -357,11 +380,21 @@ MASK_HELP = ("a mask spec as in `masks show` (causal, sliding:w=256, bigbird:...
 
 def _mask_argument(args: argparse.Namespace) -> MaskDescription | None:
     """``--mask`` as a description (grid masks need a sequence length: `stof-cc attention` takes those)."""
-    return None if args.mask is None else parse_spec(args.mask)
+    if args.mask is None:
+        return None
+    if "grid:" in args.mask and args.command != "attention":
+        raise MaskError(f"--mask {args.mask!r}: a grid: mask depends on the sequence length, which {args.command} "
+                        "does not take; write the mask out (causal, sliding:w=256, bigbird:..., `stof-cc masks list`)")
+    return parse_spec(args.mask)
 
 
 ARCH_HELP = ("generate for this GPU generation instead of the visible GPU (or, without one, the H100); "
-             "sm_80 and sm_86 get no wgmma kernels")
+             "sm_80 and sm_86 get no wgmma kernels; sm_90a is sm_90 (its wgmma kernels are built for sm_90a)")
+
+
+def _arch(text: str) -> str:
+    """--arch's value: sm_90a, the name nvcc and these docs give Hopper's wgmma target, is sm_90."""
+    return "sm_90" if text == "sm_90a" else text
 
 
 def _say_assumed_gpu(doing: str) -> None:

@@ -305,7 +305,9 @@ def test_compile_with_a_mask_generates_the_attention_a_runtime_mask_kept_in_torc
     assert "--mask SPEC" in without
     assert main(["compile", "examples/encoder_layer.py:factory", "--no-nvcc", "--build-dir", str(tmp_path),
                  "--mask", "sliding:w=64"]) == 0
-    attention_rows = [line for line in capsys.readouterr().out.splitlines() if " attention " in line]
+    out = capsys.readouterr().out
+    assert "--mask: sliding_window(w=64) replaces the own mask of 1 attention node(s)" in out  # said, not silent
+    attention_rows = [line for line in out.splitlines() if " attention " in line and not line.startswith("--mask")]
     assert attention_rows and "attention_" in attention_rows[0] and ".cu" in attention_rows[0], attention_rows
     assert main(["inspect", "examples/encoder_layer.py:factory", "--quiet-graph", "--build-dir", str(tmp_path),
                  "--mask", "causal & ~sliding:w=8"]) == 0
@@ -329,3 +331,5 @@ def test_arch_generates_for_another_gpu_generation_and_then_lets_go(tmp_path, ca
     assert chosen_target() is None and (target_capability(), sm_count()) == before
     assert main(["attention", "--mask", "causal", "--seq", "256", "--arch", "sm_80", "--check"]) == 2
     assert "does not go with --arch" in capsys.readouterr().err
+    assert main(["attention", "--mask", "causal", "--seq", "256", "--arch", "sm_90a"]) == 0  # nvcc's name for it
+    assert "--arch: choosing the kernel for sm_90 (H100, 132 SMs)" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,25 @@ def test_compiled_module_equals_eager_on_the_cpu(example, example_path, tmp_path
     assert "torch" in explained and "no GPU kernels here" in explained  # honest about the CPU path
     assert explained.startswith("inputs %") and "TreeSpec" not in explained  # input shapes, not pytree specs
     assert list((tmp_path).rglob("*.cu"))  # the generated sources are written all the same
+
+
+def test_inputs_on_a_gpu_without_pycuda_are_said_once_and_named_in_explain(monkeypatch):
+    """A GPU machine without PyCUDA (make's .venv, `pip install -e .`) runs every group in torch:
+    compile says so once, naming the missing extra, and explain says it once, not per group.
+    (No GPU here: the inputs are taken for CUDA ones.)"""
+    import stof_cc.runtime.compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_on_gpu", lambda tree: True)
+    monkeypatch.setattr(compiled_module, "_warned", set())
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.LayerNorm(16)).eval()
+    with pytest.warns(UserWarning, match=r"PyCUDA is not installed: pip install 'stof-cc\[gpu\]'; every group runs"):
+        first = stof_cc.compile(model, (torch.randn(2, 16),))
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        stof_cc.compile(model, (torch.randn(2, 16),))
+    assert not [w for w in again if "PyCUDA" in str(w.message)]  # said once per process
+    explained = first.explain()
+    assert explained.count("PyCUDA is not installed") == 1 and "groups: g0 (gemm)" in explained
 
 
 def test_a_second_shape_compiles_a_second_variant(example_path):

@@ -60,8 +60,9 @@ from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
 
-NO_GPU = ("no GPU kernels here (inputs on the CPU, no CUDA device or no PyCUDA): every group runs in torch; "
+NO_GPU = ("no GPU kernels here ({why}): every group runs in torch; "
           "`stof-cc compile --why` says what would be generated, and why not")
+NO_PYCUDA = "PyCUDA is not installed: pip install 'stof-cc[gpu]'"
 
 
 @dataclass
@@ -127,6 +128,7 @@ class CompiledModule:
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
+        self.no_gpu_reason = "inputs on the CPU"  # why the latest variant runs in torch, if it does
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         changed = self._watch.changed()
@@ -218,6 +220,10 @@ class CompiledModule:
             devices = sorted({entry[2] for entry in key[1:] if isinstance(entry, tuple)})
             inputs = ", ".join(f"%{n.name} {n.spec}" for n in variant.graph.inputs)
             lines.append(f"inputs {inputs} on {', '.join(devices) or 'no device'}:")
+            if not variant.gpu:  # one reason for every group: said once
+                lines.append(f"  {variant.steps[0].note if variant.steps else ''}")
+                lines.append("  groups: " + ", ".join(f"{s.group.name} ({s.group.kind})" for s in variant.steps))
+                continue
             lines += [f"  {s.group.name:<5} {s.group.kind:<11} {s.kind:<9} {s.note}" for s in variant.steps]
         return "\n".join(lines)
 
@@ -226,7 +232,12 @@ class CompiledModule:
         with eval_mode(self.module):
             graph, plan = lower(self.module, args, kwargs, dtype=self.dtype, mask=self.mask)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
-        gpu = self.use_gpu_kernels and _on_gpu((args, kwargs))
+        on_gpu = _on_gpu((args, kwargs))
+        gpu = self.use_gpu_kernels and on_gpu
+        if on_gpu and not self.use_gpu_kernels:
+            _warn_once(f"stof_cc.compile: the inputs are on {_devices((args, kwargs))}, but {NO_PYCUDA}; every group "
+                       "runs in torch, none in a generated kernel")
+        self.no_gpu_reason = "inputs on the CPU" if not on_gpu else NO_PYCUDA
         if gpu and self.database is not None:
             if self.tune:  # chooses the scheme by the measured times of both sides of each merge
                 plan, _ = tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask,
@@ -254,7 +265,7 @@ class CompiledModule:
         if group.kind == "attention":
             return self._attention_step(graph, group, gpu)
         if not gpu:
-            return Step(group, "torch", NO_GPU)
+            return Step(group, "torch", NO_GPU.format(why=self.no_gpu_reason))
         found, refused = applicable_templates(graph, group, target_capability())
         if not found:  # its rotary nodes still run in the rotary kernel (a per-head norm's epilogue, say)
             rotary, _ = _generated_rotary(graph, group)
@@ -280,7 +291,7 @@ class CompiledModule:
         given = attention_arguments(anchor)
         override = self.mask
         if not gpu:
-            return Step(group, "torch", NO_GPU, mask=override)
+            return Step(group, "torch", NO_GPU.format(why=self.no_gpu_reason), mask=override)
         bias = added_biases(graph, anchor)
         if given.get("attn_mask") is not None and override is None and not is_bias(graph, given["attn_mask"]):
             return Step(group, "torch", "attention with a boolean mask tensor that is not key padding "
@@ -479,6 +490,20 @@ def _signature(flat: list[Any], spec: Any) -> tuple:
 
 def _on_gpu(tree: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
+
+
+def _devices(tree: Any) -> str:
+    return ", ".join(sorted({str(t.device) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)}))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A warning said once per process (every compiled module of a model would repeat it)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 def _on_device_of(flat: list[Any]) -> contextlib.AbstractContextManager:

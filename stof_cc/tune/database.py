@@ -166,7 +166,8 @@ def _database_path(path: object, culprit: str, expected: str) -> Path:
     path = Path(path)
     if os.path.exists(path) and not os.path.isfile(path):
         kind = "a directory" if os.path.isdir(path) else "not a regular file"
-        raise TuningDatabaseError(f"{culprit} {path} is {kind}; {_HOW}")
+        how = _HOW.replace(", or set STOF_CC_TUNING_DB", "") if "STOF_CC_TUNING_DB" in culprit else _HOW
+        raise TuningDatabaseError(f"{culprit} {path} is {kind}; {how}")
     blocker = blocking_file(path.parent)
     if blocker is not None:
         raise TuningDatabaseError(f"{culprit} {path}: {blocker} is a file, not a folder; {_HOW}")
