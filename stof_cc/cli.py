@@ -157,7 +157,9 @@ def versions() -> str:
     cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU only"
     try:
         nvcc = f"nvcc {nvcc_version()} ({nvcc_path()})" if nvcc_path() else "nvcc not found"
-    except (OSError, subprocess.CalledProcessError, CompileError) as exc:  # a CUDA_HOME without a working nvcc
+    except CompileError as exc:  # a CUDA_HOME without a working nvcc: the message names it
+        nvcc = str(exc)
+    except (OSError, subprocess.CalledProcessError) as exc:
         nvcc = f"nvcc at {nvcc_path()} does not run: {exc}"
     return f"stof-cc {stof_cc.__version__}\ntorch {torch.__version__} ({cuda})\n{nvcc}"
 

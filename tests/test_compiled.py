@@ -50,7 +50,22 @@ def test_inputs_on_a_gpu_without_pycuda_are_said_once_and_named_in_explain(monke
         stof_cc.compile(model, (torch.randn(2, 16),))
     assert not [w for w in again if "PyCUDA" in str(w.message)]  # said once per process
     explained = first.explain()
-    assert explained.count("PyCUDA is not installed") == 1 and "groups: g0 (gemm)" in explained
+    assert explained.count("PyCUDA is not installed") == 1 and re.search(r"\n  g0 +gemm +torch\n", explained)
+
+
+def test_a_mask_that_does_not_fit_is_refused_by_compile_not_by_the_first_call(example_path):
+    """compile(mask=) of other sizes, for another batch, or a mask_mod returning no bool: the error
+    comes from compile, naming the attention node and its sizes (it came at the first call)."""
+    from stof_cc import masks
+
+    module, args, kwargs = load_factory(example_path("gpt2_block"))
+    wrong = [(torch.ones(100, 100, dtype=torch.bool), "the mask is 100 x 100"),
+             (masks.key_padding([10, 20, 30]), "3 lengths given"),
+             (masks.from_mask_mod(lambda b, h, q, k: q - k), "returned dtype torch.int64")]
+    for mask, says in wrong:
+        with pytest.raises(masks.MaskError, match=r"stof_cc.compile: mask= does not fit attention node %\w+ "
+                                                  r"\(batch 2, 4 heads, 64 queries, 64 keys\): .*" + re.escape(says)):
+            stof_cc.compile(module, args, kwargs, mask=mask)
 
 
 def test_a_second_shape_compiles_a_second_variant(example_path):

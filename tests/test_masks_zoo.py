@@ -326,7 +326,8 @@ BAD_ARGUMENTS = [
     ),
     (
         lambda: masks.from_dense(torch.ones(4, 4)),
-        "from_dense: mask must have dtype torch.bool, got torch.float32",
+        r"from_dense: mask must have dtype torch.bool, got torch.float32 \(an additive float mask is a bias: "
+        r"stof_cc.attention\(..., bias=\) adds it",
     ),
     (lambda: masks.from_dense([[True]]), "from_dense: mask must be a bool tensor, got list"),
     (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,14 @@ def test_mask_mods_over_new_tables_share_the_kernel_choice(monkeypatch):
     assert unhashable.choice_group() is None
     tune_attention.choose(problem, unhashable)
     assert mask_mod_kind(documents(torch.arange(8))) != mask_mod_kind(documents(torch.arange(8.0)))  # dtype
+
+
+def test_a_mask_that_is_not_a_description_gets_the_call_that_makes_one():
+    """A newcomer's review: a spec string, a zoo function not called, a FlexAttention mask_mod: the
+    error names what makes a description of each."""
+    from stof_cc.templates.attention import AttentionInputError
+
+    for mask, says in (("causal", "masks.parse_spec('causal')"), (masks.causal, "call it: masks.causal(...)"),
+                       (lambda b, h, q, k: q >= k, "masks.from_mask_mod(fn)")):
+        with pytest.raises(AttentionInputError, match=re.escape(says)):
+            explain_attention(1, 2, 128, 128, 64, mask)

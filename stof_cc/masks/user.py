@@ -300,7 +300,9 @@ def from_dense(mask: Tensor) -> MaskDescription:
     if not isinstance(mask, Tensor):
         raise MaskTypeError(f"from_dense: mask must be a bool tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise MaskTypeError(f"from_dense: mask must have dtype torch.bool, got {mask.dtype}")
+        raise MaskTypeError(f"from_dense: mask must have dtype torch.bool, got {mask.dtype}"
+                            + (" (an additive float mask is a bias: stof_cc.attention(..., bias=) adds it to the "
+                               "scores)" if mask.is_floating_point() else ""))
     if mask.dim() not in (2, 4) or 0 in mask.shape:
         raise MaskError(
             f"from_dense: mask must have shape [S_q, S_k] or [B|1, H|1, S_q, S_k] with no empty "

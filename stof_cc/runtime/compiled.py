@@ -42,7 +42,7 @@ from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.node import CONSTANT, INPUT
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
-from stof_cc.masks import MaskDescription, from_dense
+from stof_cc.masks import MaskDescription, MaskError, from_dense
 from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
@@ -220,17 +220,18 @@ class CompiledModule:
             devices = sorted({entry[2] for entry in key[1:] if isinstance(entry, tuple)})
             inputs = ", ".join(f"%{n.name} {n.spec}" for n in variant.graph.inputs)
             lines.append(f"inputs {inputs} on {', '.join(devices) or 'no device'}:")
-            if not variant.gpu:  # one reason for every group: said once
-                lines.append(f"  {variant.steps[0].note if variant.steps else ''}")
-                lines.append("  groups: " + ", ".join(f"{s.group.name} ({s.group.kind})" for s in variant.steps))
-                continue
-            lines += [f"  {s.group.name:<5} {s.group.kind:<11} {s.kind:<9} {s.note}" for s in variant.steps]
+            if not variant.gpu and variant.steps:  # one reason for every group: said once
+                lines.append(f"  {variant.steps[0].note}")
+            lines += [f"  {s.group.name:<5} {s.group.kind:<11} {s.kind:<9} {'' if not variant.gpu else s.note}".rstrip()
+                      for s in variant.steps]
         return "\n".join(lines)
 
     # -- compiling one variant ------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
         with eval_mode(self.module):
             graph, plan = lower(self.module, args, kwargs, dtype=self.dtype, mask=self.mask)
+        if self.mask is not None:
+            _check_mask_fits(graph, self.mask)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
         on_gpu = _on_gpu((args, kwargs))
         gpu = self.use_gpu_kernels and on_gpu
@@ -486,6 +487,22 @@ def _signature(flat: list[Any], spec: Any) -> tuple:
     dtype and device (cuda:0 and cuda:1 are different variants)."""
     return (str(spec),) + tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
                                 for t in flat)
+
+
+def _check_mask_fits(graph: Graph, mask: MaskDescription) -> None:
+    """``compile(mask=)`` against every attention node's sizes, at compile time: a mask of other
+    sizes (or a mask_mod that returns no bool) would otherwise fail only at the first call."""
+    for node in graph.nodes():
+        if node.op not in ("scaled_dot_product_attention", "attention"):
+            continue
+        given = attention_arguments(node)
+        q, k = (graph.node(given[name].name).spec.shape for name in ("query", "key"))
+        batch, heads = (q[0], q[1]) if len(q) == 4 else (q[0] if len(q) == 3 else 1, 1)
+        try:
+            mask.mask_dims(q[-2], k[-2], batch, heads)
+        except MaskError as exc:  # MaskTypeError too: a mask_mod that returns no bool
+            raise type(exc)(f"stof_cc.compile: mask= does not fit attention node %{node.name} (batch {batch}, "
+                            f"{heads} heads, {q[-2]} queries, {k[-2]} keys): {exc}") from exc
 
 
 def _on_gpu(tree: Any) -> bool:

@@ -89,8 +89,15 @@ def as_description(mask: MaskDescription | torch.Tensor | None) -> MaskDescripti
         return mask
     if isinstance(mask, torch.Tensor):
         return from_dense(mask)
+    hint = ""
+    if isinstance(mask, str):
+        hint = f" (a spec: masks.parse_spec({mask!r}))"
+    elif callable(mask) and getattr(mask, "__module__", "").startswith("stof_cc.masks"):
+        hint = f" (call it: masks.{mask.__name__}(...))"
+    elif callable(mask):
+        hint = " (a FlexAttention-style mask_mod: masks.from_mask_mod(fn))"
     raise AttentionInputError(f"mask must be a stof_cc.masks description, a bool tensor or None; "
-                              f"got {type(mask).__name__}")
+                              f"got {type(mask).__name__}{hint}")
 
 
 _FULL = full()
