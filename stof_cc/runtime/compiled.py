@@ -497,7 +497,9 @@ def _check_mask_fits(graph: Graph, mask: MaskDescription) -> None:
             continue
         given = attention_arguments(node)
         q, k = (graph.node(given[name].name).spec.shape for name in ("query", "key"))
-        batch, heads = (q[0], q[1]) if len(q) == 4 else (q[0] if len(q) == 3 else 1, 1)
+        if len(q) != 4:  # [B, H, S, D], as the kernels and the torch path read the mask's dims
+            continue
+        batch, heads = q[0], q[1]
         try:
             mask.mask_dims(q[-2], k[-2], batch, heads)
         except MaskError as exc:  # MaskTypeError too: a mask_mod that returns no bool
