@@ -35,6 +35,10 @@ SPECS = [
     ("key_padding:lengths=700+2048", masks.key_padding([700, 2048])),
     ("causal&sliding:w=100", masks.causal() & masks.sliding_window(100)),
     ("strided:stride=64|~causal", masks.strided(64) | ~masks.causal()),
+    ("(causal|sliding:w=64)&~dilated:w=8,d=4",
+     (masks.causal() | masks.sliding_window(64)) & ~masks.dilated(8, 4)),
+    ("~(causal & sliding:w=16) | full & ((causal))",
+     ~(masks.causal() & masks.sliding_window(16)) | (masks.full() & masks.causal())),
 ]
 
 
@@ -68,6 +72,11 @@ BAD_SPECS = [
     ("document:lengths=3+x", r"lengths=3\+x is not ints joined by \+"),
     ("causal:w=3", "causal has no key 'w'; valid keys: none"),
     ("grid:causal", "grid masks depend on the sequence length; pass seq"),
+    ("(causal|sliding:w=4", r"a '\(' without its '\)'"),
+    ("causal)&full", r"a '\)' without its '\('"),
+    ("()", "an empty term"),
+    ("causal&&full", "an empty term"),
+    (":w=3", "an empty term"),
 ]
 
 

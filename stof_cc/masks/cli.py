@@ -81,7 +81,8 @@ def list_command(args: argparse.Namespace) -> int:
     width = max(len(syntax) for syntax, _ in rows)
     for syntax, summary in rows:
         print(f"{syntax:<{width}}  {summary}")
-    print("\ncombine with | (or), & (and), ~ (not): e.g. causal&sliding:w=64")
+    print("\ncombine with | (or), & (and), ~ (not), grouped by parentheses: e.g. causal&sliding:w=64, "
+          "(causal|sliding:w=64)&~dilated:w=8,d=4")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Text specs for masks, as typed on the command line: `longformer:w=128,g=32`,
-`causal`, `grid:bigbird`, combined with `|`, `&` and a `~` prefix (`causal&sliding:w=64`).
+`causal`, `grid:bigbird`, combined with `|`, `&` and a `~` prefix (`causal&sliding:w=64`), grouped
+by parentheses.
 
 One table (PATTERNS) drives both the parser and `stof-cc masks list`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,21 +110,63 @@ GRID_SYNTAX = "grid:" + "|".join(GRID_MASKS)
 
 
 def parse_spec(text: str, seq: int | None = None) -> MaskDescription:
-    """The description a spec names. `seq` is needed only by `grid:<name>` specs, whose
-    window and document length depend on the sequence length."""
+    """The description a spec names: terms combined by ``~`` (complement), ``&`` and ``|``, in that
+    order of precedence, and grouped by parentheses (``(causal|sliding:w=64)&~dilated:w=8,d=4``).
+    `seq` is needed only by `grid:<name>` specs, whose window and document length depend on the
+    sequence length."""
     if not isinstance(text, str) or not text.strip():
         raise MaskError(f"parse_spec: spec must be a non-empty string, got {text!r}")
-    terms = [
-        functools.reduce(operator.and_, [_factor(f, text, seq) for f in term.split("&")])
-        for term in text.split("|")
-    ]
-    return functools.reduce(operator.or_, terms)
+    tokens = [token.strip() for token in re.split(r"([()|&~])", text)]
+    parser = _Parser([token for token in tokens if token], text, seq)
+    desc = parser.union()
+    if parser.at < len(parser.tokens):  # a ')' with no '(' before it
+        raise MaskError(f"spec {text!r}: a ')' without its '('")
+    return desc
 
 
-def _factor(text: str, spec: str, seq: int | None) -> MaskDescription:
-    text = text.strip()
-    if text.startswith("~"):
-        return ~_factor(text[1:], spec, seq)
+@dataclass
+class _Parser:
+    """Recursive descent over a spec's tokens: operators, parentheses and the terms between them."""
+
+    tokens: list[str]
+    spec: str
+    seq: int | None
+    at: int = 0
+
+    def union(self) -> MaskDescription:
+        parts = [self.intersection()]
+        while self._take("|"):
+            parts.append(self.intersection())
+        return functools.reduce(operator.or_, parts)
+
+    def intersection(self) -> MaskDescription:
+        parts = [self.factor()]
+        while self._take("&"):
+            parts.append(self.factor())
+        return functools.reduce(operator.and_, parts)
+
+    def factor(self) -> MaskDescription:
+        if self._take("~"):
+            return ~self.factor()
+        if self._take("("):
+            inner = self.union()
+            if not self._take(")"):
+                raise MaskError(f"spec {self.spec!r}: a '(' without its ')'")
+            return inner
+        token = self.tokens[self.at] if self.at < len(self.tokens) else None
+        if token is None or token in ("|", "&", ")"):
+            raise MaskError(f"spec {self.spec!r}: an empty term (an operator with nothing on one side, such as '&&')")
+        self.at += 1
+        return _term(token, self.spec, self.seq)
+
+    def _take(self, operator_token: str) -> bool:
+        if self.at < len(self.tokens) and self.tokens[self.at] == operator_token:
+            self.at += 1
+            return True
+        return False
+
+
+def _term(text: str, spec: str, seq: int | None) -> MaskDescription:
     name, _, args = text.partition(":")
     name = name.strip()
     if not name:
