@@ -342,7 +342,7 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
 
 
 def _attention_nodes(graph: Graph) -> list:
-    return [n for n in graph.nodes() if n.op in ("scaled_dot_product_attention", "attention")]
+    return [n for n in graph.nodes() if pattern_kind(n.op) == "attention"]
 
 
 def _say_mask(graph: Graph, mask: MaskDescription | None) -> None:

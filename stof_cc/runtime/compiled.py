@@ -41,6 +41,7 @@ from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.node import CONSTANT, INPUT
+from stof_cc.ir.ops import pattern_kind
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, MaskError, from_dense
 from stof_cc.passes import cast_floating, lower
@@ -128,7 +129,6 @@ class CompiledModule:
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
-        self.no_gpu_reason = "inputs on the CPU"  # why the latest variant runs in torch, if it does
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         changed = self._watch.changed()
@@ -238,7 +238,6 @@ class CompiledModule:
         if on_gpu and not self.use_gpu_kernels:
             _warn_once(f"stof_cc.compile: the inputs are on {_devices((args, kwargs))}, but {NO_PYCUDA}; every group "
                        "runs in torch, none in a generated kernel")
-        self.no_gpu_reason = "inputs on the CPU" if not on_gpu else NO_PYCUDA
         if gpu and self.database is not None:
             if self.tune:  # chooses the scheme by the measured times of both sides of each merge
                 plan, _ = tune_model(graph, plan, args, kwargs, database=self.database, mask=self.mask,
@@ -249,7 +248,7 @@ class CompiledModule:
             plan = choose_scheme(graph, plan)
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
-        steps = self.steps(graph, plan, gpu)
+        steps = self.steps(graph, plan, gpu, why_not=NO_PYCUDA if on_gpu else "inputs on the CPU")
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
         dies_after = _lifetimes(graph, steps)
         fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
@@ -257,16 +256,17 @@ class CompiledModule:
             step.in_place = in_place_all_reduces(graph, step.group.nodes, dying, fresh)
         return Variant(graph, plan, steps, dies_after, gpu=gpu)
 
-    def steps(self, graph: Graph, plan: FusionPlan, gpu: bool) -> list[Step]:
+    def steps(self, graph: Graph, plan: FusionPlan, gpu: bool, why_not: str = "inputs on the CPU") -> list[Step]:
         """One step per group of ``plan``, in order: a generated kernel, stof-cc's attention or
-        torch (``gpu`` False: every step runs in torch)."""
-        return [self._step(graph, group, gpu) for group in plan.scheme.groups]
+        torch (``gpu`` False: every step runs in torch, for the reason ``why_not``)."""
+        torch_only = None if gpu else NO_GPU.format(why=why_not)
+        return [self._step(graph, group, torch_only) for group in plan.scheme.groups]
 
-    def _step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
+    def _step(self, graph: Graph, group: FusionGroup, torch_only: str | None) -> Step:
         if group.kind == "attention":
-            return self._attention_step(graph, group, gpu)
-        if not gpu:
-            return Step(group, "torch", NO_GPU.format(why=self.no_gpu_reason))
+            return self._attention_step(graph, group, torch_only)
+        if torch_only is not None:
+            return Step(group, "torch", torch_only)
         found, refused = applicable_templates(graph, group, target_capability())
         if not found:  # its rotary nodes still run in the rotary kernel (a per-head norm's epilogue, say)
             rotary, _ = _generated_rotary(graph, group)
@@ -284,15 +284,15 @@ class CompiledModule:
         return Step(group, "kernel", f"{template.name} {params} ({how})", kernel=(template, problem, params),
                     tuned=tuned)
 
-    def _attention_step(self, graph: Graph, group: FusionGroup, gpu: bool) -> Step:
+    def _attention_step(self, graph: Graph, group: FusionGroup, torch_only: str | None) -> Step:
         """stof_cc.attention for the anchor, or torch with the reason; ``mask=`` holds in both
         (in torch through the reference, `_reference_attention`): it replaces the node's own
         static or boolean mask, and a float mask (a bias) is added under it."""
         anchor = graph.node(group.anchor)
         given = attention_arguments(anchor)
         override = self.mask
-        if not gpu:
-            return Step(group, "torch", NO_GPU.format(why=self.no_gpu_reason), mask=override)
+        if torch_only is not None:
+            return Step(group, "torch", torch_only, mask=override)
         bias = added_biases(graph, anchor)
         if given.get("attn_mask") is not None and override is None and not is_bias(graph, given["attn_mask"]):
             return Step(group, "torch", "attention with a boolean mask tensor that is not key padding "
@@ -493,7 +493,7 @@ def _check_mask_fits(graph: Graph, mask: MaskDescription) -> None:
     """``compile(mask=)`` against every attention node's sizes, at compile time: a mask of other
     sizes (or a mask_mod that returns no bool) would otherwise fail only at the first call."""
     for node in graph.nodes():
-        if node.op not in ("scaled_dot_product_attention", "attention"):
+        if pattern_kind(node.op) != "attention":
             continue
         given = attention_arguments(node)
         q, k = (graph.node(given[name].name).spec.shape for name in ("query", "key"))
