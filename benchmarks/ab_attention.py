@@ -2,11 +2,13 @@
 `stof_cc/templates` from another commit, e.g. `git archive HEAD~1 stof_cc/templates | tar -x -C /tmp/old`)
 against the working tree's, at the cost model's two best ws points per case, each one CTA per tile
 and persistent, both orders, min of two medians; every launch's first call is checked against the
-fp32 reference, and cuDNN's causal time and the dense floor are printed beside them. Side-by-side
+fp32 reference, and cuDNN's and FA4's causal times (FA4 where it imports) and the dense floor are
+printed beside them. Side-by-side
 evidence for a kernel change, where run-to-run noise on the H100 (2-7%) hides the difference
 between two separate `mha.py` runs.
 
     python benchmarks/ab_attention.py --old /tmp/old/stof_cc/templates [--cases causal:8192:64,bigbird:8192:128]
+    python benchmarks/ab_attention.py --one-section   # the tile schedule without L2 sections as "old"
 
 Cases are mask:S:D with D = 64 (fp16, H = 12) or 128 (bf16, H = 16), B = 4096 // S (1 at least,
 8 up to S = 512).
@@ -15,8 +17,10 @@ Cases are mask:S:D with D = 64 (fp16, H = 12) or 128 (bf16, H = 16), B = 4096 //
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -25,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from stof_cc.masks.workloads import grid_batch, grid_mask  # noqa: E402
-from stof_cc.templates.attention import WarpSpecialisedWgmmaAttention  # noqa: E402
+from stof_cc.templates.attention import WGMMA_WS, WarpSpecialisedWgmmaAttention  # noqa: E402
 
 DEFAULT_CASES = ("causal:512:64,causal:1024:64,causal:8192:64,sliding:8192:64,longformer:8192:64,bigbird:8192:64,"
                  "document:8192:64,causal:1024:128,causal:4096:128,causal:8192:128,sliding:8192:128,"
@@ -56,14 +60,34 @@ def old_template(folder: str) -> WarpSpecialisedWgmmaAttention:
     return Old()
 
 
-def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
-    """Print one case's A/B; the number of wrong launches."""
-    from mha import bench, dense_floors, under
+_ONE_SECTION_SCHEDULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def one_section(active: bool):
+    """While ``active``, launch plans schedule their tiles without L2 sections (one section),
+    cached apart from the sectioned schedules."""
+    from stof_cc.backends import tile_schedule
+
+    saved = tile_schedule.pairs_per_section, tile_schedule._schedules
+    if active:
+        tile_schedule.pairs_per_section = lambda *args: None
+        tile_schedule._schedules = _ONE_SECTION_SCHEDULES
+    try:
+        yield
+    finally:
+        tile_schedule.pairs_per_section, tile_schedule._schedules = saved
+
+
+def run_case(case: str, old: WarpSpecialisedWgmmaAttention, one_section_old: bool = False) -> int:
+    """Print one case's A/B (``one_section_old``: "old" is the working tree's template without L2
+    sections); the number of wrong launches."""
+    from mha import bench, dense_floors, fa4_available, fa4_peer, under
     from torch.nn.attention import SDPBackend
 
     from stof_cc.backends.attention_launch import launch_plan
     from stof_cc.ir.reference import masked_attention, relative_error
-    from stof_cc.templates.attention import WGMMA_WS, config_label, problem_of
+    from stof_cc.templates.attention import config_label, problem_of
     from stof_cc.tune.attention import cached_block_mask, choose
 
     name, seq, desc, (q, k, v) = case_inputs(case)
@@ -72,6 +96,10 @@ def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
     floor = min(bench(lambda fn=fn: fn(q, k, v)) for fn in dense_floors().values()) \
         * desc.block_mask(seq, seq, 128, 128).element_density
     cudnn = bench(lambda: under(SDPBackend.CUDNN_ATTENTION, is_causal=True)(q, k, v)) if name == "causal" else math.nan
+    fa4 = math.nan
+    if name == "causal" and fa4_available():
+        fa4_causal = fa4_peer(causal=True)
+        fa4 = bench(lambda: fa4_causal(q, k, v))
     points = []
     for estimate in choose(problem, desc).estimates:
         base = {key: value for key, value in estimate.params.items() if key != "persistent"}
@@ -87,14 +115,15 @@ def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
             for label, template in (("old", old), ("new", WGMMA_WS))[:: 1 if rep == 0 else -1]:
                 for persistent in (False, True):
                     params = base | {"persistent": persistent}
-                    plan = launch_plan(q, k, v, problem, template, params, block_mask, None)
+                    with one_section(label == "old" and one_section_old):
+                        plan = launch_plan(q, k, v, problem, template, params, block_mask, None)
                     if rep == 0:
                         err = relative_error(plan.launch(q, k, v).float(), ref)
                         if not err < TOLERANCE:
                             wrong += 1
                             print(f"  WRONG {label} {case} {config_label(params)}: relative error {err:.2e}", flush=True)
                     times.setdefault((config_label(params), label), []).append(bench(lambda plan=plan: plan.launch(q, k, v)))
-    print(f"{case}: cuDNN causal {cudnn:.4f} ms, floor {floor:.4f} ms", flush=True)
+    print(f"{case}: cuDNN causal {cudnn:.4f} ms, FA4 causal {fa4:.4f} ms, floor {floor:.4f} ms", flush=True)
     for base in points:
         for persistent in (False, True):
             label = config_label(base | {"persistent": persistent})
@@ -105,11 +134,14 @@ def run_case(case: str, old: WarpSpecialisedWgmmaAttention) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", required=True, help="folder of the templates to compare against")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--old", help="folder of the templates to compare against")
+    what.add_argument("--one-section", action="store_true",
+                      help="compare against the tile schedule without L2 sections (same templates)")
     parser.add_argument("--cases", default=DEFAULT_CASES, help="mask:S:D, comma separated")
     args = parser.parse_args()
-    old = old_template(args.old)
-    wrong = sum(run_case(case, old) for case in args.cases.split(","))
+    old = WGMMA_WS if args.one_section else old_template(args.old)
+    wrong = sum(run_case(case, old, args.one_section) for case in args.cases.split(","))
     print(f"{wrong} wrong launches")
     return 1 if wrong else 0
 

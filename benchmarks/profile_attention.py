@@ -1,5 +1,6 @@
-"""One attention case, for a profiler: stof-cc's kernel (the model's choice, or a pinned point) and
-cuDNN's (causal masks, through SDPA), each launched once inside a CUDA profiler range after warm-up.
+"""One attention case, for a profiler: stof-cc's kernel (the model's choice, or a pinned point), cuDNN's
+and FA4's (causal masks; cuDNN through SDPA, FA4 where it imports), each launched once inside a CUDA
+profiler range after warm-up.
 
     ncu --clock-control none --profile-from-start off --section WarpStateStats --section SourceCounters \\
         -o attn python benchmarks/profile_attention.py causal:512:128
@@ -9,7 +10,7 @@ cuDNN's (causal masks, through SDPA), each launched once inside a CUDA profiler 
 CASE is mask:S:D as in `ab_attention.py` (D = 64: fp16, H = 12; D = 128: bf16, H = 16; B = 4096 // S,
 8 up to S = 512; ``--batch`` sets another B). ``--params`` pins a point (JSON, e.g. ``'{"strategy": "wgmma_ws", "block_m": 128,
 "block_n": 128, "warps": 8, "m_tiles": 1, "stages": 2, "persistent": true}'``); ``--no-peer`` leaves
-cuDNN out. Both outputs are checked against the fp32 reference first. The session that wrote this
+the peers out. Every output is checked against the fp32 reference first. The session that wrote this
 (benchmarks/history/20-2026-11-27.md) found with its scratch predecessor where the short causal tiles
 wait; this committed form has not run on a GPU yet (the session's device time was spent).
 Needs an NVIDIA GPU, PyCUDA and nvcc.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab_attention import case_inputs  # noqa: E402
-from mha import under  # noqa: E402
+from mha import fa4_available, fa4_peer, under  # noqa: E402
 
 from stof_cc import attention  # noqa: E402
 from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
@@ -54,6 +55,9 @@ def main() -> int:
 
         cudnn = under(SDPBackend.CUDNN_ATTENTION, is_causal=True)
         runs["cuDNN causal"] = lambda: cudnn(q, k, v)
+        if fa4_available():
+            fa4 = fa4_peer(causal=True)
+            runs["FA4 causal"] = lambda: fa4(q, k, v)
     reference = masked_attention(q, k, v, desc.to_dense(seq, seq).cuda()).float()
     for what, run in runs.items():
         error = relative_error(run().float(), reference)

@@ -1,12 +1,18 @@
 """Tile schedules of the warp-specialised attention kernel (CPU): every tile exactly once,
-longest first, and persistent CTAs balanced."""
+longest first, persistent CTAs balanced, and L2 sections where they keep the balance."""
 
 from __future__ import annotations
 
 import torch
 
 from stof_cc import masks
-from stof_cc.backends.tile_schedule import TILE_ENTRY, tile_costs, tile_schedule
+from stof_cc.backends.tile_schedule import (
+    TILE_ENTRY,
+    balanced_section,
+    pairs_per_section,
+    tile_costs,
+    tile_schedule,
+)
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import AttentionProblem
 from stof_cc.tune.attention import cached_block_mask
@@ -78,3 +84,41 @@ def test_per_head_masks_are_costed_per_head_and_fewer_tiles_than_ctas_fall_back_
     _every_tile_once(per_cta, 1, 2, 4)
     assert [len(tiles) for tiles in per_cta] == [2, 3, 3]  # 4 + 4 | 4 + 1 + 1 ... balanced by LPT
     assert tile_schedule(bm, 1, 2, 1000).ctas == 8  # one CTA per tile when there are fewer tiles
+
+
+MB = 1 << 20
+
+
+def test_a_section_holds_the_heads_whose_k_and_v_fit_in_l2_a_power_of_two():
+    assert pairs_per_section(4 * MB, 50 * MB) == 8  # 12 fit: FlashAttention rounds down to 8
+    assert pairs_per_section(8 * MB, 50 * MB) == 4
+    assert pairs_per_section(64 * MB, 50 * MB) == 1  # not even one: one head at a time
+    assert pairs_per_section(1 * MB, 50 * MB) == 32
+
+
+def test_sections_are_widened_until_a_long_tile_cannot_outlast_its_section():
+    causal = tile_costs(_block_mask(masks.causal(), 1, 16, 16384), 1, 16).reshape(128, 16)
+    assert balanced_section(causal, 4, 132) == 4  # 4 heads: 4 x (8256 + 128) tile costs, 254 per CTA >= 129
+    assert balanced_section(causal, 1, 132) == 4  # 1 and 2 heads: 64 and 127 per CTA < 129
+    assert balanced_section(causal, None, 132) == 16 and balanced_section(causal, 4, None) == 16
+    # a global row (every key block) beside a narrow window: its section must hold 132 x its length
+    longformer = tile_costs(_block_mask(masks.longformer(w=256, global_tokens=128), 1, 16, 8192), 1, 16)
+    assert balanced_section(longformer.reshape(64, 16), 4, 132) == 16
+
+
+def test_sectioned_schedules_run_one_section_after_another_longest_first_inside():
+    batch, heads, ctas = 2, 4, 16
+    bm = _block_mask(masks.causal(), batch, heads, 4096)
+    costs = tile_costs(bm, batch, heads)
+    kv_bytes = 3 * MB
+    for persistent in (False, True):
+        schedule = tile_schedule(bm, batch, heads, ctas if persistent else None, 16, kv_bytes, 8 * MB)  # 2 pairs
+        per_cta = _decode(schedule.table, schedule.ctas, bm)
+        _every_tile_once(per_cta, batch, heads, bm.n_rb)
+        runs = [tiles for tiles in per_cta] if persistent else [[tiles[0] for tiles in per_cta]]
+        for tiles in runs:
+            keys = [((b * heads + h) // 2, -int(costs[r, b, h])) for h, b, r in tiles]
+            assert keys == sorted(keys)  # by section, then longest first
+        if persistent:
+            loads = [sum(int(costs[r, b, h]) + 1 for h, b, r in tiles) for tiles in per_cta]
+            assert max(loads) - min(loads) <= 0.1 * sum(loads) / ctas

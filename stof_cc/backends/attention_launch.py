@@ -258,8 +258,11 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         raise AttentionInputError(f"scale must be positive, got {scale}")
     grid, threads, shared = template.launch(problem, params)
     if template.walks_tile_schedule:  # grid (CTAs, 1, 1), the schedule in place of row_order
-        ctas = torch.cuda.get_device_properties(q.device).multi_processor_count if params["persistent"] else None
-        schedule = tile_schedule(block_mask, problem.batch, problem.heads, ctas)
+        device = torch.cuda.get_device_properties(q.device)
+        ctas = device.multi_processor_count if params["persistent"] else None
+        kv_bytes = 2 * problem.seq_k * problem.head_dim * q.element_size() * (problem.kv_heads or problem.heads) // problem.heads
+        schedule = tile_schedule(block_mask, problem.batch, problem.heads, ctas, device.multi_processor_count,
+                                 kv_bytes, device.L2_cache_size)
         grid, order = (schedule.ctas, 1, 1), schedule.table
     else:
         order = _row_order(block_mask)

@@ -9,6 +9,12 @@ Two schedules, both longest tile first:
   blocks while the consumers still finish the one before: no per-CTA start-up on the critical
   path, and no partly filled last wave.
 
+Both run the tiles in L2 sections: consecutive (batch, head) pairs whose K and V fit in L2
+together (`pairs_per_section`), one section after another, longest first inside each. Longest
+first over all pairs had every CTA on a different head at once: at S = 8192, d = 128, 16 heads
+(64 MB of K and V) a causal launch hit L2 for 77% of its reads, FlashAttention-4 with its
+sections 90% (ncu on the H100, benchmarks/history/25-2026-11-27.md).
+
 The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, then per tile,
 CTA by CTA, ``TILE_ENTRY`` ints: head, batch, block row, and the tile's range [first, last) in
 the block mask's ``any_cols`` / ``any_tile`` (so a kernel reads one entry, not the mask's row
@@ -49,26 +55,67 @@ def tile_costs(block_mask: BlockMask, batch: int, heads: int) -> np.ndarray:
     return np.broadcast_to(counts, (batch, heads, block_mask.n_rb)).transpose(2, 0, 1)
 
 
-def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | None) -> TileSchedule:
+def pairs_per_section(kv_bytes: float, l2_bytes: int) -> int:
+    """(batch, head) pairs per L2 section: as many consecutive query heads as whose K and V
+    (``kv_bytes`` each) fit in ``l2_bytes``, rounded down to a power of two, at least 1
+    (FlashAttention's LPT scheduler's rule)."""
+    fitting = int(l2_bytes // max(kv_bytes, 1.0))
+    return 1 << (fitting.bit_length() - 1) if fitting > 1 else 1
+
+
+def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms: int | None = None,
+                  kv_bytes: int | None = None, l2_bytes: int | None = None) -> TileSchedule:
     """The schedule of every (head, batch, block row) tile: one CTA each when ``ctas`` is None
-    (grid), else at most ``ctas`` persistent CTAs. Cached per mask."""
-    key = (batch, heads, ctas)
+    (grid, run ``sms`` at a time), else at most ``ctas`` persistent CTAs. Given ``kv_bytes`` (a
+    query head's K and V: a K/V head's over the query heads that share it) and ``l2_bytes``, the
+    tiles run in L2 sections (`pairs_per_section` of the K and V the longest tile reads,
+    `balanced_section`); else in one. Cached per mask."""
+    key = (batch, heads, ctas, sms, kv_bytes, l2_bytes)
     cached = _schedules.setdefault(block_mask, {})
     if key not in cached:
-        cached[key] = _build(block_mask, batch, heads, ctas)
+        cached[key] = _build(block_mask, batch, heads, ctas, sms, kv_bytes, l2_bytes)
     return cached[key]
 
 
-def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None) -> TileSchedule:
+def balanced_section(costs: np.ndarray, section: int | None, workers: int | None) -> int:
+    """The section actually used for tiles of ``costs`` [block rows, pairs]: ``section`` evened out
+    over the pairs, then doubled until no section's longest tile exceeds that section's work shared
+    over ``workers`` CTAs, else every pair in one section. A long tile (a Longformer or BigBird
+    global row) that starts only with its section ends after everything else: with sections of 4
+    heads, Longformer at S = 16384, d = 128 ran 1.08-1.29x slower on the H100 (history/25)."""
+    pairs = costs.shape[1]
+    if section is None or workers is None:
+        return pairs
+    costs = costs + TILE_FIXED_BLOCKS
+    while section < pairs:
+        section = -(-pairs // -(-pairs // section))  # as many sections, even sizes (12 heads: 6 + 6, not 8 + 4)
+        starts = np.arange(0, pairs, section)
+        work = np.add.reduceat(costs.sum(axis=0), starts)
+        longest = np.maximum.reduceat(costs.max(axis=0), starts)
+        if np.all(longest * workers <= work):
+            return section
+        section *= 2
+    return pairs
+
+
+def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms: int | None,
+           kv_bytes: int | None, l2_bytes: int | None) -> TileSchedule:
     """On the host, in numpy: a mask built per call pays this every call. Inside such a call on
     the lent H100's host (S = 32768, 16 heads, 4096 tiles) the torch version's own time was 27 ms
     (cProfile) and the call took 36 ms, 12 ms with numpy; alone, both take about 4 ms there, most
     of it the LPT loop (benchmarks/history/24-2026-11-27.md)."""
     costs = tile_costs(block_mask, batch, heads)
     n_rb = block_mask.n_rb
-    # tile index z * (B * H) + b * H + h; longest first, ties in row-major order (heads fastest)
+    # every head's whole K and V counts: longest first runs the tiles of every document (every row
+    # of a causal mask) of every head at once. Counting only the longest tile's span left a document
+    # mask in one section, where sections of 4 heads measured 3-4% faster (history/25).
+    section = pairs_per_section(kv_bytes, l2_bytes) if kv_bytes and l2_bytes else None
+    section = balanced_section(costs.reshape(n_rb, batch * heads), section, ctas or sms)
+    # tile index z * (B * H) + b * H + h; by section, then longest first, ties in row-major order
+    # (heads fastest)
     flat = costs.reshape(-1)
-    order = np.argsort(-flat, kind="stable")
+    pair = np.arange(flat.size) % (batch * heads)
+    order = np.lexsort((-flat, pair // section))
     row = order // (batch * heads)
     b = (order // heads) % batch
     h = order % heads
