@@ -18,6 +18,7 @@ from stof_cc.templates.attention import (
     WGMMA_WS,
     AttentionProblem,
 )
+from stof_cc.tune.cost_model import occupancy
 
 PROBLEMS = [AttentionProblem(2, 4, 1000, 1000, d, dt) for d in SUPPORTED_HEAD_DIMS
             for dt in (torch.float16, torch.bfloat16)]
@@ -101,17 +102,22 @@ def test_every_instance_compiles_for_sm90_without_real_spills():
         template, problem, params = item
         name = template.kernel_name(problem, params)
         source = template.render(problem, params)
-        return name, template.registers(problem, params), compile_cubin(source, arch="sm_90" + template.arch_features)
+        _, threads, shared = template.launch(problem, params)
+        return (name, template.registers(problem, params), threads, shared,
+                compile_cubin(source, arch="sm_90" + template.arch_features))
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(build, INSTANCES))
     assert len(results) == len(INSTANCES) > 0
-    for name, estimated, compiled in results:
+    for name, estimated, threads, shared, compiled in results:
         assert compiled.cubin[:4] == b"\x7fELF", name
         report = compiled.resources[name]
         assert 0 < report.registers <= 255, name
-        # The cost model's occupancy rests on this estimate.
-        assert abs(estimated - report.registers) <= 0.2 * report.registers, f"{name}: {estimated} vs {report}"
+        # The cost model's occupancy rests on this estimate: close to ptxas's, or above it (a bound that
+        # keeps points out of the space) where both give the same CTAs per SM.
+        conservative = estimated > report.registers and (occupancy(threads, shared, estimated)
+                                                         == occupancy(threads, shared, report.registers))
+        assert abs(estimated - report.registers) <= 0.2 * report.registers or conservative, f"{name}: {estimated} vs {report}"
         # ptxas occasionally trades a few bytes of spill for registers; more means the
         # register estimate that bounds the space is wrong.
         assert report.spill_stores <= 16 and report.spill_loads <= 16, f"{name} spills: {report}"
