@@ -37,9 +37,9 @@ def _points(template, problem):
 
 
 INSTANCES = [(t, p, params) for p in PROBLEMS + STRIDED for t in ATTENTION_TEMPLATES for params in _points(t, p)]
-# the warp-specialised kernel's bias variants (its register split leaves them least room)
-INSTANCES += [(WGMMA_WS, p, params) for p in (dataclasses.replace(p, bias=True) for p in PROBLEMS)
-              for params in WGMMA_WS.space(p)]
+# the wgmma kernels' bias variants (the warp-specialised kernel's register split leaves them least room)
+INSTANCES += [(t, p, params) for p in (dataclasses.replace(p, bias=True) for p in PROBLEMS)
+              for t in (WGMMA, WGMMA_WS) for params in t.space(p)]
 # the row-window variants (runtime.attention's cu_seqlens), fp16: every point of the templates that take them
 WINDOWS = [dataclasses.replace(p, row_windows=True) for p in PROBLEMS if p.dtype == torch.float16 and p.head_dim >= 64]
 INSTANCES += [(t, p, params) for p in WINDOWS for t in ATTENTION_TEMPLATES for params in t.space(p)]
@@ -113,10 +113,10 @@ def test_every_instance_compiles_for_sm90_without_real_spills():
         assert compiled.cubin[:4] == b"\x7fELF", name
         report = compiled.resources[name]
         assert 0 < report.registers <= 255, name
-        # The cost model's occupancy rests on this estimate: close to ptxas's, or above it (a bound that
-        # keeps points out of the space) where both give the same CTAs per SM.
-        conservative = estimated > report.registers and (occupancy(threads, shared, estimated)
-                                                         == occupancy(threads, shared, report.registers))
+        # The cost model's occupancy rests on this estimate: close to ptxas's, or at most 35% above it (a
+        # bound that keeps points out of the space) where both give the same CTAs per SM.
+        conservative = report.registers < estimated <= 1.35 * report.registers and (
+            occupancy(threads, shared, estimated) == occupancy(threads, shared, report.registers))
         assert abs(estimated - report.registers) <= 0.2 * report.registers or conservative, f"{name}: {estimated} vs {report}"
         # ptxas occasionally trades a few bytes of spill for registers; more means the
         # register estimate that bounds the space is wrong.

@@ -67,9 +67,9 @@ def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | Non
                   kv_bytes: int | None = None, l2_bytes: int | None = None) -> TileSchedule:
     """The schedule of every (head, batch, block row) tile: one CTA each when ``ctas`` is None
     (grid, run ``sms`` at a time), else at most ``ctas`` persistent CTAs. Given ``kv_bytes`` (a
-    query head's K and V: a K/V head's over the query heads that share it) and ``l2_bytes``, the
-    tiles run in L2 sections (`pairs_per_section` of the K and V the longest tile reads,
-    `balanced_section`); else in one. Cached per mask."""
+    query head's whole K and V: a K/V head's over the query heads that share it), ``l2_bytes`` and
+    ``ctas`` or ``sms``, the tiles run in L2 sections (`pairs_per_section`, `balanced_section`);
+    else in one. Cached per mask."""
     key = (batch, heads, ctas, sms, kv_bytes, l2_bytes)
     cached = _schedules.setdefault(block_mask, {})
     if key not in cached:
@@ -78,17 +78,17 @@ def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | Non
 
 
 def balanced_section(costs: np.ndarray, section: int | None, workers: int | None) -> int:
-    """The section actually used for tiles of ``costs`` [block rows, pairs]: ``section`` evened out
-    over the pairs, then doubled until no section's longest tile exceeds that section's work shared
+    """The section actually used for tiles of ``costs`` [block rows, pairs] (at most the pairs):
+    ``section`` evened out over the pairs, then doubled until no section's longest tile exceeds that section's work shared
     over ``workers`` CTAs, else every pair in one section. A long tile (a Longformer or BigBird
     global row) that starts only with its section ends after everything else: with sections of 4
     heads, Longformer at S = 16384, d = 128 ran 1.08-1.29x slower on the H100 (history/25)."""
     pairs = costs.shape[1]
-    if section is None or workers is None:
+    if section is None or workers is None or section >= pairs:
         return pairs
     costs = costs + TILE_FIXED_BLOCKS
     while section < pairs:
-        section = -(-pairs // -(-pairs // section))  # as many sections, even sizes (12 heads: 6 + 6, not 8 + 4)
+        section = -(-pairs // -(-pairs // section))  # as many sections, as even as widths allow (12: 6 + 6, not 8 + 4)
         starts = np.arange(0, pairs, section)
         work = np.add.reduceat(costs.sum(axis=0), starts)
         longest = np.maximum.reduceat(costs.max(axis=0), starts)

@@ -34,6 +34,10 @@ GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y (batch) and gridDim.z (block 
 # wgmma kernels' registers per thread by (head_dim, block_n): the sm_90a ptxas reports, which vary
 # by a few registers over block_m and dtype (checked in CI)
 WGMMA_REGISTERS = {(64, 64): 121, (64, 128): 185, (128, 64): 160, (128, 128): 208}
+# The bias variant's loads and row pointers: keeps out the points whose bias variants spill (sm_90a ptxas,
+# nvcc 13: d = 128 with n128, 68-72 bytes at 255 registers, and m192 n64, 116 bytes at its 168), leaves in
+# those that compile without (161-249 registers).
+WGMMA_BIAS_REGISTERS = 48
 MAX_REGISTERS = 255  # estimated registers per thread; above this ptxas spills (checked in CI)
 # A strided split's kernel variant (the residue decode) near the register limit spilled: blockwise d64
 # m64 n64 w2 (estimated 239) 12 / 20 bytes at 255, the ws m192 n128 d64 consumers (160 of 160) 32 / 40
@@ -242,8 +246,11 @@ class WgmmaAttention(_AttentionTemplate):
     block_ns = (64, 128)
     head_dims = (64, 128)  # whole 128-byte swizzle rows
 
+    bias_registers = WGMMA_BIAS_REGISTERS  # what a bias variant needs beyond the plain kernel
+
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
-        return WGMMA_REGISTERS[(problem.head_dim, params["block_n"])] + WINDOW_REGISTERS * problem.row_windows
+        return (WGMMA_REGISTERS[(problem.head_dim, params["block_n"])] + WINDOW_REGISTERS * problem.row_windows
+                + self.bias_registers * problem.bias)
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         rows = params["block_m"] + 2 * params["stages"] * params["block_n"]
@@ -274,6 +281,7 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     stage_counts = (2, 3)
     walks_tile_schedule = True
     loads_with_tma = True
+    bias_registers = WS_BIAS_REGISTERS
     schedules = (False, True)  # params["persistent"]: one CTA per tile, or one per SM (tile_schedule)
 
     def consumer_registers(self, params: dict[str, Any]) -> int:
@@ -309,7 +317,7 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         """What ptxas reports and the launch reserves: the register file split evenly over all
         threads (setmaxnreg then moves registers from the producer to the consumers)."""
         launch_cap = SM_REGISTER_FILE // (params["warps"] * 32 + PRODUCER_THREADS) // 8 * 8
-        return min(super().registers(problem, params) + WS_BIAS_REGISTERS * problem.bias, launch_cap)
+        return min(super().registers(problem, params), launch_cap)
 
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
         return super().context(problem, params) | {"producer_registers": PRODUCER_REGISTERS,
