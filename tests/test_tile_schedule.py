@@ -122,3 +122,12 @@ def test_sectioned_schedules_run_one_section_after_another_longest_first_inside(
         if persistent:
             loads = [sum(int(costs[r, b, h]) + 1 for h, b, r in tiles) for tiles in per_cta]
             assert max(loads) - min(loads) <= 0.1 * sum(loads) / ctas
+
+
+def test_a_query_heads_k_and_v_counts_a_shared_kv_head_once_per_group():
+    from stof_cc.backends.attention_launch import kv_bytes_per_query_head
+
+    assert kv_bytes_per_query_head(AttentionProblem(1, 16, 8192, 8192, 128, torch.bfloat16)) == 4 * MB
+    assert kv_bytes_per_query_head(AttentionProblem(1, 32, 8192, 8192, 128, torch.float16, kv_heads=8)) == MB
+    # a strided split's problem: its sequences are S / d long
+    assert kv_bytes_per_query_head(AttentionProblem(8, 4, 2048, 2048, 64, torch.float16, residues=4)) == MB // 2

@@ -245,6 +245,14 @@ def _windows(start: torch.Tensor, end: torch.Tensor, batch: int) -> torch.Tensor
     return torch.stack((start, end), -1).to(torch.int32).expand(batch, start.shape[-1], 2).contiguous()
 
 
+def kv_bytes_per_query_head(problem: AttentionProblem) -> int:
+    """The K and V one query head reads, in bytes: a K/V head's whole K and V (of a strided split's
+    sequence) over the query heads that share it (grouped-query attention); what the tile schedule
+    fits into L2 sections."""
+    element_bytes = torch.finfo(problem.dtype).bits // 8
+    return 2 * problem.seq_k * problem.head_dim * element_bytes * (problem.kv_heads or problem.heads) // problem.heads
+
+
 def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: AttentionProblem,
                 template: KernelTemplate, params: dict[str, Any], block_mask: BlockMask,
                 scale: float | None) -> LaunchPlan:
@@ -260,9 +268,8 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
     if template.walks_tile_schedule:  # grid (CTAs, 1, 1), the schedule in place of row_order
         device = torch.cuda.get_device_properties(q.device)
         ctas = device.multi_processor_count if params["persistent"] else None
-        kv_bytes = 2 * problem.seq_k * problem.head_dim * q.element_size() * (problem.kv_heads or problem.heads) // problem.heads
         schedule = tile_schedule(block_mask, problem.batch, problem.heads, ctas, device.multi_processor_count,
-                                 kv_bytes, device.L2_cache_size)
+                                 kv_bytes_per_query_head(problem), device.L2_cache_size)
         grid, order = (schedule.ctas, 1, 1), schedule.table
     else:
         order = _row_order(block_mask)
