@@ -45,7 +45,8 @@ def _number(text: str) -> float:
 
 def read(path: Path) -> list[Instruction]:
     """The instructions of ncu's source-page CSV, in address order."""
-    rows = list(csv.reader(path.open(errors="replace")))
+    with path.open(errors="replace") as page:
+        rows = list(csv.reader(page))
     header_at = next((i for i, row in enumerate(rows) if "Address" in row and "Source" in row), None)
     if header_at is None or SAMPLES not in rows[header_at]:
         raise SystemExit(f"{path}: not ncu's source page with stall sampling (columns 'Address', 'Source', "
