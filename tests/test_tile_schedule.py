@@ -115,7 +115,7 @@ def test_sectioned_schedules_run_one_section_after_another_longest_first_inside(
         schedule = tile_schedule(bm, batch, heads, ctas if persistent else None, 16, kv_bytes, 8 * MB)  # 2 pairs
         per_cta = _decode(schedule.table, schedule.ctas, bm)
         _every_tile_once(per_cta, batch, heads, bm.n_rb)
-        runs = [tiles for tiles in per_cta] if persistent else [[tiles[0] for tiles in per_cta]]
+        runs = per_cta if persistent else [[tiles[0] for tiles in per_cta]]  # per CTA, or the launch order
         for tiles in runs:
             keys = [((b * heads + h) // 2, -int(costs[r, b, h])) for h, b, r in tiles]
             assert keys == sorted(keys)  # by section, then longest first

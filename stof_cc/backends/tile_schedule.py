@@ -57,8 +57,8 @@ def tile_costs(block_mask: BlockMask, batch: int, heads: int) -> np.ndarray:
 
 def pairs_per_section(kv_bytes: float, l2_bytes: int) -> int:
     """(batch, head) pairs per L2 section: as many consecutive query heads as whose K and V
-    (``kv_bytes`` each) fit in ``l2_bytes``, rounded down to a power of two, at least 1
-    (FlashAttention's LPT scheduler's rule)."""
+    (``kv_bytes`` each) fit in ``l2_bytes``, rounded down to a power of two, at least 1 (as
+    FlashAttention's LPT scheduler rounds; it assumes 50 MB and a whole K/V head per query head)."""
     fitting = int(l2_bytes // max(kv_bytes, 1.0))
     return 1 << (fitting.bit_length() - 1) if fitting > 1 else 1
 
@@ -79,8 +79,8 @@ def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | Non
 
 def balanced_section(costs: np.ndarray, section: int | None, workers: int | None) -> int:
     """The section actually used for tiles of ``costs`` [block rows, pairs] (at most the pairs):
-    ``section`` evened out over the pairs, then doubled until no section's longest tile exceeds that section's work shared
-    over ``workers`` CTAs, else every pair in one section. A long tile (a Longformer or BigBird
+    ``section`` evened out over the pairs, then doubled until no section's longest tile exceeds
+    that section's work shared over ``workers`` CTAs, else every pair in one section. A long tile (a Longformer or BigBird
     global row) that starts only with its section ends after everything else: with sections of 4
     heads, Longformer at S = 16384, d = 128 ran 1.08-1.29x slower on the H100 (history/25)."""
     pairs = costs.shape[1]
