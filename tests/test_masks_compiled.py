@@ -22,7 +22,7 @@ def compile_on_cpu(monkeypatch):
     monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
     for name, empty in (("_builds", compiled.OrderedDict()), ("_refused", set()), ("_warned", set()),
-                        ("_functions", {})):
+                        ("_functions", {}), ("_indices", compiled.OrderedDict())):
         monkeypatch.setattr(compiled, name, empty)
     counters.clear()
     with warnings.catch_warnings():
@@ -149,3 +149,84 @@ def test_never_while_torch_compile_traces(monkeypatch):
     monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert compiled.packer(lambda b, h, q, k: q >= k, "causal", torch.device("cpu"), 64, 64, 1, 1) is None
+
+
+def _eager_block_mask(fn, seq_q, seq_k, block_m, block_n, batch, heads):
+    saved = compiled.DEVICE_TYPES
+    compiled.DEVICE_TYPES = ()
+    try:
+        return masks.from_mask_mod(fn).block_mask(seq_q, seq_k, block_m, block_n, batch=batch, heads=heads)
+    finally:
+        compiled.DEVICE_TYPES = saved
+
+
+@pytest.mark.parametrize("chunk", [1 << 30, 3 * 128 * 1024])
+def test_a_per_call_build_gives_the_eager_block_mask(compile_on_cpu, monkeypatch, chunk):
+    """The grid form (evaluated, classified and packed tile by tile) and the block mask's arrays,
+    both compiled, against the eager build: documents over a table, a mask over batch and heads, a
+    ragged grid; in one chunk of block rows and in several (the last one past the end)."""
+    from stof_cc.masks import build
+
+    monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(compiled, "GRID_CHUNK_ELEMENTS", chunk)
+    ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 250, 7, 643]))
+    lengths, windows = torch.tensor([700, 1000]), torch.tensor([16, 64, 200])
+
+    def documents(b, h, q, k):
+        return (ids[q] == ids[k]) & (q >= k)
+
+    def windowed(b, h, q, k):
+        return (k < lengths[b]) & ((q - k).abs() <= windows[h])
+
+    for fn, (seq_q, seq_k), (block_m, block_n), (batch, heads) in (
+            (documents, (1000, 1000), (128, 128), (1, 1)), (windowed, (1000, 1000), (64, 128), (2, 3)),
+            (documents, (300, 1000), (64, 32), (1, 1))):
+        got = masks.from_mask_mod(fn).block_mask(seq_q, seq_k, block_m, block_n, batch=batch, heads=heads)
+        want = _eager_block_mask(fn, seq_q, seq_k, block_m, block_n, batch, heads)
+        assert (got.batch, got.heads) == (want.batch, want.heads)
+        for name in ("full_ptr", "full_cols", "part_ptr", "part_cols", "part_bits", "any_ptr", "any_cols", "any_tile"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (fn.__name__, name)
+    assert counters["stats"]["unique_graphs"] >= 4  # the grid forms and the arrays: compiled, not eager
+    assert not compiled._refused
+
+
+def test_one_evaluation_serves_the_tiles_and_the_rows(compile_on_cpu, monkeypatch):
+    """A mask_mod whose answers change from call to call still gives one mask: after a grid build, its
+    row-packed bits (`to_dense`, combinations) are read off the same tiles, not evaluated again."""
+    from stof_cc.masks import build
+
+    monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ("cpu",))
+    phase = torch.zeros((), dtype=torch.int64)
+
+    def stripes(b, h, q, k):  # its answers follow a tensor the caller changes between evaluations
+        return (q + k + phase) % 3 == 0
+
+    description = masks.from_mask_mod(stripes)
+    block_mask = description.block_mask(200, 200, 64, 64)
+    assert counters["stats"]["unique_graphs"] >= 1  # built by the grid form
+    phase += 1
+    dense = description.to_dense(200, 200)[0, 0]
+    assert torch.equal(block_mask.to_dense()[0, 0], dense)
+    assert not torch.equal(dense, masks.from_mask_mod(stripes).to_dense(200, 200)[0, 0])
+
+
+def test_a_kind_seen_before_is_not_probed_for_its_dims(compile_on_cpu):
+    """Closures of one code over new tables of the same shapes: the first is probed for its dims (a
+    few launches and a wait on a GPU), the next read the dims kept for the kind."""
+    calls = {"probes": 0}  # a dict is part of the kind by its type only
+
+    def documents_of(lengths, dtype=torch.int64):
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(dtype)
+
+        def documents(b, h, q, k):
+            calls["probes"] += 1
+            return ids[q] == ids[k]
+        return documents
+
+    assert masks.from_mask_mod(documents_of([60, 40])).mask_dims(100, batch=2, heads=4) == (1, 1)
+    assert calls["probes"] == 1
+    assert masks.from_mask_mod(documents_of([10, 90])).mask_dims(100, batch=2, heads=4) == (1, 1)
+    assert calls["probes"] == 1
+    assert masks.from_mask_mod(documents_of([10, 90], torch.int32)).mask_dims(100, batch=2, heads=4) == (1, 1)
+    assert calls["probes"] == 2  # a table of another dtype: another kind

@@ -131,3 +131,44 @@ def test_a_query_heads_k_and_v_counts_a_shared_kv_head_once_per_group():
     assert kv_bytes_per_query_head(AttentionProblem(1, 32, 8192, 8192, 128, torch.float16, kv_heads=8)) == MB
     # a strided split's problem: its sequences are S / d long
     assert kv_bytes_per_query_head(AttentionProblem(8, 4, 2048, 2048, 64, torch.float16, residues=4)) == MB // 2
+
+
+def _heap_lpt(costs, ctas: int) -> list[int]:
+    """The rule, one tile at a time: the least-loaded CTA, ties to the lowest index."""
+    import heapq
+
+    loads, owner = [(0, cta) for cta in range(ctas)], []
+    for cost in costs:
+        load, cta = loads[0]
+        owner.append(cta)
+        heapq.heapreplace(loads, (load + int(cost), cta))
+    return owner
+
+
+def test_lpt_in_rounds_hands_out_every_tile_as_the_heap_does(monkeypatch):
+    """Longest first (and sectioned: longest first twice over), equal costs, a few long tiles among
+    short ones (rounds place few tiles there and the heap takes over): the same CTA for every tile."""
+    import numpy as np
+
+    from stof_cc.backends import tile_schedule
+
+    heap_runs = []
+    real = tile_schedule._by_heap
+    monkeypatch.setattr(tile_schedule, "_by_heap", lambda *args: heap_runs.append(1) or real(*args))
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        n, ctas = int(rng.integers(1, 700)), int(rng.integers(1, 140))
+        shape = trial % 4
+        if shape == 0:
+            costs = np.sort(rng.integers(1, 50, n))[::-1]
+        elif shape == 1:
+            costs = rng.integers(1, 5, n)
+        elif shape == 2:
+            half = n // 2 + 1
+            costs = np.concatenate([np.sort(rng.integers(1, 300, half))[::-1], np.sort(rng.integers(1, 300, n - half))[::-1]])
+        else:
+            costs = np.sort(np.concatenate([rng.integers(200, 300, 3), rng.integers(2, 5, n)]))[::-1]
+        costs = np.ascontiguousarray(costs, dtype=np.int64)
+        got = tile_schedule._longest_first_onto_least_loaded(costs, ctas)
+        assert got.tolist() == _heap_lpt(costs, ctas), (trial, n, ctas)
+    assert heap_runs  # the heap's part ran too

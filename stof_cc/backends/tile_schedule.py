@@ -34,6 +34,8 @@ from stof_cc.masks.block_mask import BlockMask
 
 TILE_FIXED_BLOCKS = 1  # a tile's prologue and output store, in key blocks (for balancing only)
 TILE_ENTRY = 5  # ints per tile: head, batch, block row, first, last
+ROUND_AT_LEAST = 8  # tiles a round of `_longest_first_onto_least_loaded` places before the heap takes over
+HEAP_TILES = 2  # rounds' worth of tiles the heap then places
 
 
 @dataclass(frozen=True)
@@ -127,22 +129,49 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms:
     if ctas is None or ctas >= n_tiles:
         offsets = np.arange(n_tiles + 1, dtype=np.int32)
         return _on_device(block_mask, n_tiles, offsets, entries)
-    owner = _longest_first_onto_least_loaded((flat[order] + TILE_FIXED_BLOCKS).tolist(), ctas)
+    owner = _longest_first_onto_least_loaded(flat[order] + TILE_FIXED_BLOCKS, ctas)
     by_cta = np.argsort(owner, kind="stable")  # each CTA's tiles keep the longest-first order
     offsets = np.zeros(ctas + 1, dtype=np.int32)
     offsets[1:] = np.cumsum(np.bincount(owner, minlength=ctas))
     return _on_device(block_mask, ctas, offsets, entries[by_cta])
 
 
-def _longest_first_onto_least_loaded(costs: list[int], ctas: int) -> np.ndarray:
-    """LPT: each tile (costs descending) goes to the CTA with the least work so far."""
-    loads = [(0, cta) for cta in range(ctas)]
-    owner = [0] * len(costs)
-    for n, cost in enumerate(costs):
-        load, cta = loads[0]  # the least-loaded CTA (ties: the lowest index)
+def _longest_first_onto_least_loaded(costs: np.ndarray, ctas: int) -> np.ndarray:
+    """LPT: each tile in turn (the costs longest first) goes to the CTA with the least work so far,
+    ties to the lowest index, as a heap of (load, CTA) hands them out. Here a round at a time: the
+    next tiles go to the least-loaded CTAs in order for as long as each such CTA is below every
+    CTA the round has loaded already (exactly the heap's choice), so causal and document masks take
+    about one round per ``ctas`` tiles; rounds that place few tiles (loads far apart against the
+    costs) go on with the heap. In Python, tile by tile, 4096 tiles took 1.3 ms on a 2-core EPYC,
+    about 4 ms on the lent H100's host, in every call of a mask built per call."""
+    owner = np.empty(len(costs), dtype=np.int64)
+    loads = np.zeros(ctas, dtype=np.int64)
+    start = 0
+    while start < len(costs):
+        cost = costs[start:start + ctas]
+        order = np.argsort(loads, kind="stable")[:len(cost)]  # least loaded first, ties by index
+        before = loads[order] * ctas + order  # (load, CTA) as one sortable number
+        after = np.minimum.accumulate((loads[order] + cost) * ctas + order)
+        fits = np.flatnonzero(before[1:] >= after[:-1])
+        take = len(cost) if len(fits) == 0 else int(fits[0]) + 1
+        owner[start:start + take] = order[:take]
+        loads[order[:take]] += cost[:take]
+        start += take
+        if take < ROUND_AT_LEAST and start < len(costs):
+            start = _by_heap(costs, start, min(len(costs), start + HEAP_TILES * ctas), loads, owner)
+    return owner
+
+
+def _by_heap(costs: np.ndarray, start: int, stop: int, loads: np.ndarray, owner: np.ndarray) -> int:
+    """Tiles [start, stop) one at a time off a heap of (load, CTA); ``loads`` updated. Returns stop."""
+    heap = sorted((int(load), cta) for cta, load in enumerate(loads))
+    for n in range(start, stop):
+        load, cta = heap[0]
         owner[n] = cta
-        heapq.heapreplace(loads, (load + cost, cta))
-    return np.array(owner, dtype=np.int64)
+        heapq.heapreplace(heap, (load + int(costs[n]), cta))
+    for load, cta in heap:
+        loads[cta] = load
+    return stop
 
 
 def _on_device(block_mask: BlockMask, ctas: int, offsets: np.ndarray, entries: np.ndarray) -> TileSchedule:

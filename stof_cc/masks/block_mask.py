@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+import stof_cc.masks.compiled as compiled
 from stof_cc.masks.bits import n_words, popcount, unpack
 from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
@@ -145,32 +146,18 @@ class BlockMask:
         from 2.0 to 16-20 ms at S = 8192 and from 6.2 to 80 ms at S = 32768, where the GPU's
         share was 0.1 and 1.4 ms (benchmarks/history/24-2026-11-27.md)."""
         batch, heads, n_rb, n_cb = classes.shape
-        rows, device = batch * heads * n_rb, classes.device
-        flat = classes.reshape(rows, n_cb)
-        full, part = flat == FULL, flat == PARTIAL
-        stored = full | part
-        n_full, n_part = (int(n) for n in torch.stack((full.sum(), part.sum())).tolist())
+        flat = classes.reshape(batch * heads * n_rb, n_cb)
+        arrays = compiled.steady(grid_arrays, flat.device, tuple(flat.shape))(flat)
+        counts, full_ptr, full_cols, part_ptr, part_cols, part_at, any_ptr, any_cols, any_tile = arrays
+        n_full, n_part = counts.tolist()  # the one wait
         if n_full + n_part > INT32_MAX:
             raise MaskError(
                 f"block_mask: {n_full + n_part} non-empty blocks of {block_m} x {block_n} at {seq_q} x {seq_k} "
                 f"are past the format's int32 offsets ({INT32_MAX}); use larger blocks")
-
-        def csr(chosen: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            """(ptr, columns, flat block indices) of the chosen blocks, row-major."""
-            ptr = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-            ptr[1:] = chosen.sum(1).cumsum(0)
-            where = torch.nonzero_static(chosen.flatten(), size=count).squeeze(1)
-            return ptr, (where % n_cb).to(torch.int32), where
-
-        full_ptr, full_cols, _ = csr(full, n_full)
-        part_ptr, part_cols, part_at = csr(part, n_part)
-        any_ptr, any_cols, any_at = csr(stored, n_full + n_part)
-        part_flat = part.flatten()
-        rank = (part_flat.cumsum(0) - 1).to(torch.int32)  # a PARTIAL block's row in part_bits
-        any_tile = torch.where(part_flat[any_at], rank[any_at], -1).to(torch.int32)
-        bits = tiles.reshape(rows * n_cb, -1)[part_at]
-        return cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
-                   bits.view(torch.uint32), any_ptr, any_cols, any_tile)
+        n_any = n_full + n_part
+        bits = tiles.reshape(flat.numel(), -1).index_select(0, part_at[:n_part])
+        return cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols[:n_full], part_ptr,
+                   part_cols[:n_part], bits.view(torch.uint32), any_ptr, any_cols[:n_any], any_tile[:n_any])
 
     # -- shape and statistics -------------------------------------------------------------
 
@@ -338,3 +325,32 @@ def coarse_counts(classes: ClassRuns | torch.Tensor, block_m: int, block_n: int,
         coarse = runs.coarsen(coarse_m // block_m, coarse_n // block_n)
         out[(coarse_m, coarse_n)] = coarse.per_row(FULL, PARTIAL), coarse.total(PARTIAL)
     return out
+
+
+def grid_arrays(classes: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`BlockMask.from_grid`'s arrays from a class grid int8 [rows, n_cb]: (counts [2] (FULL, PARTIAL),
+    full_ptr, full_cols, part_ptr, part_cols, the PARTIAL blocks' flat indices, any_ptr, any_cols,
+    any_tile), every list at its greatest length (rows x n_cb), its first count entries the CSR
+    order's. Static shapes and no host wait, so a mask built per call runs it compiled
+    (`compiled.steady`): a few kernels where it was some forty launches."""
+    rows, n_cb = classes.shape
+    blocks = rows * n_cb
+    full, part = classes == FULL, classes == PARTIAL
+    every = torch.arange(blocks, dtype=torch.int32, device=classes.device)
+
+    def csr(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ptr, the chosen blocks' flat indices in row-major order, each block's rank among them)."""
+        ptr = torch.nn.functional.pad(chosen.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+        chosen = chosen.flatten()
+        rank = chosen.cumsum(0, dtype=torch.int32) - 1
+        slot = torch.where(chosen, rank, blocks).long()  # the others go to a slot past the end
+        at = torch.zeros(blocks + 1, dtype=torch.int32, device=classes.device).scatter(0, slot, every)
+        return ptr, at[:blocks], rank
+
+    full_ptr, full_at, _ = csr(full)
+    part_ptr, part_at, part_rank = csr(part)
+    any_ptr, any_at, _ = csr(full | part)
+    any_tile = torch.where(part.flatten()[any_at], part_rank[any_at], -1)
+    counts = torch.stack((full.sum(), part.sum()))
+    return (counts, full_ptr, full_at % n_cb, part_ptr, part_at % n_cb, part_at, any_ptr, any_at % n_cb,
+            any_tile)

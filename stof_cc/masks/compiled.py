@@ -29,16 +29,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+
 COMPILE_FROM = 2  # builds of one mask_mod code at one shape before it is compiled for that shape
 DEVICE_TYPES = ("cuda",)  # where compiling pays; tests add "cpu"
 KEPT_COUNTS = 256  # (code, shape) build counts kept, the latest
+GRID_CHUNK_ELEMENTS = 1 << 30  # (q, k) pairs of the grid form per compiled call (S = 32768: one call)
 
 Packer = Callable[[Tensor, Tensor, Tensor], "Tensor | None"]
 
 _builds: OrderedDict[tuple, int] = OrderedDict()
 _refused: set[object] = set()  # code keys torch.compile could not take
 _warned: set[object] = set()
-_functions: dict[object, Callable] = {}  # code key -> its own compiled copy of _evaluate_and_pack
+_functions: dict[tuple, Callable] = {}  # (form, code key) -> its own compiled copy of the form
+_indices: OrderedDict[tuple, tuple] = OrderedDict()  # the grid form's index tensors, per device and shape
+KEPT_INDICES = 8
 
 
 def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int, batch: int,
@@ -48,16 +53,10 @@ def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int,
     evaluates eagerly. The packer takes the int32 index tensors b [B, 1, 1, 1], h [1, H, 1, 1] and
     q [1, 1, rows, 1] and returns the chunk as `bits.pack_last` packs it (int32 [batch, heads, rows,
     ceil(seq_k / 32)], keys past seq_k 0), or None where torch.compile failed (evaluate it eagerly)."""
-    if torch.compiler.is_compiling() or device.type not in DEVICE_TYPES:
+    function = _compiled_form(_evaluate_and_pack, fn, device, (seq_k, rows, batch, heads))
+    if function is None:
         return None
     key = _code_key(fn)
-    if key in _refused or not _count_build((key, seq_k, rows, batch, heads)):
-        return None
-    if key not in _functions:
-        code = _evaluate_and_pack.__code__.replace(co_name=f"_evaluate_and_pack_{len(_functions)}")
-        clone = types.FunctionType(code, _evaluate_and_pack.__globals__, code.co_name)
-        _functions[key] = torch.compile(clone, fullgraph=True, dynamic=False)
-    function = _functions[key]
     words = -(-seq_k // 32)
     keys = torch.arange(words * 32, dtype=torch.int32, device=device)
     valid = (keys < seq_k).view(1, 1, 1, -1)
@@ -70,9 +69,95 @@ def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int,
         try:
             return function(fn, b, h, q, k, valid, shifts, batch, heads).view(torch.int32)
         except Exception as exc:  # noqa: BLE001 (whatever torch.compile raises: the eager path decides)
-            _fell_back(key, name, exc)
+            _fell_back(key, f"from_mask_mod({name})", exc)
             return None
     return pack
+
+
+def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, block_m: int, block_n: int,
+         batch: int, heads: int) -> tuple[Tensor, Tensor] | None:
+    """``fn``'s mask on the block_m x block_n grid over seq_q x seq_k (mask dims ``batch`` x
+    ``heads``), evaluated, classified and packed tile by tile in one compiled call per chunk of
+    block rows: (classes int8 [batch, heads, n_rb, n_cb], every block's tile int32 [batch, heads,
+    n_rb, n_cb, block_m * block_n / 32], bits past the ends 0), as `_Evaluated.grid_classes` reads
+    them off row-packed bits in several more steps. None where this build evaluates eagerly (not yet
+    compiled at this shape, or torch.compile failed) or block_n is not a multiple of 32. What a
+    mask_mod built per call pays on the host: this call, the index tensors kept per shape."""
+    if block_n % 32:
+        return None
+    n_rb = -(-seq_q // block_m)
+    function = _compiled_form(_evaluate_classify_pack, fn, device, (seq_q, seq_k, block_m, block_n, batch, heads))
+    if function is None:
+        return None
+    b, h, k, k_valid, shifts, chunks = _grid_indices(device, seq_q, seq_k, block_m, block_n, batch, heads)
+    try:
+        parts = [function(fn, b, h, q, q_valid, k, k_valid, shifts, batch, heads, block_m, block_n)
+                 for q, q_valid in chunks]
+    except Exception as exc:  # noqa: BLE001 (whatever torch.compile raises: the eager path decides)
+        _fell_back(_code_key(fn), f"from_mask_mod({name})", exc)
+        return None
+    classes, tiles = parts[0] if len(parts) == 1 else (torch.cat(part, 2) for part in zip(*parts, strict=True))
+    return classes[:, :, :n_rb], tiles[:, :, :n_rb].view(torch.int32)
+
+
+def steady(form: Callable, device: torch.device, shape: tuple) -> Callable:
+    """``form``, a function of tensors alone (no user code; `BlockMask.from_grid`'s arrays), compiled
+    for ``shape`` from its COMPILE_FROM-th call there on DEVICE_TYPES, where it runs with every mask
+    built per call; before that, and where torch.compile fails (one warning), ``form`` itself."""
+    function = _compiled_form(form, None, device, shape)
+    if function is None:
+        return form
+
+    def run(*args: object) -> object:
+        if None in _refused:
+            return form(*args)
+        try:
+            return function(*args)
+        except Exception as exc:  # noqa: BLE001 (whatever torch.compile raises: the eager form is the same)
+            _fell_back(None, f"stof_cc.masks {form.__name__}", exc)
+            return form(*args)
+    return run
+
+
+def _compiled_form(form: Callable, fn: Callable | None, device: torch.device, shape: tuple) -> Callable | None:
+    """``form`` compiled for ``fn``'s code (a copy per code, with its own guards and recompile limit),
+    or None where this build at ``shape`` evaluates eagerly."""
+    if torch.compiler.is_compiling() or device.type not in DEVICE_TYPES:
+        return None
+    key = None if fn is None else _code_key(fn)
+    if key in _refused or not _count_build((form.__name__, key, *shape)):
+        return None
+    if (form, key) not in _functions:
+        code = form.__code__.replace(co_name=f"{form.__name__}_{len(_functions)}")
+        clone = types.FunctionType(code, form.__globals__, code.co_name)
+        _functions[form, key] = torch.compile(clone, fullgraph=True, dynamic=False)
+    return _functions[form, key]
+
+
+def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, block_n: int, batch: int,
+                  heads: int) -> tuple:
+    """The grid form's arguments but the function, made once per shape (a few small launches each,
+    which a per-call build would pay every call): b, h, k (clamped to the last key), k_valid, the
+    byte shifts, and per chunk of whole block rows (q clamped to the last row, q_valid), every chunk
+    the same shape so that one compiled kernel runs them all."""
+    key = (device, seq_q, seq_k, block_m, block_n, batch, heads)
+    if key in _indices:
+        _indices.move_to_end(key)
+        return _indices[key]
+    n_rb, n_cb = -(-seq_q // block_m), -(-seq_k // block_n)
+    index = {"dtype": torch.int32, "device": device}
+    keys = torch.arange(n_cb * block_n, **index)
+    rows = block_m * max(1, min(n_rb, GRID_CHUNK_ELEMENTS // (batch * heads * block_m * keys.numel())))
+    chunks = []
+    for start in range(0, n_rb * block_m, rows):
+        q = torch.arange(start, start + rows, **index)
+        chunks.append(((q.clamp(max=seq_q - 1)).view(1, 1, -1, 1), (q < seq_q).view(1, 1, -1, 1)))
+    _indices[key] = (torch.arange(batch, **index).view(-1, 1, 1, 1), torch.arange(heads, **index).view(1, -1, 1, 1),
+                     keys.clamp(max=seq_k - 1).view(1, 1, 1, -1), (keys < seq_k).view(1, 1, 1, -1),
+                     torch.arange(8, dtype=torch.uint8, device=device), chunks)
+    while len(_indices) > KEPT_INDICES:
+        _indices.popitem(last=False)
+    return _indices[key]
 
 
 def _count_build(count_key: tuple) -> bool:
@@ -84,7 +169,7 @@ def _count_build(count_key: tuple) -> bool:
     return count >= COMPILE_FROM
 
 
-def _fell_back(key: object, name: str, exc: Exception) -> None:
+def _fell_back(key: object, subject: str, exc: Exception) -> None:
     """Evaluate eagerly this time; the code never again where torch.compile refused it (not for
     running out of memory, or of recompiles for new shapes: those can pass)."""
     passing = isinstance(exc, torch.OutOfMemoryError | torch._dynamo.exc.FailOnRecompileLimitHit)
@@ -94,7 +179,7 @@ def _fell_back(key: object, name: str, exc: Exception) -> None:
         return
     _warned.add((key, passing))
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    warnings.warn(f"stof-cc: from_mask_mod({name}) is evaluated eagerly{' this time' if passing else ''}: "
+    warnings.warn(f"stof-cc: {subject} is evaluated eagerly{' this time' if passing else ''}: "
                   f"torch.compile could not run it ({type(exc).__name__}: {first_line[:200]})", stacklevel=4)
 
 
@@ -108,6 +193,31 @@ def _evaluate_and_pack(fn: Callable, b: Tensor, h: Tensor, q: Tensor, k: Tensor,
     allowed = (allowed & valid).expand(batch, heads, q.shape[2], k.shape[3])
     octets = allowed.reshape(batch, heads, q.shape[2], k.shape[3] // 8, 8).to(torch.uint8) << shifts
     return octets.sum(-1, dtype=torch.uint8)
+
+
+def _evaluate_classify_pack(fn: Callable, b: Tensor, h: Tensor, q: Tensor, q_valid: Tensor, k: Tensor,
+                              k_valid: Tensor, shifts: Tensor, batch: int, heads: int, block_m: int,
+                              block_n: int) -> tuple[Tensor, Tensor]:
+    """The grid form, compiled: (classes int8 [batch, heads, rows / block_m, n_cb], tiles uint8
+    [batch, heads, rows / block_m, n_cb, block_m * block_n / 8], element (r, c) of a tile at bit
+    (r * block_n + c) % 8 of byte (r * block_n + c) // 8: four bytes are `bits.pack`'s word). A
+    block is FULL where every in-range element attends, EMPTY where none does."""
+    allowed = fn(b, h, q, k)
+    if allowed.dtype != torch.bool:  # known while tracing: refused, and the eager path names the fault
+        raise TypeError(f"returned {allowed.dtype}, not torch.bool")
+    valid = q_valid & k_valid
+    rows, keys = q.shape[2], k.shape[3]
+    blocks = (allowed & valid).expand(batch, heads, rows, keys).reshape(
+        batch, heads, rows // block_m, block_m, keys // block_n, block_n)
+    octets = blocks.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, rows // block_m, keys // block_n, -1, 8)
+    tiles = (octets.to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+    # counted from the packed tiles: counting the booleans too made Inductor store them whole (S x S bytes)
+    pairs = tiles - ((tiles >> 1) & 0x55)
+    nibbles = (pairs & 0x33) + ((pairs >> 2) & 0x33)
+    attending = ((nibbles + (nibbles >> 4)) & 0x0F).sum(-1, dtype=torch.int32)
+    in_range = valid.reshape(rows // block_m, block_m, keys // block_n, block_n).sum((1, 3), dtype=torch.int32)
+    classes = torch.where(attending == in_range, FULL, torch.where(attending == 0, EMPTY, PARTIAL)).to(torch.int8)
+    return classes, tiles
 
 
 def _code_key(fn: Callable, depth: int = 2) -> object:

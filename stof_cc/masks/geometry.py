@@ -7,6 +7,7 @@ which block columns hold a given range of keys), so they are computed here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,7 +81,6 @@ class BlockGrid:
         self.q_lo = self.rows * block_m
         self.q_hi = (self.q_lo + block_m).clamp(max=ext.seq_q) - 1
         self._classes: dict[int, ClassRuns] = {}
-        self._valid = self._valid_patterns()
         self._aligned = ext.seq_q % block_m == 0 and ext.seq_k % block_n == 0
 
     def shape(self, batch: int = 1, heads: int = 1) -> tuple[int, int, int, int]:
@@ -138,7 +138,10 @@ class BlockGrid:
         pattern = 2 * last_row.long()[:, None] + last_col.long()[None, :]
         return self._valid.to(device)[pattern]
 
-    def _valid_patterns(self) -> torch.Tensor:
+    @functools.cached_property
+    def _valid(self) -> torch.Tensor:
+        """The four in-range patterns (interior, last column, last row, corner), packed; made
+        when first read (a per-call build on the GPU never does)."""
         rows_last = self.ext.seq_q - (self.n_rb - 1) * self.block_m
         cols_last = self.ext.seq_k - (self.n_cb - 1) * self.block_n
         r = torch.arange(self.block_m).view(-1, 1)

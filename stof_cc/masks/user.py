@@ -31,6 +31,9 @@ from stof_cc.masks.zoo import key_padding
 PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept, all extents together (S = 32768 with Bm = Hm = 1: 128 MiB)
 ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
 KIND_ITEMS = 16  # a captured tuple or list up to this long is part of a mask_mod's kind item by item
+KEPT_KIND_DIMS = 256  # mask dims kept per (mask_mod kind, batch, heads), the latest
+
+_kind_dims: dict[tuple, tuple[int, int]] = {}
 
 
 class _Evaluated(MaskDescription):
@@ -43,6 +46,7 @@ class _Evaluated(MaskDescription):
         super().__init__()
         self._bits: dict[Extent, torch.Tensor] = {}  # oldest first
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
+        self._classes: dict[tuple[Extent, int, int], torch.Tensor] = {}  # where evaluated with the tiles
 
     def _evaluate(
         self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -74,6 +78,11 @@ class _Evaluated(MaskDescription):
                 evicted = next(iter(self._bits))
                 del self._bits[evicted]
                 self._tiles = {key: tiles for key, tiles in self._tiles.items() if key[0] != evicted}
+                self._classes = {key: classes for key, classes in self._classes.items() if key in self._tiles}
+            held = self._rows_of_tiles(ext)
+            if held is not None:
+                self._bits[ext] = held
+                return held
             device = self._evaluation_device()
             bits = torch.empty(batch, heads, ext.seq_q, words, dtype=torch.int32, device=device)
             rows = min(ext.seq_q, max(1, ROW_CHUNK_ELEMENTS.get(device.type, 1 << 23) // (batch * heads * ext.seq_k)))
@@ -97,6 +106,22 @@ class _Evaluated(MaskDescription):
         k = torch.arange(ext.seq_k, dtype=torch.int32, device=device).view(1, 1, 1, -1)
         return lambda b, h, q: pack_last(self._evaluate(ext, b, h, q, k).expand(batch, heads, q.shape[2], ext.seq_k))
 
+    def _rows_of_tiles(self, ext: Extent) -> Tensor | None:
+        """`packed_bits` read off tiles evaluated whole (`_evaluate_grid`) at ``ext``: one evaluation
+        serves every use, as a mask_mod whose answers change between calls needs."""
+        for (held, bm, bn), tiles in self._tiles.items():
+            if held == ext and ext not in self._bits and bn % 32 == 0:
+                batch, heads, n_rb, n_cb, _ = tiles.shape
+                rows = tiles.view(batch, heads, n_rb, n_cb, bm, bn // 32).permute(0, 1, 2, 4, 3, 5)
+                rows = rows.reshape(batch, heads, n_rb * bm, n_cb * bn // 32)
+                return rows[:, :, :ext.seq_q, :-(-ext.seq_k // 32)].contiguous()
+        return None
+
+    def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
+        """(classes, tiles) as `grid_classes` returns them, evaluated tile by tile in one go where
+        a subclass can (a mask_mod built per call); None: read them off the row-packed bits."""
+        return None
+
     def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
         """int32 [Bm, Hm, n_rb, n_cb, words]: every block's packed tile (bits past the ends 0),
         on the evaluation device; None where the packed bits are not kept or block_n does not
@@ -104,6 +129,12 @@ class _Evaluated(MaskDescription):
         key = (grid.ext, grid.block_m, grid.block_n)
         if key in self._tiles:
             return self._tiles[key]
+        batch, heads = self._dims(grid.ext)
+        size = batch * heads * grid.n_rb * grid.n_cb * grid.words * 4
+        held = None if grid.ext in self._bits or size > PACKED_BUDGET else self._evaluate_grid(grid)
+        if held is not None:  # the latest block shape only, as below
+            self._classes, self._tiles = {key: held[0]}, {key: held[1]}
+            return held[1]
         bits = self.packed_bits(grid.ext)
         bm, bn = grid.block_m, grid.block_n
         if bits is None or (bn % 32 and bn != 16) or (bm * bn) % 32:
@@ -120,7 +151,8 @@ class _Evaluated(MaskDescription):
             rows = torch.nn.functional.pad(rows, (0, grid.n_cb * per_row - words))
             tiles = rows.view(batch, heads, grid.n_rb, bm, grid.n_cb, per_row).permute(0, 1, 2, 4, 3, 5)
         tiles = tiles.reshape(batch, heads, grid.n_rb, grid.n_cb, grid.words)
-        self._tiles = {key: tiles}  # the latest block shape only: the cost model walks the shapes in turn
+        # the latest block shape only: the cost model walks the shapes in turn
+        self._classes, self._tiles = {}, {key: tiles}
         return tiles
 
     def grid_classes(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
@@ -129,8 +161,11 @@ class _Evaluated(MaskDescription):
         tiles = self._grid_tiles(grid)
         if tiles is None:
             return None
-        valid = grid.valid_grid(tiles.device)
-        return classes_from((tiles == valid).all(-1), (tiles == 0).all(-1)), tiles
+        key = (grid.ext, grid.block_m, grid.block_n)
+        if key not in self._classes:
+            valid = grid.valid_grid(tiles.device)
+            self._classes[key] = classes_from((tiles == valid).all(-1), (tiles == 0).all(-1))
+        return self._classes[key], tiles
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         read = self.grid_classes(grid)
@@ -213,28 +248,50 @@ class _MaskMod(_Evaluated):
     def __repr__(self) -> str:
         return f"from_mask_mod({self.name})"
 
+    @functools.cached_property
+    def _kind(self) -> object | None:
+        """`mask_mod_kind` of the function, or None where what it captures has no usable kind
+        (unhashable, unreadable)."""
+        try:
+            kind = mask_mod_kind(self.fn)
+            hash(kind)
+        except Exception:  # noqa: BLE001 (whatever a captured object raises: the mask is its own kind)
+            return None
+        return kind
+
     def choice_group(self) -> object | None:
         """mask_mods of one kind (`mask_mod_kind`: one code over tables of the same shapes, the
         same scalars) share the cost model's kernel choice, as packed documents do: a mask_mod
         over per-call tables is a new description every call, and pricing it again took 17-46 ms
         at S = 8192 on the lent H100's host (benchmarks/user_mask_build.py, "first choose"). None
-        (its own choice) where what it captures has no usable kind (unhashable, unreadable)."""
-        try:
-            group = "mask_mod", mask_mod_kind(self.fn)
-            hash(group)
-        except Exception:  # noqa: BLE001 (whatever a captured object raises: the choice stays the mask's own)
-            return None
-        return group
+        (its own choice) where it has no kind."""
+        return None if self._kind is None else ("mask_mod", self._kind)
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         """Probe the function with b = arange(batch), h = arange(heads): a result that does
-        not grow along a dim does not depend on it."""
+        not grow along a dim does not depend on it. Kept per kind (what the result's shape
+        follows: the code and the shapes of what it captures), so a mask_mod of a kind seen
+        before is not probed again (a probe is a few launches and a wait)."""
+        key = None if self._kind is None else (self._kind, ext.batch, ext.heads)
+        if key is not None and key in _kind_dims:
+            return _kind_dims[key]
         b = torch.arange(ext.batch).view(-1, 1, 1, 1)
         h = torch.arange(ext.heads).view(1, -1, 1, 1)
         zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
         shape = self._evaluate(ext, b, h, zero, zero).shape
         shape = (1,) * (4 - len(shape)) + tuple(shape)
+        if key is not None:
+            _kind_dims[key] = shape[0], shape[1]
+            while len(_kind_dims) > KEPT_KIND_DIMS:
+                _kind_dims.pop(next(iter(_kind_dims)))
         return shape[0], shape[1]
+
+    def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
+        """Compiled, in one call per chunk of block rows, once `compiled.grid` says it pays (a
+        mask_mod built per call)."""
+        batch, heads = self._dims(grid.ext)
+        return compiled.grid(self.fn, self.name, self._evaluation_device(), grid.ext.seq_q, grid.ext.seq_k,
+                             grid.block_m, grid.block_n, batch, heads)
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         bits = None if ext is None else self.packed_bits(ext)
