@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-import stof_cc.masks.compiled as compiled
 from stof_cc.masks.bits import n_words, popcount, unpack
 from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
@@ -138,26 +138,33 @@ class BlockMask:
         block_m: int,
         block_n: int,
     ) -> BlockMask:
-        """Assemble the block mask where ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and
-        ``tiles`` (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) already are: on a GPU
-        that evaluated the mask, every array is made there and the host waits once, for two
-        counts. `from_runs` makes them on the CPU from runs, the way for masks too large to hold
-        a class per block; on the lent H100's host that took a per-call causal mask_mod's build
-        from 2.0 to 16-20 ms at S = 8192 and from 6.2 to 80 ms at S = 32768, where the GPU's
-        share was 0.1 and 1.4 ms (benchmarks/history/24-2026-11-27.md)."""
+        """Assemble the block mask from ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and ``tiles``
+        (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) on the device that evaluated the
+        mask: the class grid (a byte per block) comes to the host, the one wait, where numpy lays
+        out the CSR arrays (0.04 ms for 4096 blocks, 0.3 ms for 65536 on a 2-core EPYC), and they
+        go back in one copy; the PARTIAL blocks' tiles are gathered where they are. The same
+        arrays made on the GPU took eight or more kernel launches, 0.24-0.93 ms of the lent
+        H100's host at S = 8192-32768 (benchmarks/history/26-2026-11-27.md). `from_runs` makes
+        them from runs instead, the way for masks too large to hold a class per block."""
         batch, heads, n_rb, n_cb = classes.shape
-        flat = classes.reshape(batch * heads * n_rb, n_cb)
-        arrays = compiled.steady(grid_arrays, flat.device, tuple(flat.shape))(flat)
-        counts, full_ptr, full_cols, part_ptr, part_cols, part_at, any_ptr, any_cols, any_tile = arrays
-        n_full, n_part = counts.tolist()  # the one wait
-        if n_full + n_part > INT32_MAX:
+        flat = classes.reshape(batch * heads * n_rb, n_cb).cpu().numpy()
+        full, part = flat == FULL, flat == PARTIAL
+        lists = [_csr(full), _csr(part), _csr(full | part)]
+        n_full, n_part, n_any = (len(at) for _, at in lists)
+        if n_any > INT32_MAX:
             raise MaskError(
-                f"block_mask: {n_full + n_part} non-empty blocks of {block_m} x {block_n} at {seq_q} x {seq_k} "
+                f"block_mask: {n_any} non-empty blocks of {block_m} x {block_n} at {seq_q} x {seq_k} "
                 f"are past the format's int32 offsets ({INT32_MAX}); use larger blocks")
-        n_any = n_full + n_part
-        bits = tiles.reshape(flat.numel(), -1).index_select(0, part_at[:n_part])
-        return cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols[:n_full], part_ptr,
-                   part_cols[:n_part], bits.view(torch.uint32), any_ptr, any_cols[:n_any], any_tile[:n_any])
+        part_flat = part.ravel()
+        any_at = lists[2][1]
+        any_tile = np.where(part_flat[any_at], np.cumsum(part_flat)[any_at] - 1, -1)
+        pieces = [*(array for ptr, at in lists for array in (ptr, at % n_cb)), any_tile, lists[1][1]]
+        arrays = torch.from_numpy(np.concatenate(pieces).astype(np.int32)).to(classes.device).split(
+            [len(piece) for piece in pieces])
+        full_ptr, full_cols, part_ptr, part_cols, any_ptr, any_cols, any_tile, part_at = arrays
+        bits = tiles.reshape(flat.size, -1).index_select(0, part_at)
+        return cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
+                   bits.view(torch.uint32), any_ptr, any_cols, any_tile)
 
     # -- shape and statistics -------------------------------------------------------------
 
@@ -327,30 +334,9 @@ def coarse_counts(classes: ClassRuns | torch.Tensor, block_m: int, block_n: int,
     return out
 
 
-def grid_arrays(classes: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`BlockMask.from_grid`'s arrays from a class grid int8 [rows, n_cb]: (counts [2] (FULL, PARTIAL),
-    full_ptr, full_cols, part_ptr, part_cols, the PARTIAL blocks' flat indices, any_ptr, any_cols,
-    any_tile), every list at its greatest length (rows x n_cb), its first count entries the CSR
-    order's. Static shapes and no host wait, so a mask built per call runs it compiled
-    (`compiled.steady`): a few kernels where it was some forty launches."""
-    rows, n_cb = classes.shape
-    blocks = rows * n_cb
-    full, part = classes == FULL, classes == PARTIAL
-    every = torch.arange(blocks, dtype=torch.int32, device=classes.device)
 
-    def csr(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ptr, the chosen blocks' flat indices in row-major order, each block's rank among them)."""
-        ptr = torch.nn.functional.pad(chosen.sum(1, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-        chosen = chosen.flatten()
-        rank = chosen.cumsum(0, dtype=torch.int32) - 1
-        slot = torch.where(chosen, rank, blocks).long()  # the others go to a slot past the end
-        at = torch.zeros(blocks + 1, dtype=torch.int32, device=classes.device).scatter(0, slot, every)
-        return ptr, at[:blocks], rank
-
-    full_ptr, full_at, _ = csr(full)
-    part_ptr, part_at, part_rank = csr(part)
-    any_ptr, any_at, _ = csr(full | part)
-    any_tile = torch.where(part.flatten()[any_at], part_rank[any_at], -1)
-    counts = torch.stack((full.sum(), part.sum()))
-    return (counts, full_ptr, full_at % n_cb, part_ptr, part_at % n_cb, part_at, any_ptr, any_at % n_cb,
-            any_tile)
+def _csr(chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row offsets, the chosen blocks' flat indices in row-major order) of a boolean grid."""
+    ptr = np.zeros(chosen.shape[0] + 1, dtype=np.int64)
+    np.cumsum(chosen.sum(1), out=ptr[1:])
+    return ptr, np.flatnonzero(chosen)
