@@ -187,6 +187,7 @@ def test_a_per_call_build_gives_the_eager_block_mask(compile_on_cpu, monkeypatch
         for name in ("full_ptr", "full_cols", "part_ptr", "part_cols", "part_bits", "any_ptr", "any_cols", "any_tile"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.dtype == b.dtype and torch.equal(a, b), (fn.__name__, name)
+        assert got.any_ptr_host.tolist() == got.any_ptr.tolist()  # the host copy the tile schedule reads
     assert counters["stats"]["unique_graphs"] == 3  # a grid form per (code, shape): compiled, not eager
     assert not compiled._refused
 

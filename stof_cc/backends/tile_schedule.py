@@ -52,7 +52,7 @@ _schedules: weakref.WeakKeyDictionary[BlockMask, dict[tuple, TileSchedule]] = we
 def tile_costs(block_mask: BlockMask, batch: int, heads: int) -> np.ndarray:
     """int64 [block rows, batch, heads]: each tile's non-empty key blocks (mask slices broadcast
     over the batch and heads they serve)."""
-    counts = np.diff(block_mask.any_ptr.cpu().numpy().astype(np.int64))
+    counts = np.diff(block_mask.any_ptr_host)
     counts = counts.reshape(block_mask.batch, block_mask.heads, block_mask.n_rb)
     return np.broadcast_to(counts, (batch, heads, block_mask.n_rb)).transpose(2, 0, 1)
 
@@ -123,7 +123,7 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms:
     h = order % heads
     # the tile's row of the block mask (a mask of one batch element or head serves them all)
     mask_row = ((b if block_mask.batch > 1 else 0) * block_mask.heads + (h if block_mask.heads > 1 else 0)) * n_rb + row
-    any_ptr = block_mask.any_ptr.cpu().numpy().astype(np.int64)
+    any_ptr = block_mask.any_ptr_host
     entries = np.stack((h, b, row, any_ptr[mask_row], any_ptr[mask_row + 1]), 1).astype(np.int32)
     n_tiles = n_rb * batch * heads
     if ctas is None or ctas >= n_tiles:

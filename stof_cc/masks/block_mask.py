@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,8 +164,10 @@ class BlockMask:
             [len(piece) for piece in pieces])
         full_ptr, full_cols, part_ptr, part_cols, any_ptr, any_cols, any_tile, part_at = arrays
         bits = tiles.reshape(flat.size, -1).index_select(0, part_at)
-        return cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
+        mask = cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
                    bits.view(torch.uint32), any_ptr, any_cols, any_tile)
+        mask.__dict__["any_ptr_host"] = lists[2][0]  # the cached property, from the copy made here
+        return mask
 
     # -- shape and statistics -------------------------------------------------------------
 
@@ -250,10 +253,18 @@ class BlockMask:
     # -- conversions ----------------------------------------------------------------------
 
     def to(self, device: torch.device | str) -> BlockMask:
-        """The same mask with every tensor on `device`."""
-        return dataclasses.replace(
-            self, **{name: getattr(self, name).to(device) for name in _TENSORS}
-        )
+        """The same mask with every tensor on `device` (itself where they are all there)."""
+        moved = {name: getattr(self, name).to(device) for name in _TENSORS}
+        if all(moved[name] is getattr(self, name) for name in _TENSORS):
+            return self
+        return dataclasses.replace(self, **moved)
+
+    @functools.cached_property
+    def any_ptr_host(self) -> np.ndarray:
+        """``any_ptr`` on the host (int64), read once: what the tile schedule costs tiles by.
+        `from_grid` hands over the copy it made, so a mask built per call is not read back (each
+        read is a wait: about 0.3 ms a call on the lent H100's host)."""
+        return self.any_ptr.cpu().numpy().astype(np.int64)
 
     def block_runs(self) -> ClassRuns:
         """The block map as runs per block row, read off the merged list (any_*) a chunk at a

@@ -35,6 +35,12 @@ COMPILE_FROM = 2  # builds of one mask_mod code at one shape before it is compil
 DEVICE_TYPES = ("cuda",)  # where compiling pays; tests add "cpu"
 KEPT_COUNTS = 256  # (code, shape) build counts kept, the latest
 GRID_CHUNK_ELEMENTS = 1 << 30  # (q, k) pairs of the grid form per compiled call (S = 32768: one call)
+#: Inductor options per form. The grid form's 32 calls of the function exceed Inductor's limits on
+#: the reads and operations a fused expression may hold, so it stored partial words between
+#: several kernels: 0.54 / 5.1 / 2.5 ms for causal / document / BigBird at S = 32768 on the H100,
+#: 0.30 / 1.38 / 1.37 with the limits raised (one kernel for the words, one for the classes).
+FORM_OPTIONS = {"_evaluate_classify_pack": {"realize_opcount_threshold": 1 << 20, "realize_reads_threshold": 1 << 20,
+                                            "realize_acc_reads_threshold": 1 << 20}}
 
 Packer = Callable[[Tensor, Tensor, Tensor], "Tensor | None"]
 
@@ -110,7 +116,7 @@ def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tu
     if (form, key) not in _functions:
         code = form.__code__.replace(co_name=f"{form.__name__}_{len(_functions)}")
         clone = types.FunctionType(code, form.__globals__, code.co_name)
-        _functions[form, key] = torch.compile(clone, fullgraph=True, dynamic=False)
+        _functions[form, key] = torch.compile(clone, fullgraph=True, dynamic=False, options=FORM_OPTIONS.get(form.__name__))
     return _functions[form, key]
 
 
@@ -182,9 +188,10 @@ def _evaluate_classify_pack(fn: Callable, b: Tensor, h: Tensor, q: Tensor, q_val
     (r * block_n + c) % 32 of word (r * block_n + c) // 32, as `bits.pack` packs it). ``words`` holds
     each 32-key word's first key: the function is called once per bit, on the keys word + bit, so
     Inductor makes one pointwise kernel that computes a word per thread (a row's own reads shared
-    by its 32 keys). Evaluated per element and packed by a sum over 8 bits, the kernel took 2.2-4.2 ms
-    at S = 32768 on the H100, 0.14-0.27 ms at 8192. A block is FULL where every in-range element
-    attends, EMPTY where none does."""
+    by its 32 keys; FORM_OPTIONS keeps it one kernel). Evaluated per element and packed by a sum
+    over 8 bits, the kernel took 2.2-4.2 ms at S = 32768 on the H100, 0.14-0.27 ms at 8192; this
+    form 0.30-1.38 and 0.02-0.10 (history/26-2026-11-27.md). A block is FULL where every in-range
+    element attends, EMPTY where none does."""
     word = None
     for bit in range(32):
         keys = words + bit
