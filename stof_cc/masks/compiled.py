@@ -5,7 +5,10 @@ and writing S_q x S_k values, and the booleans are then packed into the 32-bit w
 reads: 2-45 ms for one mask at S = 8192-32768 on the H100 (benchmarks/RESULTS.md, "User masks built
 on the GPU"), paid on every call where the mask changes per call (a packed batch's documents, a
 mask_mod over per-request tables). Compiled, the evaluation, the keys past the end and the packing
-are one kernel that reads the index vectors and writes the words.
+are one kernel that reads the index vectors and writes the words. Two forms: `packer`, row-packed
+bits (what `to_dense`, combinations and the cost model's fine grid read), and `grid`, the launch's
+block grid itself (every block's tile and class, what `BlockMask.from_grid` assembles): a mask built
+per call for a launch takes the second, one call where the first took a dozen more steps.
 
 Compiling costs about a second, which a mask built once never earns back: a mask_mod's code is
 compiled for a shape (keys, rows per chunk, batch and head dims) from its `COMPILE_FROM`-th build at
@@ -16,7 +19,8 @@ is never compiled. Each mask_mod code gets its own compiled function (its own gu
 limit: one mask's shapes do not use up another's). A mask_mod torch.compile cannot take whole (a
 graph break, data-dependent control flow, a non-bool result) is evaluated eagerly from then on, with
 one warning naming it; the eager path is where a wrong mask_mod gets the error that names its fault.
-Why (and what is measured): docs/decisions.md#user-masks-compiled-when-built-per-call.
+Why (and what is measured): docs/decisions.md#user-masks-compiled-when-built-per-call and
+#per-call-grid-form.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from torch import Tensor
 
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 
-COMPILE_FROM = 2  # builds of one mask_mod code at one shape before it is compiled for that shape
+COMPILE_FROM = 2  # builds of one mask_mod code at one shape (per form) before it is compiled for that shape
 DEVICE_TYPES = ("cuda",)  # where compiling pays; tests add "cpu"
 KEPT_COUNTS = 256  # (code, shape) build counts kept, the latest
+KEPT_INDICES = 8  # shapes whose grid-form index tensors are kept, the latest
 GRID_CHUNK_ELEMENTS = 1 << 30  # (q, k) pairs of the grid form per compiled call (S = 32768: one call)
 #: Inductor options per form. The grid form's 32 calls of the function exceed Inductor's limits on
 #: the reads and operations a fused expression may hold, so it stored partial words between
@@ -49,7 +54,6 @@ _refused: set[object] = set()  # code keys torch.compile could not take
 _warned: set[object] = set()
 _functions: dict[tuple, Callable] = {}  # (form, code key) -> its own compiled copy of the form
 _indices: OrderedDict[tuple, tuple] = OrderedDict()  # the grid form's index tensors, per device and shape
-KEPT_INDICES = 8
 
 
 def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int, batch: int,
