@@ -212,22 +212,52 @@ def test_one_evaluation_serves_the_tiles_and_the_rows(compile_on_cpu, monkeypatc
     assert not torch.equal(dense, masks.from_mask_mod(stripes).to_dense(200, 200)[0, 0])
 
 
-def test_a_kind_seen_before_is_not_probed_for_its_dims(compile_on_cpu):
-    """Closures of one code over new tables of the same shapes: the first is probed for its dims (a
-    few launches and a wait on a GPU), the next read the dims kept for the kind."""
-    calls = {"probes": 0}  # a dict is part of the kind by its type only
+def test_dims_are_probed_once_per_description_and_extent_never_per_kind(compile_on_cpu):
+    """Two bound methods of one class are one kind (their objects are not part of it), yet one mask
+    depends on the batch and the other does not: each gets its own dims and its own mask. A
+    description probes once per extent."""
+    class Documents:
+        def __init__(self, ids):
+            self.ids, self.probes = ids, 0
 
-    def documents_of(lengths, dtype=torch.int64):
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(dtype)
+        def mask_mod(self, b, h, q, k):
+            self.probes += 1
+            if self.ids.dim() == 1:
+                return self.ids[q] == self.ids[k]
+            return self.ids[b, q] == self.ids[b, k]
 
-        def documents(b, h, q, k):
-            calls["probes"] += 1
-            return ids[q] == ids[k]
-        return documents
+    def ids(*lengths):
+        return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
-    assert masks.from_mask_mod(documents_of([60, 40])).mask_dims(100, batch=2, heads=4) == (1, 1)
-    assert calls["probes"] == 1
-    assert masks.from_mask_mod(documents_of([10, 90])).mask_dims(100, batch=2, heads=4) == (1, 1)
-    assert calls["probes"] == 1
-    assert masks.from_mask_mod(documents_of([10, 90], torch.int32)).mask_dims(100, batch=2, heads=4) == (1, 1)
-    assert calls["probes"] == 2  # a table of another dtype: another kind
+    shared, per_batch = Documents(ids(64, 64)), Documents(torch.stack([ids(32, 96), ids(100, 28)]))
+    assert masks.from_mask_mod(shared.mask_mod).mask_dims(128, batch=2) == (1, 1)
+    description = masks.from_mask_mod(per_batch.mask_mod)
+    assert description.mask_dims(128, batch=2) == (2, 1)
+    dense = description.to_dense(128, batch=2)
+    assert torch.equal(dense[1, 0], (ids(100, 28)[:, None] == ids(100, 28)[None, :]))
+    assert torch.equal(description.block_mask(128, 128, 64, 64, batch=2).to_dense(), dense)
+    probes = per_batch.probes
+    description.mask_dims(128, batch=2)
+    assert per_batch.probes == probes
+
+
+def test_one_evaluation_at_every_block_shape_and_extent(compile_on_cpu, monkeypatch):
+    """A mask_mod whose answers change between evaluations, built at two block shapes of one extent and
+    at a second extent: every block mask and `to_dense` read the first evaluation of their extent."""
+    from stof_cc.masks import build
+
+    monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ("cpu",))
+    phase = torch.zeros((), dtype=torch.int64)
+
+    def stripes(b, h, q, k):
+        return (q + k + phase) % 3 == 0
+
+    description = masks.from_mask_mod(stripes)
+    first = description.block_mask(200, 200, 64, 64)
+    phase += 1
+    second = description.block_mask(200, 200, 128, 64)
+    other = description.block_mask(300, 300, 64, 64)
+    phase += 1
+    assert torch.equal(first.to_dense(), second.to_dense())
+    assert torch.equal(description.to_dense(200, 200), first.to_dense())
+    assert torch.equal(description.to_dense(300, 300), other.to_dense())

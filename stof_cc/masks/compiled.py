@@ -50,7 +50,7 @@ FORM_OPTIONS = {"_evaluate_classify_pack": {"realize_opcount_threshold": 1 << 20
 Packer = Callable[[Tensor, Tensor, Tensor], "Tensor | None"]
 
 _builds: OrderedDict[tuple, int] = OrderedDict()
-_refused: set[object] = set()  # code keys torch.compile could not take
+_refused: set[object] = set()  # (form, code key) pairs torch.compile could not take
 _warned: set[object] = set()
 _functions: dict[tuple, Callable] = {}  # (form, code key) -> its own compiled copy of the form
 _indices: OrderedDict[tuple, tuple] = OrderedDict()  # the grid form's index tensors, per device and shape
@@ -66,7 +66,7 @@ def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int,
     function = _compiled_form(_evaluate_and_pack, fn, device, (seq_k, rows, batch, heads))
     if function is None:
         return None
-    key = _code_key(fn)
+    key = ("_evaluate_and_pack", _code_key(fn))
     words = -(-seq_k // 32)
     keys = torch.arange(words * 32, dtype=torch.int32, device=device)
     valid = (keys < seq_k).view(1, 1, 1, -1)
@@ -103,7 +103,7 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
     try:
         parts = [function(fn, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n) for q, q_valid in chunks]
     except Exception as exc:  # noqa: BLE001 (whatever torch.compile raises: the eager path decides)
-        _fell_back(_code_key(fn), f"from_mask_mod({name})", exc)
+        _fell_back(("_evaluate_classify_pack", _code_key(fn)), f"from_mask_mod({name})", exc)
         return None
     classes, tiles = parts[0] if len(parts) == 1 else (torch.cat(part, 2) for part in zip(*parts, strict=True))
     return classes[:, :, :n_rb], tiles[:, :, :n_rb]
@@ -115,7 +115,7 @@ def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tu
     if torch.compiler.is_compiling() or device.type not in DEVICE_TYPES:
         return None
     key = _code_key(fn)
-    if key in _refused or not _count_build((form.__name__, key, *shape)):
+    if (form.__name__, key) in _refused or not _count_build((form.__name__, key, *shape)):
         return None
     if (form, key) not in _functions:
         code = form.__code__.replace(co_name=f"{form.__name__}_{len(_functions)}")
@@ -159,8 +159,9 @@ def _count_build(count_key: tuple) -> bool:
 
 
 def _fell_back(key: object, subject: str, exc: Exception) -> None:
-    """Evaluate eagerly this time; the code never again where torch.compile refused it (not for
-    running out of memory, or of recompiles for new shapes: those can pass)."""
+    """Evaluate eagerly this time; never again through this form for this code (``key``: form and
+    code) where torch.compile refused it (not for running out of memory, or of recompiles for new
+    shapes: those can pass)."""
     passing = isinstance(exc, torch.OutOfMemoryError | torch._dynamo.exc.FailOnRecompileLimitHit)
     if not passing:
         _refused.add(key)

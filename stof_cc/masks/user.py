@@ -31,9 +31,9 @@ from stof_cc.masks.zoo import key_padding
 PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept, all extents together (S = 32768 with Bm = Hm = 1: 128 MiB)
 ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
 KIND_ITEMS = 16  # a captured tuple or list up to this long is part of a mask_mod's kind item by item
-KEPT_KIND_DIMS = 256  # mask dims kept per (mask_mod kind, batch, heads), the latest
+KEPT_PROBES = 8  # (device, batch, heads) whose dims-probe index tensors are kept, the latest
 
-_kind_dims: dict[tuple, tuple[int, int]] = {}
+_probes: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
 
 class _Evaluated(MaskDescription):
@@ -129,9 +129,13 @@ class _Evaluated(MaskDescription):
         key = (grid.ext, grid.block_m, grid.block_n)
         if key in self._tiles:
             return self._tiles[key]
+        for held_ext, _, _ in list(self._tiles):  # tiles evaluated whole are kept as rows before they go
+            if held_ext not in self._bits:
+                self.packed_bits(held_ext)
         batch, heads = self._dims(grid.ext)
         size = batch * heads * grid.n_rb * grid.n_cb * grid.words * 4
-        held = None if grid.ext in self._bits or size > PACKED_BUDGET else self._evaluate_grid(grid)
+        fresh = grid.ext not in self._bits and size <= PACKED_BUDGET  # else read off the rows evaluated before
+        held = self._evaluate_grid(grid) if fresh else None
         if held is not None:  # the latest block shape only, as below
             self._classes, self._tiles = {key: held[0]}, {key: held[1]}
             return held[1]
@@ -244,47 +248,44 @@ class _MaskMod(_Evaluated):
     def __init__(self, fn: MaskMod, name: str, device: torch.device | None) -> None:
         super().__init__()
         self.fn, self.name, self.device = fn, name, device
+        self._probed: dict[Extent, tuple[int, int]] = {}
 
     def __repr__(self) -> str:
         return f"from_mask_mod({self.name})"
-
-    @functools.cached_property
-    def _kind(self) -> object | None:
-        """`mask_mod_kind` of the function, or None where what it captures has no usable kind
-        (unhashable, unreadable)."""
-        try:
-            kind = mask_mod_kind(self.fn)
-            hash(kind)
-        except Exception:  # noqa: BLE001 (whatever a captured object raises: the mask is its own kind)
-            return None
-        return kind
 
     def choice_group(self) -> object | None:
         """mask_mods of one kind (`mask_mod_kind`: one code over tables of the same shapes, the
         same scalars) share the cost model's kernel choice, as packed documents do: a mask_mod
         over per-call tables is a new description every call, and pricing it again took 17-46 ms
         at S = 8192 on the lent H100's host (benchmarks/user_mask_build.py, "first choose"). None
-        (its own choice) where it has no kind."""
-        return None if self._kind is None else ("mask_mod", self._kind)
+        (its own choice) where what it captures has no usable kind (unhashable, unreadable)."""
+        try:
+            group = "mask_mod", mask_mod_kind(self.fn)
+            hash(group)
+        except Exception:  # noqa: BLE001 (whatever a captured object raises: the choice stays the mask's own)
+            return None
+        return group
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         """Probe the function with b = arange(batch), h = arange(heads): a result that does
-        not grow along a dim does not depend on it. Kept per kind (what the result's shape
-        follows: the code and the shapes of what it captures), so a mask_mod of a kind seen
-        before is not probed again (a probe is a few launches and a wait)."""
-        key = None if self._kind is None else (self._kind, ext.batch, ext.heads)
-        if key is not None and key in _kind_dims:
-            return _kind_dims[key]
-        b = torch.arange(ext.batch).view(-1, 1, 1, 1)
-        h = torch.arange(ext.heads).view(1, -1, 1, 1)
-        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long)
-        shape = self._evaluate(ext, b, h, zero, zero).shape
-        shape = (1,) * (4 - len(shape)) + tuple(shape)
-        if key is not None:
-            _kind_dims[key] = shape[0], shape[1]
-            while len(_kind_dims) > KEPT_KIND_DIMS:
-                _kind_dims.pop(next(iter(_kind_dims)))
-        return shape[0], shape[1]
+        not grow along a dim does not depend on it. Probed once per extent, on the device of
+        what the function captures (the CPU if nothing), with index tensors kept per device: no
+        copy to the GPU and back, no wait. (Not kept per `mask_mod_kind`: a bound method's object
+        and a callable's attributes are not part of a kind, yet decide the dims.)"""
+        if ext not in self._probed:
+            device = self.device if self.device is not None else torch.device("cpu")
+            key = (device, ext.batch, ext.heads)
+            if key not in _probes:
+                while len(_probes) >= KEPT_PROBES:
+                    _probes.pop(next(iter(_probes)))
+                _probes[key] = (torch.arange(ext.batch, device=device).view(-1, 1, 1, 1),
+                                torch.arange(ext.heads, device=device).view(1, -1, 1, 1),
+                                torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device))
+            b, h, zero = _probes[key]
+            shape = self._evaluate(ext, b, h, zero, zero).shape
+            shape = (1,) * (4 - len(shape)) + tuple(shape)
+            self._probed[ext] = shape[0], shape[1]
+        return self._probed[ext]
 
     def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
         """Compiled, in one call per chunk of block rows, once `compiled.grid` says it pays (a
