@@ -345,7 +345,6 @@ def coarse_counts(classes: ClassRuns | torch.Tensor, block_m: int, block_n: int,
     return out
 
 
-
 def _csr(chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(row offsets, the chosen blocks' flat indices in row-major order) of a boolean grid."""
     ptr = np.zeros(chosen.shape[0] + 1, dtype=np.int64)

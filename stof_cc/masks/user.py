@@ -110,7 +110,7 @@ class _Evaluated(MaskDescription):
         """`packed_bits` read off tiles evaluated whole (`_evaluate_grid`) at ``ext``: one evaluation
         serves every use, as a mask_mod whose answers change between calls needs."""
         for (held, bm, bn), tiles in self._tiles.items():
-            if held == ext and ext not in self._bits and bn % 32 == 0:
+            if held == ext and bn % 32 == 0:
                 batch, heads, n_rb, n_cb, _ = tiles.shape
                 rows = tiles.view(batch, heads, n_rb, n_cb, bm, bn // 32).permute(0, 1, 2, 4, 3, 5)
                 rows = rows.reshape(batch, heads, n_rb * bm, n_cb * bn // 32)
