@@ -22,7 +22,7 @@ def compile_on_cpu(monkeypatch):
     monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(compiled, "COMPILE_FROM", 1)
     for name, empty in (("_builds", compiled.OrderedDict()), ("_refused", set()), ("_warned", set()),
-                        ("_functions", {}), ("_indices", compiled.OrderedDict())):
+                        ("_functions", compiled.OrderedDict()), ("_indices", compiled.OrderedDict())):
         monkeypatch.setattr(compiled, name, empty)
     counters.clear()
     with warnings.catch_warnings():
@@ -261,3 +261,23 @@ def test_one_evaluation_at_every_block_shape_and_extent(compile_on_cpu, monkeypa
     assert torch.equal(first.to_dense(), second.to_dense())
     assert torch.equal(description.to_dense(200, 200), first.to_dense())
     assert torch.equal(description.to_dense(300, 300), other.to_dense())
+
+
+def test_every_shape_of_a_serving_run_stays_compiled(compile_on_cpu, monkeypatch):
+    """Packed batches of new lengths every call: each shape gets its own compiled copy (one guard set
+    each), so shapes beyond dynamo's recompile limit are compiled too, not evaluated eagerly with a
+    warning (which the fixture turns into a failure); the copies kept are the latest."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(compiled, "KEPT_FORMS", 3)
+
+    def documents_of(lengths):
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        return lambda b, h, q, k: ids[q] == ids[k]
+
+    for total in (96, 128, 160, 192):
+        lengths = [total // 4, total - total // 4]
+        fn = documents_of(lengths)
+        assert masks.from_mask_mod(fn).block_classes(total, total, 32, 32).equal(
+            masks.document(lengths).block_classes(total, total, 32, 32))
+    assert counters["stats"]["unique_graphs"] == 4
+    assert len(compiled._functions) == 3

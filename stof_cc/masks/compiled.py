@@ -15,8 +15,11 @@ compiled for a shape (keys, rows per chunk, batch and head dims) from its `COMPI
 that shape on, on the devices of `DEVICE_TYPES` (CUDA), and never while torch.compile traces
 something else. So a mask built per call with new tables (a closure of the same code over new
 tensors) is compiled once and its kernel reused, and a decode step's mask, one key longer each step,
-is never compiled. Each mask_mod code gets its own compiled function (its own guards and recompile
-limit: one mask's shapes do not use up another's). A mask_mod torch.compile cannot take whole (a
+is never compiled. Each mask_mod code gets its own compiled function per shape: one guard set each,
+so the shapes of a serving run (packed batches of new lengths every call) never reach dynamo's
+recompile limit (after 8 shapes of one function it evaluated every new shape eagerly, with a
+warning), no call checks the guards of other shapes first, and one mask's shapes do not use up
+another's. The latest `KEPT_FORMS` are kept. A mask_mod torch.compile cannot take whole (a
 graph break, data-dependent control flow, a non-bool result) is evaluated eagerly from then on, with
 one warning naming it; the eager path is where a wrong mask_mod gets the error that names its fault.
 Why (and what is measured): docs/decisions.md#user-masks-compiled-when-built-per-call and
@@ -39,6 +42,7 @@ COMPILE_FROM = 2  # builds of one mask_mod code at one shape (per form) before i
 DEVICE_TYPES = ("cuda",)  # where compiling pays; tests add "cpu"
 KEPT_COUNTS = 256  # (code, shape) build counts kept, the latest
 KEPT_INDICES = 8  # shapes whose grid-form index tensors are kept, the latest
+KEPT_FORMS = 64  # compiled (form, code, shape) copies kept, the latest used
 GRID_CHUNK_ELEMENTS = 1 << 30  # (q, k) pairs of the grid form per compiled call (S = 32768: one call)
 #: Inductor options per form. The grid form's 32 calls of the function exceed Inductor's limits on
 #: the reads and operations a fused expression may hold, so it stored partial words between
@@ -52,8 +56,9 @@ Packer = Callable[[Tensor, Tensor, Tensor], "Tensor | None"]
 _builds: OrderedDict[tuple, int] = OrderedDict()
 _refused: set[object] = set()  # (form, code key) pairs torch.compile could not take
 _warned: set[object] = set()
-_functions: dict[tuple, Callable] = {}  # (form, code key) -> its own compiled copy of the form
+_functions: OrderedDict[tuple, Callable] = OrderedDict()  # (form, code key, shape) -> its compiled copy of the form
 _indices: OrderedDict[tuple, tuple] = OrderedDict()  # the grid form's index tensors, per device and shape
+_copies = 0  # compiled copies made (their code names: a profile tells them apart)
 
 
 def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int, batch: int,
@@ -110,18 +115,26 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
 
 
 def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tuple) -> Callable | None:
-    """``form`` compiled for ``fn``'s code (a copy per code, with its own guards and recompile limit),
-    or None where this build at ``shape`` evaluates eagerly."""
+    """``form`` compiled for ``fn``'s code at ``shape`` (a copy of the form per code and shape: a code
+    object of its own, so its own guards and recompile count), or None where this build evaluates
+    eagerly."""
     if torch.compiler.is_compiling() or device.type not in DEVICE_TYPES:
         return None
     key = _code_key(fn)
     if (form.__name__, key) in _refused or not _count_build((form.__name__, key, *shape)):
         return None
-    if (form, key) not in _functions:
-        code = form.__code__.replace(co_name=f"{form.__name__}_{len(_functions)}")
-        clone = types.FunctionType(code, form.__globals__, code.co_name)
-        _functions[form, key] = torch.compile(clone, fullgraph=True, dynamic=False, options=FORM_OPTIONS.get(form.__name__))
-    return _functions[form, key]
+    entry = (form, key, *shape)
+    if entry in _functions:
+        _functions.move_to_end(entry)
+        return _functions[entry]
+    global _copies
+    _copies += 1
+    code = form.__code__.replace(co_name=f"{form.__name__}_{_copies}")
+    clone = types.FunctionType(code, form.__globals__, code.co_name)
+    _functions[entry] = torch.compile(clone, fullgraph=True, dynamic=False, options=FORM_OPTIONS.get(form.__name__))
+    while len(_functions) > KEPT_FORMS:
+        _functions.popitem(last=False)
+    return _functions[entry]
 
 
 def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, block_n: int, batch: int,
