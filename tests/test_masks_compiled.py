@@ -267,9 +267,15 @@ def test_every_shape_of_a_serving_run_stays_compiled(compile_on_cpu, monkeypatch
     """Packed batches of new lengths every call: each shape gets its own compiled copy (one guard set
     each), so shapes beyond dynamo's recompile limit are compiled too, not evaluated eagerly with a
     warning (which the fixture turns into a failure); the copies kept are the latest."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     monkeypatch.setattr(compiled, "KEPT_FORMS", 3)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        _build_at_four_lengths()
+    assert counters["stats"]["unique_graphs"] == 4
+    assert len(compiled._functions) == 3
 
+
+def _build_at_four_lengths():
+    """Document mask_mods over new ids at four sequence lengths, each against masks.document."""
     def documents_of(lengths):
         ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         return lambda b, h, q, k: ids[q] == ids[k]
@@ -279,8 +285,6 @@ def test_every_shape_of_a_serving_run_stays_compiled(compile_on_cpu, monkeypatch
         fn = documents_of(lengths)
         assert masks.from_mask_mod(fn).block_classes(total, total, 32, 32).equal(
             masks.document(lengths).block_classes(total, total, 32, 32))
-    assert counters["stats"]["unique_graphs"] == 4
-    assert len(compiled._functions) == 3
 
 
 @pytest.mark.parametrize("shapes", [((2, 1, 5, 1), (1, 3, 1, 4)), ((5,), (2, 1, 1)), ((0, 1), (1, 7)), ((1,), ()),
