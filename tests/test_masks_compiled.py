@@ -269,18 +269,21 @@ def test_every_shape_of_a_serving_run_stays_compiled(compile_on_cpu, monkeypatch
     warning (which the fixture turns into a failure); the copies kept are the latest."""
     monkeypatch.setattr(compiled, "KEPT_FORMS", 3)
     with torch._dynamo.config.patch(recompile_limit=2):
-        _build_at_four_lengths()
-    assert counters["stats"]["unique_graphs"] == 4
-    assert len(compiled._functions) == 3
+        _build_at_lengths((96, 128, 160, 192))
+        assert counters["stats"]["unique_graphs"] == 4
+        assert {entry[2] for entry in compiled._functions} == {128, 160, 192}  # the first shape's copy went
+        _build_at_lengths((96,))  # compiled again, right again
+    assert counters["stats"]["unique_graphs"] == 5
+    assert {entry[2] for entry in compiled._functions} == {160, 192, 96}
 
 
-def _build_at_four_lengths():
-    """Document mask_mods over new ids at four sequence lengths, each against masks.document."""
+def _build_at_lengths(totals):
+    """Document mask_mods over new ids at these sequence lengths, each against masks.document."""
     def documents_of(lengths):
         ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         return lambda b, h, q, k: ids[q] == ids[k]
 
-    for total in (96, 128, 160, 192):
+    for total in totals:
         lengths = [total // 4, total - total // 4]
         fn = documents_of(lengths)
         assert masks.from_mask_mod(fn).block_classes(total, total, 32, 32).equal(

@@ -16,10 +16,14 @@ that shape on, on the devices of `DEVICE_TYPES` (CUDA), and never while torch.co
 something else. So a mask built per call with new tables (a closure of the same code over new
 tensors) is compiled once and its kernel reused, and a decode step's mask, one key longer each step,
 is never compiled. Each mask_mod code gets its own compiled function per shape: one guard set each,
-so the shapes of a serving run (packed batches of new lengths every call) never reach dynamo's
-recompile limit (after 8 shapes of one function it evaluated every new shape eagerly, with a
-warning), no call checks the guards of other shapes first, and one mask's shapes do not use up
-another's. The latest `KEPT_FORMS` are kept. A mask_mod torch.compile cannot take whole (a
+so the shapes of a serving run (packed batches of new lengths every call) do not add up to dynamo's
+recompile limit (with one function per code, the ninth shape and every one after it were evaluated
+eagerly, with a warning), no call checks the guards of other shapes first, and one mask's shapes do
+not use up another's. Within a shape dynamo's guards still recompile for captured tables of new
+sizes or dtypes (a table of document boundaries whose length changes at the same S): past the limit
+such a build falls back to the eager path for that build only. Each shape built twice costs a
+compile (about a second); the latest `KEPT_FORMS` copies are kept, so a run cycling through more
+shapes than that compiles again. A mask_mod torch.compile cannot take whole (a
 graph break, data-dependent control flow, a non-bool result) is evaluated eagerly from then on, with
 one warning naming it; the eager path is where a wrong mask_mod gets the error that names its fault.
 Why (and what is measured): docs/decisions.md#user-masks-compiled-when-built-per-call and
@@ -131,10 +135,11 @@ def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tu
     _copies += 1
     code = form.__code__.replace(co_name=f"{form.__name__}_{_copies}")
     clone = types.FunctionType(code, form.__globals__, code.co_name)
-    _functions[entry] = torch.compile(clone, fullgraph=True, dynamic=False, options=FORM_OPTIONS.get(form.__name__))
+    function = _functions[entry] = torch.compile(clone, fullgraph=True, dynamic=False,
+                                                 options=FORM_OPTIONS.get(form.__name__))
     while len(_functions) > KEPT_FORMS:
         _functions.popitem(last=False)
-    return _functions[entry]
+    return function
 
 
 def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, block_n: int, batch: int,

@@ -340,7 +340,7 @@ class _MaskMod(_Evaluated):
         if index_shape is None or _broadcast(out.shape, index_shape) != index_shape:
             raise MaskError(
                 f"from_mask_mod: {self.name} returned shape {tuple(out.shape)}, which does not "
-                f"broadcast to the index shape {index_shape or 'of its arguments'}"
+                f"broadcast to the index shape {'of its arguments' if index_shape is None else index_shape}"
             )
         return out.to(home)
 

@@ -62,8 +62,8 @@ ITER_US = 0.572                # fixed latency of one block iteration
 WS_ITER_US = 0.375             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
 EXPOSED_LOAD_US = 3.57e-04     # per KiB of K/V a one-stage kernel waits for
 CTA_FIXED_US = 1.89           # per CTA: Q tile load, output store, prologue
-PERSISTENT_TILE_US = 0.055     # per tile of a persistent CTA: set (not fitted) so a persistent point ranks just
-                               # ahead of its one-CTA-per-tile twin, as measured on most points (docs/attention.md)
+PERSISTENT_TILE_US = 0.055     # per tile of a persistent CTA, instead of CTA_FIXED_US: set (not fitted); with
+                               # the fitted CTA_FIXED_US persistent points rank ahead, as the sweeps measured them
 LAUNCH_US = 3.15               # kernel launch, first wave ramp and tail
 SM_SHARED_BYTES = 228 * 1024
 SM_REGISTERS = 64 * 1024
