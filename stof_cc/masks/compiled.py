@@ -135,11 +135,8 @@ def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tu
     _copies += 1
     code = form.__code__.replace(co_name=f"{form.__name__}_{_copies}")
     clone = types.FunctionType(code, form.__globals__, code.co_name)
-    function = _functions[entry] = torch.compile(clone, fullgraph=True, dynamic=False,
-                                                 options=FORM_OPTIONS.get(form.__name__))
-    while len(_functions) > KEPT_FORMS:
-        _functions.popitem(last=False)
-    return function
+    return _keep(_functions, entry, torch.compile(clone, fullgraph=True, dynamic=False,
+                                                options=FORM_OPTIONS.get(form.__name__)), KEPT_FORMS)
 
 
 def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, block_n: int, batch: int,
@@ -160,20 +157,23 @@ def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, bl
     for start in range(0, n_rb * block_m, rows):
         q = torch.arange(start, start + rows, **index)
         chunks.append(((q.clamp(max=seq_q - 1)).view(1, 1, -1, 1), (q < seq_q).view(1, 1, -1, 1)))
-    _indices[key] = (torch.arange(batch, **index).view(-1, 1, 1, 1), torch.arange(heads, **index).view(1, -1, 1, 1),
-                     keys[::32].view(1, 1, 1, -1), chunks)
-    while len(_indices) > KEPT_INDICES:
-        _indices.popitem(last=False)
-    return _indices[key]
+    return _keep(_indices, key, (torch.arange(batch, **index).view(-1, 1, 1, 1),
+                                 torch.arange(heads, **index).view(1, -1, 1, 1), keys[::32].view(1, 1, 1, -1), chunks),
+                 KEPT_INDICES)
 
 
 def _count_build(count_key: tuple) -> bool:
     """Count a build at a shape; whether it is the COMPILE_FROM-th or later."""
-    count = _builds.pop(count_key, 0) + 1
-    _builds[count_key] = count
-    while len(_builds) > KEPT_COUNTS:
-        _builds.popitem(last=False)
-    return count >= COMPILE_FROM
+    return _keep(_builds, count_key, _builds.pop(count_key, 0) + 1, KEPT_COUNTS) >= COMPILE_FROM
+
+
+def _keep(cache: OrderedDict, key: object, value: object, kept: int) -> object:
+    """``value`` stored under ``key`` as the latest of ``cache``, which keeps its ``kept`` latest."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > kept:
+        cache.popitem(last=False)
+    return value
 
 
 def _fell_back(key: object, subject: str, exc: Exception) -> None:
