@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+import stof_cc.masks.lists as lists
 from stof_cc.masks.bits import n_words, popcount, unpack
 from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
@@ -141,32 +142,32 @@ class BlockMask:
     ) -> BlockMask:
         """Assemble the block mask from ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and ``tiles``
         (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) on the device that evaluated the
-        mask: the class grid (a byte per block) comes to the host, the one wait, where numpy lays
-        out the CSR arrays (0.04 ms for 4096 blocks, 0.3 ms for 65536 on a 2-core EPYC), and they
-        go back in one copy; the PARTIAL blocks' tiles are gathered where they are. The same
-        arrays made on the GPU took eight or more kernel launches, 0.24-0.93 ms of the lent
-        H100's host at S = 8192-32768 (benchmarks/history/26-2026-11-27.md). `from_runs` makes
-        them from runs instead, the way for masks too large to hold a class per block."""
+        mask. A grid shape built again (a mask built per call) has its lists ranked on the GPU by
+        a captured graph (masks/lists.py), the one wait reading their offsets; otherwise the class
+        grid (a byte per block) comes to the host, the one wait, where numpy lays out the CSR
+        arrays (0.04 ms for 4096 blocks, 0.3 ms for 65536 on a 2-core EPYC), and they go back in
+        one copy (the same arrays made on the GPU by eight or more launches took 0.24-0.93 ms of
+        the lent H100's host at S = 8192-32768: benchmarks/history/26-2026-11-27.md). The PARTIAL
+        blocks' tiles are gathered where they are. `from_runs` makes the lists from runs instead,
+        the way for masks too large to hold a class per block."""
         batch, heads, n_rb, n_cb = classes.shape
-        flat = classes.reshape(batch * heads * n_rb, n_cb).cpu().numpy()
-        full, part = flat == FULL, flat == PARTIAL
-        lists = [_csr(full), _csr(part), _csr(full | part)]
-        n_full, n_part, n_any = (len(at) for _, at in lists)
-        if n_any > INT32_MAX:
-            raise MaskError(
-                f"block_mask: {n_any} non-empty blocks of {block_m} x {block_n} at {seq_q} x {seq_k} "
-                f"are past the format's int32 offsets ({INT32_MAX}); use larger blocks")
-        part_flat = part.ravel()
-        any_at = lists[2][1]
-        any_tile = np.where(part_flat[any_at], np.cumsum(part_flat)[any_at] - 1, -1)
-        pieces = [*(array for ptr, at in lists for array in (ptr, at % n_cb)), any_tile, lists[1][1]]
-        arrays = torch.from_numpy(np.concatenate(pieces).astype(np.int32)).to(classes.device).split(
-            [len(piece) for piece in pieces])
-        full_ptr, full_cols, part_ptr, part_cols, any_ptr, any_cols, any_tile, part_at = arrays
-        bits = tiles.reshape(flat.size, -1).index_select(0, part_at)
+        rows, blocks = batch * heads * n_rb, batch * heads * n_rb * n_cb
+        replayed = lists.block_lists(classes.reshape(rows, n_cb)) if blocks <= INT32_MAX else None
+        if replayed is not None:  # ranked on the GPU, the offsets read on the host (masks/lists.py)
+            buffer, ptrs = replayed
+            n_full, n_part, n_any = (int(n) for n in ptrs[:, -1])
+            starts = [0, rows + 1, 2 * (rows + 1), *(3 * (rows + 1) + blocks * at for at in range(5))]
+            sizes = [rows + 1] * 3 + [n_full, n_part, n_any, n_any, n_part]
+            full_ptr, part_ptr, any_ptr, full_cols, part_cols, any_cols, any_tile, part_at = (
+                buffer.narrow(0, start, size) for start, size in zip(starts, sizes, strict=True))
+            any_ptr_host = ptrs[2]
+        else:
+            any_ptr_host, arrays = _host_lists(classes.reshape(rows, n_cb), f"{block_m} x {block_n} at {seq_q} x {seq_k}")
+            full_ptr, full_cols, part_ptr, part_cols, any_ptr, any_cols, any_tile, part_at = arrays
+        bits = tiles.reshape(blocks, -1).index_select(0, part_at)
         mask = cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
                    bits.view(torch.uint32), any_ptr, any_cols, any_tile)
-        mask.__dict__["any_ptr_host"] = lists[2][0]  # the cached property, from the copy made here
+        mask.__dict__["any_ptr_host"] = any_ptr_host  # the cached property, from the copy made here
         return mask
 
     # -- shape and statistics -------------------------------------------------------------
@@ -254,9 +255,10 @@ class BlockMask:
 
     def to(self, device: torch.device | str) -> BlockMask:
         """The same mask with every tensor on `device` (itself where they are all there)."""
+        device = torch.device(device)
+        if self.any_cols.device == device or (device.index is None and self.any_cols.device.type == device.type):
+            return self  # every tensor is where any_cols is (a per-call build asks this every call)
         moved = {name: getattr(self, name).to(device) for name in _TENSORS}
-        if all(moved[name] is getattr(self, name) for name in _TENSORS):
-            return self
         return dataclasses.replace(self, **moved)
 
     @functools.cached_property
@@ -345,8 +347,26 @@ def coarse_counts(classes: ClassRuns | torch.Tensor, block_m: int, block_n: int,
     return out
 
 
-def _csr(chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(row offsets, the chosen blocks' flat indices in row-major order) of a boolean grid."""
-    ptr = np.zeros(chosen.shape[0] + 1, dtype=np.int64)
-    np.cumsum(chosen.sum(1), out=ptr[1:])
-    return ptr, np.flatnonzero(chosen)
+def _host_lists(classes: torch.Tensor, what: str) -> tuple[np.ndarray, tuple[torch.Tensor, ...]]:
+    """`from_grid`'s lists laid out by numpy from a class grid int8 [rows, n_cb] (its one wait),
+    then copied back in one go: (any_ptr on the host, int64; full_ptr, full_cols, part_ptr,
+    part_cols, any_ptr, any_cols, any_tile and the PARTIAL blocks' flat indices, int32 on the
+    grid's device)."""
+    rows, n_cb = classes.shape
+    grid = classes.reshape(-1).cpu().numpy()
+    any_at = np.flatnonzero(grid)  # FULL and PARTIAL: every stored block, row-major
+    if len(any_at) > INT32_MAX:
+        raise MaskError(f"block_mask: {len(any_at)} non-empty blocks of {what} are past the format's int32 "
+                        f"offsets ({INT32_MAX}); use larger blocks")
+    partial = grid[any_at] == PARTIAL
+    block_rows, cols = np.divmod(any_at, n_cb)
+    pieces = []  # ptr and cols of the FULL, PARTIAL and merged lists, then any_tile, the PARTIAL blocks' places
+    for chosen in (~partial, partial, None):
+        chosen_rows, chosen_cols = (block_rows, cols) if chosen is None else (block_rows[chosen], cols[chosen])
+        ptr = np.zeros(rows + 1, dtype=np.int64)
+        np.cumsum(np.bincount(chosen_rows, minlength=rows), out=ptr[1:])
+        pieces += [ptr, chosen_cols]
+    pieces += [np.where(partial, np.cumsum(partial) - 1, -1), any_at[partial]]
+    arrays = torch.from_numpy(np.concatenate(pieces).astype(np.int32)).to(classes.device).split(
+        [len(piece) for piece in pieces])
+    return pieces[4], arrays

@@ -40,6 +40,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+import stof_cc.masks.replayed as replayed
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 
 COMPILE_FROM = 2  # builds of one mask_mod code at one shape (per form) before it is compiled for that shape
@@ -110,6 +111,13 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
         return None
     b, h, words, chunks = _grid_indices(device, seq_q, seq_k, block_m, block_n, batch, heads)
     try:
+        if len(chunks) == 1 and device.type == "cuda":  # one call: replayed from a CUDA graph where the mask_mod allows it
+            q, q_valid = chunks[0]
+            held = replayed.grid((function, seq_q, seq_k, block_m, block_n, batch, heads), fn,
+                                 lambda f: function(f, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n),
+                                 batch * heads * q.shape[2] * words.shape[3] * 4)  # the tiles' bytes
+            if held is not None:
+                return held[0][:, :, :n_rb], held[1][:, :, :n_rb]
         parts = [function(fn, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n) for q, q_valid in chunks]
     except Exception as exc:  # noqa: BLE001 (whatever torch.compile raises: the eager path decides)
         _fell_back(("_evaluate_classify_pack", _code_key(fn)), f"from_mask_mod({name})", exc)
@@ -127,7 +135,13 @@ def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tu
     key = _code_key(fn)
     if (form.__name__, key) in _refused or not _count_build((form.__name__, key, *shape)):
         return None
-    entry = (form, key, *shape)
+    return per_shape(form, (form, key, *shape))
+
+
+def per_shape(form: Callable, entry: tuple) -> Callable:
+    """``form`` compiled (fullgraph, static shapes) as its own copy for ``entry`` (the form, and what
+    tells its uses apart: a code, a shape): a code object of its own, so its own guards and recompile
+    count; the latest `KEPT_FORMS` copies are kept."""
     if entry in _functions:
         _functions.move_to_end(entry)
         return _functions[entry]

@@ -1,0 +1,106 @@
+"""A block mask's lists (CSR offsets, columns, PARTIAL tiles' places) from its class grid on the GPU,
+replayed from a CUDA graph.
+
+`BlockMask.from_grid` lays the lists out with numpy on the host: the class grid comes over, numpy
+ranks the stored blocks, and the arrays go back. That took 0.16-0.26 ms of the lent H100's host per
+call at S = 8192 (copies, a dozen numpy steps, the split), a third of a per-call mask_mod build
+(docs/decisions.md#per-call-masks-replayed). Here one compiled function ranks the blocks on the
+GPU into one int32 buffer of fixed size (every list padded to the grid's block count), the three
+offset arrays are copied into pinned host memory in the same graph, and the host reads the sizes
+there after its one wait: a copy in, a replay, a wait and a clone. A shape is captured from its
+`CAPTURE_FROM`-th build on (the compile costs a second or two, which a mask built once never
+earns back); the latest `KEPT_GRAPHS` shapes are kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import stof_cc.masks.compiled as forms
+import stof_cc.masks.replayed as replayed
+from stof_cc.masks.geometry import FULL, PARTIAL
+
+CAPTURE_FROM = 2  # builds of one grid shape before its lists are made by a captured graph
+KEPT_GRAPHS = 8  # grid shapes (and devices) whose graphs are kept, the latest used
+KEPT_COUNTS = 64  # grid shapes whose builds are counted, the latest
+
+_graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+_builds: OrderedDict[tuple, int] = OrderedDict()
+_refused: set[tuple] = set()  # shapes whose capture failed: numpy's lists from then on
+
+
+def block_lists(classes: Tensor) -> tuple[Tensor, np.ndarray] | None:
+    """For a CUDA class grid int8 [rows, n_cb]: (`lists(classes)`'s buffer, a copy of its own;
+    its three offset arrays on the host, int64 [3, rows + 1]) from the shape's graph, or None
+    where the caller lays the lists out itself (a shape not yet built `CAPTURE_FROM` times, a
+    build inside another capture, a capture that failed)."""
+    if not classes.is_cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    key = (tuple(classes.shape), classes.device)
+    if key not in _graphs:
+        _builds[key] = _builds.pop(key, 0) + 1
+        while len(_builds) > KEPT_COUNTS:
+            _builds.popitem(last=False)
+        if _builds[key] < CAPTURE_FROM:
+            return None
+    graph = replayed.captured(_graphs, _refused, key, lambda: _Graph(classes), KEPT_GRAPHS)
+    return None if graph is None else graph.run(classes)
+
+
+def lists(classes: Tensor) -> Tensor:
+    """int32 [3 (rows + 1) + 5 N] for a class grid int8 [rows, n_cb] (N = rows * n_cb blocks):
+    full_ptr, part_ptr, any_ptr (rows + 1 each), then full_cols, part_cols, any_cols, any_tile and
+    the PARTIAL blocks' flat indices, each padded to N. The lists are in row-major order, so a
+    block's place in a list is the count of chosen blocks before it in the flattened grid."""
+    rows, n_cb = classes.shape
+    blocks = rows * n_cb
+    flat = classes.reshape(blocks)
+    full, part = flat == FULL, flat == PARTIAL
+    stored = full | part
+    index = torch.arange(blocks, dtype=torch.int32, device=classes.device)
+    column = index % n_cb
+
+    def placed(chosen: Tensor, values: Tensor) -> Tensor:
+        place = torch.where(chosen, torch.cumsum(chosen.to(torch.int32), 0, dtype=torch.int32) - 1, blocks)
+        return torch.zeros(blocks + 1, dtype=torch.int32, device=classes.device).scatter(
+            0, place.to(torch.int64), values)[:blocks]  # the unchosen go to the last slot, dropped
+
+    def offsets(chosen: Tensor) -> Tensor:
+        counts = chosen.view(rows, n_cb).sum(1, dtype=torch.int32)
+        return torch.nn.functional.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0))
+
+    tile = torch.where(part, torch.cumsum(part.to(torch.int32), 0, dtype=torch.int32) - 1, -1)
+    return torch.cat([offsets(full), offsets(part), offsets(stored), placed(full, column), placed(part, column),
+                      placed(stored, column), placed(stored, tile), placed(part, index)])
+
+
+class _Graph:
+    """One grid shape's capture: the class grid copied in, `lists` compiled, its offsets copied
+    to pinned host memory."""
+
+    def __init__(self, classes: Tensor):
+        rows = classes.shape[0]
+        self.classes = classes.clone()
+        self.host = torch.empty(3 * (rows + 1), dtype=torch.int32, pin_memory=True)
+        compiled = forms.per_shape(lists, (lists, tuple(classes.shape), classes.device))
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            compiled(self.classes)  # outside the capture: compiles, allocates
+        current.wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.buffer = compiled(self.classes)
+            self.host.copy_(self.buffer[:3 * (rows + 1)], non_blocking=True)
+
+    def run(self, classes: Tensor) -> tuple[Tensor, np.ndarray]:
+        self.classes.copy_(classes)
+        self.graph.replay()
+        buffer = self.buffer.clone()  # the next replay overwrites the graph's
+        torch.cuda.current_stream().synchronize()  # the one wait: the offsets are on the host
+        return buffer, self.host.numpy().astype(np.int64).reshape(3, -1)

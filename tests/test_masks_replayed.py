@@ -1,0 +1,117 @@
+"""A per-call mask_mod's grid build replayed from a CUDA graph (stof_cc/masks/replayed.py): which
+mask_mods may be replayed (CPU: what the walker sees and rebuilds), and on a GPU that every replay
+equals the compiled call over the new tables, and that an earlier result is not overwritten."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from stof_cc import masks
+from stof_cc.masks import compiled, replayed
+
+GLOBAL_TABLE = torch.zeros(4)
+GLOBAL_WINDOW = 3
+
+
+def _signature(fn):
+    tensors = []
+    return replayed._walk(fn, None, tensors, 0), tensors
+
+
+def _documents(ids):
+    return lambda b, h, q, k: ids[q] == ids[k]
+
+
+def _and_masks(*fns):
+    def both(b, h, q, k):
+        out = fns[0](b, h, q, k)
+        for fn in fns[1:]:
+            out = out & fn(b, h, q, k)
+        return out
+    return both
+
+
+def test_closures_of_one_code_over_tables_of_one_shape_share_a_signature():
+    first, tensors = _signature(_documents(torch.zeros(8, dtype=torch.long)))
+    second, _ = _signature(_documents(torch.ones(8, dtype=torch.long)))
+    assert first == second and len(tensors) == 1
+    assert _signature(_documents(torch.zeros(9, dtype=torch.long)))[0] != first  # another shape
+    assert _signature(_documents(torch.zeros(8, dtype=torch.int32)))[0] != first  # another dtype
+    window = _signature(lambda b, h, q, k, w=4: (q - k).abs() <= w)[0]
+    assert window != _signature(lambda b, h, q, k, w=5: (q - k).abs() <= w)[0]  # a scalar's value counts
+
+
+def test_the_proxy_reads_the_statics_through_nested_functions_and_partials():
+    ids = torch.tensor([0, 0, 1, 1])
+    fn = _and_masks(lambda b, h, q, k: q >= k, functools.partial(lambda t, b, h, q, k: t[q] == t[k], ids))
+    _, tensors = _signature(fn)
+    assert len(tensors) == 1 and tensors[0] is ids
+    statics = [torch.tensor([0, 1, 2, 3])]  # every position its own document
+    proxy = replayed._walk(fn, iter(statics).__next__, [], 0)
+    q, k = torch.arange(4).view(-1, 1), torch.arange(4).view(1, -1)
+    assert torch.equal(fn(0, 0, q, k), (q >= k) & (ids[q] == ids[k]))
+    assert torch.equal(proxy(0, 0, q, k), torch.eye(4, dtype=torch.bool))  # reads the static, not ids
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, k: GLOBAL_TABLE[q] > 0,  # a global tensor: the proxy would read it, not a static
+    lambda b, h, q, k: q >= masks.MaskError.__name__.__len__(),  # a module outside the allowed ones
+    (lambda obj: (lambda b, h, q, k: q >= obj.start))(range(3)),  # a captured object
+])
+def test_what_a_graph_would_bake_in_is_not_replayed(fn):
+    with pytest.raises(replayed._NotReplayable):
+        _signature(fn)
+
+
+def test_a_global_scalar_is_part_of_the_signature():
+    sig, _ = _signature(lambda b, h, q, k: (q - k).abs() <= GLOBAL_WINDOW)
+    assert (int, GLOBAL_WINDOW) in sig[-1]
+
+
+@pytest.mark.gpu
+def test_replays_equal_the_compiled_call_over_new_tables_and_keep_earlier_results():
+    seq = 1024
+    generator = torch.Generator().manual_seed(0)
+
+    def documents():
+        cuts = torch.randint(1, seq, (7,), generator=generator).sort().values
+        return torch.bucketize(torch.arange(seq), cuts, right=True).cuda()
+
+    def build(ids):
+        return masks.from_mask_mod(_documents(ids)).block_mask(seq, seq, 128, 128, device="cuda")
+
+    for _ in range(compiled.COMPILE_FROM):
+        build(documents())
+    replayed._graphs.clear()
+    kept = []
+    for _ in range(4):
+        ids = documents()
+        got = build(ids)
+        kept.append((got, ids))
+    assert len(replayed._graphs) == 1, "the per-call builds were not replayed"
+    for got, ids in kept:  # each against the eager mask of its own tables, after every later replay
+        want = (ids[:, None] == ids[None, :]).cpu()
+        assert torch.equal(got.to("cpu").to_dense()[0, 0], want)
+
+
+@pytest.mark.gpu
+def test_dims_kept_per_replayed_signature_follow_the_tables_shapes():
+    from stof_cc.masks.geometry import Extent
+
+    seq, batch = 512, 3
+
+    def per_batch(lengths):  # key padding per batch element: the dims follow the table's shape
+        return lambda b, h, q, k: k < lengths[b]
+
+    for lengths_shape, dims in (((batch, 1, 1, 1), (batch, 1)), ((1, 1, 1, 1), (1, 1))):
+        for _ in range(compiled.COMPILE_FROM + 2):
+            lengths = (torch.randperm(seq - 1)[:lengths_shape[0]] + 1).view(lengths_shape).cuda()  # distinct: no slice collapses
+            description = masks.from_mask_mod(per_batch(lengths))
+            got = description.block_mask(seq, seq, 128, 128, batch=batch, device="cuda")
+            want = (torch.arange(seq, device="cuda").view(1, 1, 1, -1) < lengths).expand(-1, 1, seq, seq).cpu()
+            assert torch.equal(got.to("cpu").to_dense(), want)
+            assert description._dims(Extent(seq, seq, batch, 1)) == dims
+        assert replayed.replays(replayed.signature(per_batch(lengths)))
