@@ -1,6 +1,6 @@
 """A block mask's lists ranked on the GPU (stof_cc/masks/lists.py) against numpy's (`BlockMask.from_grid`'s
 host path): the function itself on the CPU over random class grids, and on a GPU the captured graph
-of a shape built again, replay after replay."""
+of a per-call grid, replay after replay; a one-off grid keeps numpy's."""
 
 from __future__ import annotations
 
@@ -38,20 +38,28 @@ def test_no_graph_for_a_cpu_grid():
 
 
 @pytest.mark.gpu
-def test_a_shape_built_again_is_ranked_by_its_graph_as_numpy_ranks_it(monkeypatch):
+def test_a_per_call_grid_is_ranked_by_its_graph_as_numpy_ranks_it():
     lists._graphs.clear()
-    lists._builds.clear()
     rows, n_cb, words = 12, 40, 4
     tiles = torch.randint(-2**31, 2**31 - 1, (1, 1, rows, n_cb, words), dtype=torch.int32, device="cuda")
     built = []
-    for seed in range(lists.CAPTURE_FROM + 3):
+    for seed in range(4):
         classes = _grid(rows, n_cb, seed, "cuda").view(1, 1, rows, n_cb)
-        built.append((BlockMask.from_grid(classes, tiles, rows * 16, n_cb * 32, 16, 32), classes))
-    assert len(lists._graphs) == 1, "the shape built again was not ranked by a graph"
-    monkeypatch.setattr(lists, "CAPTURE_FROM", 1 << 30)  # numpy's lists from here on
-    lists._graphs.clear()
+        built.append((BlockMask.from_grid(classes, tiles, rows * 16, n_cb * 32, 16, 32, ranked_on_device=True), classes))
+    assert len(lists._graphs) == 1, "the per-call grid was not ranked by a graph"
     for got, classes in built:  # every earlier result intact after the later replays
-        want = BlockMask.from_grid(classes, tiles, rows * 16, n_cb * 32, 16, 32)
+        want = BlockMask.from_grid(classes, tiles, rows * 16, n_cb * 32, 16, 32)  # numpy's lists
         for name in block_mask._TENSORS:
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert got.any_ptr_host.tolist() == want.any_ptr_host.tolist()
+    assert len(lists._graphs) == 1  # a one-off grid is not captured
+
+
+def test_a_one_off_grid_keeps_numpys_lists(monkeypatch):
+    def refuse(classes):
+        raise AssertionError("a one-off grid went to the GPU ranking")
+
+    monkeypatch.setattr(lists, "block_lists", refuse)
+    classes = _grid(3, 5, 0).view(1, 1, 3, 5)
+    tiles = torch.zeros(1, 1, 3, 5, 4, dtype=torch.int32)
+    assert BlockMask.from_grid(classes, tiles, 48, 160, 16, 32).n_nonempty == int((classes != EMPTY).sum())

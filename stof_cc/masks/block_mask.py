@@ -139,11 +139,14 @@ class BlockMask:
         seq_k: int,
         block_m: int,
         block_n: int,
+        ranked_on_device: bool = False,
     ) -> BlockMask:
         """Assemble the block mask from ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and ``tiles``
         (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) on the device that evaluated the
-        mask. A grid shape built again (a mask built per call) has its lists ranked on the GPU by
-        a captured graph (masks/lists.py), the one wait reading their offsets; otherwise the class
+        mask. With ``ranked_on_device`` (a mask built per call, whose grid a compiled form made) the
+        lists are ranked on the GPU by a graph captured per grid shape (masks/lists.py), the one wait
+        reading their offsets; otherwise (a one-off mask, whose shapes would each cost a compile and a
+        capture that it never earns back) the class
         grid (a byte per block) comes to the host, the one wait, where numpy lays out the CSR
         arrays (0.04 ms for 4096 blocks, 0.3 ms for 65536 on a 2-core EPYC), and they go back in
         one copy (the same arrays made on the GPU by eight or more launches took 0.24-0.93 ms of
@@ -152,7 +155,7 @@ class BlockMask:
         the way for masks too large to hold a class per block."""
         batch, heads, n_rb, n_cb = classes.shape
         rows, blocks = batch * heads * n_rb, batch * heads * n_rb * n_cb
-        replayed = lists.block_lists(classes.reshape(rows, n_cb)) if blocks <= INT32_MAX else None
+        replayed = lists.block_lists(classes.reshape(rows, n_cb)) if ranked_on_device and blocks <= INT32_MAX else None
         if replayed is not None:  # ranked on the GPU, the offsets read on the host (masks/lists.py)
             buffer, ptrs = replayed
             n_full, n_part, n_any = (int(n) for n in ptrs[:, -1])

@@ -26,8 +26,9 @@ compile (about a second); the latest `KEPT_FORMS` copies are kept, so a run cycl
 shapes than that compiles again. A mask_mod torch.compile cannot take whole (a
 graph break, data-dependent control flow, a non-bool result) is evaluated eagerly from then on, with
 one warning naming it; the eager path is where a wrong mask_mod gets the error that names its fault.
-Why (and what is measured): docs/decisions.md#user-masks-compiled-when-built-per-call and
-#per-call-grid-form.
+A grid of one chunk is replayed from a CUDA graph from then on (masks/replayed.py). Why (and what is
+measured): docs/decisions.md#user-masks-compiled-when-built-per-call, #per-call-grid-form and
+#per-call-masks-replayed.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
     n_rb, n_cb, block_m * block_n / 32], bits past the ends 0), as `_Evaluated.grid_classes` reads
     them off row-packed bits in several more steps. None where this build evaluates eagerly (not yet
     compiled at this shape, or torch.compile failed) or block_n is not a multiple of 32. What a
-    mask_mod built per call pays on the host: this call, the index tensors kept per shape."""
+    mask_mod built per call pays on the host: this call, the index tensors kept per shape; a grid of
+    one chunk is replayed from a CUDA graph where the mask_mod allows it (masks/replayed.py)."""
     if block_n % 32:
         return None
     n_rb = -(-seq_q // block_m)

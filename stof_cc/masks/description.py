@@ -113,6 +113,11 @@ class MaskDescription:
         None (the default) where it classifies by runs."""
         return None
 
+    def grid_built_per_call(self, grid: BlockGrid) -> bool:
+        """Whether `grid_classes` came from a form compiled for masks built per call (a mask_mod's
+        grid form): their block lists are then ranked on the GPU too (`BlockMask.from_grid`)."""
+        return False
+
     def exact_classes(self, grid: BlockGrid) -> bool:
         """Whether `_classify` is exact on this grid (its PARTIAL blocks are all partial, as
         when they were read off evaluated bits), so the builder need not re-check tiles."""

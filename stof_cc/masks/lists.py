@@ -7,9 +7,10 @@ call at S = 8192 (copies, a dozen numpy steps, the split), a third of a per-call
 (docs/decisions.md#per-call-masks-replayed). Here one compiled function ranks the blocks on the
 GPU into one int32 buffer of fixed size (every list padded to the grid's block count), the three
 offset arrays are copied into pinned host memory in the same graph, and the host reads the sizes
-there after its one wait: a copy in, a replay, a wait and a clone. A shape is captured from its
-`CAPTURE_FROM`-th build on (the compile costs a second or two, which a mask built once never
-earns back); the latest `KEPT_GRAPHS` shapes are kept.
+there after its one wait: a copy in, a replay, a wait and a clone. `BlockMask.from_grid` asks for it
+only for a grid a form compiled for per-call masks made (compiling and capturing a shape costs a
+second or two, which a mask built once never earns back, nor the cost model's one-off builds of
+candidate shapes); the latest `KEPT_GRAPHS` shapes are kept.
 """
 
 from __future__ import annotations
@@ -24,29 +25,20 @@ import stof_cc.masks.compiled as forms
 import stof_cc.masks.replayed as replayed
 from stof_cc.masks.geometry import FULL, PARTIAL
 
-CAPTURE_FROM = 2  # builds of one grid shape before its lists are made by a captured graph
 KEPT_GRAPHS = 8  # grid shapes (and devices) whose graphs are kept, the latest used
-KEPT_COUNTS = 64  # grid shapes whose builds are counted, the latest
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_builds: OrderedDict[tuple, int] = OrderedDict()
 _refused: set[tuple] = set()  # shapes whose capture failed: numpy's lists from then on
 
 
 def block_lists(classes: Tensor) -> tuple[Tensor, np.ndarray] | None:
     """For a CUDA class grid int8 [rows, n_cb]: (`lists(classes)`'s buffer, a copy of its own;
     its three offset arrays on the host, int64 [3, rows + 1]) from the shape's graph, or None
-    where the caller lays the lists out itself (a shape not yet built `CAPTURE_FROM` times, a
-    build inside another capture, a capture that failed)."""
+    where the caller lays the lists out itself (a build inside another capture, a capture that
+    failed)."""
     if not classes.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
     key = (tuple(classes.shape), classes.device)
-    if key not in _graphs:
-        _builds[key] = _builds.pop(key, 0) + 1
-        while len(_builds) > KEPT_COUNTS:
-            _builds.popitem(last=False)
-        if _builds[key] < CAPTURE_FROM:
-            return None
     graph = replayed.captured(_graphs, _refused, key, lambda: _Graph(classes), KEPT_GRAPHS)
     return None if graph is None else graph.run(classes)
 

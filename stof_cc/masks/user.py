@@ -49,6 +49,7 @@ class _Evaluated(MaskDescription):
         self._bits: dict[Extent, torch.Tensor] = {}  # oldest first
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
         self._classes: dict[tuple[Extent, int, int], torch.Tensor] = {}  # where evaluated with the tiles
+        self._per_call_grid: tuple[Extent, int, int] | None = None  # the grid `_evaluate_grid` made, if any
 
     def _evaluate(
         self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -140,6 +141,7 @@ class _Evaluated(MaskDescription):
         held = self._evaluate_grid(grid) if fresh else None
         if held is not None:  # the latest block shape only, as below
             self._classes, self._tiles = {key: held[0]}, {key: held[1]}
+            self._per_call_grid = key
             return held[1]
         bits = self.packed_bits(grid.ext)
         bm, bn = grid.block_m, grid.block_n
@@ -172,6 +174,9 @@ class _Evaluated(MaskDescription):
             valid = grid.valid_grid(tiles.device)
             self._classes[key] = classes_from((tiles == valid).all(-1), (tiles == 0).all(-1))
         return self._classes[key], tiles
+
+    def grid_built_per_call(self, grid: BlockGrid) -> bool:
+        return self._per_call_grid == (grid.ext, grid.block_m, grid.block_n)
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         read = self.grid_classes(grid)
