@@ -7,8 +7,8 @@ against FlexAttention's `create_block_mask` on the same mask_mod.
 Each row: a fresh description per repeat (nothing cached), `block_mask(S, S, 128, 128,
 device=...)` (the launch's block mask, as `stof_cc.attention` builds it: where the mask is
 evaluated, or on the CPU and copied), median of 5 wall-clock
-repeats with the device synchronised, twice: a mask built once (the mask_mod evaluated eagerly), and a
-mask built per call (its code compiled after two warm-up builds: stof_cc/masks/compiled.py, CUDA only);
+repeats with the device synchronised (21 for the per-call build, whose host time is noisier), twice: a
+mask built once (the mask_mod evaluated eagerly), and a mask built per call (its code compiled after two warm-up builds: stof_cc/masks/compiled.py, CUDA only);
 the cost model's own pick for a fresh description
 (`choose(..., own=True)`: its 16 x 16 block mask, the rest of a first `stof_cc.attention` call's
 mask work) and the pick a mask of a kind already priced takes per call (`choose`: mask_mods of one
@@ -40,6 +40,7 @@ from stof_cc.templates.attention import AttentionProblem  # noqa: E402
 from stof_cc.tune.attention import cached_block_mask, choose  # noqa: E402
 
 BLOCK = 128
+PER_CALL_REPEATS = 21  # the per-call build is a few hundred microseconds of host work: five repeats moved 0.43-1.03 ms
 
 
 def timed(fn, device: str, repeats: int = 5) -> float:
@@ -93,7 +94,7 @@ def measure(seq: int, make, mask_mod, device: str) -> dict:
     build(), build()  # the second evaluation of the code compiles it (where compiled.DEVICE_TYPES says)
     desc = make()
     kept = desc.block_mask(seq, seq, BLOCK, BLOCK)
-    row = {"S": seq, "first_ms": first, "per_call_ms": timed(build, device), "choose_ms": choose_ms,
+    row = {"S": seq, "first_ms": first, "per_call_ms": timed(build, device, PER_CALL_REPEATS), "choose_ms": choose_ms,
            "per_call_choose_ms": timed(lambda: choose(problem, make()), device),
            "repeat_ms": timed(lambda: desc.block_mask(seq, seq, BLOCK, BLOCK), device), "flex_ms": None,
            "flex_compiled_ms": None}

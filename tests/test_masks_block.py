@@ -13,7 +13,7 @@ from test_masks_zoo import FACTORIES, zoo_params
 
 from stof_cc import masks
 from stof_cc.masks import user
-from stof_cc.masks.block_mask import coarse_counts
+from stof_cc.masks.block_mask import _TENSORS, coarse_counts
 from stof_cc.masks.workloads import GRID_MASKS, grid_mask
 
 BLOCKS = st.sampled_from([16, 32, 64, 128]) | st.integers(1, 40)  # kernels use the former
@@ -339,3 +339,15 @@ def test_a_block_mask_assembled_from_the_class_grid_equals_the_one_from_runs(mon
                          "any_tile"):
                 a, b = getattr(got, name), getattr(want, name)
                 assert a.dtype == b.dtype and torch.equal(a, b), (desc, block_m, block_n, name)
+
+
+def test_to_returns_the_mask_itself_only_where_every_tensor_is_there():
+    import dataclasses
+
+    mask = masks.causal().block_mask(100, 100, 32, 32)
+    assert mask.to("cpu") is mask and mask.to(torch.device("cpu")) is mask
+    on_meta = mask.to("meta")
+    assert on_meta is not mask and all(getattr(on_meta, name).device.type == "meta" for name in _TENSORS)
+    mixed = dataclasses.replace(on_meta, any_cols=mask.any_cols)  # one tensor elsewhere: every tensor moves
+    moved = mixed.to("meta")
+    assert moved is not mixed and moved.any_cols.device.type == "meta"

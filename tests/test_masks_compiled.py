@@ -164,11 +164,20 @@ def _eager_block_mask(fn, seq_q, seq_k, block_m, block_n, batch, heads):
 def test_a_per_call_build_gives_the_eager_block_mask(compile_on_cpu, monkeypatch, chunk):
     """The grid form (evaluated, classified and packed tile by tile, compiled) and the block mask
     assembled from it (`BlockMask.from_grid`), against the eager build: documents over a table, a mask over batch and heads, a
-    ragged grid; in one chunk of block rows and in several (the last one past the end)."""
-    from stof_cc.masks import build
+    ragged grid; in one chunk of block rows and in several (the last one past the end). Its lists come
+    from the GPU ranking's function (`lists.lists`, run eagerly here), a one-off build's from numpy."""
+    from stof_cc.masks import build, lists
 
     monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(compiled, "GRID_CHUNK_ELEMENTS", chunk)
+    ranked = []
+
+    def ranked_on_cpu(classes):  # lists.block_lists without its graph
+        ranked.append(tuple(classes.shape))
+        buffer = lists.lists(classes)
+        return buffer.clone(), buffer[:3 * (classes.shape[0] + 1)].numpy().astype("int64").reshape(3, -1)
+
+    monkeypatch.setattr(lists, "block_lists", ranked_on_cpu)
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 250, 7, 643]))
     lengths, windows = torch.tensor([700, 1000]), torch.tensor([16, 64, 200])
 
@@ -190,6 +199,7 @@ def test_a_per_call_build_gives_the_eager_block_mask(compile_on_cpu, monkeypatch
         assert got.any_ptr_host.tolist() == got.any_ptr.tolist()  # the host copy the tile schedule reads
     assert counters["stats"]["unique_graphs"] == 3  # a grid form per (code, shape): compiled, not eager
     assert not compiled._refused
+    assert len(ranked) == 3  # the three per-call builds; the eager references kept numpy's lists
 
 
 def test_one_evaluation_serves_the_tiles_and_the_rows(compile_on_cpu, monkeypatch):

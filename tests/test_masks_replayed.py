@@ -56,19 +56,49 @@ def test_the_proxy_reads_the_statics_through_nested_functions_and_partials():
     assert torch.equal(proxy(0, 0, q, k), torch.eye(4, dtype=torch.bool))  # reads the static, not ids
 
 
+class _Tables:
+    ids = torch.zeros(8, dtype=torch.long)
+
+
+_gather = GLOBAL_TABLE.index_select
+
+
+def _nested_global(b, h, q, k):
+    inner = lambda: GLOBAL_TABLE  # noqa: E731 (the global is named in a nested code object only)
+    return inner()[q] > 0
+
+
 @pytest.mark.parametrize("fn", [
     lambda b, h, q, k: GLOBAL_TABLE[q] > 0,  # a global tensor: the proxy would read it, not a static
     lambda b, h, q, k: q >= masks.MaskError.__name__.__len__(),  # a module outside the allowed ones
     (lambda obj: (lambda b, h, q, k: q >= obj.start))(range(3)),  # a captured object
+    _nested_global,  # a global tensor named by a nested function
+    lambda b, h, q, k: _Tables.ids[q] == _Tables.ids[k],  # a class attribute
+    lambda b, h, q, k: _gather(0, q) > 0,  # a method bound to a global tensor
 ])
 def test_what_a_graph_would_bake_in_is_not_replayed(fn):
     with pytest.raises(replayed._NotReplayable):
         _signature(fn)
 
 
+def test_keywords_fill_the_statics_by_name_whatever_their_order():
+    def both(b, h, q, k, *, low, high):
+        return (low[q] <= k) & (k < high[q])
+
+    lows, highs = torch.zeros(4, dtype=torch.long), torch.full((4,), 2)
+    first, tensors = _signature(functools.partial(both, low=lows, high=highs))
+    second, swapped = _signature(functools.partial(both, high=highs + 1, low=lows + 1))
+    assert first == second
+    assert torch.equal(tensors[0], highs) and torch.equal(swapped[0], highs + 1)  # "high" sorts before "low"
+    statics = [torch.full((4,), 3), torch.ones(4, dtype=torch.long)]  # high, low
+    proxy = replayed._walk(functools.partial(both, high=highs, low=lows), iter(statics).__next__, [], 0)
+    q, k = torch.arange(4).view(-1, 1), torch.arange(4).view(1, -1)
+    assert torch.equal(proxy(0, 0, q, k), ((k >= 1) & (k < 3)).expand(4, 4))
+
+
 def test_a_global_scalar_is_part_of_the_signature():
     sig, _ = _signature(lambda b, h, q, k: (q - k).abs() <= GLOBAL_WINDOW)
-    assert (int, GLOBAL_WINDOW) in sig[-1]
+    assert ("GLOBAL_WINDOW", (int, GLOBAL_WINDOW)) in sig[-1]
 
 
 @pytest.mark.gpu
@@ -115,3 +145,30 @@ def test_dims_kept_per_replayed_signature_follow_the_tables_shapes():
             assert torch.equal(got.to("cpu").to_dense(), want)
             assert description._dims(Extent(seq, seq, batch, 1)) == dims
         assert replayed.replays(replayed.signature(per_batch(lengths)))
+
+
+def test_a_capture_or_replay_that_fails_gives_way_and_is_not_tried_again():
+    from collections import OrderedDict
+
+    graphs, refused = OrderedDict(), OrderedDict()
+
+    def broken():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert replayed.replay(graphs, refused, "a", broken, lambda graph: 1, 2) is None and "a" in refused
+    assert replayed.replay(graphs, refused, "a", lambda: "graph", lambda graph: 1, 2) is None  # not again
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert replayed.replay(graphs, refused, "b", out_of_memory, lambda graph: 1, 2) is None and "b" not in refused
+    assert replayed.replay(graphs, refused, "b", lambda: "graph", lambda graph: graph + "!", 2) == "graph!"
+
+    def failing_run(graph):
+        raise RuntimeError("replay failed")
+
+    assert replayed.replay(graphs, refused, "b", lambda: "graph", failing_run, 2) is None
+    assert "b" not in graphs and "b" in refused
+    for key in "cde":  # the latest two kept
+        replayed.replay(graphs, refused, key, lambda: "graph", lambda graph: graph, 2)
+    assert list(graphs) == ["d", "e"]

@@ -259,10 +259,11 @@ class BlockMask:
     def to(self, device: torch.device | str) -> BlockMask:
         """The same mask with every tensor on `device` (itself where they are all there)."""
         device = torch.device(device)
-        if self.any_cols.device == device or (device.index is None and self.any_cols.device.type == device.type):
-            return self  # every tensor is where any_cols is (a per-call build asks this every call)
-        moved = {name: getattr(self, name).to(device) for name in _TENSORS}
-        return dataclasses.replace(self, **moved)
+        if device.type == "cuda" and device.index is None:  # as torch's .to("cuda"): the current device
+            device = torch.device("cuda", torch.cuda.current_device())
+        if all(getattr(self, name).device == device for name in _TENSORS):
+            return self  # without a .to per tensor: a per-call build asks this every call
+        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in _TENSORS})
 
     @functools.cached_property
     def any_ptr_host(self) -> np.ndarray:

@@ -115,7 +115,7 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
     try:
         if len(chunks) == 1 and device.type == "cuda":  # one call: replayed from a CUDA graph where the mask_mod allows it
             q, q_valid = chunks[0]
-            held = replayed.grid((function, seq_q, seq_k, block_m, block_n, batch, heads), fn,
+            held = replayed.grid((function, seq_q, seq_k, block_m, block_n, batch, heads), device, fn,
                                  lambda f: function(f, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n),
                                  batch * heads * q.shape[2] * words.shape[3] * 4)  # the tiles' bytes
             if held is not None:

@@ -28,19 +28,19 @@ from stof_cc.masks.geometry import FULL, PARTIAL
 KEPT_GRAPHS = 8  # grid shapes (and devices) whose graphs are kept, the latest used
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_refused: set[tuple] = set()  # shapes whose capture failed: numpy's lists from then on
+_refused: OrderedDict[tuple, None] = OrderedDict()  # shapes whose capture failed: numpy's lists from then on
 
 
 def block_lists(classes: Tensor) -> tuple[Tensor, np.ndarray] | None:
     """For a CUDA class grid int8 [rows, n_cb]: (`lists(classes)`'s buffer, a copy of its own;
     its three offset arrays on the host, int64 [3, rows + 1]) from the shape's graph, or None
-    where the caller lays the lists out itself (a build inside another capture, a capture that
-    failed)."""
+    where the caller lays the lists out itself (a build inside another capture, a capture or replay
+    that failed)."""
     if not classes.is_cuda or torch.cuda.is_current_stream_capturing():
         return None
     key = (tuple(classes.shape), classes.device)
-    graph = replayed.captured(_graphs, _refused, key, lambda: _Graph(classes), KEPT_GRAPHS)
-    return None if graph is None else graph.run(classes)
+    return replayed.replay(_graphs, _refused, key, lambda: _Graph(classes), lambda graph: graph.run(classes),
+                           KEPT_GRAPHS)
 
 
 def lists(classes: Tensor) -> Tensor:
@@ -79,20 +79,16 @@ class _Graph:
         self.classes = classes.clone()
         self.host = torch.empty(3 * (rows + 1), dtype=torch.int32, pin_memory=True)
         compiled = forms.per_shape(lists, (lists, tuple(classes.shape), classes.device))
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            compiled(self.classes)  # outside the capture: compiles, allocates
-        current.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.buffer = compiled(self.classes)
-            self.host.copy_(self.buffer[:3 * (rows + 1)], non_blocking=True)
+
+        def work() -> Tensor:
+            buffer = compiled(self.classes)
+            self.host.copy_(buffer[:3 * (rows + 1)], non_blocking=True)
+            return buffer
+        self.captured = replayed.Captured(classes.device, work)
 
     def run(self, classes: Tensor) -> tuple[Tensor, np.ndarray]:
-        self.classes.copy_(classes)
-        self.graph.replay()
-        buffer = self.buffer.clone()  # the next replay overwrites the graph's
-        torch.cuda.current_stream().synchronize()  # the one wait: the offsets are on the host
-        return buffer, self.host.numpy().astype(np.int64).reshape(3, -1)
+        def read(buffer: Tensor) -> tuple[Tensor, np.ndarray]:  # under the replay's lock: no replay between
+            copy = buffer.clone()
+            torch.cuda.current_stream().synchronize()  # the one wait: the offsets are on the host
+            return copy, self.host.numpy().astype(np.int64).reshape(3, -1)
+        return self.captured.replay(lambda: self.classes.copy_(classes), read)

@@ -11,17 +11,21 @@ class grid and tiles, and the next replay overwrites the graph's.
 
 Only a mask_mod whose every input is visible is replayed: what it captures (closure cells,
 defaults, a partial's arguments, recursively through the functions it captures) may be tensors,
-scalars, strings, None, short tuples and lists of those, and functions; the globals it names may
-be scalars (their values are part of the graph's key), functions of the same kind, classes,
-builtins and the torch / math / operator / numpy / functools modules. Anything else (a captured
-module or object, a global tensor, whose contents the graph would bake in) keeps the compiled
-call, as does a build during another capture, a grid over more than one chunk of rows, and
-outputs over REPLAY_BYTES.
+scalars, strings, None, short tuples and lists of those, and functions; the globals its code names
+(its nested functions' and lambdas' too) may be scalars (their values are part of the graph's key),
+functions that capture nothing and name only such globals, classes and builtins of the torch /
+math / operator / numpy / functools modules or of Python (not a method bound to an object), and
+those modules. Anything else (a captured module or object, a global tensor, a class attribute,
+whose contents the graph would bake in) keeps the compiled call, as does a build during another
+capture, a grid over more than one chunk of rows, and outputs over REPLAY_BYTES. `Captured` (the
+capture itself, and replays one at a time, each after the last one's outputs were read) also
+serves masks/lists.py.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,47 +33,80 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-KEPT_GRAPHS = 4  # captured (form, code, shape, table signature) graphs kept, the latest used
-REPLAY_BYTES = 1 << 26  # the largest outputs (classes and tiles) a graph holds: S = 16384 at Bm = Hm = 1
+KEPT_GRAPHS = 8  # captured (form, code, shape, table signature) graphs kept, the latest used (as many as index sets)
+REPLAY_BYTES = 1 << 25  # the largest outputs (classes and tiles) a graph holds: S = 16384 at Bm = Hm = 1
 MAX_DEPTH = 4  # functions captured within functions, followed this deep
 ITEMS = 16  # a captured tuple or list up to this long is followed item by item
-MODULES = ("torch", "math", "operator", "numpy", "functools")  # global modules a mask_mod may name
+MODULES = ("torch", "math", "operator", "numpy", "functools")  # global modules (and their classes) a mask_mod may name
+KEPT_REFUSALS = 256  # keys whose capture failed, the latest
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_refused: set[tuple] = set()  # keys whose capture failed: the compiled call from then on
+_refused: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture failed: the compiled call from then on
 
 
 class _NotReplayable(Exception):
     """The mask_mod reads something a graph would bake in."""
 
 
-class _Graph:
-    """One capture: the statics the proxy reads, the graph, and its outputs."""
+class Captured:
+    """``work()`` captured in a CUDA graph on ``device``: run once outside the capture (a first run
+    compiles and allocates), then captured on torch's capture stream. `replay` runs one replay at a
+    time (a lock), each after the previous one's outputs were read on whatever stream read them (an
+    event), so the statics it fills are never overwritten under a replay still reading them."""
 
-    def __init__(self, call: Callable[[Callable], tuple[Tensor, Tensor]], fn: Callable, tensors: list[Tensor]):
+    def __init__(self, device: torch.device, work: Callable[[], object]):
+        self.device = device
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(stream)
+            with torch.cuda.stream(side):
+                work()
+            stream.wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(self.graph):
+                    self.outputs = work()
+            finally:  # a capture torch ends with an error leaves its capture stream current
+                torch.cuda.set_stream(stream)
+        self.done = torch.cuda.Event()
+        self.lock = threading.Lock()
+
+    def replay(self, fill: Callable[[], None], read: Callable[[object], object]) -> object:
+        """``fill()`` the statics, replay, and ``read(outputs)`` (copies of them): on the device's
+        current stream."""
+        with self.lock, torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.done)
+            fill()
+            self.graph.replay()
+            out = read(self.outputs)
+            self.done.record(stream)
+        return out
+
+
+class _Graph:
+    """One capture of the grid form: the statics the proxy reads, and the call itself (which holds
+    the index tensors the graph reads)."""
+
+    def __init__(self, device: torch.device, call: Callable[[Callable], tuple[Tensor, Tensor]], fn: Callable,
+                 tensors: list[Tensor]):
         self.statics = [torch.empty_like(t).copy_(t) for t in tensors]
+        self.call = call  # keeps b, h, q and the words alive while the graph reads them
         proxy = _walk(fn, iter(self.statics).__next__, [], 0)
-        current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            call(proxy)  # outside the capture: a first run compiles or allocates what it needs
-        current.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = call(proxy)
+        self.captured = Captured(device, lambda: call(proxy))
 
     def run(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
-        for static, table in zip(self.statics, tensors, strict=True):
-            static.copy_(table)
-        self.graph.replay()
-        return tuple(out.clone() for out in self.outputs)
+        def fill() -> None:
+            for static, table in zip(self.statics, tensors, strict=True):
+                static.copy_(table)
+        return self.captured.replay(fill, lambda outputs: tuple(out.clone() for out in outputs))
 
 
-def grid(key: tuple, fn: Callable, call: Callable[[Callable], tuple[Tensor, Tensor]],
+def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callable], tuple[Tensor, Tensor]],
          output_bytes: int) -> tuple[Tensor, Tensor] | None:
-    """``call(fn)`` (the compiled grid form over one chunk, whose compiled copy ``key`` names)
-    replayed from its graph, captured on the first call of this table signature; None where it
+    """``call(fn)`` (the compiled grid form over one chunk on ``device``, whose compiled copy ``key``
+    names) replayed from its graph, captured on the first call of this table signature; None where it
     is not replayed (the caller runs ``call(fn)`` itself)."""
     if output_bytes > REPLAY_BYTES or torch.cuda.is_current_stream_capturing():
         return None
@@ -78,30 +115,44 @@ def grid(key: tuple, fn: Callable, call: Callable[[Callable], tuple[Tensor, Tens
         signature = _walk(fn, None, tensors, 0)
     except _NotReplayable:
         return None
-    if any(t.device.type != "cuda" for t in tensors):
+    if any(t.device != tensors[0].device or t.device.type != "cuda" for t in tensors):
         return None
-    key = (key, signature)
-    graph = captured(_graphs, _refused, key, lambda: _Graph(call, fn, tensors), KEPT_GRAPHS)
-    return None if graph is None else graph.run(tensors)
+    return replay(_graphs, _refused, (key, signature), lambda: _Graph(device, call, fn, tensors),
+                  lambda graph: graph.run(tensors), KEPT_GRAPHS)
 
 
-def captured(graphs: OrderedDict, refused: set, key: object, capture: Callable[[], object], kept: int) -> object | None:
-    """``graphs[key]``, made by ``capture()`` where missing, as the latest of the ``kept`` kept; None
-    where ``key`` is refused, or its capture fails (whatever torch raises: the caller's own path,
-    as before, and never this capture again)."""
+def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Callable[[], object],
+           run: Callable[[object], object], kept: int) -> object | None:
+    """``run(graphs[key])``, the graph made by ``capture()`` where missing (kept as the latest of
+    ``kept``); None where ``key`` is refused, or its capture or replay raises: the caller's own path,
+    as before, and never this graph again (the latest `KEPT_REFUSALS` remembered), but for running
+    out of memory while capturing, which may pass another time."""
     if key in refused:
         return None
     if key not in graphs:
         try:
             graph = capture()
-        except Exception:  # noqa: BLE001
-            refused.add(key)
+        except torch.OutOfMemoryError:
+            return None
+        except Exception:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
+            _refuse(refused, key)
             return None
         while len(graphs) >= kept:
             graphs.popitem(last=False)
         graphs[key] = graph
     graphs.move_to_end(key)
-    return graphs[key]
+    try:
+        return run(graphs[key])
+    except Exception:  # noqa: BLE001 (a replay that fails gives way to the path it stands in for)
+        del graphs[key]
+        _refuse(refused, key)
+        return None
+
+
+def _refuse(refused: OrderedDict, key: object) -> None:
+    refused[key] = None
+    while len(refused) > KEPT_REFUSALS:
+        refused.popitem(last=False)
 
 
 def signature(fn: Callable) -> object | None:
@@ -139,9 +190,8 @@ def _walk(value: object, swap: Callable[[], Tensor] | None, tensors: list[Tensor
     if isinstance(value, functools.partial):
         func = _walk(value.func, swap, tensors, depth + 1)
         args = _walk(value.args, swap, tensors, depth + 1)
-        keywords = {name: _walk(item, swap, tensors, depth + 1) for name, item in value.keywords.items()}
-        return functools.partial(func, *args, **keywords) if swap is not None else \
-            ("partial", func, args, tuple(sorted(keywords.items())))
+        keywords = _keywords(value.keywords, swap, tensors, depth + 1)
+        return functools.partial(func, *args, **dict(keywords)) if swap is not None else ("partial", func, args, keywords)
     if isinstance(value, types.FunctionType):
         return _function(value, swap, tensors, depth)
     raise _NotReplayable
@@ -156,14 +206,31 @@ def _function(fn: types.FunctionType, swap: Callable[[], Tensor] | None, tensors
         except ValueError:  # an empty cell: a name the enclosing scope assigns later
             raise _NotReplayable from None
     defaults = _walk(fn.__defaults__ or (), swap, tensors, depth + 1)
-    kwdefaults = {name: _walk(item, swap, tensors, depth + 1) for name, item in (fn.__kwdefaults__ or {}).items()}
-    named = tuple(_global(fn.__globals__[name], depth) for name in fn.__code__.co_names if name in fn.__globals__)
+    kwdefaults = _keywords(fn.__kwdefaults__ or {}, swap, tensors, depth + 1)
+    named = _named_globals(fn, depth)
     if swap is None:
-        return fn.__code__, tuple(cells), defaults, tuple(sorted(kwdefaults.items())), named
+        return fn.__code__, tuple(cells), defaults, kwdefaults, named
     proxy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, defaults or None,
                                tuple(types.CellType(item) for item in cells) or None)
-    proxy.__kwdefaults__ = kwdefaults or None
+    proxy.__kwdefaults__ = dict(kwdefaults) or None
     return proxy
+
+
+def _keywords(keywords: dict, swap: Callable[[], Tensor] | None, tensors: list[Tensor], depth: int) -> tuple:
+    """A partial's keywords or a function's keyword defaults, walked in sorted order (so closures that
+    name them in another order still fill the same statics): ((name, walked value), ...)."""
+    return tuple((name, _walk(keywords[name], swap, tensors, depth)) for name in sorted(keywords))
+
+
+def _named_globals(fn: types.FunctionType, depth: int) -> tuple:
+    """The globals ``fn``'s code names, its nested functions' and lambdas' included (their code
+    objects are constants of its own), as signature items."""
+    names, codes = [], [fn.__code__]
+    while codes:
+        code = codes.pop()
+        names += [name for name in code.co_names if name in fn.__globals__]
+        codes += [const for const in code.co_consts if isinstance(const, types.CodeType)]
+    return tuple((name, _global(fn.__globals__[name], depth)) for name in names)
 
 
 def _global(value: object, depth: int) -> object:
@@ -175,11 +242,16 @@ def _global(value: object, depth: int) -> object:
         if value.__name__.split(".")[0] not in MODULES:
             raise _NotReplayable
         return value.__name__
-    if isinstance(value, type | types.BuiltinFunctionType):
+    if isinstance(value, type):  # a class's attributes could hold a table: only torch's and the like
+        if value.__module__.split(".")[0] not in (*MODULES, "builtins"):
+            raise _NotReplayable
+        return value
+    if isinstance(value, types.BuiltinFunctionType):  # not a bound method of a tensor (ids.index_select)
+        if not (value.__self__ is None or isinstance(value.__self__, types.ModuleType)):
+            raise _NotReplayable
         return value
     if isinstance(value, types.FunctionType) and depth < MAX_DEPTH:
         if value.__closure__ or value.__defaults__ or value.__kwdefaults__:
             raise _NotReplayable  # what it captures is not rebuilt in the proxy
-        return value.__code__, tuple(_global(value.__globals__[name], depth + 1)
-                                     for name in value.__code__.co_names if name in value.__globals__)
+        return value.__code__, _named_globals(value, depth + 1)
     raise _NotReplayable
