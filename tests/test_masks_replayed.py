@@ -73,6 +73,7 @@ def _nested_global(b, h, q, k):
     lambda b, h, q, k: q >= masks.MaskError.__name__.__len__(),  # a module outside the allowed ones
     (lambda obj: (lambda b, h, q, k: q >= obj.start))(range(3)),  # a captured object
     _nested_global,  # a global tensor named by a nested function
+    (lambda w: (lambda b, h, q, k: (q - k).abs() <= w))(type("Window", (int,), {"__hash__": None})(3)),  # an int subclass
     lambda b, h, q, k: _Tables.ids[q] == _Tables.ids[k],  # a class attribute
     lambda b, h, q, k: _gather(0, q) > 0,  # a method bound to a global tensor
 ])

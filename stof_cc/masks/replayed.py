@@ -39,6 +39,7 @@ MAX_DEPTH = 4  # functions captured within functions, followed this deep
 ITEMS = 16  # a captured tuple or list up to this long is followed item by item
 MODULES = ("torch", "math", "operator", "numpy", "functools")  # global modules (and their classes) a mask_mod may name
 KEPT_REFUSALS = 256  # keys whose capture failed, the latest
+SCALARS = (bool, int, float, str)  # captured values taken by value (exactly these types)
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
 _refused: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture failed: the compiled call from then on
@@ -113,7 +114,8 @@ def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callabl
     tensors: list[Tensor] = []
     try:
         signature = _walk(fn, None, tensors, 0)
-    except _NotReplayable:
+        hash(signature)
+    except (_NotReplayable, TypeError):
         return None
     if any(t.device != tensors[0].device or t.device.type != "cuda" for t in tensors):
         return None
@@ -159,9 +161,11 @@ def signature(fn: Callable) -> object | None:
     """What a graph of ``fn`` is captured for (its codes, scalars, and its tables' shapes, strides,
     dtypes and devices); None where ``fn`` is not replayed."""
     try:
-        return _walk(fn, None, [], 0)
-    except _NotReplayable:
+        found = _walk(fn, None, [], 0)
+        hash(found)
+    except (_NotReplayable, TypeError):  # TypeError: something unhashable in it
         return None
+    return found
 
 
 def replays(fn_signature: object) -> bool:
@@ -176,11 +180,13 @@ def _walk(value: object, swap: Callable[[], Tensor] | None, tensors: list[Tensor
     with each tensor replaced by ``swap()`` (the statics, in the same order). Raises
     _NotReplayable for what a graph cannot follow."""
     if isinstance(value, Tensor):
+        if value.layout != torch.strided or type(value) is not Tensor:  # sparse, a subclass: not copied as is
+            raise _NotReplayable
         if swap is not None:
             return swap()
         tensors.append(value)
         return "tensor", tuple(value.shape), value.stride(), value.dtype, value.device
-    if value is None or isinstance(value, bool | int | float | str):
+    if value is None or type(value) in SCALARS:  # exactly: a subclass may compare or hash otherwise
         return value if swap is not None else (type(value), value)
     if isinstance(value, tuple | list) and len(value) <= ITEMS:
         items = [_walk(item, swap, tensors, depth) for item in value]
@@ -236,7 +242,7 @@ def _named_globals(fn: types.FunctionType, depth: int) -> tuple:
 def _global(value: object, depth: int) -> object:
     """A global the mask_mod names, as part of the signature: the proxy reads the globals
     themselves, so only what cannot hold a table passes."""
-    if value is None or isinstance(value, bool | int | float | str):
+    if value is None or type(value) in SCALARS:
         return type(value), value
     if isinstance(value, types.ModuleType):
         if value.__name__.split(".")[0] not in MODULES:
