@@ -150,26 +150,30 @@ def test_dims_kept_per_replayed_signature_follow_the_tables_shapes():
 
 def test_a_capture_or_replay_that_fails_gives_way_and_is_not_tried_again():
     from collections import OrderedDict
+    from types import SimpleNamespace
 
-    graphs, refused = OrderedDict(), OrderedDict()
+    graphs, refused, released = OrderedDict(), OrderedDict(), []
+
+    def graph(name="graph"):
+        return SimpleNamespace(name=name, captured=SimpleNamespace(release=lambda: released.append(name)))
 
     def broken():
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    assert replayed.replay(graphs, refused, "a", broken, lambda graph: 1, 2) is None and "a" in refused
-    assert replayed.replay(graphs, refused, "a", lambda: "graph", lambda graph: 1, 2) is None  # not again
+    assert replayed.replay(graphs, refused, "a", broken, lambda g: 1, 2) is None and "a" in refused
+    assert replayed.replay(graphs, refused, "a", graph, lambda g: 1, 2) is None  # not again
 
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert replayed.replay(graphs, refused, "b", out_of_memory, lambda graph: 1, 2) is None and "b" not in refused
-    assert replayed.replay(graphs, refused, "b", lambda: "graph", lambda graph: graph + "!", 2) == "graph!"
+    assert replayed.replay(graphs, refused, "b", out_of_memory, lambda g: 1, 2) is None and "b" in refused
+    assert replayed.replay(graphs, refused, "c", graph, lambda g: g.name + "!", 2) == "graph!"
 
-    def failing_run(graph):
+    def failing_run(g):
         raise RuntimeError("replay failed")
 
-    assert replayed.replay(graphs, refused, "b", lambda: "graph", failing_run, 2) is None
-    assert "b" not in graphs and "b" in refused
-    for key in "cde":  # the latest two kept
-        replayed.replay(graphs, refused, key, lambda: "graph", lambda graph: graph, 2)
-    assert list(graphs) == ["d", "e"]
+    assert replayed.replay(graphs, refused, "c", graph, failing_run, 2) is None
+    assert "c" not in graphs and "c" in refused
+    for key in "def":  # the latest two kept; the evicted one released after its last replay
+        replayed.replay(graphs, refused, key, lambda key=key: graph(key), lambda g: g, 2)
+    assert list(graphs) == ["e", "f"] and released == ["d"]

@@ -7,7 +7,7 @@ call at S = 8192 (copies, a dozen numpy steps, the split), a third of a per-call
 (docs/decisions.md#per-call-masks-replayed). Here one compiled function ranks the blocks on the
 GPU into one int32 buffer of fixed size (every list padded to the grid's block count), the three
 offset arrays are copied into pinned host memory in the same graph, and the host reads the sizes
-there after its one wait: a copy in, a replay, a wait and a clone. `BlockMask.from_grid` asks for it
+there after its one wait: a copy in, a replay, a clone and a wait. `BlockMask.from_grid` asks for it
 only for a grid a form compiled for per-call masks made (compiling and capturing a shape costs a
 second or two, which a mask built once never earns back, nor the cost model's one-off builds of
 candidate shapes); the latest `KEPT_GRAPHS` shapes are kept.
@@ -28,7 +28,7 @@ from stof_cc.masks.geometry import FULL, PARTIAL
 KEPT_GRAPHS = 8  # grid shapes (and devices) whose graphs are kept, the latest used
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_refused: OrderedDict[tuple, None] = OrderedDict()  # shapes whose capture failed: numpy's lists from then on
+_refused: OrderedDict[tuple, None] = OrderedDict()  # shapes whose capture or replay failed: numpy's lists from then on
 
 
 def block_lists(classes: Tensor) -> tuple[Tensor, np.ndarray] | None:
@@ -79,12 +79,13 @@ class _Graph:
         self.classes = classes.clone()
         self.host = torch.empty(3 * (rows + 1), dtype=torch.int32, pin_memory=True)
         compiled = forms.per_shape(lists, (lists, tuple(classes.shape), classes.device))
+        self.compiled = compiled  # held while the graph launches its kernels (per_shape's cache may let it go)
 
         def work() -> Tensor:
             buffer = compiled(self.classes)
             self.host.copy_(buffer[:3 * (rows + 1)], non_blocking=True)
             return buffer
-        self.captured = replayed.Captured(classes.device, work)
+        self.captured = replayed.Captured(replayed.indexed(classes.device), work)
 
     def run(self, classes: Tensor) -> tuple[Tensor, np.ndarray]:
         def read(buffer: Tensor) -> tuple[Tensor, np.ndarray]:  # under the replay's lock: no replay between

@@ -13,9 +13,9 @@ Only a mask_mod whose every input is visible is replayed: what it captures (clos
 defaults, a partial's arguments, recursively through the functions it captures) may be tensors,
 scalars, strings, None, short tuples and lists of those, and functions; the globals its code names
 (its nested functions' and lambdas' too) may be scalars (their values are part of the graph's key),
-functions that capture nothing and name only such globals, classes and builtins of the torch /
-math / operator / numpy / functools modules or of Python (not a method bound to an object), and
-those modules. Anything else (a captured module or object, a global tensor, a class attribute,
+functions that capture nothing and name only such globals, classes of the torch / math /
+operator / numpy / functools modules or of Python, builtin functions (not a method bound to an
+object), and those modules. Anything else (a captured module or object, a global tensor, a class attribute,
 whose contents the graph would bake in) keeps the compiled call, as does a build during another
 capture, a grid over more than one chunk of rows, and outputs over REPLAY_BYTES. `Captured` (the
 capture itself, and replays one at a time, each after the last one's outputs were read) also
@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -42,7 +43,8 @@ KEPT_REFUSALS = 256  # keys whose capture failed, the latest
 SCALARS = (bool, int, float, str)  # captured values taken by value (exactly these types)
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_refused: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture failed: the compiled call from then on
+_refused: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture or replay failed: the compiled call from then on
+_lock = threading.Lock()  # the caches of graphs and refusals, here and in masks/lists.py
 
 
 class _NotReplayable(Exception):
@@ -50,10 +52,13 @@ class _NotReplayable(Exception):
 
 
 class Captured:
-    """``work()`` captured in a CUDA graph on ``device``: run once outside the capture (a first run
-    compiles and allocates), then captured on torch's capture stream. `replay` runs one replay at a
-    time (a lock), each after the previous one's outputs were read on whatever stream read them (an
-    event), so the statics it fills are never overwritten under a replay still reading them."""
+    """``work()`` captured in a CUDA graph on ``device`` (an indexed CUDA device): run once outside
+    the capture (a first run compiles and allocates), then captured on a stream of that device (not
+    torch's default capture stream, which lives on whichever device captured first: a capture for
+    another device would record nothing), in thread-local mode (other threads' CUDA calls go on), an
+    empty graph counting as a failed capture. `replay` runs one replay at a time (a lock), each after
+    the previous one's outputs were read on whatever stream read them (an event), so the statics it
+    fills are never overwritten under a replay still reading them."""
 
     def __init__(self, device: torch.device, work: Callable[[], object]):
         self.device = device
@@ -66,8 +71,10 @@ class Captured:
             stream.wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(self.graph):
-                    self.outputs = work()
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("error", message=".*CUDA Graph is empty")
+                    with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
+                        self.outputs = work()
             finally:  # a capture torch ends with an error leaves its capture stream current
                 torch.cuda.set_stream(stream)
         self.done = torch.cuda.Event()
@@ -84,6 +91,10 @@ class Captured:
             out = read(self.outputs)
             self.done.record(stream)
         return out
+
+    def release(self) -> None:
+        """Wait for the last replay's reads before the statics and the graph's memory go."""
+        self.done.synchronize()
 
 
 class _Graph:
@@ -117,37 +128,44 @@ def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callabl
         hash(signature)
     except (_NotReplayable, TypeError):
         return None
-    if any(t.device != tensors[0].device or t.device.type != "cuda" for t in tensors):
+    device = indexed(device)
+    if any(t.device != device for t in tensors):  # evaluated where its tables are, or not replayed
         return None
-    return replay(_graphs, _refused, (key, signature), lambda: _Graph(device, call, fn, tensors),
+    return replay(_graphs, _refused, (key, device, signature), lambda: _Graph(device, call, fn, tensors),
                   lambda graph: graph.run(tensors), KEPT_GRAPHS)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: "cuda" is the current CUDA device, as torch reads it."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
 
 
 def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Callable[[], object],
            run: Callable[[object], object], kept: int) -> object | None:
     """``run(graphs[key])``, the graph made by ``capture()`` where missing (kept as the latest of
-    ``kept``); None where ``key`` is refused, or its capture or replay raises: the caller's own path,
-    as before, and never this graph again (the latest `KEPT_REFUSALS` remembered), but for running
-    out of memory while capturing, which may pass another time."""
-    if key in refused:
-        return None
-    if key not in graphs:
-        try:
-            graph = capture()
-        except torch.OutOfMemoryError:
+    ``kept``; an evicted one released after its last replay); None where ``key`` is refused, or its
+    capture or replay raises (running out of memory included): the caller's own path, as before, and
+    never this graph again (the latest `KEPT_REFUSALS` refusals remembered)."""
+    with _lock:
+        if key in refused:
             return None
-        except Exception:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
-            _refuse(refused, key)
-            return None
-        while len(graphs) >= kept:
-            graphs.popitem(last=False)
-        graphs[key] = graph
-    graphs.move_to_end(key)
+        graph = graphs.get(key)
+        if graph is None:
+            try:
+                graph = capture()
+            except Exception:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
+                _refuse(refused, key)
+                return None
+            while len(graphs) >= kept:
+                graphs.popitem(last=False)[1].captured.release()
+            graphs[key] = graph
+        graphs.move_to_end(key)
     try:
-        return run(graphs[key])
+        return run(graph)
     except Exception:  # noqa: BLE001 (a replay that fails gives way to the path it stands in for)
-        del graphs[key]
-        _refuse(refused, key)
+        with _lock:
+            graphs.pop(key, None)
+            _refuse(refused, key)
         return None
 
 
