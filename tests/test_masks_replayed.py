@@ -97,6 +97,17 @@ def test_keywords_fill_the_statics_by_name_whatever_their_order():
     assert torch.equal(proxy(0, 0, q, k), ((k >= 1) & (k < 3)).expand(4, 4))
 
 
+def test_a_kept_graph_answers_for_its_signature(monkeypatch):
+    from collections import OrderedDict
+
+    fn = _documents(torch.zeros(8, dtype=torch.long))
+    monkeypatch.setattr(replayed, "_graphs", OrderedDict())
+    assert not replayed.replays(replayed.signature(fn))
+    replayed._graphs[replayed._key(("compiled copy",), torch.device("cuda", 0), replayed.signature(fn))] = object()
+    assert replayed.replays(replayed.signature(_documents(torch.ones(8, dtype=torch.long))))
+    assert not replayed.replays(replayed.signature(_documents(torch.ones(9, dtype=torch.long))))
+
+
 def test_a_global_scalar_is_part_of_the_signature():
     sig, _ = _signature(lambda b, h, q, k: (q - k).abs() <= GLOBAL_WINDOW)
     assert ("GLOBAL_WINDOW", (int, GLOBAL_WINDOW)) in sig[-1]

@@ -131,7 +131,7 @@ def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callabl
     device = indexed(device)
     if any(t.device != device for t in tensors):  # evaluated where its tables are, or not replayed
         return None
-    return replay(_graphs, _refused, (key, device, signature), lambda: _Graph(device, call, fn, tensors),
+    return replay(_graphs, _refused, _key(key, device, signature), lambda: _Graph(device, call, fn, tensors),
                   lambda graph: graph.run(tensors), KEPT_GRAPHS)
 
 
@@ -189,7 +189,12 @@ def signature(fn: Callable) -> object | None:
 def replays(fn_signature: object) -> bool:
     """Whether a kept graph was captured for this signature: the compiled form took the mask_mod
     whole (fullgraph), so what it returns has shapes its guards decide, not its tables' values."""
-    return any(key[1] == fn_signature for key in _graphs)
+    return any(key[-1] == fn_signature for key in _graphs)
+
+
+def _key(form: tuple, device: torch.device, fn_signature: object) -> tuple:
+    """A grid graph's key: the compiled copy and its shape, the device, the mask_mod's signature (last)."""
+    return form, device, fn_signature
 
 
 def _walk(value: object, swap: Callable[[], Tensor] | None, tensors: list[Tensor], depth: int) -> object:
