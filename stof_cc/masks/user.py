@@ -281,8 +281,8 @@ class _MaskMod(_Evaluated):
         and a callable's attributes are not part of a kind, yet decide the dims.) Kept per replay
         signature (`replayed.signature`: no objects, every table's shape) once a graph replays it:
         its compiled form took the code whole, so the result's shape is its guards', and a
-        mask_mod built per call skips the probe's launches (0.02-0.13 ms at S = 8192 on the lent
-        H100's host, BigBird's the most)."""
+        mask_mod built per call skips the probe's launches (a dozen for BigBird's mask_mod, about a
+        quarter of its per-call build on the lent H100's host)."""
         if ext not in self._probed:
             kind = replayed.signature(self.fn)
             if kind is not None and replayed.replays(kind) and (kind, ext) in _replayed_dims:
