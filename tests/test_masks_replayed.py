@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stof_cc import masks
-from stof_cc.masks import compiled, replayed
+from stof_cc.masks import compiled, replayed, user
 
 GLOBAL_TABLE = torch.zeros(4)
 GLOBAL_WINDOW = 3
@@ -188,3 +188,71 @@ def test_a_capture_or_replay_that_fails_gives_way_and_is_not_tried_again():
     for key in "def":  # the latest two kept; the evicted one released after its last replay
         replayed.replay(graphs, refused, key, lambda key=key: graph(key), lambda g: g, 2)
     assert list(graphs) == ["e", "f"] and released == ["d"]
+
+
+class _EagerCaptured:
+    """`replayed.Captured` on the CPU: ``work()`` run again at each replay, its results written over
+    the first ones in place (as a graph's outputs are), so a reader that kept them sees them change."""
+
+    def __init__(self, device, work):
+        self.work, self.outputs = work, work()
+
+    def replay(self, fill, read):
+        fill()
+        fresh = self.work()
+        for static, new in zip(*((self.outputs, fresh) if isinstance(fresh, tuple) else ((self.outputs,), (fresh,))),
+                               strict=True):
+            static.copy_(new)
+        return read(self.outputs)
+
+    def release(self):
+        pass
+
+
+@pytest.fixture
+def replayed_on_cpu(monkeypatch):
+    """The per-call path as it runs on a GPU (compiled forms, replays, lists ranked from the graph's
+    buffer), on the CPU: graphs stood in for by `_EagerCaptured`."""
+    from collections import OrderedDict
+
+    from stof_cc.masks import build, lists
+
+    monkeypatch.setattr(compiled, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(build, "GRID_DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(replayed, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(replayed, "Captured", _EagerCaptured)
+    for module, name in ((replayed, "_graphs"), (replayed, "_refused"), (lists, "_graphs"), (lists, "_refused"),
+                         (compiled, "_builds"), (compiled, "_functions"), (compiled, "_indices")):
+        monkeypatch.setattr(module, name, OrderedDict())
+    monkeypatch.setattr(compiled, "_refused", set())
+    return lists
+
+
+def test_per_call_builds_through_the_replays_equal_eager_masks_and_keep_earlier_ones(replayed_on_cpu):
+    from stof_cc.masks.geometry import Extent
+
+    lists = replayed_on_cpu
+    seq, generator = 640, torch.Generator().manual_seed(0)
+
+    def documents():
+        cuts = torch.randint(1, seq, (5,), generator=generator).sort().values
+        return torch.bucketize(torch.arange(seq), cuts, right=True)
+
+    def causal_documents(ids):  # nested: the walker follows the captured function and its table
+        return _and_masks(lambda b, h, q, k: q >= k, _documents(ids))
+
+    built = []
+    for _ in range(compiled.COMPILE_FROM + 3):
+        ids = documents()
+        description = masks.from_mask_mod(causal_documents(ids), device="cpu")
+        built.append((description.block_mask(seq, seq, 128, 64), description, ids))
+    assert len(replayed._graphs) == 1 and len(lists._graphs) == 1, "the per-call builds were not replayed"
+    assert not replayed._refused and not lists._refused
+    kind = replayed.signature(causal_documents(ids))
+    assert replayed.replays(kind) and (kind, Extent(seq, seq)) in user._replayed_dims  # the probe skipped from here
+    for got, description, ids in built:  # each against its own tables, after every later replay
+        q, k = torch.arange(seq).view(-1, 1), torch.arange(seq).view(1, -1)
+        want = (q >= k) & (ids[q] == ids[k])
+        assert torch.equal(got.to_dense()[0, 0], want)
+        assert torch.equal(description.to_dense(seq)[0, 0], want)  # its kept grid, not the graph's outputs
+        assert got.any_ptr_host.tolist() == got.any_ptr.tolist()

@@ -113,7 +113,7 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
         return None
     b, h, words, chunks = _grid_indices(device, seq_q, seq_k, block_m, block_n, batch, heads)
     try:
-        if len(chunks) == 1 and device.type == "cuda":  # one call: replayed from a CUDA graph where the mask_mod allows it
+        if len(chunks) == 1 and device.type in replayed.DEVICE_TYPES:  # one call: replayed from a CUDA graph where allowed
             q, q_valid = chunks[0]
             held = replayed.grid((function, seq_q, seq_k, block_m, block_n, batch, heads), device, fn,
                                  lambda f: function(f, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n),

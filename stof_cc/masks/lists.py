@@ -36,7 +36,7 @@ def block_lists(classes: Tensor) -> tuple[Tensor, np.ndarray] | None:
     its three offset arrays on the host, int64 [3, rows + 1]) from the shape's graph, or None
     where the caller lays the lists out itself (a build inside another capture, a capture or replay
     that failed)."""
-    if not classes.is_cuda or torch.cuda.is_current_stream_capturing():
+    if classes.device.type not in replayed.DEVICE_TYPES or replayed.capturing(classes.device):
         return None
     key = (tuple(classes.shape), classes.device)
     return replayed.replay(_graphs, _refused, key, lambda: _Graph(classes), lambda graph: graph.run(classes),
@@ -77,7 +77,7 @@ class _Graph:
     def __init__(self, classes: Tensor):
         rows = classes.shape[0]
         self.classes = classes.clone()
-        self.host = torch.empty(3 * (rows + 1), dtype=torch.int32, pin_memory=True)
+        self.host = torch.empty(3 * (rows + 1), dtype=torch.int32, pin_memory=classes.is_cuda)
         compiled = forms.per_shape(lists, (lists, tuple(classes.shape), classes.device))
         self.compiled = compiled  # held while the graph launches its kernels (per_shape's cache may let it go)
 
@@ -90,6 +90,7 @@ class _Graph:
     def run(self, classes: Tensor) -> tuple[Tensor, np.ndarray]:
         def read(buffer: Tensor) -> tuple[Tensor, np.ndarray]:  # under the replay's lock: no replay between
             copy = buffer.clone()
-            torch.cuda.current_stream().synchronize()  # the one wait: the offsets are on the host
+            if buffer.is_cuda:
+                torch.cuda.current_stream().synchronize()  # the one wait: the offsets are on the host
             return copy, self.host.numpy().astype(np.int64).reshape(3, -1)
         return self.captured.replay(lambda: self.classes.copy_(classes), read)

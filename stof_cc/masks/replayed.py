@@ -41,6 +41,7 @@ ITEMS = 16  # a captured tuple or list up to this long is followed item by item
 MODULES = ("torch", "math", "operator", "numpy", "functools")  # global modules (and their classes) a mask_mod may name
 KEPT_REFUSALS = 256  # keys whose capture failed, the latest
 SCALARS = (bool, int, float, str)  # captured values taken by value (exactly these types)
+DEVICE_TYPES = ("cuda",)  # where graphs are captured (tests add "cpu", with an eager stand-in for `Captured`)
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
 _refused: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture or replay failed: the compiled call from then on
@@ -120,7 +121,7 @@ def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callabl
     """``call(fn)`` (the compiled grid form over one chunk on ``device``, whose compiled copy ``key``
     names) replayed from its graph, captured on the first call of this table signature; None where it
     is not replayed (the caller runs ``call(fn)`` itself)."""
-    if output_bytes > REPLAY_BYTES or torch.cuda.is_current_stream_capturing():
+    if output_bytes > REPLAY_BYTES or capturing(device):
         return None
     tensors: list[Tensor] = []
     try:
@@ -137,7 +138,13 @@ def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callabl
 
 def indexed(device: torch.device) -> torch.device:
     """``device`` with its index: "cuda" is the current CUDA device, as torch reads it."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream (a build inside the
+    user's own capture makes no graph of its own)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Callable[[], object],
