@@ -40,6 +40,7 @@ def test_no_graph_for_a_cpu_grid():
 @pytest.mark.gpu
 def test_a_per_call_grid_is_ranked_by_its_graph_as_numpy_ranks_it():
     lists._graphs.clear()
+    lists._refused.clear()
     rows, n_cb, words = 12, 40, 4
     tiles = torch.randint(-2**31, 2**31 - 1, (1, 1, rows, n_cb, words), dtype=torch.int32, device="cuda")
     built = []

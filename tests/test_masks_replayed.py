@@ -128,6 +128,7 @@ def test_replays_equal_the_compiled_call_over_new_tables_and_keep_earlier_result
     for _ in range(compiled.COMPILE_FROM):
         build(documents())
     replayed._graphs.clear()
+    replayed._refused.clear()
     kept = []
     for _ in range(4):
         ids = documents()
@@ -185,9 +186,10 @@ def test_a_capture_or_replay_that_fails_gives_way_and_is_not_tried_again():
 
     assert replayed.replay(graphs, refused, "c", graph, failing_run, 2) is None
     assert "c" not in graphs and "c" in refused
-    for key in "def":  # the latest two kept; the evicted one released after its last replay
+    for key in "def":  # the latest two kept; the evicted one released after its last replay, then refused
         replayed.replay(graphs, refused, key, lambda key=key: graph(key), lambda g: g, 2)
-    assert list(graphs) == ["e", "f"] and released == ["d"]
+    assert list(graphs) == ["e", "f"] and released == ["d"] and "d" in refused
+    assert replayed.replay(graphs, refused, "d", graph, lambda g: g, 2) is None  # keys taking turns: no recapture
 
 
 class _EagerCaptured:

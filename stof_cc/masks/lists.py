@@ -28,7 +28,7 @@ from stof_cc.masks.geometry import FULL, PARTIAL
 KEPT_GRAPHS = 8  # grid shapes (and devices) whose graphs are kept, the latest used
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_refused: OrderedDict[tuple, None] = OrderedDict()  # shapes whose capture or replay failed: numpy's lists from then on
+_refused: OrderedDict[tuple, None] = OrderedDict()  # shapes failed or evicted: numpy's lists from then on
 
 
 def block_lists(classes: Tensor) -> tuple[Tensor, np.ndarray] | None:

@@ -39,12 +39,12 @@ REPLAY_BYTES = 1 << 25  # the largest outputs (classes and tiles) a graph holds:
 MAX_DEPTH = 4  # functions captured within functions, followed this deep
 ITEMS = 16  # a captured tuple or list up to this long is followed item by item
 MODULES = ("torch", "math", "operator", "numpy", "functools")  # global modules (and their classes) a mask_mod may name
-KEPT_REFUSALS = 256  # keys whose capture failed, the latest
+KEPT_REFUSALS = 256  # keys refused (a failed capture or replay, an eviction), the latest
 SCALARS = (bool, int, float, str)  # captured values taken by value (exactly these types)
 DEVICE_TYPES = ("cuda",)  # where graphs are captured (tests add "cpu", with an eager stand-in for `Captured`)
 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-_refused: OrderedDict[tuple, None] = OrderedDict()  # keys whose capture or replay failed: the compiled call from then on
+_refused: OrderedDict[tuple, None] = OrderedDict()  # keys failed or evicted: the compiled call from then on
 _lock = threading.Lock()  # the caches of graphs and refusals, here and in masks/lists.py
 
 
@@ -150,9 +150,11 @@ def capturing(device: torch.device) -> bool:
 def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Callable[[], object],
            run: Callable[[object], object], kept: int) -> object | None:
     """``run(graphs[key])``, the graph made by ``capture()`` where missing (kept as the latest of
-    ``kept``; an evicted one released after its last replay); None where ``key`` is refused, or its
-    capture or replay raises (running out of memory included): the caller's own path, as before, and
-    never this graph again (the latest `KEPT_REFUSALS` refusals remembered)."""
+    ``kept``; an evicted one is released after its last replay and refused from then on, since a
+    capture costs milliseconds and keys taking turns past ``kept`` would pay one every call); None
+    where ``key`` is refused, or its capture or replay raises (running out of memory included): the
+    caller's own path, as before, and never this graph again (the latest `KEPT_REFUSALS` refusals
+    remembered)."""
     with _lock:
         if key in refused:
             return None
@@ -163,8 +165,10 @@ def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Call
             except Exception:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
                 _refuse(refused, key)
                 return None
-            while len(graphs) >= kept:
-                graphs.popitem(last=False)[1].captured.release()
+            while len(graphs) >= kept:  # the evicted key is not captured again: keys that take turns past
+                evicted, old = graphs.popitem(last=False)  # `kept` would pay a capture every call
+                old.captured.release()
+                _refuse(refused, evicted)
             graphs[key] = graph
         graphs.move_to_end(key)
     try:
