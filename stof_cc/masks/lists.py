@@ -8,20 +8,21 @@ call at S = 8192 (copies, a dozen numpy steps, the split), a third of a per-call
 GPU into one int32 buffer of fixed size (every list padded to the grid's block count), the three
 offset arrays are copied into pinned host memory in the same graph, and the host reads the sizes
 there after its one wait: a copy in, a replay, a clone and a wait. `BlockMask.from_grid` asks for it
-only for a grid a form compiled for per-call masks made (compiling and capturing a shape costs a
-second or two, which a mask built once never earns back, nor the cost model's one-off builds of
-candidate shapes); the latest `KEPT_GRAPHS` shapes are kept.
+only for a grid a form compiled for per-call masks made (the function's one compile costs seconds and
+each shape's capture milliseconds, which a mask built once never earns back, nor the cost model's
+one-off builds of candidate shapes); the latest `KEPT_GRAPHS` shapes are kept.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-import stof_cc.masks.compiled as forms
 import stof_cc.masks.replayed as replayed
 from stof_cc.masks.geometry import FULL, PARTIAL
 
@@ -70,6 +71,14 @@ def lists(classes: Tensor) -> Tensor:
                       placed(stored, column), placed(stored, tile), placed(part, index)])
 
 
+@functools.cache
+def _ranker() -> Callable[[Tensor], Tensor]:
+    """`lists` compiled once for every grid shape (dynamic sizes): one compile per process, not one
+    per shape (Triton's compile of each took seconds, which a serving run's new shapes would pay
+    again and again); dynamo may add a variant or two (sizes it specialises, another device)."""
+    return torch.compile(lists, fullgraph=True, dynamic=True)
+
+
 class _Graph:
     """One grid shape's capture: the class grid copied in, `lists` compiled, its offsets copied
     to pinned host memory."""
@@ -78,11 +87,8 @@ class _Graph:
         rows = classes.shape[0]
         self.classes = classes.clone()
         self.host = torch.empty(3 * (rows + 1), dtype=torch.int32, pin_memory=classes.is_cuda)
-        compiled = forms.per_shape(lists, (lists, tuple(classes.shape), classes.device))
-        self.compiled = compiled  # held while the graph launches its kernels (per_shape's cache may let it go)
-
         def work() -> Tensor:
-            buffer = compiled(self.classes)
+            buffer = _ranker()(self.classes)
             self.host.copy_(buffer[:3 * (rows + 1)], non_blocking=True)
             return buffer
         self.captured = replayed.Captured(replayed.indexed(classes.device), work)
