@@ -94,8 +94,10 @@ class Captured:
         return out
 
     def release(self) -> None:
-        """Wait for the last replay's reads before the statics and the graph's memory go."""
-        self.done.synchronize()
+        """Wait for the last replay's reads before the statics and the graph's memory go (a replay
+        another thread is enqueuing first)."""
+        with self.lock:
+            self.done.synchronize()
 
 
 class _Graph:
