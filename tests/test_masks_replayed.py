@@ -172,19 +172,23 @@ def test_a_capture_or_replay_that_fails_gives_way_and_is_not_tried_again():
     def broken():
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    assert replayed.replay(graphs, refused, "a", broken, lambda g: 1, 2) is None and "a" in refused
+    replayed._warned.clear()
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph .RuntimeError"):
+        assert replayed.replay(graphs, refused, "a", broken, lambda g: 1, 2) is None and "a" in refused
     assert replayed.replay(graphs, refused, "a", graph, lambda g: 1, 2) is None  # not again
 
     def out_of_memory():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    assert replayed.replay(graphs, refused, "b", out_of_memory, lambda g: 1, 2) is None and "b" in refused
+    with pytest.warns(UserWarning, match="OutOfMemoryError"):
+        assert replayed.replay(graphs, refused, "b", out_of_memory, lambda g: 1, 2) is None and "b" in refused
     assert replayed.replay(graphs, refused, "c", graph, lambda g: g.name + "!", 2) == "graph!"
 
     def failing_run(g):
         raise RuntimeError("replay failed")
 
-    assert replayed.replay(graphs, refused, "c", graph, failing_run, 2) is None
+    with pytest.warns(UserWarning, match="could not be replayed"):
+        assert replayed.replay(graphs, refused, "c", graph, failing_run, 2) is None
     assert "c" not in graphs and "c" in refused
     for key in "def":  # the latest two kept; the evicted one released after its last replay, then refused
         replayed.replay(graphs, refused, key, lambda key=key: graph(key), lambda g: g, 2)

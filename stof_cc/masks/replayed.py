@@ -46,6 +46,7 @@ DEVICE_TYPES = ("cuda",)  # where graphs are captured (tests add "cpu", with an 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
 _refused: OrderedDict[tuple, None] = OrderedDict()  # keys failed or evicted: the compiled call from then on
 _lock = threading.Lock()  # the caches of graphs and refusals, here and in masks/lists.py
+_warned: set[tuple] = set()  # (what failed, exception type) already warned about
 
 
 class _NotReplayable(Exception):
@@ -154,9 +155,9 @@ def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Call
     """``run(graphs[key])``, the graph made by ``capture()`` where missing (kept as the latest of
     ``kept``; an evicted one is released after its last replay and refused from then on, since a
     capture costs milliseconds and keys taking turns past ``kept`` would pay one every call); None
-    where ``key`` is refused, or its capture or replay raises (running out of memory included): the
-    caller's own path, as before, and never this graph again (the latest `KEPT_REFUSALS` refusals
-    remembered)."""
+    where ``key`` is refused, or its capture or replay raises (running out of memory included; one
+    warning per kind of failure): the caller's own path, as before, and never this graph again (the
+    latest `KEPT_REFUSALS` refusals remembered)."""
     with _lock:
         if key in refused:
             return None
@@ -164,8 +165,9 @@ def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Call
         if graph is None:
             try:
                 graph = capture()
-            except Exception:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
+            except Exception as exc:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
                 _refuse(refused, key)
+                _warn_once("captured", exc)
                 return None
             while len(graphs) >= kept:  # the evicted key is not captured again: keys that take turns past
                 evicted, old = graphs.popitem(last=False)  # `kept` would pay a capture every call
@@ -175,11 +177,22 @@ def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Call
         graphs.move_to_end(key)
     try:
         return run(graph)
-    except Exception:  # noqa: BLE001 (a replay that fails gives way to the path it stands in for)
+    except Exception as exc:  # noqa: BLE001 (a replay that fails gives way to the path it stands in for)
         with _lock:
             graphs.pop(key, None)
             _refuse(refused, key)
+        _warn_once("replayed", exc)
         return None
+
+
+def _warn_once(what: str, exc: Exception) -> None:
+    """One warning per failure and exception type: the build goes on, as fast as before the graphs."""
+    if (what, type(exc)) in _warned:
+        return
+    _warned.add((what, type(exc)))
+    first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+    warnings.warn(f"stof-cc: a per-call mask build could not be {what} as a CUDA graph ({type(exc).__name__}: "
+                  f"{first_line}); such builds run as before (the compiled call, numpy's lists)", stacklevel=3)
 
 
 def _refuse(refused: OrderedDict, key: object) -> None:
