@@ -43,6 +43,7 @@ from torch import Tensor
 
 import stof_cc.masks.replayed as replayed
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+from stof_cc.masks.kept import keep
 
 COMPILE_FROM = 2  # builds of one mask_mod code at one shape (per form) before it is compiled for that shape
 DEVICE_TYPES = ("cuda",)  # where compiling pays; tests add "cpu"
@@ -151,7 +152,7 @@ def per_shape(form: Callable, entry: tuple) -> Callable:
     _copies += 1
     code = form.__code__.replace(co_name=f"{form.__name__}_{_copies}")
     clone = types.FunctionType(code, form.__globals__, code.co_name)
-    return _keep(_functions, entry, torch.compile(clone, fullgraph=True, dynamic=False,
+    return keep(_functions, entry, torch.compile(clone, fullgraph=True, dynamic=False,
                                                 options=FORM_OPTIONS.get(form.__name__)), KEPT_FORMS)
 
 
@@ -173,23 +174,14 @@ def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, bl
     for start in range(0, n_rb * block_m, rows):
         q = torch.arange(start, start + rows, **index)
         chunks.append(((q.clamp(max=seq_q - 1)).view(1, 1, -1, 1), (q < seq_q).view(1, 1, -1, 1)))
-    return _keep(_indices, key, (torch.arange(batch, **index).view(-1, 1, 1, 1),
+    return keep(_indices, key, (torch.arange(batch, **index).view(-1, 1, 1, 1),
                                  torch.arange(heads, **index).view(1, -1, 1, 1), keys[::32].view(1, 1, 1, -1), chunks),
                  KEPT_INDICES)
 
 
 def _count_build(count_key: tuple) -> bool:
     """Count a build at a shape; whether it is the COMPILE_FROM-th or later."""
-    return _keep(_builds, count_key, _builds.pop(count_key, 0) + 1, KEPT_COUNTS) >= COMPILE_FROM
-
-
-def _keep(cache: OrderedDict, key: object, value: object, kept: int) -> object:
-    """``value`` stored under ``key`` as the latest of ``cache``, which keeps its ``kept`` latest."""
-    cache[key] = value
-    cache.move_to_end(key)
-    while len(cache) > kept:
-        cache.popitem(last=False)
-    return value
+    return keep(_builds, count_key, _builds.pop(count_key, 0) + 1, KEPT_COUNTS) >= COMPILE_FROM
 
 
 def _fell_back(key: object, subject: str, exc: Exception) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from stof_cc.masks.kept import keep
+
 KEPT_GRAPHS = 8  # captured (form, code, shape, table signature) graphs kept, the latest used (as many as index sets)
 REPLAY_BYTES = 1 << 25  # the largest outputs (classes and tiles) a graph holds: S = 16384 at Bm = Hm = 1
 MAX_DEPTH = 4  # functions captured within functions, followed this deep
@@ -196,9 +198,7 @@ def _warn_once(what: str, exc: Exception) -> None:
 
 
 def _refuse(refused: OrderedDict, key: object) -> None:
-    refused[key] = None
-    while len(refused) > KEPT_REFUSALS:
-        refused.popitem(last=False)
+    keep(refused, key, None, KEPT_REFUSALS)
 
 
 def signature(fn: Callable) -> object | None:

@@ -15,6 +15,7 @@ EVALUATION_BUDGET.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,7 @@ from stof_cc.masks.bits import bit_at, pack_last
 from stof_cc.masks.description import MaskDescription, MaskMod
 from stof_cc.masks.errors import MaskError, MaskTypeError, check_values
 from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_from
+from stof_cc.masks.kept import keep
 from stof_cc.masks.runs import ClassRuns
 from stof_cc.masks.zoo import key_padding
 
@@ -34,8 +36,8 @@ ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated
 KIND_ITEMS = 16  # a captured tuple or list up to this long is part of a mask_mod's kind item by item
 KEPT_PROBES = 8  # (device, batch, heads) whose dims-probe index tensors are kept, the latest
 
-_probes: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
-_replayed_dims: dict[tuple, tuple[int, int]] = {}  # (replay signature, extent) -> dims, the latest KEPT_PROBES
+_probes: OrderedDict[tuple, tuple[Tensor, Tensor, Tensor]] = OrderedDict()
+_replayed_dims: OrderedDict[tuple, tuple[int, int]] = OrderedDict()  # (replay signature, extent) -> dims, the latest KEPT_PROBES
 
 
 class _Evaluated(MaskDescription):
@@ -291,19 +293,15 @@ class _MaskMod(_Evaluated):
             device = self.device if self.device is not None else torch.device("cpu")
             key = (device, ext.batch, ext.heads)
             if key not in _probes:
-                while len(_probes) >= KEPT_PROBES:
-                    _probes.pop(next(iter(_probes)))
-                _probes[key] = (torch.arange(ext.batch, device=device).view(-1, 1, 1, 1),
-                                torch.arange(ext.heads, device=device).view(1, -1, 1, 1),
-                                torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device))
+                keep(_probes, key, (torch.arange(ext.batch, device=device).view(-1, 1, 1, 1),
+                                    torch.arange(ext.heads, device=device).view(1, -1, 1, 1),
+                                    torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)), KEPT_PROBES)
             b, h, zero = _probes[key]
             shape = self._evaluate(ext, b, h, zero, zero).shape
             shape = (1,) * (4 - len(shape)) + tuple(shape)
             self._probed[ext] = shape[0], shape[1]
             if kind is not None:
-                _replayed_dims[kind, ext] = self._probed[ext]
-                while len(_replayed_dims) > KEPT_PROBES:
-                    _replayed_dims.pop(next(iter(_replayed_dims)))
+                keep(_replayed_dims, (kind, ext), self._probed[ext], KEPT_PROBES)
         return self._probed[ext]
 
     def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
