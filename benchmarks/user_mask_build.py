@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from stof_cc import masks  # noqa: E402
-from stof_cc.masks import compiled  # noqa: E402
+from stof_cc.masks import compiled, lists, replayed  # noqa: E402
 from stof_cc.masks.workloads import GRID_MASKS, user_mask_mod  # noqa: E402
 from stof_cc.templates.attention import AttentionProblem  # noqa: E402
 from stof_cc.tune.attention import cached_block_mask, choose  # noqa: E402
@@ -143,6 +143,8 @@ def main() -> None:
         print(f"| {r['S']} | {r['mask']} | {r['first_ms']:.1f} | {r['per_call_ms']:.2f} | {r['choose_ms']:.1f} | "
               f"{r['per_call_choose_ms']:.2f} | "
               f"{r['repeat_ms']:.2f} | {flex} | {flex_compiled} |")
+    # Whether the per-call builds went through the CUDA-graph paths (a failed capture warns and falls back).
+    print(f"graphs kept: grid forms replayed {len(replayed._graphs)}, block lists ranked {len(lists._graphs)}")
 
 
 if __name__ == "__main__":

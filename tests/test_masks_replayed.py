@@ -115,6 +115,8 @@ def test_a_global_scalar_is_part_of_the_signature():
 
 @pytest.mark.gpu
 def test_replays_equal_the_compiled_call_over_new_tables_and_keep_earlier_results():
+    from stof_cc.masks.geometry import BlockGrid, Extent
+
     seq = 1024
     generator = torch.Generator().manual_seed(0)
 
@@ -123,7 +125,8 @@ def test_replays_equal_the_compiled_call_over_new_tables_and_keep_earlier_result
         return torch.bucketize(torch.arange(seq), cuts, right=True).cuda()
 
     def build(ids):
-        return masks.from_mask_mod(_documents(ids)).block_mask(seq, seq, 128, 128, device="cuda")
+        description = masks.from_mask_mod(_documents(ids))
+        return description.block_mask(seq, seq, 128, 128, device="cuda"), description
 
     for _ in range(compiled.COMPILE_FROM):
         build(documents())
@@ -132,12 +135,14 @@ def test_replays_equal_the_compiled_call_over_new_tables_and_keep_earlier_result
     kept = []
     for _ in range(4):
         ids = documents()
-        got = build(ids)
+        got, description = build(ids)
         kept.append((got, ids))
     assert len(replayed._graphs) == 1, "the per-call builds were not replayed"
+    assert description.grid_ranked(BlockGrid(Extent(seq, seq), 128, 128)) is not None, "lists not ranked in the graph"
     for got, ids in kept:  # each against the eager mask of its own tables, after every later replay
         want = (ids[:, None] == ids[None, :]).cpu()
         assert torch.equal(got.to("cpu").to_dense()[0, 0], want)
+        assert got.any_ptr_host.tolist() == got.any_ptr.tolist()
 
 
 @pytest.mark.gpu
@@ -235,7 +240,7 @@ def replayed_on_cpu(monkeypatch):
 
 
 def test_per_call_builds_through_the_replays_equal_eager_masks_and_keep_earlier_ones(replayed_on_cpu):
-    from stof_cc.masks.geometry import Extent
+    from stof_cc.masks.geometry import BlockGrid, Extent
 
     lists = replayed_on_cpu
     seq, generator = 640, torch.Generator().manual_seed(0)
@@ -252,7 +257,9 @@ def test_per_call_builds_through_the_replays_equal_eager_masks_and_keep_earlier_
         ids = documents()
         description = masks.from_mask_mod(causal_documents(ids), device="cpu")
         built.append((description.block_mask(seq, seq, 128, 64), description, ids))
-    assert len(replayed._graphs) == 1 and len(lists._graphs) == 1, "the per-call builds were not replayed"
+    assert len(replayed._graphs) == 1, "the per-call builds were not replayed"
+    assert not lists._graphs, "the lists were ranked by a graph of their own, not with the grid"
+    assert built[-1][1].grid_ranked(BlockGrid(Extent(seq, seq), 128, 64)) is not None
     assert not replayed._refused and not lists._refused
     kind = replayed.signature(causal_documents(ids))
     assert replayed.replays(kind) and (kind, Extent(seq, seq)) in user._replayed_dims  # the probe skipped from here
@@ -261,4 +268,27 @@ def test_per_call_builds_through_the_replays_equal_eager_masks_and_keep_earlier_
         want = (q >= k) & (ids[q] == ids[k])
         assert torch.equal(got.to_dense()[0, 0], want)
         assert torch.equal(description.to_dense(seq)[0, 0], want)  # its kept grid, not the graph's outputs
+        assert got.any_ptr_host.tolist() == got.any_ptr.tolist()
+
+
+def test_per_call_builds_with_a_batch_dim_rank_the_uncollapsed_grid(replayed_on_cpu):
+    """A mask_mod over per-sequence tables [B, S]: the lists ranked with the grid cover every batch
+    slice (not collapsed: equal slices, here the last two, stay apart), each slice its own mask."""
+    from stof_cc.masks.geometry import BlockGrid, Extent
+
+    seq, batch, generator = 384, 3, torch.Generator().manual_seed(1)
+    built = []
+    for _ in range(compiled.COMPILE_FROM + 2):
+        cuts = torch.randint(1, seq, (batch, 3), generator=generator).sort(-1).values
+        cuts[2] = cuts[1]  # two equal slices: a grid collapsed along b would have merged them
+        ids = torch.stack([torch.bucketize(torch.arange(seq), row, right=True) for row in cuts])
+        description = masks.from_mask_mod(lambda b, h, q, k, ids=ids: ids[b, q] == ids[b, k], device="cpu")
+        built.append((description.block_mask(seq, seq, 64, 64, batch=batch), description, ids))
+    assert len(replayed._graphs) == 1
+    assert built[-1][1].grid_ranked(BlockGrid(Extent(seq, seq, batch), 64, 64)) is not None
+    q, k = torch.arange(seq).view(-1, 1), torch.arange(seq).view(1, -1)
+    for got, _, ids in built:
+        assert got.batch == batch
+        for b in range(batch):
+            assert torch.equal(got.to_dense()[b, 0], ids[b, q] == ids[b, k])
         assert got.any_ptr_host.tolist() == got.any_ptr.tolist()

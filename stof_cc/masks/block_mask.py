@@ -140,12 +140,14 @@ class BlockMask:
         block_m: int,
         block_n: int,
         ranked_on_device: bool = False,
+        ranked: tuple[torch.Tensor, np.ndarray] | None = None,
     ) -> BlockMask:
         """Assemble the block mask from ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and ``tiles``
         (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) on the device that evaluated the
-        mask. With ``ranked_on_device`` (a mask built per call, whose grid a compiled form made) the
-        lists are ranked on the GPU by a graph captured per grid shape (masks/lists.py), the one wait
-        reading their offsets; otherwise (a one-off mask, whose shapes would each cost a compile and a
+        mask. ``ranked`` are the lists already ranked (`lists.read`'s buffer and offsets: the graph
+        that made the grid ranked it too). With ``ranked_on_device`` (a mask built per call, whose grid
+        a compiled form made) the lists are ranked on the GPU by a graph captured per grid shape
+        (masks/lists.py), the one wait reading their offsets; otherwise (a one-off mask, whose shapes would each cost a compile and a
         capture that it never earns back) the class
         grid (a byte per block) comes to the host, the one wait, where numpy lays out the CSR
         arrays (0.04 ms for 4096 blocks, 0.3 ms for 65536 on a 2-core EPYC), and they go back in
@@ -155,18 +157,14 @@ class BlockMask:
         the way for masks too large to hold a class per block."""
         batch, heads, n_rb, n_cb = classes.shape
         rows, blocks = batch * heads * n_rb, batch * heads * n_rb * n_cb
-        replayed = lists.block_lists(classes.reshape(rows, n_cb)) if ranked_on_device and blocks <= INT32_MAX else None
-        if replayed is not None:  # ranked on the GPU, the offsets read on the host (masks/lists.py)
-            buffer, ptrs = replayed
-            n_full, n_part, n_any = (int(n) for n in ptrs[:, -1])
-            starts = [0, rows + 1, 2 * (rows + 1), *(3 * (rows + 1) + blocks * at for at in range(5))]
-            sizes = [rows + 1] * 3 + [n_full, n_part, n_any, n_any, n_part]
-            full_ptr, part_ptr, any_ptr, full_cols, part_cols, any_cols, any_tile, part_at = (
-                buffer.narrow(0, start, size) for start, size in zip(starts, sizes, strict=True))
-            any_ptr_host = ptrs[2]
+        if ranked is None and ranked_on_device and blocks <= INT32_MAX:
+            ranked = lists.block_lists(classes.reshape(rows, n_cb))
+        if ranked is not None:  # ranked on the GPU, the offsets read on the host (masks/lists.py)
+            buffer, ptrs = ranked
+            arrays, any_ptr_host = lists.views(buffer, ptrs, rows, blocks), ptrs[2]
         else:
             any_ptr_host, arrays = _host_lists(classes.reshape(rows, n_cb), f"{block_m} x {block_n} at {seq_q} x {seq_k}")
-            full_ptr, full_cols, part_ptr, part_cols, any_ptr, any_cols, any_tile, part_at = arrays
+        full_ptr, full_cols, part_ptr, part_cols, any_ptr, any_cols, any_tile, part_at = arrays
         bits = tiles.reshape(blocks, -1).index_select(0, part_at)
         mask = cls(seq_q, seq_k, block_m, block_n, batch, heads, full_ptr, full_cols, part_ptr, part_cols,
                    bits.view(torch.uint32), any_ptr, any_cols, any_tile)

@@ -38,9 +38,11 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
+import stof_cc.masks.lists as lists
 import stof_cc.masks.replayed as replayed
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 from stof_cc.masks.kept import keep
@@ -97,15 +99,17 @@ def packer(fn: Callable, name: str, device: torch.device, seq_k: int, rows: int,
 
 
 def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, block_m: int, block_n: int,
-         batch: int, heads: int) -> tuple[Tensor, Tensor] | None:
+         batch: int, heads: int) -> tuple[Tensor, Tensor, tuple[Tensor, np.ndarray] | None] | None:
     """``fn``'s mask on the block_m x block_n grid over seq_q x seq_k (mask dims ``batch`` x
     ``heads``), evaluated, classified and packed tile by tile in one compiled call per chunk of
     block rows: (classes int8 [batch, heads, n_rb, n_cb], every block's tile int32 [batch, heads,
     n_rb, n_cb, block_m * block_n / 32], bits past the ends 0), as `_Evaluated.grid_classes` reads
-    them off row-packed bits in several more steps. None where this build evaluates eagerly (not yet
-    compiled at this shape, or torch.compile failed) or block_n is not a multiple of 32. What a
-    mask_mod built per call pays on the host: this call, the index tensors kept per shape; a grid of
-    one chunk is replayed from a CUDA graph where the mask_mod allows it (masks/replayed.py)."""
+    them off row-packed bits in several more steps; then the block lists where they were ranked with
+    the grid (`lists.read`'s buffer and offsets), else None. None where this build evaluates eagerly
+    (not yet compiled at this shape, or torch.compile failed) or block_n is not a multiple of 32.
+    What a mask_mod built per call pays on the host: this call, the index tensors kept per shape; a
+    grid of one chunk is replayed from a CUDA graph where the mask_mod allows it (masks/replayed.py),
+    its block lists ranked in the same graph (`_RankedGrid`)."""
     if block_n % 32:
         return None
     n_rb = -(-seq_q // block_m)
@@ -117,16 +121,42 @@ def grid(fn: Callable, name: str, device: torch.device, seq_q: int, seq_k: int, 
         if len(chunks) == 1 and device.type in replayed.DEVICE_TYPES:  # one call: replayed from a CUDA graph where allowed
             q, q_valid = chunks[0]
             held = replayed.grid((function, seq_q, seq_k, block_m, block_n, batch, heads), device, fn,
-                                 lambda f: function(f, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n),
+                                 lambda: _RankedGrid(function, (b, h, q, q_valid, words, seq_k, batch, heads, block_m,
+                                                                block_n), n_rb, (batch * heads * n_rb, -(-seq_k // block_n)), device),
                                  batch * heads * q.shape[2] * words.shape[3] * 4)  # the tiles' bytes
             if held is not None:
-                return held[0][:, :, :n_rb], held[1][:, :, :n_rb]
+                return held
         parts = [function(fn, b, h, q, q_valid, words, seq_k, batch, heads, block_m, block_n) for q, q_valid in chunks]
     except Exception as exc:  # noqa: BLE001 (whatever torch.compile raises: the eager path decides)
         _fell_back(("_evaluate_classify_pack", _code_key(fn)), f"from_mask_mod({name})", exc)
         return None
     classes, tiles = parts[0] if len(parts) == 1 else (torch.cat(part, 2) for part in zip(*parts, strict=True))
-    return classes[:, :, :n_rb], tiles[:, :, :n_rb]
+    return classes[:, :, :n_rb], tiles[:, :, :n_rb], None
+
+
+class _RankedGrid:
+    """What `replayed.grid` captures for a grid of one chunk: the compiled grid form, then the block
+    lists ranked from its classes (`lists.rank`, offsets copied to pinned host memory), so that one
+    replay and one wait make a per-call block mask. Holds the form's index tensors, which the graph
+    reads."""
+
+    def __init__(self, function: Callable, args: tuple, n_rb: int, lists_shape: tuple[int, int],
+                 device: torch.device):
+        """``function(fn, *args)`` makes the grid (``n_rb`` block rows per mask slice); ``lists_shape``
+        is (block rows over every slice, block columns)."""
+        self.function, self.args, self.n_rb = function, args, n_rb
+        self.host = lists.host_offsets(lists_shape[0], device)
+        # static shapes, like the form's: the dynamic-size ranker's kernels took 50-60 us a call, these 12
+        self.ranker = per_shape(lists.lists, (lists.lists, *lists_shape))
+
+    def __call__(self, fn: Callable) -> tuple[Tensor, Tensor, Tensor]:
+        classes, tiles = self.function(fn, *self.args)
+        classes, tiles = classes[:, :, :self.n_rb], tiles[:, :, :self.n_rb]
+        return classes, tiles, lists.rank(classes.reshape(-1, classes.shape[-1]), self.host, self.ranker)
+
+    def read(self, outputs: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, tuple[Tensor, np.ndarray]]:
+        classes, tiles, buffer = outputs
+        return classes.clone(), tiles.clone(), lists.read(buffer, self.host)
 
 
 def _compiled_form(form: Callable, fn: Callable, device: torch.device, shape: tuple) -> Callable | None:

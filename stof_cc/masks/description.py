@@ -15,6 +15,7 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from stof_cc.masks.bits import pack
@@ -117,6 +118,12 @@ class MaskDescription:
         """Whether `grid_classes` came from a form compiled for masks built per call (a mask_mod's
         grid form): their block lists are then ranked on the GPU too (`BlockMask.from_grid`)."""
         return False
+
+    def grid_ranked(self, grid: BlockGrid) -> tuple[torch.Tensor, np.ndarray] | None:
+        """The block lists of `grid_classes` where the graph that made them ranked them too
+        (`lists.read`'s buffer and offsets: compiled.py's `_RankedGrid`); None (the default)
+        where `BlockMask.from_grid` ranks them itself."""
+        return None
 
     def exact_classes(self, grid: BlockGrid) -> bool:
         """Whether `_classify` is exact on this grid (its PARTIAL blocks are all partial, as

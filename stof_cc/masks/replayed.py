@@ -6,8 +6,10 @@ kernels: dynamo's guards, AOT's wrappers and Inductor's launcher took 0.13-0.22 
 S = 8192, the kernels 0.02-0.10 (docs/decisions.md#per-call-masks-replayed). So the call is
 captured once in a CUDA graph, reading copies of the tables ("statics") that a *proxy* of the
 mask_mod captures in their place; each later call copies its own tables into the statics and
-replays the graph. The outputs are cloned before they are handed on: a description keeps its
-class grid and tiles, and the next replay overwrites the graph's.
+replays the graph. The graph goes on past the grid form: the block lists are ranked from the
+class grid in it too (`compiled.grid`, masks/lists.py), so one replay and one wait make a block
+mask. What is handed on is copied out first (the form's `read`): a description keeps its class
+grid and tiles, and the next replay overwrites the graph's.
 
 Only a mask_mod whose every input is visible is replayed: what it captures (closure cells,
 defaults, a partial's arguments, recursively through the functions it captures) may be tensors,
@@ -30,6 +32,7 @@ import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -103,29 +106,39 @@ class Captured:
             self.done.synchronize()
 
 
+class GridForm(Protocol):
+    """What `grid` captures: ``form(fn)`` runs the compiled grid form (and whatever follows it in the
+    graph) on the mask_mod ``fn``, ``form.read(outputs)`` copies what a caller keeps out of the
+    graph's outputs. The form holds what the graph reads besides the statics (index tensors)."""
+
+    def __call__(self, fn: Callable) -> tuple[Tensor, ...]: ...
+
+    def read(self, outputs: tuple[Tensor, ...]) -> object: ...
+
+
 class _Graph:
-    """One capture of the grid form: the statics the proxy reads, and the call itself (which holds
-    the index tensors the graph reads)."""
+    """One capture of a grid form: the statics the proxy reads, and the form (which holds the
+    index tensors the graph reads)."""
 
-    def __init__(self, device: torch.device, call: Callable[[Callable], tuple[Tensor, Tensor]], fn: Callable,
-                 tensors: list[Tensor]):
+    def __init__(self, device: torch.device, form: GridForm, fn: Callable, tensors: list[Tensor]):
         self.statics = [torch.empty_like(t).copy_(t) for t in tensors]
-        self.call = call  # keeps b, h, q and the words alive while the graph reads them
+        self.form = form
         proxy = _walk(fn, iter(self.statics).__next__, [], 0)
-        self.captured = Captured(device, lambda: call(proxy))
+        self.captured = Captured(device, lambda: form(proxy))
 
-    def run(self, tensors: list[Tensor]) -> tuple[Tensor, Tensor]:
+    def run(self, tensors: list[Tensor]) -> object:
         def fill() -> None:
             for static, table in zip(self.statics, tensors, strict=True):
                 static.copy_(table)
-        return self.captured.replay(fill, lambda outputs: tuple(out.clone() for out in outputs))
+        return self.captured.replay(fill, self.form.read)
 
 
-def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callable], tuple[Tensor, Tensor]],
-         output_bytes: int) -> tuple[Tensor, Tensor] | None:
-    """``call(fn)`` (the compiled grid form over one chunk on ``device``, whose compiled copy ``key``
-    names) replayed from its graph, captured on the first call of this table signature; None where it
-    is not replayed (the caller runs ``call(fn)`` itself)."""
+def grid(key: tuple, device: torch.device, fn: Callable, make_form: Callable[[], GridForm],
+         output_bytes: int) -> object | None:
+    """``make_form()(fn)`` (the compiled grid form over one chunk on ``device``, whose compiled copy
+    ``key`` names, and what follows it) replayed from its graph, captured (with the form made then)
+    on the first call of this table signature, and read by the form; None where it is not replayed
+    (the caller runs the form itself)."""
     if output_bytes > REPLAY_BYTES or capturing(device):
         return None
     tensors: list[Tensor] = []
@@ -137,7 +150,7 @@ def grid(key: tuple, device: torch.device, fn: Callable, call: Callable[[Callabl
     device = indexed(device)
     if any(t.device != device for t in tensors):  # evaluated where its tables are, or not replayed
         return None
-    return replay(_graphs, _refused, _key(key, device, signature), lambda: _Graph(device, call, fn, tensors),
+    return replay(_graphs, _refused, _key(key, device, signature), lambda: _Graph(device, make_form(), fn, tensors),
                   lambda graph: graph.run(tensors), KEPT_GRAPHS)
 
 

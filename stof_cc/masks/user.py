@@ -18,6 +18,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,7 +52,7 @@ class _Evaluated(MaskDescription):
         self._bits: dict[Extent, torch.Tensor] = {}  # oldest first
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
         self._classes: dict[tuple[Extent, int, int], torch.Tensor] = {}  # where evaluated with the tiles
-        self._per_call_grid: tuple[Extent, int, int] | None = None  # the grid `_evaluate_grid` made, if any
+        self._per_call: tuple | None = None  # the grid `_evaluate_grid` made, if any: (key, tiles, ranked lists)
 
     def _evaluate(
         self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -122,9 +123,10 @@ class _Evaluated(MaskDescription):
                 return rows[:, :, :ext.seq_q, :-(-ext.seq_k // 32)].contiguous()
         return None
 
-    def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
+    def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor, tuple[Tensor, np.ndarray] | None] | None:
         """(classes, tiles) as `grid_classes` returns them, evaluated tile by tile in one go where
-        a subclass can (a mask_mod built per call); None: read them off the row-packed bits."""
+        a subclass can (a mask_mod built per call), and the block lists where they were ranked with
+        them (`grid_ranked`); None: read them off the row-packed bits."""
         return None
 
     def _grid_tiles(self, grid: BlockGrid) -> Tensor | None:
@@ -143,7 +145,7 @@ class _Evaluated(MaskDescription):
         held = self._evaluate_grid(grid) if fresh else None
         if held is not None:  # the latest block shape only, as below
             self._classes, self._tiles = {key: held[0]}, {key: held[1]}
-            self._per_call_grid = key
+            self._per_call = key, held[1], held[2]
             return held[1]
         bits = self.packed_bits(grid.ext)
         bm, bn = grid.block_m, grid.block_n
@@ -178,7 +180,13 @@ class _Evaluated(MaskDescription):
         return self._classes[key], tiles
 
     def grid_built_per_call(self, grid: BlockGrid) -> bool:
-        return self._per_call_grid == (grid.ext, grid.block_m, grid.block_n)
+        return self._per_call is not None and self._per_call[0] == (grid.ext, grid.block_m, grid.block_n)
+
+    def grid_ranked(self, grid: BlockGrid) -> tuple[Tensor, np.ndarray] | None:
+        key = (grid.ext, grid.block_m, grid.block_n)
+        if not self.grid_built_per_call(grid) or self._tiles.get(key) is not self._per_call[1]:
+            return None  # not ranked with the grid, or that grid is no longer the one held
+        return self._per_call[2]
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         read = self.grid_classes(grid)
@@ -304,7 +312,7 @@ class _MaskMod(_Evaluated):
                 keep(_replayed_dims, (kind, ext), self._probed[ext], KEPT_PROBES)
         return self._probed[ext]
 
-    def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
+    def _evaluate_grid(self, grid: BlockGrid) -> tuple[Tensor, Tensor, tuple[Tensor, np.ndarray] | None] | None:
         """Compiled, in one call per chunk of block rows, once `compiled.grid` says it pays (a
         mask_mod built per call)."""
         batch, heads = self._dims(grid.ext)
