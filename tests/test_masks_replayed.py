@@ -269,6 +269,9 @@ def test_per_call_builds_through_the_replays_equal_eager_masks_and_keep_earlier_
         assert torch.equal(got.to_dense()[0, 0], want)
         assert torch.equal(description.to_dense(seq)[0, 0], want)  # its kept grid, not the graph's outputs
         assert got.any_ptr_host.tolist() == got.any_ptr.tolist()
+    last = built[-1][0]  # ranked with the grid (the first builds evaluate eagerly: numpy's lists)
+    rows, blocks = seq // 128, (seq // 128) * (seq // 64)
+    assert last.nbytes == 4 * (3 * (rows + 1) + 5 * blocks + last.part_bits.numel())  # the lists' padded buffer
 
 
 def test_per_call_builds_with_a_batch_dim_rank_the_uncollapsed_grid(replayed_on_cpu):

@@ -241,7 +241,10 @@ class BlockMask:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        """The memory its tensors hold: each storage once, whole (lists ranked on the GPU are views
+        of one buffer padded to the grid's block count: masks/lists.py)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._tensors()}
+        return sum(storages.values())
 
     def __repr__(self) -> str:
         return (

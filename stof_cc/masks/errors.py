@@ -33,15 +33,14 @@ def check_int(
     """`value` as a Python int in [minimum, maximum]; bools and floats are refused. ``limit``
     (largest, why) is a bound of the machinery rather than of the meaning, named only when
     it is passed."""
-    bound = _bound(minimum, maximum)
     try:
         if isinstance(value, bool):
             raise TypeError
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise MaskTypeError(f"{fn}: {arg} must be {bound}, got {value!r}") from None
+        raise MaskTypeError(f"{fn}: {arg} must be {_bound(minimum, maximum)}, got {value!r}") from None
     if number < minimum or (maximum is not None and number > maximum):
-        raise MaskError(f"{fn}: {arg} must be {bound}, got {number}")
+        raise MaskError(f"{fn}: {arg} must be {_bound(minimum, maximum)}, got {number}")
     if limit is not None and number > limit[0]:
         raise MaskError(f"{fn}: {arg} must be at most {limit[0]} ({limit[1]}), got {number}")
     return number
