@@ -274,16 +274,19 @@ def test_per_call_builds_through_the_replays_equal_eager_masks_and_keep_earlier_
     assert last.nbytes == 4 * (3 * (rows + 1) + 5 * blocks + last.part_bits.numel())  # the lists' padded buffer
 
 
-def test_per_call_builds_with_a_batch_dim_rank_the_uncollapsed_grid(replayed_on_cpu):
-    """A mask_mod over per-sequence tables [B, S]: the lists ranked with the grid cover every batch
-    slice (not collapsed: equal slices, here the last two, stay apart), each slice its own mask."""
+@pytest.mark.parametrize("equal_slices", [False, True])
+def test_per_call_builds_with_a_batch_dim(replayed_on_cpu, equal_slices):
+    """A mask_mod over per-sequence tables [B, S], built per call: the lists ranked with the grid
+    cover every batch slice, each slice its own mask; where every slice is equal the mask collapses
+    to one slice, as every other build of it does (the lists then ranked again, for one slice)."""
     from stof_cc.masks.geometry import BlockGrid, Extent
 
     seq, batch, generator = 384, 3, torch.Generator().manual_seed(1)
     built = []
     for _ in range(compiled.COMPILE_FROM + 2):
         cuts = torch.randint(1, seq, (batch, 3), generator=generator).sort(-1).values
-        cuts[2] = cuts[1]  # two equal slices: a grid collapsed along b would have merged them
+        if equal_slices:
+            cuts[:] = cuts[0]
         ids = torch.stack([torch.bucketize(torch.arange(seq), row, right=True) for row in cuts])
         description = masks.from_mask_mod(lambda b, h, q, k, ids=ids: ids[b, q] == ids[b, k], device="cpu")
         built.append((description.block_mask(seq, seq, 64, 64, batch=batch), description, ids))
@@ -291,7 +294,31 @@ def test_per_call_builds_with_a_batch_dim_rank_the_uncollapsed_grid(replayed_on_
     assert built[-1][1].grid_ranked(BlockGrid(Extent(seq, seq, batch), 64, 64)) is not None
     q, k = torch.arange(seq).view(-1, 1), torch.arange(seq).view(1, -1)
     for got, _, ids in built:
-        assert got.batch == batch
-        for b in range(batch):
+        assert got.batch == (1 if equal_slices else batch)  # Bm = 1 where every slice is equal, whatever the path
+        for b in range(got.batch):
             assert torch.equal(got.to_dense()[b, 0], ids[b, q] == ids[b, k])
         assert got.any_ptr_host.tolist() == got.any_ptr.tolist()
+
+
+def test_lists_ranked_with_a_grid_go_with_its_tiles(replayed_on_cpu, monkeypatch):
+    """The lists a description keeps beside a per-call grid go when its tiles go (the packed bits'
+    budget evicting that extent): nothing holds the grid's memory past the budget."""
+    import gc
+    import weakref
+
+    from stof_cc.masks.geometry import BlockGrid, Extent
+
+    def causal(b, h, q, k):
+        return q >= k
+
+    for _ in range(compiled.COMPILE_FROM):
+        masks.from_mask_mod(causal, device="cpu").block_mask(512, 512, 64, 64)
+    description = masks.from_mask_mod(causal, device="cpu")
+    description.block_mask(512, 512, 64, 64)
+    grid = BlockGrid(Extent(512, 512), 64, 64)
+    assert description.grid_ranked(grid) is not None
+    tiles = weakref.ref(description._grid_tiles(grid))
+    monkeypatch.setattr(user, "PACKED_BUDGET", 512 * 16 * 4 + 1)  # one extent's packed bits
+    description.block_mask(500, 500, 64, 64)  # another extent (not compiled there): 512's bits evicted
+    gc.collect()
+    assert description.grid_ranked(grid) is None and tiles() is None

@@ -144,8 +144,8 @@ class BlockMask:
     ) -> BlockMask:
         """Assemble the block mask from ``classes`` (exact, int8 [Bm, Hm, n_rb, n_cb]) and ``tiles``
         (every block's tile, int32 [Bm, Hm, n_rb, n_cb, words]) on the device that evaluated the
-        mask. ``ranked`` are the lists already ranked (`lists.read`'s buffer and offsets: the graph
-        that made the grid ranked it too). With ``ranked_on_device`` (a mask built per call, whose grid
+        mask. ``ranked`` are the lists already ranked from these very ``classes`` (`lists.read`'s
+        buffer and offsets: the graph that made the grid ranked it too). With ``ranked_on_device`` (a mask built per call, whose grid
         a compiled form made) the lists are ranked on the GPU by a graph captured per grid shape
         (masks/lists.py), the one wait reading their offsets; otherwise (a one-off mask, whose shapes would each cost a compile and a
         capture that it never earns back) the class

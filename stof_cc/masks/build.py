@@ -39,8 +39,8 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
     """The BlockMask of `desc` on `grid`, with leading mask dims `dims` = (Bm, Hm), on `device`."""
     held = desc.grid_classes(grid) if device.type in GRID_DEVICE_TYPES else None
     if held is not None and held[0].device.type == device.type:  # assembled where the mask was evaluated
-        ranked = desc.grid_ranked(grid)  # ranked with the grid: not collapsed (each dim's check is a wait)
-        classes, tiles = held if ranked is not None else _collapse_grid(*held)
+        classes, tiles = _collapse_grid(*held)
+        ranked = desc.grid_ranked(grid) if classes.shape == held[0].shape else None  # ranked before any collapse
         return BlockMask.from_grid(classes, tiles, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n,
                                    ranked_on_device=desc.grid_built_per_call(grid), ranked=ranked).to(device)
     runs, bits = _exact(desc, grid, dims, device, keep_bits=True)

@@ -22,7 +22,8 @@ eagerly, with a warning), no call checks the guards of other shapes first, and o
 not use up another's. Within a shape dynamo's guards still recompile for captured tables of new
 sizes or dtypes (a table of document boundaries whose length changes at the same S): past the limit
 such a build falls back to the eager path for that build only. Each shape built twice costs a
-compile (about a second); the latest `KEPT_FORMS` copies are kept, so a run cycling through more
+compile (about a second; where its grid is replayed, a second one for the lists' ranker at that
+grid shape, shared by every code); the latest `KEPT_FORMS` copies are kept, so a run cycling through more
 shapes than that compiles again. A mask_mod torch.compile cannot take whole (a
 graph break, data-dependent control flow, a non-bool result) is evaluated eagerly from then on, with
 one warning naming it; the eager path is where a wrong mask_mod gets the error that names its fault.
@@ -51,7 +52,7 @@ COMPILE_FROM = 2  # builds of one mask_mod code at one shape (per form) before i
 DEVICE_TYPES = ("cuda",)  # where compiling pays; tests add "cpu"
 KEPT_COUNTS = 256  # (code, shape) build counts kept, the latest
 KEPT_INDICES = 8  # shapes whose grid-form index tensors are kept, the latest
-KEPT_FORMS = 64  # compiled (form, code, shape) copies kept, the latest used
+KEPT_FORMS = 64  # compiled copies kept (a form per code and shape, the lists' ranker per grid shape), the latest used
 GRID_CHUNK_ELEMENTS = 1 << 30  # (q, k) pairs of the grid form per compiled call (S = 32768: one call)
 #: Inductor options per form. The grid form's 32 calls of the function exceed Inductor's limits on
 #: the reads and operations a fused expression may hold, so it stored partial words between

@@ -120,9 +120,9 @@ class MaskDescription:
         return False
 
     def grid_ranked(self, grid: BlockGrid) -> tuple[torch.Tensor, np.ndarray] | None:
-        """The block lists of `grid_classes` where the graph that made them ranked them too
-        (`lists.read`'s buffer and offsets: compiled.py's `_RankedGrid`); None (the default)
-        where `BlockMask.from_grid` ranks them itself."""
+        """The block lists of `grid_classes` (as they are, before the builder collapses equal
+        slices) where the graph that made them ranked them too (`lists.read`'s buffer and offsets:
+        compiled.py's `_RankedGrid`); None (the default) where `BlockMask.from_grid` ranks them itself."""
         return None
 
     def exact_classes(self, grid: BlockGrid) -> bool:

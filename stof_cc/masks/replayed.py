@@ -40,7 +40,7 @@ from torch import Tensor
 from stof_cc.masks.kept import keep
 
 KEPT_GRAPHS = 8  # captured (form, code, shape, table signature) graphs kept, the latest used (as many as index sets)
-REPLAY_BYTES = 1 << 25  # the largest outputs (classes and tiles) a graph holds: S = 16384 at Bm = Hm = 1
+REPLAY_BYTES = 1 << 25  # the largest tiles a graph holds (the classes and lists add 20-60 B a block): S = 16384 at Bm = Hm = 1
 MAX_DEPTH = 4  # functions captured within functions, followed this deep
 ITEMS = 16  # a captured tuple or list up to this long is followed item by item
 MODULES = ("torch", "math", "operator", "numpy", "functools")  # global modules (and their classes) a mask_mod may name

@@ -52,7 +52,8 @@ class _Evaluated(MaskDescription):
         self._bits: dict[Extent, torch.Tensor] = {}  # oldest first
         self._tiles: dict[tuple[Extent, int, int], torch.Tensor] = {}
         self._classes: dict[tuple[Extent, int, int], torch.Tensor] = {}  # where evaluated with the tiles
-        self._per_call: tuple | None = None  # the grid `_evaluate_grid` made, if any: (key, tiles, ranked lists)
+        self._ranked: dict[tuple[Extent, int, int], tuple] = {}  # lists ranked with the tiles (`grid_ranked`)
+        self._per_call_grid: tuple[Extent, int, int] | None = None  # the grid `_evaluate_grid` made, if any
 
     def _evaluate(
         self, ext: Extent | None, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -85,6 +86,7 @@ class _Evaluated(MaskDescription):
                 del self._bits[evicted]
                 self._tiles = {key: tiles for key, tiles in self._tiles.items() if key[0] != evicted}
                 self._classes = {key: classes for key, classes in self._classes.items() if key in self._tiles}
+                self._ranked = {key: ranked for key, ranked in self._ranked.items() if key in self._tiles}
             held = self._rows_of_tiles(ext)
             if held is not None:
                 self._bits[ext] = held
@@ -145,7 +147,8 @@ class _Evaluated(MaskDescription):
         held = self._evaluate_grid(grid) if fresh else None
         if held is not None:  # the latest block shape only, as below
             self._classes, self._tiles = {key: held[0]}, {key: held[1]}
-            self._per_call = key, held[1], held[2]
+            self._ranked = {} if held[2] is None else {key: held[2]}
+            self._per_call_grid = key
             return held[1]
         bits = self.packed_bits(grid.ext)
         bm, bn = grid.block_m, grid.block_n
@@ -164,7 +167,7 @@ class _Evaluated(MaskDescription):
             tiles = rows.view(batch, heads, grid.n_rb, bm, grid.n_cb, per_row).permute(0, 1, 2, 4, 3, 5)
         tiles = tiles.reshape(batch, heads, grid.n_rb, grid.n_cb, grid.words)
         # the latest block shape only: the cost model walks the shapes in turn
-        self._classes, self._tiles = {}, {key: tiles}
+        self._classes, self._tiles, self._ranked = {}, {key: tiles}, {}
         return tiles
 
     def grid_classes(self, grid: BlockGrid) -> tuple[Tensor, Tensor] | None:
@@ -180,13 +183,10 @@ class _Evaluated(MaskDescription):
         return self._classes[key], tiles
 
     def grid_built_per_call(self, grid: BlockGrid) -> bool:
-        return self._per_call is not None and self._per_call[0] == (grid.ext, grid.block_m, grid.block_n)
+        return self._per_call_grid == (grid.ext, grid.block_m, grid.block_n)
 
     def grid_ranked(self, grid: BlockGrid) -> tuple[Tensor, np.ndarray] | None:
-        key = (grid.ext, grid.block_m, grid.block_n)
-        if not self.grid_built_per_call(grid) or self._tiles.get(key) is not self._per_call[1]:
-            return None  # not ranked with the grid, or that grid is no longer the one held
-        return self._per_call[2]
+        return self._ranked.get((grid.ext, grid.block_m, grid.block_n))  # kept only beside the tiles ranked
 
     def _classify(self, grid: BlockGrid) -> ClassRuns:
         read = self.grid_classes(grid)
