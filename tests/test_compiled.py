@@ -113,11 +113,12 @@ class FakeLaunch:
 
         missing = [op.ref for op in self.problem.operands if op.ref not in values]
         assert not missing, f"{self.template.name} would read {missing}, which the runtime did not provide"
-        env = dict(values)
+        # as a kernel does: its operands only read (copies here), its output a new tensor
+        env = {name: value.clone() if isinstance(value, torch.Tensor) else value for name, value in values.items()}
         for name in self.problem.group.nodes:
             env[name] = evaluate_node(self.problem.graph, self.problem.graph.node(name), env, torch.device("cpu"))
         FakeLaunch.launched.append(self.template.name)
-        return env[self.problem.output]
+        return env[self.problem.output].clone()
 
 
 def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=None, out=None):
@@ -513,3 +514,35 @@ def test_an_fp32_models_attention_in_the_fp16_kernels_is_said_once():
     assert any(s.kind == "attention" and "in fp16" in s.note for s in steps)
     half = CompiledModule(Attending(), torch.float16, None, use_gpu_kernels=False, build_dir=None)
     assert not any("in fp16" in s.note for s in half.steps(graph, plan, gpu=True))
+
+
+class _CountingBuffer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(4))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x + self.calls
+
+
+class _WriteThroughView(torch.nn.Module):
+    def forward(self, x):
+        t = x * 1.0
+        r = t[:, :4].relu_()
+        return t + 1, r * 2
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("module", [_CountingBuffer(), _WriteThroughView()], ids=["buffer add_", "relu_ on a view"])
+def test_in_place_writes_land_on_the_gpu_path(fake_gpu, module):
+    """A graph that keeps in-place ops runs every step in torch (a kernel writes a new tensor, so a
+    buffer's add_ or a view's relu_ would be lost), and says so."""
+    import copy
+
+    x = torch.randn(2, 4)
+    eager, compiled_from = copy.deepcopy(module), copy.deepcopy(module)
+    compiled = stof_cc.compile(compiled_from, (x,), dtype=torch.float32, tune=False, cuda_graphs=False)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x.clone()), eager(x.clone()))
+    assert "in-place ops" in compiled.explain()

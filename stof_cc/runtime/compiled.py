@@ -46,6 +46,7 @@ from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_atten
 from stof_cc.masks import MaskDescription, MaskError, from_dense
 from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
+from stof_cc.passes.canonicalize import mutating_nodes
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
@@ -258,8 +259,15 @@ class CompiledModule:
 
     def steps(self, graph: Graph, plan: FusionPlan, gpu: bool, why_not: str = "inputs on the CPU") -> list[Step]:
         """One step per group of ``plan``, in order: a generated kernel, stof-cc's attention or
-        torch (``gpu`` False: every step runs in torch, for the reason ``why_not``)."""
+        torch (``gpu`` False: every step runs in torch, for the reason ``why_not``). A graph that
+        kept in-place ops (writes through views, which canonicalize could not make functional) runs
+        every step in torch: a kernel writes a new tensor, so the write would never land where the
+        other steps read it (a buffer's ``add_``, ``t[:, :4].relu_()``: wrong answers, found by review)."""
         torch_only = None if gpu else NO_GPU.format(why=why_not)
+        mutating = mutating_nodes(graph)
+        if torch_only is None and mutating:
+            torch_only = (f"in-place ops ({', '.join('%' + name for name in mutating[:3])}) write into tensors "
+                          "other steps read: every group runs in torch, as the model wrote it")
         return [self._step(graph, group, torch_only) for group in plan.scheme.groups]
 
     def _step(self, graph: Graph, group: FusionGroup, torch_only: str | None) -> Step:
