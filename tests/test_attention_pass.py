@@ -256,3 +256,36 @@ def test_a_scale_written_on_q_or_k_is_the_nodes_scale(batched):
     histogram = result.op_histogram()  # q's and k's scaling gone; the bias keeps its own (beta)
     assert "div" not in histogram and histogram.get("mul", 0) == (1 if batched else 0), histogram
     torch.testing.assert_close(interpret(result, *inputs), module(*inputs))
+
+
+class _WrittenOut(torch.nn.Module):
+    """softmax(scores) @ v with the scores written as ``kind`` says (a review's cases)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q, k, v, m):
+        if self.kind == "add alpha":  # the mask added at half weight
+            scores = torch.add(q @ k.transpose(-1, -2), m, alpha=0.5)
+        elif self.kind == "floor div scores":
+            scores = torch.div(q @ k.transpose(-1, -2), 0.5, rounding_mode="floor")
+        elif self.kind == "floor div q":
+            scores = torch.div(q * 4, 2, rounding_mode="floor") @ k.transpose(-1, -2)
+        else:  # k^T written as a permute
+            scores = q @ k.permute(0, 1, 3, 2) * 0.25
+        return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.parametrize("kind", ["add alpha", "floor div scores", "floor div q", "permute"])
+def test_scores_that_are_not_a_scale_and_a_mask_keep_their_meaning(kind):
+    """add(s, m, alpha) and a div with a rounding mode are not the node's mask and scale (they were
+    taken as such: wrong answers); a permute of k's last two dims is its transpose (it crashed)."""
+    inputs = (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 1, 8, 8))
+    module = _WrittenOut(kind)
+    result = recognise_attention(canonicalize(trace(module, inputs, {})))
+    torch.testing.assert_close(interpret(result, *inputs), module(*inputs))
+    nodes = _attention_nodes(result)
+    assert len(nodes) == (0 if kind in ("add alpha", "floor div scores") else 1)
+    if kind == "floor div q":  # attention over the floored q, not over q with a scale
+        assert nodes[0].kwargs["scale"] == 1.0 and result.node(nodes[0].args[0].name).op == "div"

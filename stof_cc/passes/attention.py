@@ -212,7 +212,8 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         if mask is None and outside and scores.op == "masked_fill" and isinstance(scores.args[1], Ref) \
                 and (empty_rows := _hiding_fill(scores.args[2])) is not None:
             mask, mask_hides = scores.args[1], True
-        elif outside and bias is None and scores.op == "add" and all(isinstance(a, Ref) for a in scores.args[:2]):
+        elif outside and bias is None and scores.op == "add" and all(isinstance(a, Ref) for a in scores.args[:2]) \
+                and scores.kwargs.get("alpha", 1) == 1:  # add(s, m, alpha=a) scales the mask: not matched
             inner, added = _split_mask(graph, scores)
             if inner is None:
                 return refuse("the added term is not a mask beside a q k^T product")
@@ -229,8 +230,8 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
             chain += [scores.name, graph.node(scores.args[0].name).name, inner.name]
             reader, scores = inner, graph.node(inner.args[0].name)
             continue
-        elif scores.op in ("mul", "div") and isinstance(scores.args[1], (int, float)):
-            factor *= float(scores.args[1]) if scores.op == "mul" else 1.0 / float(scores.args[1])
+        elif (scale := _scale(scores)) is not None:
+            factor *= scale
         elif batch_view is None and scores.op == "view" and isinstance(scores.args[0], Ref) \
                 and _splits_batch(graph, graph.node(scores.args[0].name), scores):
             batch_view = scores
@@ -260,10 +261,10 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         ref = q if side == "q" else k
         scaled = graph.node(ref.name)
         batched_view = reader_of if reader_of.op == "view" else None  # [B*H, S, D] view of the scaled tensor
-        if scaled.op in ("mul", "div") and isinstance(scaled.args[0], Ref) \
-                and isinstance(scaled.args[1], (int, float)) and _reads_only(graph, scaled, reader_of) \
+        if (scale := _scale(scaled)) is not None and isinstance(scaled.args[0], Ref) \
+                and _reads_only(graph, scaled, reader_of) \
                 and (batched_view is None or _reads_only(graph, batched_view, scores if side == "q" else key_t)):
-            factor *= float(scaled.args[1]) if scaled.op == "mul" else 1.0 / float(scaled.args[1])
+            factor *= scale
             chain += [scaled.name] + ([batched_view.name] if batched_view is not None else [])
             q, k = (scaled.args[0], k) if side == "q" else (q, scaled.args[0])
             q_reader, k_reader = (scaled, k_reader) if side == "q" else (q_reader, scaled)
@@ -352,11 +353,23 @@ def _softcapped(graph: Graph, node: Node) -> tuple[float, Node] | None:
     if tanh.op != "tanh" or not isinstance(tanh.args[0], Ref) or not _reads_only(graph, tanh, node):
         return None
     inner, cap = graph.node(tanh.args[0].name), float(node.args[1])
-    if inner.op not in ("mul", "div") or not isinstance(inner.args[1], (int, float)) \
-            or not _reads_only(graph, inner, tanh):
+    scale = _scale(inner)
+    if scale is None or scale == 0.0 or not _reads_only(graph, inner, tanh):
         return None
-    divisor = float(inner.args[1]) if inner.op == "div" else 1.0 / float(inner.args[1])
-    return (cap, inner) if math.isclose(divisor, cap, rel_tol=1e-6) else None
+    return (cap, inner) if math.isclose(1.0 / scale, cap, rel_tol=1e-6) else None
+
+
+def _scale(node: Node) -> float | None:
+    """The factor ``node`` multiplies its first argument by, where it is a mul or a true div by a
+    number (a div with a rounding mode floors or truncates: not a scale), else None."""
+    if node.op not in ("mul", "div") or len(node.args) < 2 or not isinstance(node.args[1], (int, float)) \
+            or isinstance(node.args[1], bool):
+        return None
+    if node.op == "mul":
+        return float(node.args[1])
+    if node.kwargs.get("rounding_mode") is not None or float(node.args[1]) == 0.0:
+        return None
+    return 1.0 / float(node.args[1])
 
 
 def _allowed_mask(graph: Graph, out: Graph, match: AttentionMatch) -> tuple[Ref | None, bool]:
@@ -424,5 +437,7 @@ def _is_last_two_transpose(graph: Graph, node: Node) -> bool:
     if not isinstance(spec, TensorSpec):
         return False
     rank = len(spec.shape)
+    if isinstance(node.args[1], (list, tuple)):  # permute: every dim in place but the last two, swapped
+        return [d % rank for d in node.args[1]] == [*range(rank - 2), rank - 1, rank - 2]
     dims = sorted(d % rank for d in node.args[1:3])
     return dims == [rank - 2, rank - 1]
