@@ -73,3 +73,18 @@ def test_shape_rule_comes_from_the_reference():
     bad = g.add_node(Node("d", "matmul", "aten.matmul.default", (Ref("a"), Ref("b"))))
     with pytest.raises(GraphError, match=r"%d \(matmul"):
         infer_spec(g, bad)
+
+
+def test_a_view_as_another_dtype_is_opaque_not_a_reshape():
+    """x.view(torch.int32) reinterprets bits: taken as a reshape, a kernel converted every value."""
+    from stof_cc import trace
+    from stof_cc.passes import canonicalize
+
+    assert canonical_op("aten.view.dtype") == OPAQUE and canonical_op("aten.view.default") == "view"
+
+    class Bits(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2).view(torch.int32) + 1
+
+    graph = canonicalize(trace(Bits(), (torch.randn(4, 8),), {}))
+    assert [n.op for n in graph.nodes() if (n.target or "").startswith("aten.view")] == [OPAQUE]

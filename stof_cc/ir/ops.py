@@ -77,6 +77,12 @@ def all_ops() -> list[OpDef]:
     return sorted(_OPS.values(), key=lambda o: o.name)
 
 
+#: Overloads of a known packet that mean something else: ``x.view(torch.int32)`` reinterprets the
+#: bits (taken as a reshape, every element came out converted instead: found by review). Opaque:
+#: they run in torch.
+REINTERPRETING = frozenset({"aten.view.dtype"})
+
+
 def canonical_op(target: str) -> str:
     """Canonical op name for an ATen overload or Python function name; OPAQUE if unknown.
 
@@ -85,6 +91,8 @@ def canonical_op(target: str) -> str:
     """
     if target in _BY_PACKET:
         return _BY_PACKET[target].name
+    if target in REINTERPRETING:
+        return OPAQUE
     parts = target.split(".")
     packet = ".".join(parts[:2]) if len(parts) >= 2 else target
     if packet in _BY_PACKET:
