@@ -187,6 +187,12 @@ class Rotary(torch.nn.Module):  # HF's rotate_half: the rotary rule makes one ro
         return x * cos + rotated * sin
 
 
+class RoundingError(torch.nn.Module):  # a cast to fp16 mid-chain rounds there (read as a no-op it gave 0)
+    def forward(self, x):
+        y = x.transpose(-1, -2) * 3.1
+        return (y - y.half().float()) * 1000
+
+
 def _padding():
     return torch.randint(-1, 3, (B, S))
 
@@ -205,6 +211,7 @@ CASES = {
     **{f"pieces by {how}": (Pieces(how), lambda: (torch.randn(B, S, D),))
        for how in ("chunk", "split", "split_with_sizes", "unbind")},
     "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
+    "a cast that rounds": (RoundingError(), lambda: (torch.randn(B, S, D),)),
     "repeat_interleave": (RepeatInterleave(), lambda: (torch.randn(B, S, D), torch.randn(S, D // 2))),
     "rotary": (Rotary(), lambda: (torch.randn(B, H, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16),

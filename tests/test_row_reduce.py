@@ -52,6 +52,18 @@ class LayerNormOnly(torch.nn.Module):
         return self.norm(x) * r
 
 
+class RoundingError(torch.nn.Module):
+    """A cast to fp16 inside the prologue rounds there: each row's summed fp16 rounding error (a
+    cast read as a no-op gave 0)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        y = x * 3.1 + r
+        return (y - y.half().float()).sum(-1)
+
+
 class MixedSoftmax(torch.nn.Module):
     """An fp16 input, an fp32 residual and output: vectors of the output's item size."""
 
@@ -265,6 +277,7 @@ def _run_on_host(tmp_path: Path, problem, params, values) -> torch.Tensor:
     (RowAmax, (2, 3, 264), torch.float32),                 # not keepdim
     (MixedSoftmax, (3, 7, 96), torch.float16),             # fp16 x element by element in fp32 vectors
     (Fp32WeightNorm, (3, 7, 1000), torch.float16),         # Cohere: an fp16 row, an fp32 weight
+    (RoundingError, (3, 7, 264), torch.float32),           # a cast to fp16 mid-prologue rounds
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_every_point_matches_torch_on_the_host(tmp_path: Path, module_type, shape, dtype):
     torch.manual_seed(0)

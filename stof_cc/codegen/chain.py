@@ -113,6 +113,16 @@ def _identity(node: Node, a: list[str]) -> str:
     return a[0]
 
 
+def _cast(node: Node, a: list[str]) -> str:
+    """fp32 inside, but a cast to fp16 or bf16 rounds there, as torch's does (``y - y.half().float()``
+    is the rounding error: read as a no-op it came out 0, found by review); the store rounds to the
+    output dtype too."""
+    dtype = node.spec.dtype if isinstance(node.spec, TensorSpec) else None
+    rounding = {"torch.float16": "__half2float(__float2half_rn({}))",
+                "torch.bfloat16": "__bfloat162float(__float2bfloat16_rn({}))"}.get(str(dtype))
+    return a[0] if rounding is None else rounding.format(a[0])
+
+
 def _call(function: str) -> tuple[int, Callable[[Node, list[str]], str]]:
     """A one-argument C math function applied to the value: ``function(x)``."""
     return 1, lambda node, a: f"{function}({a[0]})"
@@ -170,7 +180,7 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "pow": (2, _pow),
     "clamp": (1, _clamp),
     "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
-    "cast": (1, _identity),     # fp32 inside; the store rounds to the output dtype
+    "cast": (1, _cast),
     "clone": (1, _identity),
     "remainder": (2, lambda n, a: f"remainder_of({a[0]}, {a[1]})"),  # group_common.j2, as torch
     "abs": _call("fabsf"),

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen.chain import EMITTERS, NotFusable, Operand, _float
+from stof_cc.codegen.chain import EMITTERS, NotFusable, Operand, _cast, _float
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.ir.ops import split_piece
 
@@ -185,6 +185,8 @@ class IndexedChain:
         masked_fill, comparisons and logical ops, for floating values too)."""
         arg: Callable[[Any, str], str] = lambda a, t=ctype: self._arg(node, a, coords, t)  # noqa: E731
         op, args = node.op, node.args
+        if op == "cast" and ctype == "float":
+            return _cast(node, [arg(args[0])])
         if op in ("cast", "clone", "dropout"):
             return arg(args[0])
         if op == "full_like":  # zeros_like, ones_like, full_like(x, v), empty_like (any value: 0)
