@@ -193,6 +193,15 @@ class RoundingError(torch.nn.Module):  # a cast to fp16 mid-chain rounds there (
         return (y - y.half().float()) * 1000
 
 
+class CompareHalf(torch.nn.Module):  # fp16 compared with a number: in fp16, as torch promotes
+    def forward(self, x):
+        return torch.where(x.transpose(-1, -2) >= 0.1, 1.0, -1.0) + (x.transpose(-1, -2) == 0.1).half()
+
+
+def _thousandths():  # every value -0.128 .. 0.127 in fp16, fp16's 0.1 among them
+    return ((torch.arange(B * S * D) % 256 - 128).half() / 1000).view(B, S, D)
+
+
 def _padding():
     return torch.randint(-1, 3, (B, S))
 
@@ -212,6 +221,7 @@ CASES = {
        for how in ("chunk", "split", "split_with_sizes", "unbind")},
     "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
     "a cast that rounds": (RoundingError(), lambda: (torch.randn(B, S, D),)),
+    "fp16 compared with a number": (CompareHalf(), lambda: (_thousandths(),)),
     "repeat_interleave": (RepeatInterleave(), lambda: (torch.randn(B, S, D), torch.randn(S, D // 2))),
     "rotary": (Rotary(), lambda: (torch.randn(B, H, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16),
