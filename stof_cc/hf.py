@@ -329,8 +329,10 @@ def _described_together(functions: list[Callable]) -> MaskDescription | None:
     from transformers import masking_utils as mu
 
     windows = [w for part in functions if (w := captured_window(part)) is not None]
-    if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1:
+    if len(functions) == 2 and mu.causal_mask_function in functions and len(windows) == 1 and windows[0] >= 2:
         return causal_window(windows[0] - 1)  # 0 <= q - k < window
+    # a window under 2 (Qwen2-MoE's default config says 0, and builds that mask without using it: it
+    # raised here) is described as written, by its function
     parts = [p for p in map(describe, functions) if p is not None]
     return functools.reduce(operator.and_, parts) if parts else None
 
@@ -396,6 +398,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if sinks is not None:
         raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
                          f"{sinks}): use attn_implementation='eager' for this model")
+    selected = next((name for name, value in kwargs.items() if name.endswith("indices") and value is not None), None)
+    if selected is not None:  # MiniMax-M3's block_indices: dropped, its sparse attention ran dense (found by review)
+        raise ValueError(f"attn_implementation='{NAME}' does not read {selected} ({type(module).__name__} passes the "
+                         "keys its sparse attention selects): use attn_implementation='sdpa' for this model")
     if isinstance(attention_mask, TracedMask) or (torch.compiler.is_compiling() and attention_mask is None):
         return _traced_attention(module, query, key, value, attention_mask, scaling, **kwargs)
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores

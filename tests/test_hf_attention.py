@@ -72,6 +72,14 @@ def test_known_masks_become_zoo_descriptions(name, mask_function, label):
     _same_mask(description, mask_function)
 
 
+@pytest.mark.parametrize("window", [0, 1])
+def test_windows_under_two_are_described_as_written(window):
+    """Qwen2-MoE's default config has sliding_window 0 and builds that mask without using it: it
+    raised (sliding_window(w=-1)); a window of 0 or 1 is now its own exact mask."""
+    mask_function = mu.sliding_window_causal_mask_function(window)
+    _same_mask(stof_cc.hf.describe(mask_function), mask_function)
+
+
 def test_packed_sequences_become_documents():
     documents = torch.tensor([[0] * 20 + [1] * 28, [0] * 5 + [1] * 30 + [2] * 13])
     packed = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(documents))
@@ -172,6 +180,8 @@ def test_what_is_refused_is_named():
         stof_cc.hf.attention_forward(module, q, q, q, None, softcap=50.0)
     with pytest.raises(ValueError, match="attention sinks"):
         stof_cc.hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="does not read block_indices"):  # MiniMax-M3's sparse blocks: ran dense
+        stof_cc.hf.attention_forward(module, q, q, q, None, block_indices=torch.zeros(1, 2, 2, dtype=torch.long))
     module.train()
     with pytest.raises(ValueError, match="inference-only"):
         stof_cc.hf.attention_forward(module, q, q, q, None, dropout=0.1)
