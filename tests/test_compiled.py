@@ -13,7 +13,7 @@ import torch
 
 import stof_cc
 from stof_cc.ir.frontend import trace
-from stof_cc.ir.reference import relative_error
+from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.loading import load_factory
 
 EXAMPLES = ("tiny_bert", "gpt2_block", "encoder_layer")
@@ -123,7 +123,6 @@ class FakeLaunch:
 
 def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=None, out=None):
     _fake_attention.paddings.append(key_padding)
-    assert bias is None  # the models here have none (tests/test_attention_gpu.py adds biases on the GPU)
     dense = None if mask is None else mask.to_dense(q.shape[-2], k.shape[-2], batch=q.shape[0], heads=q.shape[1])
     if key_padding is not None:  # the kernels' reading of KeyPadding: keys in [start, end) that are valid
         keys = torch.arange(k.shape[-2])
@@ -131,7 +130,10 @@ def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=No
         kept = (keys >= start[:, None]) & (keys < end[:, None]) & key_padding.valid.bool()
         kept = kept[:, None, None, :]
         dense = kept if dense is None else dense & kept
-    result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
+    if bias is not None:  # the kernels add it to the fp32 scores
+        result = masked_attention(q, k, v, dense, scale, bias=bias)
+    else:
+        result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
     return result if out is None else out.copy_(result)
 
 
@@ -468,7 +470,6 @@ def test_mask_override_and_a_bias_both_hold():
     """compile(mask=causal) on attention with a float bias: the causal mask restricts the keys
     and the bias is still added (it was dropped before: the output was the bias alone)."""
     from stof_cc import masks
-    from stof_cc.ir.reference import masked_attention
 
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     module = _Biased().eval()
@@ -546,3 +547,29 @@ def test_in_place_writes_land_on_the_gpu_path(fake_gpu, module):
     for _ in range(3):
         torch.testing.assert_close(compiled(x.clone()), eager(x.clone()))
     assert "in-place ops" in compiled.explain()
+
+
+class _AdditivePadding(torch.nn.Module):
+    """Attention written out in the model's dtype with HF's additive padding mask, (1 - mask) * min."""
+
+    def forward(self, q, k, v, padding):
+        scores = q @ k.transpose(-1, -2) * 0.125
+        scores = scores + (1.0 - padding[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+        return torch.softmax(scores, -1) @ v
+
+
+@pytest.mark.nvcc
+def test_a_row_padded_everywhere_gets_eagers_answer_on_the_gpu_path(fake_gpu):
+    """fp16 scores plus a finite -65504 everywhere round to one value: eager gives that row the mean
+    of V, which the fp32 kernels would not (they gave the unmasked attention: found by review)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 64) for _ in range(3))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0] = 0  # the first sequence is padding everywhere
+    padding[1, 9:] = 0
+    module = _AdditivePadding()
+    compiled = stof_cc.compile(module, (q, k, v, padding), dtype=torch.float16, tune=False, cuda_graphs=False)
+    args = (q.half(), k.half(), v.half(), padding)
+    with torch.no_grad():
+        want = module(*args)
+    torch.testing.assert_close(compiled(*args), want, rtol=2e-2, atol=2e-2)
