@@ -140,3 +140,23 @@ def test_on_the_gpu_an_update_is_seen_through_the_captured_graph(example_path):
             got = compiled(x)
         want = module.float()(x.float())
     assert stof_cc.ir.reference.relative_error(got, want) < 1e-2
+
+
+class _PlainTensorAttribute(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = torch.tensor([2.0])  # a plain attribute, not a buffer: traced as a constant
+
+    def forward(self, x):
+        return x * self.c
+
+
+def test_a_plain_tensor_attribute_written_in_place_compiles_again():
+    """Tensors kept as plain attributes are watched as buffers are (read stale before: found by review)."""
+    module, x = _PlainTensorAttribute(), torch.randn(4, 8)
+    compiled = stof_cc.compile(module, (x,), dtype=torch.float32)
+    torch.testing.assert_close(compiled(x), x * 2)
+    module.c.fill_(5.0)
+    with pytest.warns(UserWarning, match="'c' of the compiled model changed"):
+        got = compiled(x)
+    torch.testing.assert_close(got, x * 5)

@@ -11,8 +11,12 @@ and ``.to()``, ``.half()`` or ``p.data = ...`` change the data pointer. On a cha
 module warns, naming the first changed tensor, and compiles again from the module as it is now
 (kernels and tuning records are cached, so this costs a trace, not a tuning).
 
+Tensors kept as plain attributes of a submodule (not registered as buffers) are watched the
+same way (a review found them read stale after an in-place write).
+
 What it cannot see: a write through ``p.data`` (``p.data.mul_(2)``) goes around the version
-counter, as it goes around autograd. After one, call ``compiled.refresh()``
+counter, as it goes around autograd; nor Python numbers on a module (``self.scale = 3.0``), which
+the trace read as constants. After either, call ``compiled.refresh()``
 (docs/troubleshooting.md#changed-weights).
 
 The check walks every tensor and submodule once per call in Python (about 0.1 us each: some
@@ -46,6 +50,9 @@ class WeightWatch:
     def _walk(self, module: torch.nn.Module, prefix: str) -> None:
         for store in (module._parameters, module._buffers):
             self._tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
+        # tensors kept as plain attributes (``self.c = torch.tensor(...)``): traced as constants too
+        self._tensors += [(module.__dict__, name, prefix + name) for name, t in module.__dict__.items()
+                          if isinstance(t, torch.Tensor)]
         for name, child in module._modules.items():
             self._modules.append((module._modules, name, child, prefix + name))
             if child is not None:
