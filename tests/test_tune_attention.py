@@ -124,3 +124,28 @@ def test_a_mask_that_is_not_a_description_gets_the_call_that_makes_one():
                        (lambda b, h, q, k: q >= k, "masks.from_mask_mod(fn)")):
         with pytest.raises(AttentionInputError, match=re.escape(says)):
             explain_attention(1, 2, 128, 128, 64, mask)
+
+
+@pytest.mark.parametrize("case", ["k and v broadcast over the batch", "v with another head dim"])
+def test_attention_the_kernels_do_not_take_is_refused_at_compile(case):
+    """K/V broadcast over the batch or a V head dim unlike q's: NotFusable at compile (torch runs
+    it), where the first call on the GPU raised the kernels' input error (found by review)."""
+    from stof_cc.codegen import NotFusable
+    from stof_cc.ir.frontend import trace
+    from stof_cc.passes import canonicalize, recognise_attention
+    from stof_cc.tune.attention import attention_kernel
+
+    q, k, v = (torch.randn(2, 4, 16, 64) for _ in range(3))
+    if case == "k and v broadcast over the batch":
+        k, v = k[:1], v[:1]
+    else:
+        v = torch.randn(2, 4, 16, 32)
+
+    class Sdpa(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    graph = recognise_attention(canonicalize(trace(Sdpa(), (q, k, v), {})))
+    (node,) = [n for n in graph.nodes() if n.op == "attention"]
+    with pytest.raises(NotFusable, match="has no stof-cc kernel"):
+        attention_kernel(graph, node)

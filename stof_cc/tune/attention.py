@@ -237,7 +237,7 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
     with the reason.
     An fp32 node gets the fp16 kernel: stof-cc compiles models to fp16 (or bf16)."""
     given = attention_arguments(node)
-    q, k = (graph.node(given[name].name).spec for name in ("query", "key"))
+    q, k, v = (graph.node(given[name].name).spec for name in ("query", "key", "value"))
     attn_mask = given.get("attn_mask")
     bias = bool(added_biases(graph, node))  # a float mask, ALiBi: the kernel variant that adds it (kept under mask=)
     if attn_mask is not None and mask is None and not is_bias(graph, attn_mask):  # (`compile(mask=)` replaces it)
@@ -249,6 +249,12 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
                          "stof-cc's attention kernels yet")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
+    # the kernels' contract (templates/attention.py's input checks): K and V as q's batch and head
+    # dim, V as K's keys and heads; else the first call raised where torch runs it (found by review)
+    if len(k.shape) != 4 or tuple(v.shape) != tuple(k.shape) or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] \
+            or q.shape[1] % k.shape[1]:
+        raise NotFusable(f"%{node.name}: attention with q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "(K and V broadcast over the batch, or another head dim or key count) has no stof-cc kernel")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
     choice = explain_attention(b, h, s_q, k.shape[2], d, node_mask(given, mask), dtype=dtype)
