@@ -47,6 +47,7 @@ import operator
 import sys
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,7 @@ import torch
 
 from stof_cc.backends.decode_launch import decode_attention, decode_unsupported, every_key_counts
 from stof_cc.masks import MaskDescription, document, from_mask_mod
+from stof_cc.masks.kept import keep
 from stof_cc.runtime.attention import attention
 from stof_cc.tune.attention import CAUSAL, causal_window
 
@@ -489,10 +491,14 @@ class _Packing:
     tensors: tuple[weakref.ref, weakref.ref]
     stamp: tuple
     found: PackedDocuments
-    combined: dict[tuple, tuple[Any, HFMask]] = field(default_factory=dict)  # id(layer mask), causal -> it, ours
+    # id(layer mask), causal -> it, ours: the latest KEPT_COMBINED (a collator that hands the same
+    # cu_seq_lens tensor to every forward keeps one _Packing, and each forward's new layer masks
+    # were kept for ever: found by review)
+    combined: OrderedDict[tuple, tuple[Any, HFMask]] = field(default_factory=OrderedDict)
 
 
 _last_packing: list[_Packing] = []  # the last forward's
+KEPT_COMBINED = 8  # layer masks combined with one packing kept (a forward has one to three: full, sliding, chunked)
 
 
 def _stamp(t: torch.Tensor) -> object:
@@ -548,7 +554,7 @@ def _with_documents(mask: HFMask | None, packing: _Packing, causal_module: bool)
         else:  # packing transformers found from position ids stays too (the documents of both apply)
             ours = HFMask(mask.description, mask.key_padding, mask.arguments, packing=packing.found,
                           segments=mask.segments)
-        packing.combined[key] = (mask, ours)  # the layer mask held: its id is not reused meanwhile
+        keep(packing.combined, key, (mask, ours), KEPT_COMBINED)  # the layer mask held: its id not reused meanwhile
     return packing.combined[key][1]
 
 

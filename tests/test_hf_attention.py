@@ -616,6 +616,22 @@ def test_cu_seq_lens_refilled_in_place_are_read_again():
             torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
+def test_one_cu_seq_lens_tensor_over_many_forwards_keeps_a_bounded_set_of_layer_masks():
+    """A collator handing the same cu_seq_lens tensor (same values) to every forward keeps one
+    packing; each forward's new layer masks were kept on it for ever (found by review)."""
+    stof_cc.hf.register()
+    torch.manual_seed(0)
+    model = _packed_decoder("llama")
+    ids = torch.randint(1, 100, (1, SEQ))
+    cu = torch.tensor([0, 9, 39, 48], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in (9, 30, 9)])[None]
+    with torch.no_grad():
+        for _ in range(3 * stof_cc.hf.KEPT_COMBINED):
+            model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    (packing,) = stof_cc.hf._last_packing
+    assert len(packing.combined) <= stof_cc.hf.KEPT_COMBINED
+
+
 @pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
 def test_packed_encoders_attend_within_each_sequence(family, monkeypatch):
     """Encoders get no packing from transformers' masks: cu_seq_lens (which transformers passes to
