@@ -147,7 +147,7 @@ class _RankedGrid:
         is (block rows over every slice, block columns)."""
         self.function, self.args, self.n_rb = function, args, n_rb
         self.host = lists.host_offsets(lists_shape[0], device)
-        # static shapes, like the form's: the dynamic-size ranker's kernels took 50-60 us a call, these 12
+        # static shapes, like the form's: the dynamic-size ranker's kernels took 50-60 us a call on the H100, these 17
         self.ranker = per_shape(lists.lists, (lists.lists, *lists_shape))
 
     def __call__(self, fn: Callable) -> tuple[Tensor, Tensor, Tensor]:
