@@ -253,6 +253,29 @@ def test_a_row_that_does_not_parse_is_skipped_and_removed(tmp_path: Path, column
         assert again.lookup(ELEMENTWISE, "good", H100).micros == 2.0
 
 
+def test_a_newer_stof_ccs_database_and_rows_are_left_for_it(tmp_path: Path):
+    """A file whose records table has our columns and more, or rows of a newer schema, was written by a
+    newer stof-cc: not moved aside nor removed (its records were lost to the version that wrote them)."""
+    path = tmp_path / "t.sqlite"
+    db = TuningDatabase(path)
+    newer = db.store(ELEMENTWISE, "newer", H100, {"threads": 128, "vec": 1}, 2.0)
+    good = db.store(ELEMENTWISE, "good", H100, {"threads": 128, "vec": 1}, 2.0)
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("UPDATE records SET schema = 2 WHERE key = ?", (newer.key,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [r.key for r in db.records()] == [good.key]  # skipped, quietly
+    assert raw.execute("SELECT count(*) FROM records").fetchone()[0] == 2  # and kept
+    raw.execute("ALTER TABLE records ADD COLUMN arch_features TEXT")
+    with pytest.warns(TuningDatabaseWarning, match="written by a newer stof-cc .*arch_features"):
+        older = TuningDatabase(path)
+    assert older.lookup(ELEMENTWISE, "good", H100).micros == 2.0  # read as ours
+    with pytest.warns(TuningDatabaseWarning, match="written by a newer stof-cc .*not saved"):
+        older.store(ELEMENTWISE, "mine", H100, {"threads": 128, "vec": 1}, 3.0)  # never written into
+    assert raw.execute("SELECT count(*) FROM records").fetchone()[0] == 2
+    assert not list(tmp_path.glob("*.corrupt-*"))  # left where it was
+
+
 def _make_read_only(monkeypatch: pytest.MonkeyPatch, *paths: Path) -> None:
     """chmod ``paths`` read-only; for root, whom chmod does not stop, os.access then still says
     writable, so make it say read-only for these paths (SQLite's own read-only mode does the rest)."""

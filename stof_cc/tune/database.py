@@ -26,6 +26,10 @@ processes read while one writes. What can go wrong, and what happens then:
   read-only, since SQLite could not create the WAL index), lookups work, and writes are
   skipped with a warning;
 * a row that does not parse is never trusted: it is skipped with a warning and removed;
+* a file written by a newer stof-cc (its ``records`` table has our columns and more) is read as
+  ours but never written into, moved or cleaned, with a warning (moved aside, its records were lost
+  to the newer version that wrote them: found by review), and a newer version's rows are skipped,
+  never removed;
 * a file that is not a database, is malformed, or holds another tool's ``records`` table is
   moved aside (the regular file we opened, with its -wal and -shm, to
   ``<name>.corrupt-<time>-<pid>``) with a warning, and a fresh one started; read-only, it is
@@ -211,12 +215,18 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
+class _NewerRecord(ValueError):
+    """A row a newer stof-cc wrote: not ours to read, nor to remove."""
+
+
 def _record(row: tuple) -> Record:
     """A row as `TuningDatabase.store` writes it, or ValueError: whatever else is in the
     file (another schema, a field of the wrong type, a time that is not a number) is not trusted."""
     key, template, signature, device, params, micros, created, schema = row
     if not all(isinstance(text, str) for text in (key, template, signature, device, params)):
         raise ValueError("a text field is not text")
+    if isinstance(schema, int) and schema > SCHEMA_VERSION:
+        raise _NewerRecord(f"schema {schema}, newer than {SCHEMA_VERSION}")
     if schema != SCHEMA_VERSION:
         raise ValueError(f"schema {schema!r}, not {SCHEMA_VERSION}")
     if not (_finite(micros) and micros > 0 and _finite(created)):
@@ -283,6 +293,9 @@ class TuningDatabase:
         """The ``records`` table's columns (none: no table yet); sqlite3.DatabaseError for another
         tool's table: a foreign file, never read or written into."""
         columns = tuple(row[1] for row in self._db.execute("PRAGMA table_info(records)"))
+        if columns[:len(_COLUMNS)] == _COLUMNS and len(columns) > len(_COLUMNS):
+            raise TuningDatabaseError(f"tuning database {self.path} was written by a newer stof-cc (its records have "
+                                      f"the columns {', '.join(columns[len(_COLUMNS):])} too): read, never written into")
         if columns and columns != _COLUMNS:
             raise sqlite3.DatabaseError(f"a records table of another layout: {', '.join(columns)}")
         return columns
@@ -384,6 +397,8 @@ class TuningDatabase:
         removed (where the file can be written) so that it is measured again."""
         try:
             return _record(row)
+        except _NewerRecord:  # a newer version's: skipped, and kept for it
+            return None
         except ValueError as exc:
             warnings.warn(f"tuning record {row[1]} / {row[2]} in {self.path} is corrupt ({exc}); ignored, it "
                           "will be measured again", TuningDatabaseWarning, stacklevel=2)
