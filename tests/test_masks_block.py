@@ -4,6 +4,8 @@ classification), statistics, batch/head collapse, chunked evaluation and memory.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -351,3 +353,15 @@ def test_to_returns_the_mask_itself_only_where_every_tensor_is_there():
     mixed = dataclasses.replace(on_meta, any_cols=mask.any_cols)  # one tensor elsewhere: every tensor moves
     moved = mixed.to("meta")
     assert moved is not mixed and moved.any_cols.device.type == "meta"
+
+
+@pytest.mark.parametrize("stated", [{}, {"batch": 2}, {"heads": 2}, {"batch": 2, "heads": 2}])
+def test_mask_mod_for_answers_every_batch_and_head_of_a_user_mask(stated):
+    """A mask_mod over per-sequence / per-head tables through mask_mod_for: without the batch and
+    heads stated, the kept bits held slice 0 and answered every b and h from it (found by review)."""
+    lengths, widths = torch.tensor([3, 8]), torch.tensor([0, 4])
+    description = masks.from_mask_mod(lambda b, h, q, k: (k < lengths[b]) & ((q - k).abs() <= widths[h]))
+    bound = description.mask_mod_for(8, **stated)
+    for b, h, q, k in itertools.product(range(2), range(2), range(8), range(8)):
+        want = bool(k < lengths[b] and abs(q - k) <= widths[h])
+        assert bool(bound(*(torch.tensor(i) for i in (b, h, q, k)))) == want, (b, h, q, k)

@@ -319,6 +319,19 @@ class _MaskMod(_Evaluated):
         return compiled.grid(self.fn, self.name, self._evaluation_device(), grid.ext.seq_q, grid.ext.seq_k,
                              grid.block_m, grid.block_n, batch, heads)
 
+    def _bound_mask_mod(self, ext: Extent | None) -> MaskMod:
+        """`mask_mod_for`'s function: the kept evaluation only where the extent names the batch and
+        heads (its bits then cover every b and h a caller may pass); otherwise the mask_mod itself,
+        since bits kept for one slice answered every b and h with slice 0 (a mask over per-sequence
+        tables came out wrong for b > 0 in FlexAttention's create_block_mask: found by review)."""
+        if ext is not None and ext.batch > 1 and ext.heads > 1:
+            return super()._bound_mask_mod(ext)
+
+        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return self._evaluate(ext, b, h, q, k)
+
+        return mask_mod
+
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
         bits = None if ext is None else self.packed_bits(ext)
         if bits is None:
