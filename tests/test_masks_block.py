@@ -365,3 +365,18 @@ def test_mask_mod_for_answers_every_batch_and_head_of_a_user_mask(stated):
     for b, h, q, k in itertools.product(range(2), range(2), range(8), range(8)):
         want = bool(k < lengths[b] and abs(q - k) <= widths[h])
         assert bool(bound(*(torch.tensor(i) for i in (b, h, q, k)))) == want, (b, h, q, k)
+
+
+def test_descriptions_copy_the_tensors_they_are_made_of():
+    """from_dense and document(segment_ids=) keep copies: the caller's tensor written afterwards
+    changes neither the mask nor its block masks (kept bits went stale beside a live to_dense)."""
+    dense = torch.zeros(64, 64, dtype=torch.bool)
+    ids = torch.tensor([0] * 30 + [1] * 34)
+    described = [(masks.from_dense(dense), dense.clone()),
+                 (masks.document(segment_ids=ids), ids[:, None] == ids[None, :])]
+    dense |= torch.ones_like(dense).tril()
+    ids[:] = torch.tensor([1] * 30 + [0] * 34).flip(0)
+    for description, want in described:
+        assert torch.equal(description.to_dense(64)[0, 0], want)
+        for block in (16, 32):
+            assert torch.equal(description.block_mask(64, 64, block, block).to_dense()[0, 0], want)

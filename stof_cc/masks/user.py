@@ -416,7 +416,9 @@ def from_dense(mask: Tensor) -> MaskDescription:
             f"dim, got {tuple(mask.shape)}"
         )
     check_values("from_dense", "mask", mask)
-    return _Dense((mask if mask.dim() == 4 else mask[None, None]).cpu().contiguous())
+    # a copy: a description does not change (the caller's tensor written later left kept bits stale
+    # beside a live to_dense: found by review)
+    return _Dense((mask if mask.dim() == 4 else mask[None, None]).to("cpu", copy=True).contiguous())
 
 
 def from_mask_mod(

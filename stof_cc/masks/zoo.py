@@ -704,7 +704,8 @@ def document(
             f"document: segment_ids must have shape [S] or [B, S], got {tuple(segment_ids.shape)}"
         )
     check_values("document", "segment_ids", segment_ids)
-    ids = segment_ids.reshape(-1, segment_ids.shape[-1]).long().cpu()
+    # a copy: a description does not change (ids written later broke its exact classes: found by review)
+    ids = segment_ids.reshape(-1, segment_ids.shape[-1]).to("cpu", torch.long, copy=True)
     return _Segments(ids, f"document(segment_ids=<{'x'.join(map(str, segment_ids.shape))}>)")
 
 
