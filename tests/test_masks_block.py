@@ -380,3 +380,18 @@ def test_descriptions_copy_the_tensors_they_are_made_of():
         assert torch.equal(description.to_dense(64)[0, 0], want)
         for block in (16, 32):
             assert torch.equal(description.block_mask(64, 64, block, block).to_dense()[0, 0], want)
+
+
+def test_padding_that_is_not_right_padding_fixes_its_batch_and_keys():
+    """from_padding of left or gapped padding: dims [B, 1] like key_padding's, and a clear MaskError
+    for another batch or seq_k (it dropped every row but the first, or raised a raw IndexError)."""
+    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0]])
+    description = masks.from_padding(padding)
+    want = (padding != 0)[:, None, None, :].expand(2, 1, 4, 4)
+    assert description.mask_dims(4) == (2, 1)
+    assert torch.equal(description.to_dense(4), want)
+    assert torch.equal(description.block_mask(4, 4, 16, 16).to_dense(), want)
+    with pytest.raises(masks.MaskError, match="2 batch rows, but batch=3"):
+        description.to_dense(4, batch=3)
+    with pytest.raises(masks.MaskError, match="covers 4 keys, but seq_k=6"):
+        description.to_dense(4, 6, batch=2)

@@ -522,4 +522,26 @@ def from_padding(padding: Tensor, seq_q: int | None = None) -> MaskDescription:
     prefix = torch.arange(keep.shape[1])[None, :] < lengths[:, None]
     if torch.equal(keep, prefix):
         return key_padding(lengths.tolist())
-    return from_mask_mod(lambda b, h, q, k: keep[b, k], name="padding")
+    return _KeptKeys(keep)
+
+
+class _KeptKeys(_MaskMod):
+    """`from_padding`'s mask for padding that is not ones then zeros: the keys kept per batch
+    element [B, S_k], for any number of queries. It fixes its batch (dims [B, 1], as `key_padding`
+    does) and its keys: as a bare mask_mod it fixed neither, dropped every batch row but the first
+    when no batch was given, and indexed past its table with another batch or seq_k (found by review)."""
+
+    def __init__(self, keep: Tensor) -> None:
+        super().__init__(lambda b, h, q, k: keep[b, k], "padding", None)
+        self.keep = keep
+
+    def _fixed(self) -> tuple[int | None, int | None]:
+        return (self.keep.shape[0] if self.keep.shape[0] > 1 else None), None
+
+    def _dims(self, ext: Extent) -> tuple[int, int]:
+        batch, keys = self.keep.shape
+        if ext.seq_k != keys:
+            raise MaskError(f"from_padding: the padding covers {keys} keys, but seq_k={ext.seq_k}")
+        if batch not in (1, ext.batch):
+            raise MaskError(f"from_padding: the padding has {batch} batch rows, but batch={ext.batch}")
+        return batch, 1
