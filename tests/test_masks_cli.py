@@ -74,6 +74,8 @@ BAD_SPECS = [
     ("grid:causal", "grid masks depend on the sequence length; pass seq"),
     ("(causal|sliding:w=4", r"a '\(' without its '\)'"),
     ("causal)&full", r"a '\)' without its '\('"),
+    ("causal~full", r"'~' follows a term with no '\|' or '&' between them"),  # was reported as a ')'
+    ("full(causal)", r"'\(' follows a term with no '\|' or '&'"),
     ("()", "an empty term"),
     ("causal&&full", "an empty term"),
     (":w=3", "an empty term"),

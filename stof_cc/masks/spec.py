@@ -119,8 +119,11 @@ def parse_spec(text: str, seq: int | None = None) -> MaskDescription:
     tokens = [token.strip() for token in re.split(r"([()|&~])", text)]
     parser = _Parser([token for token in tokens if token], text, seq)
     desc = parser.union()
-    if parser.at < len(parser.tokens):  # a ')' with no '(' before it
-        raise MaskError(f"spec {text!r}: a ')' without its '('")
+    if parser.at < len(parser.tokens):  # what the grammar cannot follow: a ')' with no '(', or a term after a term
+        left = parser.tokens[parser.at]
+        what = "a ')' without its '('" if left == ")" else \
+            f"{left!r} follows a term with no '|' or '&' between them"
+        raise MaskError(f"spec {text!r}: {what}")
     return desc
 
 
