@@ -25,6 +25,7 @@ instead of the kernels.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from stof_cc.templates.attention import (
     AttentionInputError,
     AttentionProblem,
     check_layout,
+    problem_of,
     validated_problem,
 )
 from stof_cc.templates.pricing import target_capability
@@ -236,8 +238,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     first partial is stored, then blended): in bf16 about 1.5-2.7x its relative error.
 
     Inference-only, as `stof_cc.attention` is. The inputs are checked before anything is sent, and
-    on the first call of a group with a mask and shape, the ranks compare their shapes, dtypes and
-    masks: a rank that differs gets a ValueError on every rank (unchecked, it aborted gloo or hung).
+    on every call the ranks compare their shapes, dtypes, masks and plans (one all-reduce of a
+    fingerprint, and a wait for it): where a rank differs, every rank gets a ValueError (unchecked,
+    it aborted gloo or hung).
     """
     if not isinstance(mask, MaskDescription):
         raise TypeError(f"context_parallel_attention: mask must be a stof_cc.masks description, got "
@@ -291,33 +294,45 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise AttentionInputError("context_parallel_attention is inference-only (no backward: keys sent to "
                                   "other ranks carry no gradient back): call it under torch.no_grad()")
     check_layout(q, k, v)
+    if q.is_cuda:  # the kernels' own checks (dtype, head dim), which otherwise raised after the transfers were posted
+        problem_of(q, k, v)
     if k.shape[-2] != q.shape[-2] or v.shape[-1] != q.shape[-1]:
         raise ValueError(f"context_parallel_attention: q, k and v must be [B, H, S / world, D] shards of one "
                          f"sequence (K and V alike); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
 
-_agreed: weakref.WeakKeyDictionary[dist.ProcessGroup, set] = weakref.WeakKeyDictionary()
-
-
 def _check_ranks_agree(group: dist.ProcessGroup | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        mask: MaskDescription, balanced: bool) -> None:
-    """On the first call of ``group`` with this rank's shapes, dtype and mask: every rank's, compared
-    (one `all_gather_object`); a ValueError on every rank naming those that differ from rank 0."""
+    """On every call: every rank's shapes, dtype, mask and plan, compared through a fingerprint
+    (one all-reduce of two int64 on q's device, and one wait for it); where they differ, a
+    ValueError on every rank naming those that differ from rank 0 (one `all_gather_object`).
+    Unchecked, a rank that differs aborted gloo or hung; a check kept to the first call of each
+    argument tuple let a rank that had seen its call skip the exchange while another entered it
+    (a hang, found by review), and `repr` alone does not tell two dense masks apart, so the plan
+    (what each rank sends and receives) is in the fingerprint too."""
+    seq = q.shape[-2] * dist.get_world_size(group)
+    try:
+        plan = context_parallel_plan(mask, seq, dist.get_world_size(group), balanced, q.shape[0], q.shape[1])
+        layout: object = (plan.sees, tuple(sorted(s.items()) for s in plan.spans))
+    except ValueError as exc:  # raised on every rank below, once they agree that it is the same call
+        plan, layout = None, str(exc)
     mine = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), repr(mask), balanced)
-    agreed = _agreed.setdefault(group if group is not None else dist.group.WORLD, set())
-    if mine in agreed:
-        return
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        fields = ("q", "k", "v", "dtype", "mask", "balanced")
-        said = "; ".join(f"rank {rank}: " + ", ".join(f"{name} {everyone[rank][i]}" for i, name in enumerate(fields)
-                                                       if everyone[rank][i] != everyone[0][i]) for rank in differ)
+    digest = int.from_bytes(hashlib.blake2b(repr((mine, layout)).encode(), digest_size=7).digest(), "little")
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=q.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != -int(both[1]):  # the largest and the smallest fingerprint differ
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (*mine, layout), group=group)
+        differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+        fields = ("q", "k", "v", "dtype", "mask", "balanced", "plan of the mask")
+        said = "; ".join(f"rank {rank}: " + ", ".join(
+            f"{name} {everyone[rank][i] if name != 'plan of the mask' else '(another)'}"
+            for i, name in enumerate(fields) if everyone[rank][i] != everyone[0][i]) for rank in differ)
         raise ValueError(f"context_parallel_attention: every rank must pass shards of one shape, one dtype and "
                          f"the same mask; rank 0 has q {everyone[0][0]}, k {everyone[0][1]}, v {everyone[0][2]}, "
                          f"{everyone[0][3]}, mask {everyone[0][4]}, balanced={everyone[0][5]}; {said}")
-    agreed.add(mine)
+    if plan is None:
+        raise ValueError(layout)
 
 
 def precompile(mask: MaskDescription, seq: int, world: int, *, heads: int, head_dim: int, dtype: torch.dtype,

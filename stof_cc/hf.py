@@ -31,8 +31,8 @@ caller built (transformers hands it over as it is). Refused with a clear error: 
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
 ``attn_implementation="eager"`` there. A model whose attention is its own code (BLOOM, MPT:
 `own_attention_code`) gets eager's mask tensor and runs as eager would, with one warning. Other code
-that needs the mask as a tensor (``generate()`` with a static cache) gets `MaskIsADescription` saying so
-where it first touches the description; a model that picks its attention class by name (Falcon)
+that needs the mask as a tensor gets `MaskIsADescription` saying so where it first touches the
+description (``generate()`` with a static cache only hands it on, and works); a model that picks its attention class by name (Falcon)
 fails in transformers with ``KeyError: 'stof_cc'``. A query row whose keys are all padding gets 0 (SDPA attends
 every key there); such rows are padding themselves.
 """

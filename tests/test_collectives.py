@@ -34,6 +34,15 @@ def test_only_a_kernels_own_output_that_dies_there_is_reduced_in_place():
     assert in_place_all_reduces(g, ["r"], dying=["y"], fresh={"y"}) == ()  # the caller gets it back
 
 
+def test_a_value_with_a_view_made_earlier_is_not_reduced_in_place():
+    """A view of the all-reduce's input shares its memory: reduced in place, the view (read later or
+    returned) would hold the sum (2.14 off on two gloo ranks, found by review)."""
+    g = _reduced()
+    g.add_node(Node("local", "view", "aten.view.default", (Ref("y"), [32]), spec=TensorSpec((32,), torch.float16)))
+    g.outputs = [Ref("r"), Ref("local")]
+    assert in_place_all_reduces(g, ["r"], dying=["y"], fresh={"y"}) == ()
+
+
 @pytest.fixture
 def one_rank(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)

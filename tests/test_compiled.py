@@ -199,6 +199,24 @@ def test_cuda_graph_replay_matches_the_plain_path(half_on_gpu):
     assert all(v.graph_capture is not None for v in graphed.variants.values())
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_in_place_writes_run_once_and_misaligned_inputs_are_read(half_on_gpu):
+    """Found by review on an H100: a buffer's add_ ran in the capture's warm-up too (3, 6, 9 where eager
+    gives 1, 2, 3), and a contiguous input at an address that is not 16-byte aligned raised without
+    CUDA graphs (the graphs' static copy hid it)."""
+    eager, source = _CountingBuffer().cuda().half().eval(), _CountingBuffer().cuda().half().eval()
+    x = torch.randn(2, 4, device="cuda", dtype=torch.float16)
+    compiled = stof_cc.compile(source, (x,), tune=False, cuda_graphs=True)
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), eager(x))
+    module, (x,) = half_on_gpu("gpt2_block")
+    compiled = stof_cc.compile(module, (x,), tune=False, cuda_graphs=False)
+    buffer = torch.randn(x.numel() + 1, device="cuda", dtype=torch.float16)
+    odd = buffer[1:].view(x.shape)  # contiguous, 2 bytes past an aligned address
+    assert odd.data_ptr() % 16
+    assert relative_error(compiled(odd), module(odd)) < 1e-2
+
+
 @pytest.mark.nvcc
 def test_mask_override_reaches_stof_attention_on_the_gpu_path(fake_gpu, example_path):
     import stof_cc.runtime.compiled
@@ -547,6 +565,93 @@ def test_in_place_writes_land_on_the_gpu_path(fake_gpu, module):
     for _ in range(3):
         torch.testing.assert_close(compiled(x.clone()), eager(x.clone()))
     assert "in-place ops" in compiled.explain()
+
+
+class _WritesItsCache(torch.nn.Module):
+    def forward(self, cache, x):
+        cache[:, :2].copy_(x)
+        return cache * 2
+
+
+def _no_capture(*args, **kwargs):
+    raise AssertionError("a variant with in-place ops was captured")
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["shared weights", "converted copy"])
+def test_in_place_writes_are_never_captured_and_land_where_eager_puts_them(fake_gpu, dtype):
+    """With CUDA graphs on, a buffer's add_ ran twice more in the capture's warm-up (3, 6, 9 where eager
+    gives 1, 2, 3 on an H100: found by review), every call compiled again (the model's own write looked
+    like the user's), a converted copy's buffer advanced but not the user's, and a write into an input
+    landed in the static copy the graph reads. Such a variant now runs uncaptured on the caller's tensors."""
+    import copy
+
+    fake_gpu.setattr(stof_cc.runtime.compiled.CompiledModule, "_replay", _no_capture)
+    eager, source = _CountingBuffer().eval(), _CountingBuffer().eval()
+    compiled = stof_cc.compile(source, (torch.randn(2, 4),), dtype=dtype, tune=False, cuda_graphs=True)
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "changed since it was compiled": no compile per call
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x).float(), eager(x), atol=1e-2, rtol=1e-2)
+    assert torch.equal(source.calls, eager.calls)  # the user's module as eager leaves it
+
+    cache, x = torch.zeros(2, 4), torch.randn(2, 2)
+    compiled = stof_cc.compile(_WritesItsCache().eval(), (cache, x), dtype=dtype, tune=False, cuda_graphs=True)
+    want = copy.deepcopy(cache)
+    _WritesItsCache()(want, x)
+    compiled(cache, x)  # fp32 into a compile for fp16: the write goes to the cast input, then back
+    torch.testing.assert_close(cache, want, atol=1e-3, rtol=1e-3)
+
+
+def test_inputs_that_require_grad_are_refused_not_detached():
+    """The compiled model runs under no_grad: an input that requires grad got an output without a
+    gradient, silently (found by review); stof_cc.attention already refused it."""
+    module = torch.nn.Linear(4, 4).eval()
+    compiled = stof_cc.compile(module, (torch.randn(2, 4),), dtype=torch.float32, tune=False)
+    with pytest.raises(ValueError, match="inference-only"):
+        compiled(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(torch.randn(2, 4, requires_grad=True) * 0 + 1), module(torch.ones(2, 4)))
+
+
+def test_hooks_changed_after_compile_compile_again_and_training_mode_is_said():
+    """A forward hook added or removed after compile was ignored (up to 10.5 off eager), and so was
+    train() (found by review): a hook change compiles again; training mode warns once."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()).eval()
+    x = torch.randn(2, 4)
+    compiled = stof_cc.compile(module, (x,), dtype=torch.float32, tune=False)
+    handle = module[0].register_forward_hook(lambda m, args, out: out * 3)
+    with pytest.warns(UserWarning, match="forward hooks of '0'"):
+        got = compiled(x)
+    torch.testing.assert_close(got, module(x))
+    handle.remove()
+    with pytest.warns(UserWarning, match="forward hooks"):
+        got = compiled(x)
+    torch.testing.assert_close(got, module(x))
+    module.train()
+    with pytest.warns(UserWarning, match="switched to training mode"):
+        compiled(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(x)  # said once
+
+
+class _NegativeScale(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=-0.125)
+
+
+@pytest.mark.nvcc
+def test_attention_with_a_scale_that_is_not_positive_runs_in_torch(fake_gpu):
+    """The kernels take a positive scale: a negative one became a kernel step that raised at its first
+    call on the GPU (found by review); it is NotFusable now, and torch runs it."""
+    q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
+    compiled = stof_cc.compile(_NegativeScale().eval(), (q, k, v), dtype=torch.float32, tune=False, cuda_graphs=False)
+    (variant,) = compiled.variants.values()
+    assert [s.kind for s in variant.steps if s.group.kind == "attention"] == ["torch"]
+    assert "scale -0.125" in compiled.explain()
+    torch.testing.assert_close(compiled(q, k, v), _NegativeScale()(q, k, v))
 
 
 class _AdditivePadding(torch.nn.Module):

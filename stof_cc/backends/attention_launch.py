@@ -137,7 +137,7 @@ def bias_view(bias: torch.Tensor, q: torch.Tensor, seq_k: int) -> torch.Tensor:
     b, h, s_q = q.shape[:3]
     if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.device != q.device:
         raise AttentionInputError(f"bias must be a floating tensor on {q.device}, got "
-                                  f"{type(bias).__name__ if not isinstance(bias, torch.Tensor) else bias.dtype}")
+                                  f"{type(bias).__name__ if not isinstance(bias, torch.Tensor) else f'{bias.dtype} on {bias.device}'}")
     try:
         bias = bias.to(q.dtype).expand(b, h, s_q, seq_k)
     except RuntimeError:

@@ -26,15 +26,17 @@ def is_collective(node: Any) -> bool:
 def in_place_all_reduces(graph: Graph, nodes: list[str], dying: list[str], fresh: set[str]) -> tuple[str, ...]:
     """The all-reduce nodes among ``nodes`` (one step's) that may run in place: their input is a
     value a generated kernel wrote (``fresh``: a tensor of its own, no view of another value), it
-    dies at this step (``dying``), no other node of the step reads it, and it is no graph output."""
+    dies at this step (``dying``), the all-reduce is its only reader in the whole graph (a view of
+    it made by an earlier step shares its memory, and would read the reduced sum: found by review),
+    and it is no graph output."""
     found = []
     for name in nodes:
         node = graph.node(name)
         if str(node.target) != ALL_REDUCE or not isinstance(node.args[0], Ref):
             continue
         source = node.args[0].name
-        readers = [n for n in nodes if any(r.name == source for r in graph.node(n).refs())]
-        if source in fresh and source in dying and readers == [name] and not graph.is_output(source):
+        readers = {user.name for user in graph.users(source)}
+        if source in fresh and source in dying and readers == {name} and not graph.is_output(source):
             found.append(name)
     return tuple(found)
 

@@ -108,6 +108,9 @@ class Variant:
     gpu: bool = False  # generated kernels run (the inputs are on a GPU with PyCUDA)
     graph_capture: tuple | None = None  # (CapturedRun, static inputs, static outputs) once captured
     capture_failed: bool = False  # the capture raised: this variant runs uncaptured
+    # in-place ops kept (a buffer's ``add_``, a write into an input): never captured, whose warm-up
+    # runs would write twice more and whose copied-in inputs would take the writes
+    mutates: bool = False
     _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -128,20 +131,39 @@ class CompiledModule:
         self.database, self.tune = database, tune
         self.module = weights_to_compile(source, dtype)  # the user's module itself, or a converted copy
         self._watch = WeightWatch(source)
+        self._buffer_versions = {name: b._version for name, b in self.module.named_buffers()}
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
+        self._said_training = source.training  # compile said it already (`_say_what_changes`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         changed = self._watch.changed()
         if changed is not None:  # never a stale answer: compile again from the module as it is now
             warnings.warn(f"stof_cc: {changed} of the compiled model changed since it was compiled (replaced, "
-                          "moved, cast or written in place); compiling it again", stacklevel=2)
+                          "moved, cast, written in place or hooked); compiling it again", stacklevel=2)
             self.refresh()
+        if self.source.training and not self._said_training:
+            self._said_training = True
+            warnings.warn("stof_cc: the model was switched to training mode after it was compiled; the compiled "
+                          "model still runs it for inference, as in eval mode (dropout off, running statistics)",
+                          stacklevel=2)
+        given = pytree.tree_leaves((args, kwargs))
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in given):
+            raise ValueError("stof_cc.compile: the compiled model is inference-only (its kernels have no backward, "
+                             "so the output would carry no gradient): call it under torch.no_grad() or pass "
+                             "inputs that do not require grad")
         args, kwargs = cast_floating((args, kwargs), self.dtype)
         flat, spec = pytree.tree_flatten((args, kwargs))
+        cast = [(original, now, now._version) for original, now in zip(given, flat, strict=True)
+                if isinstance(now, torch.Tensor) and now is not original]
         with _on_device_of(flat):
-            return self._call(args, kwargs, _signature(flat, spec))
+            result = self._call(args, kwargs, _signature(flat, spec))
+        with torch.no_grad():
+            for original, now, version in cast:  # the model wrote into a cast input: the caller's tensor gets it
+                if now._version != version:
+                    original.copy_(now)
+        return result
 
     def refresh(self) -> None:
         """Read the source module's weights again and drop every compiled variant (each input
@@ -149,6 +171,7 @@ class CompiledModule:
         on its own when a weight changed in a way PyTorch tracks; call it yourself after a write
         through ``param.data``, which PyTorch does not track (runtime/weights.py)."""
         self.module = weights_to_compile(self.source, self.dtype)
+        self._buffer_versions = {name: b._version for name, b in self.module.named_buffers()}
         self.variants.clear()
         self._dense_masks.clear()
         self._watch.reset()
@@ -160,7 +183,7 @@ class CompiledModule:
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
             outputs = None
-            if self.cuda_graphs and variant.gpu and not variant.capture_failed:
+            if self.cuda_graphs and variant.gpu and not variant.capture_failed and not variant.mutates:
                 try:
                     outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
                 except RuntimeError as exc:  # e.g. a torch step that synchronises, which capture forbids
@@ -169,9 +192,23 @@ class CompiledModule:
                                   stacklevel=2)
             if outputs is None:
                 outputs = self._execute(variant, inputs)
+            if variant.mutates:
+                self._kept_written_buffers()
         if variant.graph.out_spec is not None:
             return pytree.tree_unflatten(outputs, variant.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _kept_written_buffers(self) -> None:
+        """After a run that wrote into buffers in place (a step counter, running statistics): a
+        converted copy's written buffers copied into the user's module, as eager would leave them,
+        and the watch told that those writes were the model's own (else every call compiled again)."""
+        if self.module is not self.source:
+            mine, theirs = dict(self.module.named_buffers()), dict(self.source.named_buffers())
+            for name, buffer in mine.items():
+                if name in theirs and buffer._version != self._buffer_versions.get(name):
+                    theirs[name].copy_(buffer)
+        self._watch.reset()
+        self._buffer_versions = {name: b._version for name, b in self.module.named_buffers()}
 
     def _execute(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         device = next((t.device for t in inputs.values()), torch.device("cpu"))
@@ -250,22 +287,24 @@ class CompiledModule:
             plan = choose_scheme(graph, plan)
         if self.build_dir is not None:
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
-        steps = self.steps(graph, plan, gpu, why_not=NO_PYCUDA if on_gpu else "inputs on the CPU")
+        mutating = mutating_nodes(graph)
+        steps = self.steps(graph, plan, gpu, why_not=NO_PYCUDA if on_gpu else "inputs on the CPU", mutating=mutating)
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
         dies_after = _lifetimes(graph, steps)
         fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
         for step, dying in zip(steps, dies_after, strict=True):
             step.in_place = in_place_all_reduces(graph, step.group.nodes, dying, fresh)
-        return Variant(graph, plan, steps, dies_after, gpu=gpu)
+        return Variant(graph, plan, steps, dies_after, gpu=gpu, mutates=bool(mutating))
 
-    def steps(self, graph: Graph, plan: FusionPlan, gpu: bool, why_not: str = "inputs on the CPU") -> list[Step]:
+    def steps(self, graph: Graph, plan: FusionPlan, gpu: bool, why_not: str = "inputs on the CPU",
+              mutating: list[str] | None = None) -> list[Step]:
         """One step per group of ``plan``, in order: a generated kernel, stof-cc's attention or
         torch (``gpu`` False: every step runs in torch, for the reason ``why_not``). A graph that
         kept in-place ops (writes through views, which canonicalize could not make functional) runs
         every step in torch: a kernel writes a new tensor, so the write would never land where the
         other steps read it (a buffer's ``add_``, ``t[:, :4].relu_()``: wrong answers, found by review)."""
         torch_only = None if gpu else NO_GPU.format(why=why_not)
-        mutating = mutating_nodes(graph)
+        mutating = mutating_nodes(graph) if mutating is None else mutating
         if torch_only is None and mutating:
             torch_only = (f"in-place ops ({', '.join('%' + name for name in mutating[:3])}) write into tensors "
                           "other steps read: every group runs in torch, as the model wrote it")

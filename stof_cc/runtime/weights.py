@@ -12,7 +12,8 @@ module warns, naming the first changed tensor, and compiles again from the modul
 (kernels and tuning records are cached, so this costs a trace, not a tuning).
 
 Tensors kept as plain attributes of a submodule (not registered as buffers) are watched the
-same way (a review found them read stale after an in-place write).
+same way (a review found them read stale after an in-place write), and so are each submodule's
+forward hooks and pre-hooks, which the trace ran: one added or removed compiles again.
 
 What it cannot see: a write through ``p.data`` (``p.data.mul_(2)``) goes around the version
 counter, as it goes around autograd; nor Python numbers on a module (``self.scale = 3.0``), which
@@ -44,10 +45,12 @@ class WeightWatch:
         """Take the module's tensors as they are now as the ones compiled."""
         self._modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
         self._tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
+        self._hooks: list[tuple[torch.nn.Module, str, tuple]] = []  # (module, path, its hooks' ids)
         self._walk(self.module, "")
         self._seen = [_identity(store[name]) for store, name, _ in self._tensors]
 
     def _walk(self, module: torch.nn.Module, prefix: str) -> None:
+        self._hooks.append((module, prefix.rstrip(".") or "the model", _hook_ids(module)))
         for store in (module._parameters, module._buffers):
             self._tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
         # tensors kept as plain attributes (``self.c = torch.tensor(...)``): traced as constants too
@@ -69,7 +72,14 @@ class WeightWatch:
             if tensor is not seen[0] or tensor._version != seen[1] or tensor.data_ptr() != seen[2] \
                     or tensor.dtype != seen[3] or tensor.device != seen[4]:
                 return repr(path)
+        for module, path, hooks in self._hooks:
+            if (module._forward_hooks or module._forward_pre_hooks or hooks) and _hook_ids(module) != hooks:
+                return f"the forward hooks of {path if path == 'the model' else repr(path)}"
         return None
+
+
+def _hook_ids(module: torch.nn.Module) -> tuple:
+    return tuple(module._forward_hooks), tuple(module._forward_pre_hooks)
 
 
 def _identity(tensor: torch.Tensor) -> tuple:

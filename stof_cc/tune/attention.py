@@ -247,6 +247,9 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
     if given.get("softcap") is not None:
         raise NotFusable(f"%{node.name}: softcapped scores (c * tanh(s / c), c = {given['softcap']}) are not in "
                          "stof-cc's attention kernels yet")
+    scale = given.get("scale")
+    if isinstance(scale, (int, float)) and not scale > 0:  # the kernels take exp2 of scores scaled by a positive
+        raise NotFusable(f"%{node.name}: attention with scale {scale} (the kernels take a positive scale)")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     # the kernels' contract (templates/attention.py's input checks): K and V as q's batch and head
