@@ -241,7 +241,8 @@ MISTAKES = textwrap.dedent('''
     attempt("lengths differ", q if rank == 0 else q[..., :128, :], k if rank == 0 else k[..., :128, :],
             v if rank == 0 else v[..., :128, :], masks.causal())
     attempt("agreed", q, k, v, masks.causal())
-    attempt("differ after agreeing", q, k, v, masks.causal() if rank == 0 else masks.sliding_window(64))
+    attempt("differ after agreeing", q, k, v, masks.causal() if rank == 0 else masks.sliding_window(64),
+            check_every_call=True)
     dense = masks.causal().to_dense(512, 512)[0, 0] if rank == 0 else torch.ones(512, 512, dtype=torch.bool)
     attempt("dense masks differ", q, k, v, masks.from_dense(dense))
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
@@ -255,8 +256,8 @@ MISTAKES = textwrap.dedent('''
 def test_mistakes_are_refused_on_every_rank_before_anything_is_sent(tmp_path):
     """Found by a helper's hunt: autograd on gave wrong dK and dV without a word (keys sent to another
     rank carry no gradient back), V of head dim 1 was broadcast into a q-shaped output, and ranks
-    passing different masks or shard lengths aborted gloo or hung, also after a first agreed call or
-    with dense masks of one shape. Each is now an error on every rank."""
+    passing different masks or shard lengths aborted gloo or hung, also with dense masks of one shape,
+    or after a first agreed call (with check_every_call). Each is now an error on every rank."""
     script = tmp_path / "mistakes.py"
     script.write_text(MISTAKES)
     run = torchrun(str(script), str(tmp_path))
@@ -268,8 +269,9 @@ def test_mistakes_are_refused_on_every_rank_before_anything_is_sent(tmp_path):
         assert said["masks differ"].startswith("ValueError") and "rank 1: mask" in said["masks differ"], said
         assert said["lengths differ"].startswith("ValueError") and "rank 1: q (1, 2, 128, 16)" in said["lengths differ"]
         assert said["agreed"] == "ran", said
-        # a rank that had agreed on its call skipped the check while the other entered it (a hang), and
-        # two dense masks of one shape have one repr: both hung before (found by review)
+        # with check_every_call, a rank that had agreed on its call no longer skips the check while the
+        # other enters it (a hang, and still one without it); two dense masks of one shape have one repr,
+        # and the plan in the fingerprint tells them apart: both hung before (found by review)
         assert said["differ after agreeing"].startswith("ValueError") and "rank 1: mask" in said["differ after agreeing"]
         assert said["dense masks differ"].startswith("ValueError") and "plan of the mask (another)" in \
             said["dense masks differ"], said
