@@ -25,6 +25,8 @@ demo: $(STAMP)
 	$(PY) -m stof_cc.cli inspect examples/tiny_bert.py:factory --quiet-graph --check --passes
 	$(PY) -m stof_cc.cli inspect examples/gpt2_block.py:factory --quiet-graph --check
 	$(PY) -m stof_cc.cli inspect examples/encoder_layer.py:factory --quiet-graph --check
+	@echo "make demo: the same layer with its mask described (a boolean mask input is known only at run time: above, torch ran it)"
+	$(PY) -m stof_cc.cli inspect examples/encoder_layer.py:factory --quiet-graph --check --mask sliding:w=8
 	$(PY) -m stof_cc.cli compile examples/gpt2_block.py:factory --build-dir stof_build
 	$(PY) -m stof_cc.cli masks show longformer:w=128,g=32 --seq 2048 --out stof_build/masks/longformer.png
 	$(PY) -m stof_cc.cli attention --mask longformer:w=128,g=32 --seq 2048 --batch 2 --build-dir stof_build --check

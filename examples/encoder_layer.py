@@ -1,6 +1,9 @@
 """A hand-written BERT-style encoder layer: SDPA with a boolean attention mask, post-LayerNorm.
 
-The mask is an input, so the same compiled layer serves any mask of the traced shape.
+The mask is an input tensor, so its pattern is known only at run time: compiled as it is, the layer's
+attention runs in torch (stof-cc says so). Describe the mask and it runs stof-cc's attention kernel:
+`stof-cc inspect examples/encoder_layer.py:factory --mask sliding:w=8`, or
+`stof_cc.compile(layer, args, mask=masks.sliding_window(8))` (`make demo` shows both).
 """
 
 import torch

@@ -131,3 +131,17 @@ def test_the_pipeline_page_lists_the_passes_that_run():
     from stof_cc.passes.lower import pipeline_text
 
     assert f"```\n{pipeline_text()}\n```" in (ROOT / "docs" / "pipeline.md").read_text()
+
+
+def test_the_attention_pages_sample_output_is_what_the_command_prints(capsys, monkeypatch):
+    """docs/attention.md shows `stof-cc attention`'s output; it drifted from the code after the cost
+    model's refit (found by a newcomer's read): its chosen and first candidate lines must be printed."""
+    from stof_cc.cli import main
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["attention", "--mask", "sliding:w=256", "--seq", "4096", "--head-dim", "32"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    page = (ROOT / "docs" / "attention.md").read_text()
+    chosen = next(line for line in printed if line.startswith("chosen: "))
+    first = printed[printed.index("candidates (best first):") + 1]
+    assert chosen in page and first in page, (chosen, first)
