@@ -678,3 +678,18 @@ def test_a_row_padded_everywhere_gets_eagers_answer_on_the_gpu_path(fake_gpu):
     with torch.no_grad():
         want = module(*args)
     torch.testing.assert_close(compiled(*args), want, rtol=2e-2, atol=2e-2)
+
+
+class _TakesAFlag(torch.nn.Module):
+    def forward(self, x, causal=None):
+        return x * 2
+
+
+def test_a_call_whose_inputs_cannot_be_traced_names_the_call_not_the_examples():
+    """A later call with a non-tensor argument said "example input kwargs['causal']", blaming the
+    inputs given to compile (found by a newcomer's read)."""
+    from stof_cc.ir.frontend import TraceError
+
+    compiled = stof_cc.compile(_TakesAFlag().eval(), (torch.randn(2, 4),), dtype=torch.float32, tune=False)
+    with pytest.raises(TraceError, match=r"this call's inputs differ .* input kwargs\['causal'\] is a bool"):
+        compiled(torch.randn(2, 4), causal=True)

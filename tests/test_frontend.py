@@ -110,7 +110,7 @@ def test_bad_example_inputs_are_named():
         trace(lambda x: x, (torch.randn(2),))
     with pytest.raises(TraceError, match="must be a tuple"):
         trace(nn.ReLU(), {"x": torch.randn(2)})
-    with pytest.raises(TraceError, match=r"example input args\[1\] is a int"):
+    with pytest.raises(TraceError, match=r"input args\[1\] is a int"):
         trace(nn.ReLU(), (torch.randn(2), 3))
 
 

@@ -67,7 +67,7 @@ BAD_SPECS = [
     ("sliding:w=", r"w needs a value \(w=INT\)"),
     ("sliding:causal=1", r"sliding needs w \(syntax: sliding:w=INT,\[causal=0\|1\]\)"),
     ("sliding:w=4,w=5", "w is given twice"),
-    ("sliding:w=4,causal=maybe", "causal=maybe is not 0 or 1"),
+    ("sliding:w=4,causal=maybe", r"causal=maybe is not 0 or 1 \(or true / false\)"),
     ("sliding:w=0", "sliding_window: w must be a positive int, got 0"),
     ("document:lengths=3+x", r"lengths=3\+x is not ints joined by \+"),
     ("causal:w=3", "causal has no key 'w'; valid keys: none"),
@@ -79,6 +79,9 @@ BAD_SPECS = [
     ("()", "an empty term"),
     ("causal&&full", "an empty term"),
     (":w=3", "an empty term"),
+    # the separators a newcomer gets wrong, each named (found by a newcomer's read)
+    ("key_padding:lengths=700,2048", r"has no key '2048'; valid keys: lengths \(a list is joined by '\+'"),
+    ("longformer:w=128;g=32", r"w=128;g=32 is not an int \(keys are separated by ','"),
 ]
 
 

@@ -429,3 +429,13 @@ def test_a_dilated_window_is_sliding_windows_on_its_residues(w, dilation):
 def test_from_mask_mod_given_sizes_as_flexattention_takes_them_says_where_sizes_come_from():
     with pytest.raises(MaskTypeError, match="the sizes come when the mask is used"):
         masks.from_mask_mod(lambda b, h, q, k: q >= k, 128, 128)
+
+
+def test_a_description_next_to_a_tensor_says_how_to_combine_them():
+    """`causal() | bool_tensor` raised Python's own TypeError naming an internal class (found by a
+    newcomer's read); it names masks.from_dense now, either side of the operator."""
+    dense = torch.ones(8, 8, dtype=torch.bool)
+    for combine in (lambda: masks.causal() | dense, lambda: dense & masks.causal()):
+        with pytest.raises(TypeError, match=r"masks.from_dense\(tensor\)"):
+            combine()
+    assert (masks.causal() | masks.from_dense(dense)).to_dense(8, 8).all()

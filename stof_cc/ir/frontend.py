@@ -115,7 +115,7 @@ def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not isinstance(leaf, torch.Tensor):
             where = _describe_path(path)
             raise TraceError(
-                f"example input {where} is a {type(leaf).__name__}; stof-cc traces tensor inputs only. "
+                f"input {where} is a {type(leaf).__name__}; stof-cc traces tensor inputs only. "
                 "Bind non-tensor arguments inside the module (a small wrapper or functools.partial)."
             )
 

@@ -295,13 +295,24 @@ class MaskDescription:
         return self._built[key]
 
     def __or__(self, other: object) -> MaskDescription:
-        return Union((self, other)) if isinstance(other, MaskDescription) else NotImplemented
+        return Union((self, other)) if isinstance(other, MaskDescription) else _not_combinable(self, "|", other)
 
     def __and__(self, other: object) -> MaskDescription:
-        return Intersection((self, other)) if isinstance(other, MaskDescription) else NotImplemented
+        return Intersection((self, other)) if isinstance(other, MaskDescription) else _not_combinable(self, "&", other)
+
+    __ror__, __rand__ = __or__, __and__
 
     def __invert__(self) -> MaskDescription:
         return Complement(self)
+
+
+def _not_combinable(mask: MaskDescription, operator: str, other: object) -> object:
+    """A boolean tensor next to a description: a TypeError that says how to combine them (Python's
+    own named an internal class); NotImplemented for anything else, as Python expects."""
+    if isinstance(other, torch.Tensor):
+        raise TypeError(f"a mask description combines with another description, not a tensor: describe the tensor "
+                        f"with masks.from_dense(tensor), then {mask!r} {operator} masks.from_dense(tensor)")
+    return NotImplemented
 
 
 def collapse_dense(mask: torch.Tensor) -> torch.Tensor:

@@ -196,8 +196,11 @@ def _arguments(pattern: Pattern, text: str, spec: str) -> dict[str, object]:
         key, eq, value = (s.strip() for s in item.partition("="))
         if key not in by_key:
             valid = ", ".join(by_key) or "none"
+            ints = [p.key for p in pattern.params if p.kind == "ints"]
+            hint = (f" (a list is joined by '+': {ints[0]}=700+2048)" if ints and not eq and key.lstrip("-").isdigit()
+                    else "")
             raise MaskError(
-                f"spec {spec!r}: {pattern.name} has no key {key!r}; valid keys: {valid}"
+                f"spec {spec!r}: {pattern.name} has no key {key!r}; valid keys: {valid}{hint}"
             )
         if not eq or not value:
             raise MaskError(f"spec {spec!r}: {key} needs a value ({by_key[key].syntax()})")
@@ -223,5 +226,6 @@ def _convert(param: Param, value: str, spec: str) -> object:
             return {"1": True, "true": True, "0": False, "false": False}[value.lower()]
         return int(value)
     except (ValueError, KeyError):
-        expected = {"int": "an int", "ints": "ints joined by +", "bool": "0 or 1"}[param.kind]
-        raise MaskError(f"spec {spec!r}: {param.key}={value} is not {expected}") from None
+        expected = {"int": "an int", "ints": "ints joined by +", "bool": "0 or 1 (or true / false)"}[param.kind]
+        hint = " (keys are separated by ',', e.g. longformer:w=128,g=32)" if any(c in value for c in ";: ") else ""
+        raise MaskError(f"spec {spec!r}: {param.key}={value} is not {expected}{hint}") from None

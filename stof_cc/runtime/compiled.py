@@ -38,6 +38,7 @@ from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
 from stof_cc.backends.pycuda_backend import current_device, device_arch
 from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
+from stof_cc.ir.frontend import TraceError
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.node import CONSTANT, INPUT
@@ -178,7 +179,11 @@ class CompiledModule:
 
     def _call(self, args: tuple, kwargs: dict, key: tuple) -> Any:
         if key not in self.variants:  # a new input shape: compile a variant for it
-            self.variants[key] = self._compile(args, kwargs)
+            try:
+                self.variants[key] = self._compile(args, kwargs)
+            except TraceError as exc:  # the culprit is this call's inputs, not the ones compile was given
+                raise TraceError(f"stof_cc: this call's inputs differ from those compiled for (shapes, dtypes or "
+                                 f"structure), and tracing the model on them failed: {exc}") from exc
         variant = self.variants[key]
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
