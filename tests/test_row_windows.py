@@ -97,6 +97,24 @@ def test_position_ids_give_the_same_windows_as_cu_seqlens_per_batch_element():
     assert torch.equal(shared[0], shared[1]) and torch.equal(shared[0], windows[1])
 
 
+@pytest.mark.parametrize("ids", [[0, 1, 2, 0, 1, 2], [1, 2, 3, 1, 2, 3], [0, 1, 2, 7, 8, 9], [0, 1, 2, 3, 1, 2],
+                                 [5, 6, 7, 0, 1, 2], [0, 0, 0, 0], [0, 1, 2, 0, 1, 2, 3, 4]],
+                         ids=["restart at 0", "restart at 1", "a jump", "back to 1", "first offset", "ones", "tail"])
+def test_position_ids_split_documents_as_transformers_does(ids):
+    """Documents open wherever an id is not its predecessor's + 1, as transformers'
+    find_packed_sequence_indices says; ids restarting at 1 or jumping let rows see another
+    document's keys before (12 such pairs for [1, 2, 3, 1, 2, 3]: found by review)."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    ids = torch.tensor(ids)
+    windows = position_windows(ids, 1, len(ids), torch.device("cpu"))[0]
+    keys = torch.arange(len(ids))
+    seen = (keys[None] >= windows[:, :1]) & (keys[None] < windows[:, 1:])
+    documents = find_packed_sequence_indices(ids[None])
+    documents = torch.zeros_like(ids) if documents is None else documents[0]
+    assert torch.equal(seen, documents[:, None] == documents[None, :])
+
+
 def test_bad_position_ids_are_named_or_kept_in_bounds():
     with pytest.raises(AttentionInputError, match=r"integer tensor \[16\] or \[2, 16\]"):
         position_windows(torch.zeros(3, 16, dtype=torch.long), 2, 16, torch.device("cpu"))

@@ -214,13 +214,13 @@ def windows_of(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
 
 
 def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """Packed documents from position ids that restart at 0 at each document's start (HF's
-    padding-free batches), as `document_windows` gives them from cumulative lengths: row r of a
-    document starting at row s = r - position_ids[r] sees the keys [s, the next row whose id is 0).
-    ``position_ids`` [seq] (every batch element alike) or [batch, seq] (each its own documents),
-    integer, on ``device``; torch ops with no host read. Ids that do not count up from 0 inside a
-    document are the caller's to avoid (as with any packed batch): the starts are kept inside
-    [0, r] and never decreasing, so a bad id gives wrong rows, never a read out of bounds."""
+    """Packed documents from position ids (HF's padding-free batches), as `document_windows` gives
+    them from cumulative lengths: a document opens at the first row and wherever an id is not its
+    predecessor's + 1 (transformers' rule, `find_packed_sequence_indices`: ids that restart at 0,
+    at 1, or jump), and row r sees the keys of its own document. Starts and ends came from two rules
+    before (r - id, and the next id 0), so ids that did not restart at exactly 0 let rows see
+    another document's keys (found by review). ``position_ids`` [seq] (every batch element alike)
+    or [batch, seq] (each its own documents), integer, on ``device``; torch ops with no host read."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2) \
             or position_ids.shape[-1] != seq or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch) \
             or position_ids.is_floating_point() or position_ids.dtype == torch.bool:
@@ -230,11 +230,12 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
                                      if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__))
     if position_ids.device != device:
         raise AttentionInputError(f"position_ids is on {position_ids.device}; the inputs are on {device}")
-    ids = position_ids.reshape(-1, seq).to(torch.int32)
-    rows = torch.arange(seq, device=device, dtype=torch.int32)
-    start = torch.cummax((rows - ids).clamp(min=0), dim=1).values.minimum(rows)
-    opens = torch.where(ids == 0, rows, seq)  # a document opens at each id 0
-    later = torch.cat((opens[:, 1:], torch.full_like(opens[:, :1], seq)), 1)  # the rows after each row
+    ids = position_ids.reshape(-1, seq).to(torch.int64)
+    rows = torch.arange(seq, device=device, dtype=torch.int32).expand(ids.shape[0], seq)
+    opens = torch.cat((torch.ones_like(ids[:, :1], dtype=torch.bool), ids[:, 1:] != ids[:, :-1] + 1), 1)
+    start = torch.cummax(torch.where(opens, rows, 0), dim=1).values  # the latest opening at or before r
+    openings = torch.where(opens, rows, seq)
+    later = torch.cat((openings[:, 1:], torch.full_like(openings[:, :1], seq)), 1)  # the rows after each row
     end = torch.flip(torch.cummin(torch.flip(later, [1]), dim=1).values, [1])  # the next opening, or seq
     return _windows(start, end, batch)
 

@@ -76,8 +76,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     row-window variant, so the call needs no host read and no new plan when they change, and a
     CUDA graph replays it with whatever the same buffer holds (a device ``cu_seqlens``; a CPU one is
     copied, and cannot be captured); ``mask`` keeps its one plan. Equal query and key lengths; not
-    with a bias. ``position_ids`` ([S] or [B, S], restarting at 0 at each document's start: HF's
-    padding-free batches) says the same per batch element instead (`position_windows`).
+    with a bias. ``position_ids`` ([S] or [B, S]: HF's padding-free batches, a document opening
+    wherever an id is not its predecessor's + 1, as transformers reads them) says the same per
+    batch element instead (`position_windows`).
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
