@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -112,6 +113,11 @@ class ContextParallelPlan:
     sees: tuple[tuple[int, ...], ...]  # per query chunk: the key chunks with an allowed key, ascending
     # per query chunk, per key chunk it sees: (its query rows that see the key chunk, the key rows they see)
     spans: tuple[dict[int, tuple[tuple[int, int], tuple[int, int]]], ...]
+
+    @cached_property
+    def layout(self) -> str:
+        """What each rank sends and receives, as text the ranks compare (`_check_ranks_agree`)."""
+        return repr((self.sees, tuple(sorted(s.items()) for s in self.spans)))
 
     def owner(self, chunk: int) -> int:
         return chunk if not self.balanced or chunk < self.world else 2 * self.world - 1 - chunk
@@ -254,10 +260,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         group = group.get_group()
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     _check_inputs(q, k, v)
-    _check_ranks_agree(group, q, k, v, mask, balanced, check_every_call)
+    plan = _check_ranks_agree(group, q, k, v, mask, balanced, check_every_call)
     mine = rank_chunks(rank, world, balanced)
-    seq = q.shape[-2] * world
-    plan = context_parallel_plan(mask, seq, world, balanced, q.shape[0], q.shape[1])
     length = plan.chunk
     pieces = {c: (k[..., i * length:(i + 1) * length, :], v[..., i * length:(i + 1) * length, :])
               for i, c in enumerate(mine)}  # per chunk: the keys and values this rank has of it
@@ -295,9 +299,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         raise AttentionInputError("context_parallel_attention is inference-only (no backward: keys sent to "
                                   "other ranks carry no gradient back): call it under torch.no_grad()")
-    check_layout(q, k, v)
-    if q.is_cuda:  # the kernels' own checks (dtype, head dim), which otherwise raised after the transfers were posted
-        problem_of(q, k, v)
+    if isinstance(q, torch.Tensor) and q.is_cuda:  # the kernels' checks too (dtype, head dim): after the
+        problem_of(q, k, v)  # transfers were posted, their error left the other ranks waiting
+    else:
+        check_layout(q, k, v)
     if k.shape[-2] != q.shape[-2] or v.shape[-1] != q.shape[-1]:
         raise ValueError(f"context_parallel_attention: q, k and v must be [B, H, S / world, D] shards of one "
                          f"sequence (K and V alike); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -307,7 +312,7 @@ _agreed: weakref.WeakKeyDictionary[dist.ProcessGroup, set[int]] = weakref.WeakKe
 
 
 def _check_ranks_agree(group: dist.ProcessGroup | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: MaskDescription, balanced: bool, every_call: bool) -> None:
+                       mask: MaskDescription, balanced: bool, every_call: bool) -> ContextParallelPlan:
     """Every rank's shapes, dtype, mask and plan (what each rank sends and receives: `repr` alone
     does not tell two dense masks apart, found by review), compared through a fingerprint, one
     all-reduce of two int64 on the host (`_host_group`); where they differ, a ValueError on every
@@ -316,18 +321,18 @@ def _check_ranks_agree(group: dist.ProcessGroup | None, q: torch.Tensor, k: torc
     that repeats an agreed call skips the check, so if another rank changes its call alone, that
     rank waits in the check while the first waits in the exchange (a hang). The check costs a host
     round trip, 0.35 ms a call on two H100s' host (16 documents at S = 32768: 0.44 -> 0.82 ms a call),
-    which is why it is not made on every call by default."""
+    which is why it is not made on every call by default. Returns the call's plan."""
     seq = q.shape[-2] * dist.get_world_size(group)
     try:
         plan = context_parallel_plan(mask, seq, dist.get_world_size(group), balanced, q.shape[0], q.shape[1])
-        layout: object = (plan.sees, tuple(sorted(s.items()) for s in plan.spans))
+        layout = plan.layout
     except ValueError as exc:  # raised on every rank below, once they agree that it is the same call
         plan, layout = None, str(exc)
     mine = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), repr(mask), balanced)
     digest = int.from_bytes(hashlib.blake2b(repr((mine, layout)).encode(), digest_size=7).digest(), "little")
     agreed = _agreed.setdefault(group if group is not None else dist.group.WORLD, set())
     if digest in agreed and not every_call:
-        return
+        return plan
     both = torch.tensor([digest, -digest], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=_host_group(group))
     if int(both[0]) != -int(both[1]):  # the largest and the smallest fingerprint differ
@@ -344,6 +349,7 @@ def _check_ranks_agree(group: dist.ProcessGroup | None, q: torch.Tensor, k: torc
     if plan is None:
         raise ValueError(layout)
     agreed.add(digest)
+    return plan
 
 
 _host_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()

@@ -132,7 +132,7 @@ class CompiledModule:
         self.database, self.tune = database, tune
         self.module = weights_to_compile(source, dtype)  # the user's module itself, or a converted copy
         self._watch = WeightWatch(source)
-        self._buffer_versions = {name: b._version for name, b in self.module.named_buffers()}
+        self._buffer_versions = _buffer_versions(self.module)
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
@@ -172,7 +172,7 @@ class CompiledModule:
         on its own when a weight changed in a way PyTorch tracks; call it yourself after a write
         through ``param.data``, which PyTorch does not track (runtime/weights.py)."""
         self.module = weights_to_compile(self.source, self.dtype)
-        self._buffer_versions = {name: b._version for name, b in self.module.named_buffers()}
+        self._buffer_versions = _buffer_versions(self.module)
         self.variants.clear()
         self._dense_masks.clear()
         self._watch.reset()
@@ -213,7 +213,7 @@ class CompiledModule:
                 if name in theirs and buffer._version != self._buffer_versions.get(name):
                     theirs[name].copy_(buffer)
         self._watch.reset()
-        self._buffer_versions = {name: b._version for name, b in self.module.named_buffers()}
+        self._buffer_versions = _buffer_versions(self.module)
 
     def _execute(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         device = next((t.device for t in inputs.values()), torch.device("cpu"))
@@ -529,6 +529,11 @@ def _report_measured(item: Any) -> None:
     compile prints nothing."""
     if isinstance(item, SearchReport) and not item.from_database:
         print("stof_cc.compile: tuned " + "\n   ".join(str(item).splitlines()[:2]), file=sys.stderr, flush=True)
+
+
+def _buffer_versions(module: torch.nn.Module) -> dict[str, int]:
+    """Each buffer's version counter: which ones a run wrote in place (`_kept_written_buffers`)."""
+    return {name: buffer._version for name, buffer in module.named_buffers()}
 
 
 def _gpu_kernels_available() -> bool:
