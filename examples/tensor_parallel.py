@@ -3,7 +3,7 @@ torch.distributed's `parallelize_module`, then `torch.compile(model, backend="st
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py [--hidden 8192] [--heads 64] [--kv-heads 8]
                                                             [--ffn 28672] [--layers 2] [--seq 4096]
-                                                            [--dtype float16] [--no-peer] [--profile] [--cpu]
+                                                            [--dtype float16] [--no-peer] [--profile [--trace DIR]] [--cpu]
 
 Each rank builds the same random-weight model (transformers' `LlamaModel` from a config, seed 0),
 shards it Megatron-style over a 1-D `DeviceMesh` of all ranks (q/k/v and gate/up column-wise,
@@ -79,18 +79,24 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
 KERNEL_KINDS = (("NCCL", ("nccl",)), ("GEMM", ("gemm", "nvjet", "cutlass", "xmma")), ("attention", ("stof_attn", "attention", "flash", "fmha")))
 
 
-def kernel_split(fn, calls: int = 5) -> str:
+def kernel_split(fn, trace: str | None, calls: int = 5) -> str:
     """Kernel time per call of ``fn`` by kind (torch.profiler, every rank in step). NCCL's kernels
-    include their wait for the other ranks: an upper bound on what the collectives cost."""
+    include their wait for the other ranks: an upper bound on what the collectives cost. With
+    ``trace``, each rank also writes its timeline there (``rank<r>.json``, Chrome trace format)."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    if trace:
+        os.makedirs(trace, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(trace, f"rank{dist.get_rank()}.json"))
     totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
     for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:  # the host's events (kept for the trace)
+            continue
         us = getattr(event, "self_device_time_total", 0.0)
         name = event.key.lower()
         kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
@@ -112,6 +118,8 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also print, per rank, stof-cc's kernel time per call split into NCCL, GEMM, attention "
                              "and the rest (torch.profiler; GPUs only)")
+    parser.add_argument("--trace", metavar="DIR", help="with --profile: write each rank's profiled calls to "
+                                                       "DIR/rank<r>.json (Chrome trace format)")
     args = parser.parse_args()
     sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32} if args.cpu else \
         {"hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "seq": 4096}
@@ -156,7 +164,7 @@ def main() -> int:
         progress("timing stof-cc")
         line = f"rank {rank}: stof-cc {median_ms(lambda: run(inputs_embeds=x), device):.2f} ms"
         if args.profile and device.type == "cuda":
-            line += f" ({kernel_split(lambda: run(inputs_embeds=x))})"
+            line += f" ({kernel_split(lambda: run(inputs_embeds=x), args.trace)})"
         if not args.no_peer:  # Inductor in its default mode and with CUDA graphs; the faster is the peer
             for mode in ("default", "reduce-overhead"):
                 progress(f"compiling and timing torch.compile (Inductor, {mode})")

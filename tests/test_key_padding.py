@@ -20,6 +20,7 @@ from stof_cc.passes import (
     recognise_attention,
     run_passes,
 )
+from stof_cc.passes import key_padding as key_padding_module
 
 
 def test_bert_attention_mask_becomes_key_padding(example_path):
@@ -310,3 +311,30 @@ def test_a_row_of_padding_keeps_the_bias_a_small_bias_gives_it():
         compiled = stof_cc.compile(model, (x, attention_mask), dtype=torch.float32, tune=False, cuda_graphs=False)
         attention_mask[1] = 0  # the second sequence all padding
         torch.testing.assert_close(compiled(x, attention_mask), model(x, attention_mask), rtol=1e-5, atol=1e-5)
+
+
+class _WindowedAdditive(torch.nn.Module):
+    """A decoder's additive [1, 1, S, S] mask (a causal band of 3), shared by every head."""
+
+    def forward(self, q, k, v):
+        s = q.shape[-2]
+        rows, cols = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        band = (rows >= cols) & (rows - cols <= 3)
+        bias = torch.zeros(1, 1, s, s).masked_fill(~band, torch.finfo(torch.float32).min)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+
+def test_the_probes_read_the_mask_at_its_own_shape_not_once_per_head(monkeypatch):
+    """A [1, 1, S, S] mask before 32 heads is probed as it is: expanded per head, the probes of a
+    16384-token tensor-parallel Llama held 8.6 G elements and ran minutes per layer on the host."""
+    probed = []
+    split = key_padding_module._split
+    monkeypatch.setattr(key_padding_module, "_split", lambda value: probed.append(tuple(value.shape)) or split(value))
+    q, k, v = (torch.randn(1, 32, 64, 16) for _ in range(3))
+    graph = recognise_attention(canonicalize(trace(_WindowedAdditive(), (q, k, v))))
+    described = describe_key_padding(graph)
+    attention = next(node for node in described.nodes() if node.op == "attention")
+    assert attention.kwargs.get("is_causal") is True and attention.kwargs.get("window") == 3
+    assert attention.args[3] is None
+    assert probed and all(shape[1] == 1 for shape in probed), probed
+    assert torch.allclose(interpret(described, q, k, v)[0], _WindowedAdditive()(q, k, v), atol=1e-5)

@@ -196,14 +196,17 @@ def _describe(graph: Graph, node: Node, mask: Ref) -> Described | str:
                 env[name] = evaluate_node(graph, graph.node(name), env, on)
         except Exception as exc:  # the subgraph cannot run on the probe: leave the mask as it is
             return f"probing the mask failed ({exc})"
-        try:
-            return env[mask.name].expand(shape)
-        except RuntimeError:
-            return f"the mask's shape {tuple(env[mask.name].shape)} does not broadcast to {shape}"
+        value = env[mask.name]
+        leading = value.dim() - len(shape)  # the mask's dims line up with the shape's last ones
+        if leading > 0 or any(d not in (1, shape[i - leading]) for i, d in enumerate(value.shape)):
+            return f"the mask's shape {tuple(value.shape)} does not broadcast to {shape}"
+        # kept at its own shape (a [1, 1, S, S] mask is not copied per head: at S = 16384 and 32 heads
+        # the expanded probes held 8.6 G elements and took minutes per layer on the host)
+        return value.reshape((1,) * (len(shape) - value.dim()) + tuple(value.shape))
 
-    found = _probe(evaluate, batch, seq_k, keys is not None, marks_padding=False)
+    found = _probe(evaluate, batch, shape[2], seq_k, keys is not None, marks_padding=False)
     if isinstance(found, str) and keys is not None:  # torch.nn's convention: True = padding
-        inverted = _probe(evaluate, batch, seq_k, True, marks_padding=True)
+        inverted = _probe(evaluate, batch, shape[2], seq_k, True, marks_padding=True)
         found = inverted if not isinstance(inverted, str) else found
     if isinstance(found, str):
         return found
@@ -279,7 +282,7 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
     return nearest if distance[nearest] <= tolerance else None
 
 
-def _probe(evaluate, batch: int, seq_k: int, has_input: bool, marks_padding: bool) \
+def _probe(evaluate, batch: int, seq_q: int, seq_k: int, has_input: bool, marks_padding: bool) \
         -> tuple[dict[str, object], torch.Tensor | None, bool] | str:
     """(structure, bias, marks_padding) when the mask, evaluated with every key kept and then
     with random padding (in the ``marks_padding`` convention), attends exactly the kept keys
@@ -303,34 +306,42 @@ def _probe(evaluate, batch: int, seq_k: int, has_input: bool, marks_padding: boo
             if not bool((allowed == static).all()):
                 return "the attended positions vary over batch or heads beyond key padding"
             continue
-        expected = (keep[:, None, None, :] & static).expand(value.shape)
+        expected = keep[:, None, None, :] & static  # each comparison below broadcasts to [B, H, S_q, S_k]
         if bias is None:
             allowed, appeared = _split(value)
             if allowed is None or appeared is not None or not bool((allowed == expected).all()):
                 return "the attended positions are not key padding and one static mask"
-        elif not bool((value[~expected] < HIDDEN_BELOW).all()):
+        elif not bool(((value < HIDDEN_BELOW) | expected).all()):
             return "the bias does not hide the padded keys and the static mask's"
-        elif not torch.equal(value.masked_fill(~expected, 0), bias.masked_fill(~expected, 0)):
+        elif not bool((torch.where(expected, value, 0) == torch.where(expected, bias, 0)).all()):
             return "the bias changes with the padding input"
-    structure = _structure(static)
+    structure = _structure(static, seq_q, seq_k)
     if structure is None:
         return "its static part is not full, causal or a causal window"
-    return structure, None if bias is None else _narrowed(bias.masked_fill(~static, 0)), marks_padding
+    if bias is not None:  # [B or 1, H or 1, S_q, S_k], 0 where the static mask hides
+        bias = torch.where(static, bias, 0)
+        bias = _narrowed(bias.expand(*bias.shape[:2], seq_q, seq_k))
+    return structure, bias, marks_padding
 
 
-def _structure(static: torch.Tensor) -> dict[str, object] | None:
-    """The kwargs of a static [S_q, S_k] mask: {} (full), causal, a causal window; else None."""
+def _structure(static: torch.Tensor, seq_q: int, seq_k: int) -> dict[str, object] | None:
+    """The kwargs of a static mask broadcastable to [S_q, S_k]: {} (full), causal, a causal window;
+    else None. Boolean triangles only (an int64 distance matrix was 2 GiB at S = 16384)."""
     if bool(static.all()):
         return {}
-    q = torch.arange(static.shape[0])[:, None]
-    k = torch.arange(static.shape[1])[None, :]
-    distance = q - k
-    if not torch.equal(static, static & (distance >= 0)):
+    static = static.expand(seq_q, seq_k)
+    causal = torch.ones(seq_q, seq_k, dtype=torch.bool).tril()
+    if bool((static & ~causal).any()):
         return None
-    reach = int(distance[static].max()) if bool(static.any()) else 0
-    if torch.equal(static, distance >= 0):
+    if torch.equal(static, causal):
         return {"is_causal": True}
-    if reach >= 1 and torch.equal(static, (distance >= 0) & (distance <= reach)):
+    rows = torch.arange(seq_q)
+    attending = static.any(-1)
+    if not bool(attending.any()):
+        return None
+    first = static.to(torch.uint8).argmax(-1)  # each row's first attended key
+    reach = int((rows - first)[attending].max())
+    if reach >= 1 and torch.equal(static, causal & ~torch.ones(seq_q, seq_k, dtype=torch.bool).tril(-reach - 1)):
         return {"is_causal": True, "window": reach}
     return None
 
