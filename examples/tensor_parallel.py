@@ -81,20 +81,33 @@ KERNEL_KINDS = (("NCCL", ("nccl",)), ("GEMM", ("gemm", "nvjet", "cutlass", "xmma
 
 def kernel_split(fn, trace: str | None, calls: int = 5) -> str:
     """Kernel time per call of ``fn`` by kind (torch.profiler, every rank in step). NCCL's kernels
-    include their wait for the other ranks: an upper bound on what the collectives cost. With
-    ``trace``, each rank also writes its timeline there (``rank<r>.json``, Chrome trace format)."""
-    from torch.profiler import ProfilerActivity, profile
+    include their wait for the other ranks: an upper bound on what the collectives cost. The ranks
+    meet at a barrier inside the profiler's warm-up step, which is not recorded: each rank starts
+    its profiler at its own time, and a barrier before it left the first all-reduce waiting for the
+    slowest (10 ms, more than all the calls' collectives together). With ``trace``, each rank also
+    writes its timeline there (``rank<r>.json``, Chrome trace format)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    recorded = []
+
+    def ready(prof) -> None:  # called once the recorded step ends
+        recorded.append(prof.key_averages())
+        if trace:
+            os.makedirs(trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(trace, f"rank{dist.get_rank()}.json"))
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=1, active=1), on_trace_ready=ready) as prof:
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda.synchronize()
+        prof.step()  # the recorded step starts with every rank in step
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    if trace:
-        os.makedirs(trace, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(trace, f"rank{dist.get_rank()}.json"))
+        prof.step()
     totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
-    for event in prof.key_averages():
+    for event in recorded[0]:
         if event.device_type != torch.autograd.DeviceType.CUDA:  # the host's events (kept for the trace)
             continue
         us = getattr(event, "self_device_time_total", 0.0)
