@@ -108,8 +108,9 @@ def kernel_split(fn, trace: str | None, calls: int = 5) -> str:
         prof.step()
     totals = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
     for event in recorded[0]:
-        if event.device_type != torch.autograd.DeviceType.CUDA:  # the host's events (kept for the trace)
-            continue
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.is_user_annotation \
+                or event.key.startswith("ProfilerStep"):  # kernels only: not the host's events, nor the GPU
+            continue  # ranges of the profiler's step and of each "nccl:all_reduce" (those counted NCCL twice)
         us = getattr(event, "self_device_time_total", 0.0)
         name = event.key.lower()
         kind = next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
