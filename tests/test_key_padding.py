@@ -337,4 +337,29 @@ def test_the_probes_read_the_mask_at_its_own_shape_not_once_per_head(monkeypatch
     assert attention.kwargs.get("is_causal") is True and attention.kwargs.get("window") == 3
     assert attention.args[3] is None
     assert probed and all(shape[1] == 1 for shape in probed), probed
-    assert torch.allclose(interpret(described, q, k, v)[0], _WindowedAdditive()(q, k, v), atol=1e-5)
+    torch.testing.assert_close(interpret(described, q, k, v), _WindowedAdditive()(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+class _TwoLayersOneMask(torch.nn.Module):
+    """Two attention layers reading one mask, as a decoder's layers read the one its forward built."""
+
+    def forward(self, q, k, v, padding):
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()
+        mask = padding[:, None, None, :].bool() & causal
+        first = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(first, k, v, attn_mask=mask)
+
+
+def test_a_mask_that_every_layer_reads_is_probed_once(monkeypatch):
+    calls = []
+    describe = key_padding_module._describe
+    monkeypatch.setattr(key_padding_module, "_describe", lambda *args: calls.append(args[1].name) or describe(*args))
+    graph = _recognised(_TwoLayersOneMask())
+    described = describe_key_padding(graph)
+    attentions = [node for node in described.nodes() if node.op == "attention"]
+    assert len(attentions) == 2 and len(calls) == 1
+    assert all(node.kwargs.get("is_causal") is True and node.kwargs.get("key_padding") is not None for node in attentions)
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    padding = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    torch.testing.assert_close(interpret(described, q, k, v, padding), _TwoLayersOneMask()(q, k, v, padding),
+                               rtol=1e-5, atol=1e-5)

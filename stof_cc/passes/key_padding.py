@@ -82,11 +82,19 @@ def describe_key_padding(graph: Graph, report: KeyPaddingReport | None = None) -
     report = report if report is not None else KeyPaddingReport()
     described: dict[str, Described] = {}
     shapes: dict[str, tuple[int, int]] = {}  # key vector -> (batch, keys)
+    probed: dict[tuple, Described | str] = {}  # one probe per mask and attention form, not per layer
     for node in graph.nodes():
-        mask = attention_arguments(node).get("attn_mask") if node.op == "attention" else None
+        given = attention_arguments(node) if node.op == "attention" else {}
+        mask = given.get("attn_mask")
         if not isinstance(mask, Ref):
             continue
-        found = _describe(graph, node, mask)
+        # the layers of a decoder read one mask: probed once (at S = 16384 a probe takes seconds)
+        form = (mask.name,) + tuple((name, repr(value) if name not in ("query", "key", "value") else
+                                     repr(graph.node(value.name).spec)) for name, value in sorted(given.items())
+                                    if name != "attn_mask")
+        if form not in probed:
+            probed[form] = _describe(graph, node, mask)
+        found = probed[form]
         if isinstance(found, str):
             report.refused[node.name] = found
         elif found.bias is not None and found.source is None and graph.node(mask.name).op == CONSTANT:
