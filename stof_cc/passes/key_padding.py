@@ -362,7 +362,7 @@ def _split(value: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | Non
     if value.dtype == torch.bool:
         return value, None
     hidden = value < HIDDEN_BELOW
-    if not bool((value[~hidden] != 0).any()):
+    if not bool(((value != 0) & ~hidden).any()):  # no copy of the attended values
         return ~hidden, None
     if not value.is_floating_point():
         return None, None
