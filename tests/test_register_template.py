@@ -124,3 +124,38 @@ def test_the_custom_template_example_runs(tmp_path: Path):
     assert run.returncode == 0, run.stderr
     assert "swiglu_split" in run.stdout and "fused graph == reference: True" in run.stdout
     assert (tmp_path / "stof_build" / "custom_template" / "g0.cu").is_file()
+
+
+@pytest.mark.parametrize("user_micros", [None, 30.0], ids=["user_failed_the_check", "user_slower"])
+def test_a_group_runs_the_template_stage_2_found_fastest_not_the_first(tmp_path: Path, monkeypatch, user_micros):
+    """A user's template sorts first for its groups; the step still runs whichever template stage 2
+    recorded fastest (each keeps its own fastest record; none when every point failed the check
+    against torch). It ran the user's default point whatever was measured (found by review)."""
+    from stof_cc.runtime.compiled import CompiledModule
+    from stof_cc.tune.database import Device, TuningDatabase
+    from stof_cc.tune.model import group_signature
+    from stof_cc.tune.scheme import choose_scheme
+
+    h100 = Device("NVIDIA H100 80GB HBM3", (9, 0), "13.0")
+    monkeypatch.setattr(Device, "current", staticmethod(lambda: h100))
+    template = stof_cc.register_template(_user_template(tmp_path))
+    try:
+        x = torch.randn(8, 512, dtype=torch.float16)
+        graph, plan = lower(SwiGLUGate(), (x,))
+        plan = choose_scheme(graph, plan)
+        (group,) = plan.scheme.groups
+        signature = group_signature(graph, group)
+        database = TuningDatabase(tmp_path / "tuning.sqlite")
+        builtin_point = ELEMENTWISE.space(ELEMENTWISE.match(graph, group))[-1]
+        database.store(ELEMENTWISE, signature, h100, builtin_point, 10.0)
+        if user_micros is not None:
+            database.store(template, signature, h100, template.space(template.match(graph, group))[0], user_micros)
+        compiled = CompiledModule(SwiGLUGate(), torch.float16, None, True, None, database=database, tune=False)
+        (step,) = compiled.steps(graph, plan, gpu=True)
+        assert step.kind == "kernel" and step.kernel[0] is ELEMENTWISE and step.kernel[2] == builtin_point
+        assert "tuned, 10.0 us" in step.note
+        database.store(template, signature, h100, template.space(template.match(graph, group))[0], 5.0)
+        (step,) = compiled.steps(graph, plan, gpu=True)  # the user's measured faster: it runs
+        assert step.kernel[0] is template and "tuned, 5.0 us" in step.note
+    finally:
+        stof_cc.unregister_template(template.name)

@@ -325,9 +325,8 @@ class CompiledModule:
             rotary, _ = _generated_rotary(graph, group)
             note = "; ".join(refused) + (f"; {len(rotary)} rotary kernel(s)" if rotary else "")
             return Step(group, "torch", note, rotary=rotary)
-        template, problem = found[0].template, found[0].problem
-        record = self._record(template, graph, group)
-        tuned = record is not None and record.params in template.space(problem)
+        template, problem, record = self._tuned_choice(graph, group, found)
+        tuned = record is not None
         library = self._record(LIBRARY_GEMM, graph, group) if is_lone_linear(graph, group) else None
         if library is not None and library_wins(library.micros, record.micros if tuned else None):
             return Step(group, "library", f"cuBLAS through F.linear ({library.micros:.1f} us measured against "
@@ -381,6 +380,18 @@ class CompiledModule:
         swamped = bool(given.get("rounded")) and override is None and given.get("key_padding") is None and bool(bias)
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
                     bias=tuple(r.name for r in bias), empty_rows=empty_rows, swamped=swamped)
+
+    def _tuned_choice(self, graph: Graph, group: FusionGroup, found: list) -> tuple[Any, Any, Any]:
+        """(template, problem, record) of the fastest template that stage 2 recorded for ``group``
+        with parameters still legal, as the search itself picked it (each template keeps its own
+        fastest record); else the first template with no record (its default point). The first
+        template alone would be a user's whenever one applies, though a built-in measured faster
+        or the user's failed the check against torch (found by review)."""
+        recorded = [(a.template, a.problem, record) for a in found
+                    if (record := self._record(a.template, graph, group)) is not None and record.params in a.space]
+        if recorded:
+            return min(recorded, key=lambda choice: choice[2].micros)
+        return found[0].template, found[0].problem, None
 
     def _record(self, template, graph: Graph, group: FusionGroup):
         """The tuning database's record of ``template`` (or `LIBRARY_GEMM`) for ``group``, or None.
