@@ -16,7 +16,7 @@ from stof_cc.passes import lower
 from stof_cc.runtime.build import build_groups
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
-from stof_cc.templates.group import group_templates
+from stof_cc.templates.group import applicable_templates, group_templates
 from stof_cc.templates.row_reduce import ROW_REDUCE
 from stof_cc.tune.database import template_digest
 
@@ -80,6 +80,11 @@ def test_registration_errors_name_the_problem(tmp_path: Path):
         stof_cc.register_template(_user_template(tmp_path, launch=lambda self, problem, params: ((0, 1, 1), 128, 0)))
     with pytest.raises(stof_cc.TemplateRegistrationError, match="launch.. gives .*2048"):
         stof_cc.register_template(_user_template(tmp_path, launch=lambda self, problem, params: ((1, 1, 1), 2048, 0)))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match=r"launch\(\) gives \(\(.*\), 2048, 0\) for \{'threads': 2048\}"):
+        stof_cc.register_template(_user_template(  # every point is checked, not the first alone
+            tmp_path, space=lambda self, problem: [{"threads": 128}, {"threads": 2048}]))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match=r"default_params\(\) gives \{'threads': 512\}"):
+        stof_cc.register_template(_user_template(tmp_path, default_params=lambda self, problem: {"threads": 512}))
     with pytest.raises(stof_cc.TemplateRegistrationError, match="context.. redefines out_type"):
         stof_cc.register_template(_user_template(tmp_path, context=lambda self, problem, params: {"out_type": "float"}))
     assert "swiglu_split" not in {t.name for t in group_templates("elementwise")}  # nothing half-registered
@@ -157,5 +162,29 @@ def test_a_group_runs_the_template_stage_2_found_fastest_not_the_first(tmp_path:
         database.store(template, signature, h100, template.space(template.match(graph, group))[0], 5.0)
         (step,) = compiled.steps(graph, plan, gpu=True)  # the user's measured faster: it runs
         assert step.kernel[0] is template and "tuned, 5.0 us" in step.note
+    finally:
+        stof_cc.unregister_template(template.name)
+
+
+def test_a_template_that_raises_on_a_group_unlike_its_example_is_skipped_there(tmp_path: Path):
+    """match() raising something other than NotFusable on another model's group: a warning naming
+    the template, and the group goes to the built-in (it stopped the whole compile, naming nothing)."""
+    def match(self, graph, group):
+        if "silu" not in {graph.node(n).op for n in group.nodes}:
+            raise KeyError("an op this template never expected")
+        return SwiGLUSplitTemplate.match(self, graph, group)
+
+    template = stof_cc.register_template(_user_template(tmp_path, match=match))
+    try:
+        class Scaled(torch.nn.Module):
+            def forward(self, x):
+                return torch.relu(x) * 2.0
+
+        graph, plan = lower(Scaled(), (torch.randn(4, 256, dtype=torch.float16),))
+        (group,) = plan.default.groups
+        with pytest.warns(UserWarning, match="template 'swiglu_split': match.. or space.. raised KeyError"):
+            found, refused = applicable_templates(graph, group, (9, 0))
+        assert [a.template for a in found] == [ELEMENTWISE]
+        assert any(why.startswith("swiglu_split: match() or space() raised KeyError") for why in refused)
     finally:
         stof_cc.unregister_template(template.name)

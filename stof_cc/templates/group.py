@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -154,18 +155,27 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
             if not space:
                 raise TemplateRegistrationError(f"template {self.name!r}: its parameter space is empty for "
                                                 f"group {group.name} of its example")
-            try:
-                source = self.render(problem, space[0])
-            except Exception as exc:
-                raise TemplateRegistrationError(f"template {self.name!r} does not render for {space[0]}: "
-                                                f"{type(exc).__name__}: {exc}") from exc
-            if f"{self.kernel_name(problem, space[0])}(" not in source:
-                raise TemplateRegistrationError(f"template {self.name!r}: the rendered source does not define "
-                                                f"{self.kernel_name(problem, space[0])}")
-            _check_launch(self, self.launch(problem, space[0]), space[0])
+            default = self.default_params(problem)
+            if default not in space:  # the point a group runs untuned
+                raise TemplateRegistrationError(f"template {self.name!r}: default_params() gives {default}, which "
+                                                f"is not a point of its space() for group {group.name} of its example")
+            for params in space:  # every point stage 2 may measure and a step may run
+                self._check_point(problem, params)
             return
         raise TemplateRegistrationError(f"template {self.name!r} matches no {'/'.join(self.kinds)} group of its "
                                         f"example" + (f" ({'; '.join(reasons)})" if reasons else ""))
+
+    def _check_point(self, problem: GroupProblem[D], params: dict[str, Any]) -> None:
+        """``params`` renders a source defining the kernel and gives a launch the driver accepts."""
+        try:
+            source = self.render(problem, params)
+        except Exception as exc:
+            raise TemplateRegistrationError(f"template {self.name!r} does not render for {params}: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+        if f"{self.kernel_name(problem, params)}(" not in source:
+            raise TemplateRegistrationError(f"template {self.name!r}: the rendered source does not define "
+                                            f"{self.kernel_name(problem, params)}")
+        _check_launch(self, self.launch(problem, params), params)
 
     def header(self, problem: GroupProblem[D], params: dict[str, Any]) -> str:
         """The comment opening the kernel source: template, parameters and the operators, but no
@@ -316,13 +326,20 @@ def applicable_templates(graph: Graph, group: FusionGroup,
     for template in templates:
         try:
             problem = template.match(graph, group)
+            space = template.space(problem)
         except NotFusable as why:
             (not_its_pattern if isinstance(why, NotItsPattern) else refused).append(f"{template.name}: {why}")
+            continue
+        except Exception as exc:  # a template's bug on a group unlike its example: the others (or torch) take it
+            why = f"{template.name}: match() or space() raised {type(exc).__name__}: {exc}"
+            warnings.warn(f"stof-cc: template {template.name!r}: match() or space() raised {type(exc).__name__} "
+                          f"({exc}) on a group unlike its example; it is skipped where it does, and another template "
+                          "or torch runs those groups", stacklevel=2)  # said once per message (warnings' default)
+            refused.append(why)
             continue
         if not template.runs_on(capability):
             refused.append(f"{template.name}: not for compute capability {capability[0]}.{capability[1]}")
             continue
-        space = template.space(problem)
         if not space:
             refused.append(f"{template.name}: no parameter point fits this group")
             continue
