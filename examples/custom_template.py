@@ -1,11 +1,12 @@
 """Register a template for a pattern stof-cc does not fuse yet, and watch it being used.
 
 The pattern: the SwiGLU gate of a fused projection, ``a, b = x.chunk(2, -1); silu(a) * b``.
-stof-cc's own `elementwise` template refuses it (``chunk`` is a layout op its chain generator
-does not read), so without this template torch runs the group. The template is two files:
-``examples/templates/swiglu_split.cu.j2`` (the CUDA source, with stof-cc's shared macros) and
-the spec below (which groups it matches, by op names; its parameters; the values its source
-is rendered with; its launch).
+stof-cc's own `elementwise` template generates it too (its general indexed form reads the
+chunk); a registered template is offered the group first, and where both apply, stage 2
+measures both and each group runs the faster (untuned, the registered one). The template is
+two files: ``examples/templates/swiglu_split.cu.j2`` (the CUDA source, with stof-cc's shared
+macros) and the spec below (which groups it matches, by op names, shapes and wiring; its
+parameters; the values its source is rendered with; its launch).
 
     python examples/custom_template.py            # CPU: register, partition, write + nvcc-compile
                                                   # GPU: also run the kernel against torch and tune it
@@ -54,10 +55,17 @@ class SwiGLUSplitTemplate(stof_cc.GroupTemplate[None]):  # None: its problems ca
         ops = [graph.node(n).op for n in group.nodes]
         if ops != ["split", "getitem", "getitem", "silu", "mul"]:
             raise NotFusable(f"group {group.name} is {ops}, not split -> silu(first) * second")
-        split = graph.node(group.nodes[0])
+        # the op names alone do not say which pieces: the IR prints chunk(x, 2, -1) and split(x, 2, -1)
+        # (pieces of width 2) alike, and silu(b) * a has the same ops. Check the shapes and the wiring.
+        split, *pieces, silu, mul = (graph.node(n) for n in group.nodes)
         source = graph.node(split.args[0].name)
-        if split.args[1:] not in ((2, -1), (2, len(source.spec.shape) - 1)) or source.spec.shape[-1] % 2:
+        shape = source.spec.shape
+        halves = {piece.args[1]: piece for piece in pieces if piece.args[0].name == split.name}
+        if shape[-1] % 2 or set(halves) != {0, 1} \
+                or any(tuple(piece.spec.shape) != (*shape[:-1], shape[-1] // 2) for piece in pieces):
             raise NotFusable(f"%{split.name}: not two halves of the last dimension")
+        if silu.args[0].name != halves[0].name or sorted(a.name for a in mul.args) != sorted((silu.name, halves[1].name)):
+            raise NotFusable(f"group {group.name} is not silu(first half) * second half")
         # the one tensor the kernel reads: C parameter in0, the source value, read at the output's index
         return output_problem(graph, group).with_operands([kernel_operand(graph, source.name, "in0", "full")])
 

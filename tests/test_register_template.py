@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import stof_cc
+from stof_cc.codegen import NotFusable
 from stof_cc.passes import lower
 from stof_cc.runtime.build import build_groups
 from stof_cc.templates.elementwise import ELEMENTWISE
@@ -188,3 +189,26 @@ def test_a_template_that_raises_on_a_group_unlike_its_example_is_skipped_there(t
         assert any(why.startswith("swiglu_split: match() or space() raised KeyError") for why in refused)
     finally:
         stof_cc.unregister_template(template.name)
+
+
+def test_the_example_template_declines_groups_with_its_op_names_that_it_would_compute_wrongly():
+    """silu(b) * a and split(x, 2, -1) have the example's op names; its match read only those and
+    its kernel gave them wrong values (found by review)."""
+    class Swapped(torch.nn.Module):
+        def forward(self, x):
+            a, b = x.chunk(2, dim=-1)
+            return torch.nn.functional.silu(b) * a
+
+    class PiecesOfTwo(torch.nn.Module):
+        def forward(self, x):
+            a, b, *_ = torch.split(x, 2, -1)
+            return torch.nn.functional.silu(a) * b
+
+    template = SwiGLUSplitTemplate()
+    x = torch.randn(4, 128, dtype=torch.float16)
+    graph, plan = lower(SwiGLUGate(), (x,))
+    template.match(graph, plan.default.groups[0])
+    for module, why in ((Swapped(), "not silu.first half. . second half"), (PiecesOfTwo(), "not two halves")):
+        graph, plan = lower(module, (x,))
+        with pytest.raises(NotFusable, match=why):
+            template.match(graph, plan.default.groups[0])
