@@ -21,6 +21,7 @@ from stof_cc.passes import (
     run_passes,
 )
 from stof_cc.passes import key_padding as key_padding_module
+from stof_cc.passes.key_padding import KeyPaddingReport
 
 
 def test_bert_attention_mask_becomes_key_padding(example_path):
@@ -363,3 +364,35 @@ def test_a_mask_that_every_layer_reads_is_probed_once(monkeypatch):
     padding = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
     torch.testing.assert_close(interpret(described, q, k, v, padding), _TwoLayersOneMask()(q, k, v, padding),
                                rtol=1e-5, atol=1e-5)
+
+
+class _MixedFills(torch.nn.Module):
+    """A causal part hidden with one value and the padding with another: a left-padded query that
+    sees no key attends the least hidden keys (here its future tokens), as softmax decides."""
+
+    def __init__(self, causal_fill: float, padding_fill: float) -> None:
+        super().__init__()
+        self.causal_fill, self.padding_fill = causal_fill, padding_fill
+
+    def forward(self, q, k, v, attention_mask):
+        causal = torch.ones(8, 8, dtype=torch.bool).tril()
+        mask = torch.where(causal, 0.0, self.causal_fill)[None, None]
+        mask = mask.masked_fill((attention_mask == 0)[:, None, None, :], self.padding_fill)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("causal_fill, padding_fill", [(torch.finfo(torch.float32).min, float("-inf")),
+                                                       (-1e9, torch.finfo(torch.float32).min)])
+def test_a_mask_hiding_keys_with_different_values_stays_a_tensor(causal_fill, padding_fill):
+    """Described as causal + key padding, the rows of a left-padded sequence's padding got 0 or the
+    mean of every V instead of the model's answer (found by review)."""
+    model = _MixedFills(causal_fill, padding_fill)
+    q, k, v = (torch.randn(2, 2, 8, 16) for _ in range(3))
+    right = torch.ones(2, 8, dtype=torch.long)
+    right[1, 5:] = 0
+    report = KeyPaddingReport()
+    graph = describe_key_padding(recognise_attention(canonicalize(trace(model, (q, k, v, right)))), report)
+    assert not report.rewritten and report.refused  # the mask stays the model's tensor
+    left = torch.ones(2, 8, dtype=torch.long)
+    left[0, :3] = 0  # rows 0-2 of the first sequence see no key under causal & padding
+    torch.testing.assert_close(interpret(graph, q, k, v, left), model(q, k, v, left))

@@ -310,6 +310,8 @@ def _probe(evaluate, batch: int, seq_q: int, seq_k: int, has_input: bool, marks_
             allowed, bias = _split(value)
             if allowed is None:
                 return "the additive mask is neither 0 / hidden nor a bias / the lowest values"
+            if (mixed := _mixed_hiding(value, allowed)) is not None:
+                return mixed
             static = allowed[0, 0]
             if not bool((allowed == static).all()):
                 return "the attended positions vary over batch or heads beyond key padding"
@@ -323,6 +325,8 @@ def _probe(evaluate, batch: int, seq_q: int, seq_k: int, has_input: bool, marks_
             return "the bias does not hide the padded keys and the static mask's"
         elif not bool((torch.where(expected, value, 0) == torch.where(expected, bias, 0)).all()):
             return "the bias changes with the padding input"
+        if (mixed := _mixed_hiding(value, expected)) is not None:
+            return mixed
     structure = _structure(static, seq_q, seq_k)
     if structure is None:
         return "its static part is not full, causal or a causal window"
@@ -367,6 +371,21 @@ def _split(value: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | Non
     if not value.is_floating_point():
         return None, None
     return ~(value < torch.finfo(value.dtype).min / 2), value
+
+
+def _mixed_hiding(value: torch.Tensor, attended: torch.Tensor) -> str | None:
+    """Why not, when an additive mask hides keys with more than one value (a causal part at -inf and
+    the padding at finfo.min, -1e9 beside finfo.min, a bias beside the fill): a query hidden from
+    every key then attends the least hidden ones, which the kernels' key padding and empty-row
+    answers do not say (rows of a left-padded sequence gave 0 or the mean of every V: a helper's hunt)."""
+    if not value.is_floating_point():
+        return None
+    lowest = float(torch.where(attended, float("inf"), value).amin())
+    highest = float(torch.where(attended, float("-inf"), value).amax())
+    if lowest < highest:  # some key hidden, and not all by one value
+        return (f"it hides keys with different values ({lowest:.6g} to {highest:.6g}): a query hidden from every "
+                "key would attend the least hidden ones, so the mask stays a tensor")
+    return None
 
 
 def _narrowed(bias: torch.Tensor) -> torch.Tensor:
