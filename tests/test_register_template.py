@@ -86,6 +86,12 @@ def test_registration_errors_name_the_problem(tmp_path: Path):
             tmp_path, space=lambda self, problem: [{"threads": 128}, {"threads": 2048}]))
     with pytest.raises(stof_cc.TemplateRegistrationError, match=r"default_params\(\) gives \{'threads': 512\}"):
         stof_cc.register_template(_user_template(tmp_path, default_params=lambda self, problem: {"threads": 512}))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match="kinds must be a tuple of group kinds.*'elementwize'"):
+        stof_cc.register_template(_user_template(tmp_path, kinds=("elementwize",)))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match="kinds must be a tuple of group kinds"):
+        stof_cc.register_template(_user_template(tmp_path, kinds="elementwise"))  # a str, not a tuple
+    with pytest.raises(stof_cc.TemplateRegistrationError, match="needs a str class attribute 'name'"):
+        stof_cc.register_template(_user_template(tmp_path, name=None))
     with pytest.raises(stof_cc.TemplateRegistrationError, match="context.. redefines out_type"):
         stof_cc.register_template(_user_template(tmp_path, context=lambda self, problem, params: {"out_type": "float"}))
     assert "swiglu_split" not in {t.name for t in group_templates("elementwise")}  # nothing half-registered

@@ -22,6 +22,7 @@ import torch
 from stof_cc.codegen import Chain, IndexedChain, NotFusable, NotItsPattern
 from stof_cc.codegen.indexed import C_TYPES as INDEXED_C_TYPES
 from stof_cc.ir.graph import Graph, TensorSpec
+from stof_cc.ir.ops import PATTERN_KINDS
 from stof_cc.passes.fusion import FusionGroup, is_views
 from stof_cc.passes.lower import lower
 from stof_cc.templates.pricing import memory_bound_us
@@ -137,6 +138,10 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
     def validate(self) -> None:
         """The spec matches a group of its example, has parameters there, renders, and gives a
         launch geometry."""
+        kinds = getattr(self, "kinds", None)
+        if not isinstance(kinds, tuple | list) or not kinds or any(kind not in PATTERN_KINDS for kind in kinds):
+            raise TemplateRegistrationError(f"template {self.name!r}: kinds must be a tuple of group kinds, some of "
+                                            f"{', '.join(PATTERN_KINDS)}; got {kinds!r}")
         module, inputs = self.example()
         graph, plan = lower(module, inputs)
         reasons = []

@@ -118,6 +118,10 @@ def register_template(template: KernelTemplate, *, validate: bool = True) -> Ker
     (it traces a model) and are validated by the test suite instead."""
     if not isinstance(template, KernelTemplate):
         raise TemplateRegistrationError(f"register_template needs a KernelTemplate, got {type(template).__name__}")
+    for attribute in ("name", "source_file"):
+        if not isinstance(getattr(template, attribute, None), str):
+            raise TemplateRegistrationError(f"template class {type(template).__name__} needs a str class attribute "
+                                            f"{attribute!r}")
     if template.name in _TEMPLATES:
         raise TemplateRegistrationError(f"template name {template.name!r} is already taken "
                                         f"(by {type(_TEMPLATES[template.name]).__name__})")
