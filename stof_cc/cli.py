@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and remember them in the tuning database")
     tune.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
     tune.add_argument("--db", help="database file (default: $STOF_CC_TUNING_DB or the user cache directory)")
-    tune.add_argument("--top-k", type=int, default=8, help="candidates per group measured in stage 2 (%(default)s)")
+    tune.add_argument("--top-k", type=_positive, default=8,
+                      help="candidates per group measured in stage 2, at least 1 (%(default)s)")
     tune.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                       help="the model's dtype, as stof_cc.compile's dtype= (default: %(default)s)")
     tune.set_defaults(run=_cmd_tune)
@@ -236,6 +238,14 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
 def _cmd_tune(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("stof-cc: error: tuning measures kernels on the GPU, and no CUDA device is visible", file=sys.stderr)
@@ -328,8 +338,8 @@ def _write_and_compile(choice, problem: AttentionProblem, build_dir: Path) -> No
 
 def _check_attention(problem: AttentionProblem, mask, choice) -> int:
     if not torch.cuda.is_available():
-        print("no CUDA device: the kernel was not run against the reference")
-        return 0
+        print("no CUDA device: the kernel was not run against the reference", file=sys.stderr)
+        return 2  # --check asked for a check: none ran
     q, k, v = (torch.randn(problem.batch, problem.heads, problem.seq_q, problem.head_dim,
                            device="cuda", dtype=problem.dtype) for _ in range(3))
     out = attention(q, k, v, mask, params=choice.params)
@@ -391,7 +401,7 @@ def _mask_argument(args: argparse.Namespace) -> MaskDescription | None:
 
 
 ARCH_HELP = ("generate for this GPU generation instead of the visible GPU (or, without one, the H100); "
-             "sm_80 and sm_86 get no wgmma kernels; sm_90a is sm_90 (its wgmma kernels are built for sm_90a)")
+             "sm_80, sm_86 and sm_89 get no wgmma kernels; sm_90a is sm_90 (its wgmma kernels are built for sm_90a)")
 
 
 def _arch(text: str) -> str:
@@ -422,11 +432,28 @@ def _check_against_module(graph: Graph, module: torch.nn.Module, args: tuple, kw
         got = interpret(graph, *args, **kwargs)
     exp_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     got_leaves = [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
-    worst = max((float((g - e).abs().max()) for g, e in zip(got_leaves, exp_leaves, strict=True)), default=0.0)
-    ok = len(exp_leaves) == len(got_leaves) and worst <= 1e-5
+    if len(exp_leaves) != len(got_leaves):
+        print(f"interpreter vs eager module: {len(got_leaves)} outputs where the module gives {len(exp_leaves)} "
+              "-> MISMATCH")
+        return 1
+    worst = max((_leaf_error(g, e) for g, e in zip(got_leaves, exp_leaves, strict=True)), default=0.0)
+    ok = worst <= 1e-5
     print(f"interpreter vs eager module: {len(got_leaves)} outputs, max abs error {worst:.2e} "
           f"-> {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
+
+
+def _leaf_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute difference of two outputs; NaN and infinities agree where both have them
+    (a fully masked softmax), a shape or dtype kind that differs is infinitely wrong, booleans
+    compare as 0/1 and an empty output has no error."""
+    if got.shape != want.shape or got.dtype.is_floating_point != want.dtype.is_floating_point:
+        return math.inf
+    if got.numel() == 0:
+        return 0.0
+    got, want = got.double(), want.double()
+    same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+    return float(torch.where(same, 0.0, (got - want).abs().nan_to_num(math.inf)).max())
 
 
 def _model_name(reference: str) -> str:

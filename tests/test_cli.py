@@ -333,3 +333,57 @@ def test_arch_generates_for_another_gpu_generation_and_then_lets_go(tmp_path, ca
     assert "does not go with --arch" in capsys.readouterr().err
     assert main(["attention", "--mask", "causal", "--seq", "256", "--arch", "sm_90a"]) == 0  # nvcc's name for it
     assert "--arch: choosing the kernel for sm_90 (H100, 132 SMs)" in capsys.readouterr().out
+
+
+_CHECKED = '''
+import torch
+
+
+class Log(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x)  # NaN at -1, in the interpreter and eagerly alike
+
+
+class InUnit(torch.nn.Module):
+    def forward(self, x):
+        return (x > 0) & (x < 1), x[:0].softmax(-1)  # a boolean output and an empty one
+
+
+def nan():
+    return Log(), (torch.tensor([-1.0, 2.0]),)
+
+
+def flags():
+    return InUnit(), (torch.randn(4, 16),)
+'''
+
+
+@pytest.mark.parametrize("factory", ["nan", "flags"])
+def test_inspect_check_agrees_on_nan_boolean_and_empty_outputs(tmp_path, capsys, factory):
+    """--check said MISMATCH (exit 1) for outputs with NaN where eager has them, and a traceback for
+    boolean or empty outputs (found by review)."""
+    path = tmp_path / "checked.py"
+    path.write_text(_CHECKED)
+    assert main(["inspect", f"{path}:{factory}", "--quiet-graph", "--check"]) == 0
+    assert "-> OK" in capsys.readouterr().out
+
+
+def test_leaf_error_calls_a_shape_or_value_difference_wrong():
+    from stof_cc.cli import _leaf_error
+
+    assert _leaf_error(torch.zeros(2, 3), torch.zeros(3, 2)) == float("inf")
+    assert _leaf_error(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])) == float("inf")
+    assert _leaf_error(torch.tensor([1.0, 2.5]), torch.tensor([1.0, 2.0])) == 0.5
+
+
+def test_attention_check_without_a_gpu_is_not_a_success(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the check runs")
+    assert main(["attention", "--mask", "causal", "--seq", "256", "--check"]) == 2
+    assert "not run against the reference" in capsys.readouterr().err
+
+
+def test_tune_top_k_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["tune", "model.py:factory", "--top-k", "0"])
+    assert exited.value.code == 2 and "0 is not a positive integer" in capsys.readouterr().err
