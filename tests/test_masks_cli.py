@@ -239,3 +239,21 @@ def test_show_draws_a_long_sequence_from_its_block_map(tmp_path, monkeypatch):
     width, height, pixels = _read_png((tmp_path / "m.png").read_bytes())
     assert (width, height) == (2 * 1000 + GAP, 1000)  # 200 elements per pixel
     assert tuple(pixels[500, 500]) != PAPER and tuple(pixels[500, 10]) == PAPER  # the band, nothing off it
+
+
+def test_show_gives_different_masks_different_default_files_and_reports_unwritable_ones(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """causal|~causal, causal&~causal and causal&causal shared one file (the operators were dropped),
+    --seq-k was not in the name, a long spec made a name too long to write, and --out naming a
+    folder gave a traceback (found by review)."""
+    monkeypatch.chdir(tmp_path)
+    for spec in ("causal|~causal", "causal&~causal", "causal&causal"):
+        assert main(["show", spec, "--seq", "64"]) == 0
+    assert main(["show", "causal", "--seq", "64", "--seq-k", "32"]) == 0
+    assert main(["show", "|".join(f"sliding:w={w}" for w in range(1, 40)), "--seq", "64"]) == 0
+    names = sorted(p.name for p in (tmp_path / "stof_build" / "masks").iterdir())
+    assert len(names) == 5 and "mask-causal-or-not-causal-64.png" in names and "mask-causal-64x32.png" in names
+    assert max(len(name) for name in names) < 100
+    capsys.readouterr()
+    assert main(["show", "causal", "--seq", "64", "--out", str(tmp_path)]) == 2
+    assert "cannot write the picture" in capsys.readouterr().err

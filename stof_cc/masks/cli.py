@@ -8,6 +8,7 @@ the same commands alone.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from collections.abc import Sequence
@@ -62,8 +63,11 @@ def show_command(args: argparse.Namespace) -> int:
     except MaskError as error:
         print(f"stof-cc masks show: error: {error}", file=sys.stderr)
         return 2
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", args.spec).strip("-")
-    path = write_png(args.out or Path(args.build_dir, "masks", f"mask-{slug}-{args.seq}.png"), image)
+    try:
+        path = write_png(args.out or Path(args.build_dir, "masks", _picture_name(args)), image)
+    except OSError as error:
+        print(f"stof-cc masks show: error: cannot write the picture: {error}", file=sys.stderr)
+        return 2
     print(f"mask      {desc!r}")
     print(f"storage   {mask!r}")
     print(f"blocks    {mask.n_full} full, {mask.n_partial} partial, {mask.n_empty} empty")
@@ -73,6 +77,18 @@ def show_command(args: argparse.Namespace) -> int:
         print(f"picture   slice b=0, h=0 of {mask.batch} x {mask.heads}")
     print(f"wrote     {path} ({image.shape[1]}x{image.shape[0]} px: mask | block map)")
     return 0
+
+
+def _picture_name(args: argparse.Namespace) -> str:
+    """The default file of ``masks show``: the spec with its operators spelled out (causal|~causal and
+    causal&causal must not share a file), the key length where it differs, and a digest in place of
+    a spec too long for a file name."""
+    spelled = args.spec.replace("|", " or ").replace("&", " and ").replace("~", " not ")
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", spelled).strip("-")
+    if len(slug) > 80:
+        slug = f"{slug[:60]}-{hashlib.sha1(args.spec.encode()).hexdigest()[:10]}"
+    keys = f"x{args.seq_k}" if args.seq_k not in (None, args.seq) else ""
+    return f"mask-{slug}-{args.seq}{keys}.png"
 
 
 def list_command(args: argparse.Namespace) -> int:
