@@ -63,11 +63,7 @@ def show_command(args: argparse.Namespace) -> int:
     except MaskError as error:
         print(f"stof-cc masks show: error: {error}", file=sys.stderr)
         return 2
-    try:
-        path = write_png(args.out or Path(args.build_dir, "masks", _picture_name(args)), image)
-    except OSError as error:
-        print(f"stof-cc masks show: error: cannot write the picture: {error}", file=sys.stderr)
-        return 2
+    path = write_png(args.out or Path(args.build_dir, "masks", _picture_name(args)), image)  # OSError: main's
     print(f"mask      {desc!r}")
     print(f"storage   {mask!r}")
     print(f"blocks    {mask.n_full} full, {mask.n_partial} partial, {mask.n_empty} empty")
@@ -106,7 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="stof-cc")
     add_masks_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["masks", *(sys.argv[1:] if argv is None else argv)])
-    return args.run(args)
+    try:
+        return args.run(args)
+    except OSError as error:  # the picture cannot be written (`stof-cc` itself says it as for every --out)
+        print(f"stof-cc masks: error: cannot write the picture: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
