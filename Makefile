@@ -29,7 +29,8 @@ demo: $(STAMP)
 	$(PY) -m stof_cc.cli inspect examples/encoder_layer.py:factory --quiet-graph --check --mask sliding:w=8
 	$(PY) -m stof_cc.cli compile examples/gpt2_block.py:factory --build-dir stof_build
 	$(PY) -m stof_cc.cli masks show longformer:w=128,g=32 --seq 2048 --out stof_build/masks/longformer.png
-	$(PY) -m stof_cc.cli attention --mask longformer:w=128,g=32 --seq 2048 --batch 2 --build-dir stof_build --check
+	$(PY) -m stof_cc.cli attention --mask longformer:w=128,g=32 --seq 2048 --batch 2 --build-dir stof_build \
+		$$($(PY) -c 'import torch; print("--check" if torch.cuda.is_available() else "")')  # --check runs the kernel: GPUs only
 
 test: $(STAMP)
 	@echo "make test 1/2: the CPU suite (GPU tests skip without a GPU), on every core"
