@@ -47,6 +47,7 @@ from stof_cc.templates.pricing import (
 )
 from stof_cc.tune.attention import attention_kernel, explain_attention
 from stof_cc.tune.database import (
+    NewerDatabaseError,
     TuningDatabase,
     TuningDatabaseError,
     check_database_argument,
@@ -278,6 +279,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     except TuningDatabaseError as exc:
         raise TuningDatabaseError(f"{exc}; stof-cc leaves such a file as it is: move it aside or remove it, "
                                   f"or name another file ({origin})") from None
+    if args.action == "clear" and _written_by_newer(path):  # its records are the newer version's to clear
+        raise NewerDatabaseError(f"{path} ({origin}) was written by a newer stof-cc, which this one reads but never "
+                                 "writes into: clear it with that version, or name another file")
     if args.action == "clear":
         db = TuningDatabase(path)
         print(f"{db.path}: removed {db.clear()} record(s)")
@@ -286,9 +290,21 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     records = db.records()
     print(f"{db.path}: {len(records)} record(s)")
     for r in records:
-        print(f"  {r.template:<16} {r.signature:<40} {r.micros:9.2f} us  {json.dumps(r.params, sort_keys=True)}  "
+        measured = "   failed   " if r.failed else f"{r.micros:9.2f} us"  # stage 2 found no correct point
+        print(f"  {r.template:<16} {r.signature:<40} {measured}  {json.dumps(r.params, sort_keys=True)}  "
               f"[{r.device}]")
     return 0
+
+
+def _written_by_newer(path: Path) -> bool:
+    db = TuningDatabase(path, read_only=True)
+    try:
+        db._columns()
+    except NewerDatabaseError:
+        return True
+    finally:
+        db.close()
+    return False
 
 
 def _database_choice(args: argparse.Namespace) -> tuple[str | Path, str]:

@@ -227,3 +227,53 @@ def test_concurrent_compiles_of_one_source_leave_one_valid_entry(cache):
     assert len({r.cubin for r in results}) == 1 and results[0].cubin.startswith(b"\x7fELF")
     assert sorted(p.name.split(".", 1)[1] for p in cache.iterdir()) == ["cu", "cubin", "ptxas.txt"]
     assert nvcc._read_entry(_only(cache, ".cubin"), _only(cache, ".ptxas.txt")) is not None
+
+
+@pytest.mark.nvcc
+def test_nvcc_compiles_the_source_it_was_given_not_the_file_another_process_rewrote(cache, tmp_path, monkeypatch):
+    """Two compiles into one build folder: the file at ``source_path`` may hold the other
+    process's kernel by the time nvcc reads it. The cubin stored under this source's key must be
+    this source's (two `stof-cc compile` runs stored each other's kernels: found by review)."""
+    shared = tmp_path / "build" / "g0.cu"
+    real_write = nvcc._write_source
+
+    def overwritten_at_once(path, text):  # the other process writes right after this one
+        written = real_write(path, text)
+        if path == shared:
+            shared.write_text(OTHER)
+        return written
+
+    monkeypatch.setattr(nvcc, "_write_source", overwritten_at_once)
+    compiled = compile_cubin(KERNEL, source_path=shared)
+    assert set(compiled.resources) == {"k"}  # KERNEL's function, not OTHER's k2
+    with pytest.raises(CompileError, match=f"nvcc failed to compile {shared}") as error:
+        compile_cubin(KERNEL.replace("+= 1.0f", "+= undefined_name"), source_path=shared)
+    assert str(shared) in str(error.value).splitlines()[1]  # nvcc's own line names the user's file
+    assert "undefined_name" in str(error.value)  # the line shown is the text compiled
+
+
+@pytest.mark.nvcc
+def test_nvcc_flags_from_the_environment_are_part_of_the_key(cache, nvcc_runs, monkeypatch):
+    """NVCC_APPEND_FLAGS changes the cubin: an entry built with it is not served without it."""
+    compile_cubin(KERNEL)
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-DSTOF_TEST_FLAG=1")
+    compile_cubin(KERNEL)
+    monkeypatch.delenv("NVCC_APPEND_FLAGS")
+    compile_cubin(KERNEL)
+    assert len(nvcc_runs) == 2
+
+
+@pytest.mark.parametrize("xdg", ["", "relative/folder"], ids=["empty", "relative"])
+def test_an_empty_or_relative_xdg_cache_home_means_the_home_cache(tmp_path, monkeypatch, xdg):
+    """The XDG spec: an empty or relative XDG_CACHE_HOME is ignored. Taken as given, the kernel
+    cache and the tuning database landed under the working directory (found by review)."""
+    from stof_cc.tune.database import default_path
+
+    monkeypatch.delenv("STOF_CC_CACHE", raising=False)
+    monkeypatch.delenv("STOF_CC_TUNING_DB", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", xdg)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "stof-cc" / "cubin"
+    assert default_path() == tmp_path / "home" / ".cache" / "stof-cc" / "tuning.sqlite"
+    monkeypatch.setenv("STOF_CC_TUNING_DB", "~/tuning.sqlite")
+    assert default_path() == tmp_path / "home" / "tuning.sqlite"

@@ -9,7 +9,7 @@ import pytest
 from stof_cc.templates.elementwise import ELEMENTWISE
 from stof_cc.templates.row_reduce import ROW_REDUCE
 from stof_cc.tune.database import Device, TuningDatabase
-from stof_cc.tune.search import Candidate, search, select_survivors
+from stof_cc.tune.search import Candidate, NoCorrectCandidate, search, select_survivors
 
 H100 = Device("NVIDIA H100 80GB HBM3", (9, 0), "13.0")
 GOOD = 'extern "C" __global__ void k{i}(float* x) {{ x[threadIdx.x] += {i}; }}\n'
@@ -148,3 +148,38 @@ def test_cuda_timer_records_each_start_event_behind_a_gpu_sleep(monkeypatch):
     lead = search_module.LEAD_CYCLES
     once = ["record start", "launch", "record end", "query start"]
     assert timed == [f"sleep {lead}", *once, f"sleep {2 * lead}", *once] + [f"sleep {2 * lead}", *once] * 2
+
+
+@pytest.mark.nvcc
+def test_a_group_with_no_correct_candidate_is_recorded_and_not_measured_again(tmp_path: Path):
+    """Every candidate wrong: `NoCorrectCandidate` (the group runs in torch), each template's
+    failure recorded, and a warm database answers the same without compiling or timing anything
+    (it re-measured the group on every compile: found by review)."""
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    candidates = _candidates(ELEMENTWISE, 3) + [Candidate(ROW_REDUCE, {"i": 9}, 9.0, "this is not CUDA")]
+    build, check, timer = _fake(wrong={0, 1, 2})
+    with pytest.raises(NoCorrectCandidate, match="every measured candidate failed"):
+        search(candidates, build, check, signature="g9", top_k=8, max_share=1.0, timer=timer, database=db, device=H100)
+    records = {r.template: r for r in db.records()}
+    assert set(records) == {"elementwise", "row_reduce"} and all(r.failed for r in records.values())
+    assert "wrong result" in records["elementwise"].why_failed and "compile" in records["row_reduce"].why_failed
+
+    def must_not_build(candidate):
+        raise AssertionError("a warm database must not measure")
+
+    with pytest.raises(NoCorrectCandidate, match="when last measured"):
+        search(candidates, must_not_build, check, signature="g9", top_k=8, max_share=1.0, timer=timer,
+               database=db, device=H100)
+
+
+@pytest.mark.nvcc
+def test_a_template_that_failed_gives_way_to_one_that_worked(tmp_path: Path):
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    candidates = _candidates(ELEMENTWISE, 2) + [Candidate(ROW_REDUCE, {"i": 9}, 9.0, GOOD.format(i=9))]
+    build, check, timer = _fake(wrong={0, 1})
+    report = search(candidates, build, check, signature="g10", top_k=8, max_share=1.0, timer=timer, database=db,
+                    device=H100)
+    assert report.winner.template is ROW_REDUCE
+    warm = search(candidates, None, check, signature="g10", top_k=8, max_share=1.0, timer=timer, database=db,
+                  device=H100)
+    assert warm.from_database and warm.winner.template is ROW_REDUCE

@@ -31,6 +31,38 @@ def test_group_signature_names_ops_and_specs():
     assert group_signature(other, group2) != signature  # another shape, another record
 
 
+class _SliceGelu(torch.nn.Module):
+    def __init__(self, start: int, approximate: str = "none", swap: bool = False) -> None:
+        super().__init__()
+        self.start, self.approximate, self.swap = start, approximate, swap
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pieces = (y, x) if self.swap else (x, y)
+        s = torch.cat(pieces, -1)[:, self.start:self.start + 64]
+        return torch.nn.functional.gelu(s, approximate=self.approximate) * 2.0
+
+
+def test_groups_that_compute_different_things_never_share_a_signature():
+    """Same ops and specs, other arguments: a slice offset, gelu's approximation. They shared a
+    record, and the second ran a point never checked against torch for it (found by review).
+    Identical groups (a model's layers) still share theirs, and so do groups that differ only in
+    which model input each operand is (``cat([y, x])`` is ``cat([x, y])`` with its operands named
+    the other way round: one kernel computes both)."""
+    from stof_cc.passes import lower
+    from stof_cc.tune.scheme import choose_scheme
+
+    def signatures(module):
+        x, y = torch.randn(8, 64, dtype=torch.float16), torch.randn(8, 64, dtype=torch.float16)
+        graph, plan = lower(module, (x, y))
+        return [group_signature(graph, g) for g in choose_scheme(graph, plan).scheme.groups]
+
+    variants = [_SliceGelu(0), _SliceGelu(1), _SliceGelu(0, "tanh")]
+    found = [tuple(signatures(m)) for m in variants]
+    assert len(set(found)) == len(variants)
+    assert len({s.split(" #")[0] for s in found[0] + found[1]}) == len(found[0])  # only the digest tells them apart
+    assert tuple(signatures(_SliceGelu(0))) == tuple(signatures(_SliceGelu(0, swap=True))) == found[0]
+
+
 def test_stage_2_rotates_through_twice_the_l2():
     """Enough input sets that a launch finds its operands in DRAM: 4 MB sets on a 50 MB L2 take 25,
     large sets the minimum, tiny ones the cap."""

@@ -274,6 +274,11 @@ def test_a_newer_stof_ccs_database_and_rows_are_left_for_it(tmp_path: Path):
         older.store(ELEMENTWISE, "mine", H100, {"threads": 128, "vec": 1}, 3.0)  # never written into
     assert raw.execute("SELECT count(*) FROM records").fetchone()[0] == 2
     assert not list(tmp_path.glob("*.corrupt-*"))  # left where it was
+    # the command line lists it (it told the user to move it aside: found by review) and will not clear it
+    from stof_cc.cli import main
+    assert main(["cache", "list", "--db", str(path)]) == 0
+    assert main(["cache", "clear", "--db", str(path)]) == 2
+    assert raw.execute("SELECT count(*) FROM records").fetchone()[0] == 2
 
 
 def _make_read_only(monkeypatch: pytest.MonkeyPatch, *paths: Path) -> None:

@@ -3,7 +3,8 @@
 Used two ways: offline (CI, no GPU: does every template instantiation compile for sm_90,
 and with how many registers and how much shared memory?) and at run time, where the
 PyCUDA backend loads the cubin this produces. Cubins are cached on disk by a hash of
-(source, arch, flags, nvcc version), so a second compile of the same kernel is a file read.
+(source, arch, flags, nvcc's exact build, the NVCC_* flags of the environment), so a second compile
+of the same kernel is a file read; nvcc compiles a private copy of the source, never a shared file.
 The report beside each cubin records the cubin's sha256 on its first line: a cubin that no longer
 matches it (damaged on disk, even inside a valid ELF) is rebuilt with a `KernelCacheWarning`
 naming the file; a report without it (damaged, or written by an older stof-cc) or naming no kernel
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stof_cc.ir.paths import blocking_file
+from stof_cc.ir.paths import blocking_file, user_cache_root
 
 try:
     import fcntl
@@ -98,12 +100,26 @@ def nvcc_version() -> str:
     return match.group(1) if match else out.strip().splitlines()[-1]
 
 
+@functools.cache
+def nvcc_build() -> str:
+    """nvcc's whole ``--version`` text (its exact build, not only the release): part of each cache
+    key, so a toolkit updated in place (13.0.48 -> 13.0.88) never serves the old one's cubins."""
+    nvcc_version()  # a clear error where nvcc does not run
+    return subprocess.run([_require_nvcc(), "--version"], capture_output=True, text=True, check=True).stdout
+
+
+# nvcc reads these from the environment and adds them to every command line: they change the
+# cubin, so they are part of its key (a one-off NVCC_APPEND_FLAGS=-G would otherwise be served,
+# and timed by stage 2, ever after: found by review)
+NVCC_ENVIRONMENT = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+
+
 def cache_dir() -> Path:
     """The cubin cache folder, created if missing: ``$STOF_CC_CACHE/cubin``, else under
     ``$XDG_CACHE_HOME`` or ``~/.cache``. Raises KernelCacheError when a file is in the way or
     the folder cannot be created (a traceback from mkdir would not say which setting to fix)."""
     env = os.environ.get("STOF_CC_CACHE")
-    root = Path(env or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "stof-cc"))
+    root = Path(env).expanduser() if env else user_cache_root() / "stof-cc"
     path = root / "cubin"
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -128,7 +144,8 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
     that fails its checks (`_read_entry`) is rebuilt; one that cannot be stored is
     returned uncached, with a KernelCacheWarning (once per folder).
     """
-    key = hashlib.sha256("\0".join([source, arch, *flags, nvcc_version()]).encode()).hexdigest()[:24]
+    environment = [f"{name}={os.environ.get(name, '')}" for name in NVCC_ENVIRONMENT]
+    key = hashlib.sha256("\0".join([source, arch, *flags, nvcc_build(), *environment]).encode()).hexdigest()[:24]
     folder = cache_dir()
     cubin_path, report_path = folder / f"{key}.cubin", folder / f"{key}.ptxas.txt"
     if source_path is not None:
@@ -144,12 +161,17 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
         return Compiled(entry[0], arch, entry[1], source_path)
 
     with tempfile.TemporaryDirectory(prefix="stof-nvcc-") as tmp:
-        out = Path(tmp) / "kernel.cubin"
+        # nvcc compiles a private copy of ``source``, never the file at ``source_path``: another
+        # process writing the same build folder could put its own kernel there in between, and its
+        # cubin would be cached under this key (two `stof-cc compile` runs into one folder did: found
+        # by review). The #line directive keeps nvcc's messages naming the file the user can open.
+        private, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
+        private.write_text(f"#line 1 {json.dumps(str(source_path))}\n{source}")
         cmd = [_require_nvcc(), *flags, f"-arch={arch}", "-cubin", "-Xptxas", "-v",
-               "-o", str(out), str(source_path)]
+               "-o", str(out), str(private)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            raise CompileError(_format_errors(source_path, proc.stderr))
+            raise CompileError(_format_errors(source_path, source, proc.stderr))
         cubin = out.read_bytes()
     try:
         with _entry_lock(folder, fcntl.LOCK_EX if fcntl else 0):  # another process may write this entry too
@@ -280,10 +302,11 @@ def _warn_uncached(folder: Path, exc: OSError) -> None:
         "are not being cached; point STOF_CC_CACHE at a folder you can write"), stacklevel=3)
 
 
-def _format_errors(source_path: Path, stderr: str) -> str:
-    """Keep nvcc's ``file(line): error`` lines (they name the generated .cu) and show the line."""
+def _format_errors(source_path: Path, source: str, stderr: str) -> str:
+    """Keep nvcc's ``file(line): error`` lines (they name the generated .cu) and show the line of
+    ``source`` (the text compiled: the file may have been rewritten since)."""
     errors = [ln for ln in stderr.splitlines() if "error" in ln.lower()] or stderr.splitlines()[:20]
-    lines = source_path.read_text().splitlines() if source_path.exists() else []
+    lines = source.splitlines()
     shown = []
     for err in errors[:10]:
         shown.append(err)

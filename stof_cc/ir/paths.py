@@ -50,3 +50,12 @@ def blocking_file(path: Path) -> Path | None:
     """The file standing where ``path`` or one of its parents should be a folder, or None.
     Never raises (`os.path.isfile` answers False where a stat fails: no access, a name too long)."""
     return next((p for p in (path, *path.parents) if os.path.isfile(p)), None)
+
+
+def user_cache_root() -> Path:
+    """``$XDG_CACHE_HOME`` (``~`` expanded; empty counts as unset, as the XDG spec says), else
+    ``~/.cache``: never a path relative to the working directory, where records and kernels would
+    scatter over every folder a run starts in (found by review)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(xdg).expanduser() if xdg else Path("~/.cache").expanduser()
+    return root if root.is_absolute() else Path("~/.cache").expanduser()

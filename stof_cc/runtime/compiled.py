@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from stof_cc.tune.library import LIBRARY_GEMM, is_lone_linear, library_wins
 from stof_cc.tune.model import group_signature, measured_times, tune_model
 from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
+from stof_cc.tune.tune_attention import adopt_recorded
 
 NO_GPU = ("no GPU kernels here ({why}): every group runs in torch; "
           "`stof-cc compile --why` says what would be generated, and why not")
@@ -325,9 +326,17 @@ class CompiledModule:
             rotary, _ = _generated_rotary(graph, group)
             note = "; ".join(refused) + (f"; {len(rotary)} rotary kernel(s)" if rotary else "")
             return Step(group, "torch", note, rotary=rotary)
-        template, problem, record = self._tuned_choice(graph, group, found)
-        tuned = record is not None
+        choice = self._tuned_choice(graph, group, found)
         library = self._record(LIBRARY_GEMM, graph, group) if is_lone_linear(graph, group) else None
+        if choice is None:  # no point of any template was correct here: never run an unchecked default
+            if library is not None:
+                return Step(group, "library", f"cuBLAS through F.linear ({library.micros:.1f} us measured; no "
+                                              "generated point was correct)")
+            why = f"stage 2 found no correct point of {', '.join(a.template.name for a in found)} for it (tuning database)"
+            warnings.warn(f"stof_cc.compile: group {group.name}: {why}; it runs in torch", stacklevel=4)
+            return Step(group, "torch", why)
+        template, problem, record = choice
+        tuned = record is not None
         if library is not None and library_wins(library.micros, record.micros if tuned else None):
             return Step(group, "library", f"cuBLAS through F.linear ({library.micros:.1f} us measured against "
                                           + (f"{record.micros:.1f} us generated)" if tuned else "no generated record)"))
@@ -353,10 +362,17 @@ class CompiledModule:
             raise ValueError(f"stof_cc.compile: mask= cannot replace the mask of %{anchor.name}: its scores are "
                              "softcapped, which only the model's own attention computes")
         try:
-            attention_kernel(graph, anchor, mask=override)
+            _, problem, _, _ = attention_kernel(graph, anchor, mask=override)
         except NotFusable as why:  # the model's meaning is kept; its speed is not stof-cc's
             warnings.warn(f"stof_cc.compile: attention {why}; it runs in torch", stacklevel=4)
             return Step(group, "torch", str(why), mask=override)
+        if self.database is not None and not problem.bias:  # stage 2 tunes attention without a bias
+            failed = adopt_recorded(problem, node_mask(given, override), self.database)
+            if failed is not None:
+                warnings.warn(f"stof_cc.compile: no attention kernel matched torch for %{anchor.name} when "
+                              f"measured ({failed}); it runs in torch", stacklevel=4)
+                return Step(group, "torch", f"stage 2 found no correct attention kernel for it ({failed})",
+                            mask=override)
         rotary, why_not = _generated_rotary(graph, group)
         added = " and ".join(f"%{r.name}" for r in bias)
         note = "stof_cc.attention for the anchor" + (f", adding {added} to the scores" if bias else "") \
@@ -381,17 +397,21 @@ class CompiledModule:
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
                     bias=tuple(r.name for r in bias), empty_rows=empty_rows, swamped=swamped)
 
-    def _tuned_choice(self, graph: Graph, group: FusionGroup, found: list) -> tuple[Any, Any, Any]:
+    def _tuned_choice(self, graph: Graph, group: FusionGroup, found: list) -> tuple[Any, Any, Any] | None:
         """(template, problem, record) of the fastest template that stage 2 recorded for ``group``
         with parameters still legal, as the search itself picked it (each template keeps its own
-        fastest record); else the first template with no record (its default point). The first
+        fastest record); else the first template not recorded as failed (its default point); None
+        when every template is (`Record.failed`: no point of it matched torch). The first
         template alone would be a user's whenever one applies, though a built-in measured faster
-        or the user's failed the check against torch (found by review)."""
-        recorded = [(a.template, a.problem, record) for a in found
-                    if (record := self._record(a.template, graph, group)) is not None and record.params in a.space]
+        or the user's failed the check against torch (found by review). The record's parameters are
+        the space's own point: a record's 128.0 equals 128 but would render as a double."""
+        records = [(a, self._record(a.template, graph, group)) for a in found]
+        recorded = [(a.template, a.problem, replace(record, params=a.space[a.space.index(record.params)]))
+                    for a, record in records if record is not None and not record.failed and record.params in a.space]
         if recorded:
             return min(recorded, key=lambda choice: choice[2].micros)
-        return found[0].template, found[0].problem, None
+        untried = [a for a, record in records if record is None or not record.failed]
+        return (untried[0].template, untried[0].problem, None) if untried else None
 
     def _record(self, template, graph: Graph, group: FusionGroup):
         """The tuning database's record of ``template`` (or `LIBRARY_GEMM`) for ``group``, or None.

@@ -171,7 +171,16 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
                                         f"example" + (f" ({'; '.join(reasons)})" if reasons else ""))
 
     def _check_point(self, problem: GroupProblem[D], params: dict[str, Any]) -> None:
-        """``params`` renders a source defining the kernel and gives a launch the driver accepts."""
+        """``params`` is a dict of plain numbers, strings and bools (what the tuning database stores
+        and reads back equal: a tuple comes back a list and never matches again, a numpy int does not
+        store at all), renders a source defining the kernel and gives a launch the driver accepts."""
+        odd = {name: type(value).__name__ for name, value in params.items()
+               if type(value) not in (int, float, str, bool) and value is not None} if isinstance(params, dict) else {}
+        if not isinstance(params, dict) or odd:
+            raise TemplateRegistrationError(
+                f"template {self.name!r}: a point of space() must be a dict of int, float, str or bool values "
+                f"(the tuning database stores them as JSON); got {params!r}"
+                + (f" ({', '.join(f'{n}: {t}' for n, t in odd.items())})" if odd else ""))
         try:
             source = self.render(problem, params)
         except Exception as exc:

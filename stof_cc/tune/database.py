@@ -5,7 +5,7 @@ by argument or by ``STOF_CC_TUNING_DB``. One row per key; the key hashes everyth
 changes which parameters are best or whether they are legal:
 
 * the template's name and a digest of its Jinja2 sources (the file and every file it
-  imports) and of its Python spec class;
+  imports) and of the Python modules defining its spec class and its stof-cc base classes;
 * the group's signature (ops, shapes, dtypes, mask statistics bucket: the caller's string);
 * the GPU's name and compute capability, and the CUDA version.
 
@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stof_cc.ir.paths import blocking_file
+from stof_cc.ir.paths import blocking_file, user_cache_root
 from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ _T = TypeVar("_T")
 
 class TuningDatabaseError(RuntimeError):
     """The database path cannot be used at all (a directory, empty, not creatable, not openable)."""
+
+
+class NewerDatabaseError(TuningDatabaseError):
+    """The file was written by a newer stof-cc: read as ours, never written into, moved or cleaned."""
 
 
 class TuningDatabaseWarning(UserWarning):
@@ -104,6 +108,11 @@ class Device:
 
 @dataclass(frozen=True)
 class Record:
+    """A template's winner for a group, or (``micros`` infinite: `failed`) the note that stage 2
+    found no correct point of it there (``params`` then holds ``{"failed": why}``): a warm database
+    skips such a template instead of measuring it again every compile, and a group whose every
+    template failed runs in torch, never on an unchecked default point."""
+
     key: str
     template: str
     signature: str
@@ -112,10 +121,19 @@ class Record:
     micros: float
     created: float
 
+    @property
+    def failed(self) -> bool:
+        return math.isinf(self.micros)
+
+    @property
+    def why_failed(self) -> str:
+        return str(self.params.get("failed", "no point compiled, launched and matched torch"))
+
 
 def template_digest(template: KernelTemplate) -> str:
-    """sha256 of the template's Jinja2 source, every file it imports (transitively), and its
-    spec class's Python source: any edit to what renders or constrains it changes the key."""
+    """sha256 of the template's Jinja2 source, every file it imports (transitively), and the Python
+    modules of its spec class and its stof-cc bases: any edit to what renders or constrains it
+    changes the key."""
     digest = hashlib.sha256()
     seen: set[str] = set()
     pending = [template.source_file]
@@ -129,26 +147,28 @@ def template_digest(template: KernelTemplate) -> str:
         pending += _IMPORT.findall(text)
     for cls in type(template).__mro__:
         if cls.__module__.startswith("stof_cc") or cls is type(template):
-            digest.update(_class_source(cls).encode())
+            digest.update(_module_source(cls).encode())
     return digest.hexdigest()
 
 
 @functools.cache
-def _class_source(cls: type) -> str:
-    """A class's Python source, read once per process: `inspect.getsource` parses the whole
-    module (2-7 ms), and a warm compile of BERT-base looks up 336 keys (7.7 of its 8 s on the
-    H100 before this cache). A class object's source cannot change while it exists."""
+def _module_source(cls: type) -> str:
+    """The Python source of the module defining ``cls``, whole: the constants and helpers beside a
+    template class (its stage counts, tile heights, shared-memory limit, multicast twins) decide its
+    points as much as the class does, and with the class alone an edit to them kept the old records
+    (found by review). Read once per process: `inspect.getsource` parses the whole module (2-7 ms),
+    and a warm compile of BERT-base looks up 336 keys (7.7 of its 8 s on the H100 before this cache).
+    A class made at run time (no source file) is named by its module and qualified name."""
     try:
-        return inspect.getsource(cls)
-    except (OSError, TypeError):  # made at run time (no source file): its name stands in
-        return cls.__qualname__
+        return inspect.getsource(inspect.getmodule(cls))
+    except (OSError, TypeError):
+        return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def default_path() -> Path:
     if os.environ.get("STOF_CC_TUNING_DB"):
-        return Path(os.environ["STOF_CC_TUNING_DB"])
-    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-    return Path(cache) / "stof-cc" / "tuning.sqlite"
+        return Path(os.environ["STOF_CC_TUNING_DB"]).expanduser()
+    return user_cache_root() / "stof-cc" / "tuning.sqlite"
 
 
 def check_database_argument(database: object, argument: str) -> None:
@@ -167,7 +187,7 @@ def _database_path(path: object, culprit: str, expected: str) -> Path:
         raise TypeError(f"{culprit} must be {expected}, got {type(path).__name__}")
     if not os.fspath(path):
         raise TuningDatabaseError(f"{culprit}: the path is empty; {_HOW}")
-    path = Path(path)
+    path = Path(path).expanduser()  # '~/db.sqlite' quoted past the shell names the home folder, not ./~
     if os.path.exists(path) and not os.path.isfile(path):
         kind = "a directory" if os.path.isdir(path) else "not a regular file"
         how = _HOW.replace(", or set STOF_CC_TUNING_DB", "") if "STOF_CC_TUNING_DB" in culprit else _HOW
@@ -229,11 +249,15 @@ def _record(row: tuple) -> Record:
         raise _NewerRecord(f"schema {schema}, newer than {SCHEMA_VERSION}")
     if schema != SCHEMA_VERSION:
         raise ValueError(f"schema {schema!r}, not {SCHEMA_VERSION}")
-    if not (_finite(micros) and micros > 0 and _finite(created)):
+    failure = isinstance(micros, float) and micros == math.inf  # `Record.failed`
+    if not ((failure or (_finite(micros) and micros > 0)) and _finite(created)):
         raise ValueError(f"time {micros!r} us, created {created!r}: not numbers")
     parsed = json.loads(params)
     if not isinstance(parsed, dict):
         raise ValueError("the parameters are not a dictionary")
+    scalars = (str, int, float, bool, type(None))
+    if not all(isinstance(value, scalars) for value in parsed.values()):
+        raise ValueError("a parameter is not a number, a string, a bool or null")
     return Record(key, template, signature, device, parsed, float(micros), float(created))
 
 
@@ -294,16 +318,19 @@ class TuningDatabase:
         tool's table: a foreign file, never read or written into."""
         columns = tuple(row[1] for row in self._db.execute("PRAGMA table_info(records)"))
         if columns[:len(_COLUMNS)] == _COLUMNS and len(columns) > len(_COLUMNS):
-            raise TuningDatabaseError(f"tuning database {self.path} was written by a newer stof-cc (its records have "
+            raise NewerDatabaseError(f"tuning database {self.path} was written by a newer stof-cc (its records have "
                                       f"the columns {', '.join(columns[len(_COLUMNS):])} too): read, never written into")
         if columns and columns != _COLUMNS:
             raise sqlite3.DatabaseError(f"a records table of another layout: {', '.join(columns)}")
         return columns
 
     def _check_ours(self) -> None:
-        """Only reading: `TuningDatabaseError` unless the file holds our ``records`` table."""
+        """Only reading: `TuningDatabaseError` unless the file holds our ``records`` table (a newer
+        stof-cc's, with more columns, is read as ours: `cache list` lists it)."""
         try:
             ours = bool(self._columns())
+        except NewerDatabaseError:
+            ours = True
         except sqlite3.Error as exc:
             what = "is not a tuning database" if _trouble(exc) == "corrupt" else "cannot be read"
             raise TuningDatabaseError(f"{self.path} {what} ({exc})") from None
@@ -409,6 +436,7 @@ class TuningDatabase:
     def store(self, template: KernelTemplate | LibraryGemm, signature: str, device: Device, params: dict[str, Any],
               micros: float) -> Record:
         """Remember ``params`` (measured at ``micros``) as the winner; replaces an older record.
+        ``micros`` infinite records that no point of ``template`` worked (`store_failure`).
         Busy past the timeout or read-only: not saved, with a warning."""
         record = Record(self.key(template, signature, device), template.name, signature,
                         f"{device.name} sm_{device.capability[0]}{device.capability[1]} CUDA {device.cuda}",
@@ -416,6 +444,10 @@ class TuningDatabase:
         self._safely(lambda: self._write(record), None,
                      "the record was not saved (it will be measured again next time)")
         return record
+
+    def store_failure(self, template: KernelTemplate, signature: str, device: Device, why: str) -> Record:
+        """Remember that stage 2 found no correct point of ``template`` for ``signature`` (`Record.failed`)."""
+        return self.store(template, signature, device, {"failed": why[:500]}, math.inf)
 
     def _write(self, record: Record) -> None:
         self._prepare()

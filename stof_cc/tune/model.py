@@ -13,6 +13,7 @@ Attention groups go through `tune_attention`. Groups no template covers are repo
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from stof_cc.backends.pycuda_backend import device_arch
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.graph import Graph
 from stof_cc.ir.interpret import interpret_values
+from stof_cc.ir.node import Ref, map_refs
 from stof_cc.ir.reference import relative_error
 from stof_cc.masks import MaskDescription
 from stof_cc.passes.attention import added_biases, attention_arguments
@@ -39,6 +41,7 @@ from stof_cc.tune.search import (
     DEFAULT_TOP_K,
     MAX_ERROR,
     Candidate,
+    NoCorrectCandidate,
     SearchReport,
     cuda_timer,
     search,
@@ -73,12 +76,30 @@ def input_set_count(set_bytes: int, l2_bytes: int | None = None) -> int:
 
 
 def group_signature(graph: Graph, group: FusionGroup) -> str:
-    """Ops in order with the output's and every outside input's spec: what the kernel computes."""
+    """Ops in order with the output's and every outside input's spec (what a person reads in the
+    progress lines and `stof-cc cache list`), then a digest of the group's exact structure: every
+    op's arguments (slice offsets, `gelu`'s approximation, a permutation, a constant) and which
+    input or op each one reads. Without the digest, ``x[:, 1:65]`` and ``x[:, 0:64]``, or
+    ``cat([x, y])`` and ``cat([y, x])``, shared one record, and the second group ran a point that
+    was never checked against torch for it (found by review)."""
     inside = set(group.nodes)
     reads = sorted({r.name for n in group.nodes for r in graph.node(n).refs() if r.name not in inside})
     ops = "+".join(graph.node(n).op for n in group.nodes)
     inputs = ",".join(str(graph.node(r).spec) for r in reads)
-    return f"{group.kind} {ops} -> {graph.node(group_output(graph, group)).spec} <- {inputs}"
+    return (f"{group.kind} {ops} -> {graph.node(group_output(graph, group)).spec} <- {inputs} "
+            f"#{_structure_digest(graph, group)}")
+
+
+def _structure_digest(graph: Graph, group: FusionGroup) -> str:
+    """sha256 (12 hex digits) of the group's nodes with every value they read named by its place:
+    the n-th op of the group, or the n-th outside input in the order the ops first read them
+    (names differ between layers, models and runs; their sorted order does too: mul_10 < mul_9)."""
+    places = {name: Ref(f"op{i}") for i, name in enumerate(group.nodes)}
+    for ref in (r for n in group.nodes for r in graph.node(n).refs()):
+        places.setdefault(ref.name, Ref(f"in{len(places) - len(group.nodes)}"))
+    text = ";".join(f"{node.op}{map_refs((node.args, node.kwargs), lambda ref: places[ref.name])}{node.spec}"
+                    for node in (graph.node(n) for n in group.nodes))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Callable[[FusionGroup], float | None]:
@@ -86,8 +107,9 @@ def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Ca
     None: what `choose_scheme` decides merges by once both sides were tuned."""
     def measured(group: FusionGroup) -> float | None:
         templates = [*group_templates(group.kind), *([LIBRARY_GEMM] if is_lone_linear(graph, group) else [])]
-        times = [record.micros for template in templates
-                 if (record := database.lookup(template, group_signature(graph, group), device)) is not None]
+        times = [record.micros for template in templates  # a failed template's record is no time
+                 if (record := database.lookup(template, group_signature(graph, group), device)) is not None
+                 and not record.failed]
         return min(times) if times else None
     return measured
 
@@ -180,9 +202,13 @@ def tune_group(graph: Graph, group: FusionGroup, values: dict[str, torch.Tensor]
         launch = GroupLaunch(candidate.template, problems[id(candidate)], candidate.params)
         return lambda i: launch(sets(i))
 
-    return search(candidates, build, lambda out: relative_error(out, reference),
-                  signature=group_signature(graph, group), arch=device_arch(), top_k=top_k, database=database,
-                  device=device, progress=progress)
+    try:
+        return search(candidates, build, lambda out: relative_error(out, reference),
+                      signature=group_signature(graph, group), arch=device_arch(), top_k=top_k, database=database,
+                      device=device, progress=progress)
+    except NoCorrectCandidate as failed:  # recorded: the compiled model runs the group in torch
+        progress(f"{group.name}: {failed}; it runs in torch")
+        return None
 
 
 def _time_library(graph, group, values, database, device, progress) -> None:
@@ -222,4 +248,8 @@ def _tune_attention_group(graph, group, values, database, top_k, progress, overr
     if q.dtype not in (torch.float16, torch.bfloat16):
         q, k, v = (t.half() for t in (q, k, v))  # stof-cc compiles models to fp16
     mask = node_mask(given, override)  # the same object the compiled step runs with (key padding: data, not tuned)
-    return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)
+    try:
+        return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)
+    except NoCorrectCandidate as failed:  # recorded: the compiled model runs the attention in torch
+        progress(f"{group.name}: {failed}; it runs in torch")
+        return None

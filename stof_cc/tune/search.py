@@ -12,7 +12,9 @@ candidate that fails to compile, to launch or to match is timed as infinite, nev
 
 With a `TuningDatabase`, the winners are remembered per template (the key covers the
 template's sources, the group signature and the GPU): when every template of the candidate
-list has a record, nothing is compiled or measured and the fastest record wins.
+list has a record, nothing is compiled or measured and the fastest record wins. A template none
+of whose measured points worked is recorded as failed (`Record.failed`); a group with no correct
+candidate at all raises `NoCorrectCandidate`, which the callers turn into a torch step.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ class Candidate:
 
     def cuda_source(self) -> str:
         return self.source() if callable(self.source) else self.source
+
+
+class NoCorrectCandidate(RuntimeError):
+    """Stage 2 found no candidate of a group that compiled, launched and matched torch (measured
+    now, or recorded so by an earlier search): the group runs in torch. Each template's failure
+    is recorded, so a warm database does not measure it again."""
 
 
 @dataclass
@@ -154,15 +162,16 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
         say(f"  [{index}/{len(survivors)}] {candidate.template.name} {candidate.params}: "
             + (outcome.failure or f"{outcome.micros:.1f} us"))
     best = min(outcomes, key=lambda o: o.micros)
-    if math.isinf(best.micros):
-        raise RuntimeError(f"{signature}: every measured candidate failed: "
-                           + "; ".join(f"{o.candidate.params}: {o.failure}" for o in outcomes))
     if database is not None and device is not None:
         for template in {id(o.candidate.template): o.candidate.template for o in outcomes}.values():
-            mine = [o for o in outcomes if o.candidate.template is template and not math.isinf(o.micros)]
-            if mine:
-                fastest = min(mine, key=lambda o: o.micros)
+            mine = [o for o in outcomes if o.candidate.template is template]
+            fastest = min(mine, key=lambda o: o.micros)
+            if math.isinf(fastest.micros):
+                database.store_failure(template, signature, device, _failures(mine))
+            else:
                 database.store(template, signature, device, fastest.candidate.params, fastest.micros)
+    if math.isinf(best.micros):
+        raise NoCorrectCandidate(f"{signature}: every measured candidate failed: {_failures(outcomes)}")
     return SearchReport(signature, len(ranked), len(ranked) - len(survivors), len(survivors),
                         time.perf_counter() - started, best.candidate, best.micros,
                         ranked.index(best.candidate) + 1, outcomes=outcomes)
@@ -198,16 +207,27 @@ def _measure(outcome: Outcome, build, check, timer, runs: int) -> None:
         outcome.failure = f"{type(exc).__name__}: {exc}"
 
 
+def _failures(outcomes: list[Outcome]) -> str:
+    return "; ".join(f"{o.candidate.template.name} {o.candidate.params}: {o.failure}" for o in outcomes)
+
+
 def _from_database(survivors: list[Candidate], ranked: list[Candidate], database: TuningDatabase, signature: str,
                    device: Device) -> tuple[Candidate, float] | None:
     """The fastest remembered winner, when every template among the model's survivors (the
-    ones stage 2 would measure, and so store) has a record whose parameters are still legal."""
-    best = None
+    ones stage 2 would measure, and so store) has a record: a winner whose parameters are still
+    legal, or a failure; `NoCorrectCandidate` when every one of them failed."""
+    best, failed = None, []
     for template in {id(c.template): c.template for c in survivors}.values():
         record = database.lookup(template, signature, device)
+        if record is not None and record.failed:
+            failed.append(f"{template.name}: {record.why_failed}")
+            continue
         match = record and next((c for c in ranked if c.template is template and c.params == record.params), None)
         if match is None:
             return None
         if best is None or record.micros < best[1]:
             best = (match, record.micros)
+    if best is None:
+        raise NoCorrectCandidate(f"{signature}: every template failed when last measured (tuning database "
+                                 f"{database.path}): {'; '.join(failed)}")
     return best

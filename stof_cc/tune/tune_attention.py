@@ -82,3 +82,25 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
     if progress:
         progress(f"  adopted {config_label(report.winner.params)}")
     return report
+
+
+def adopt_recorded(problem: AttentionProblem, mask: MaskDescription | None, database: TuningDatabase) -> str | None:
+    """Adopt the fastest winner ``database`` holds for (problem, mask) on this GPU, as `tune_attention`
+    adopts what it measures, so that a compile with ``tune=False`` runs what `stof-cc tune` or an
+    earlier compile measured (the cost model's pick otherwise: found by review). Returns why the
+    attention must run in torch instead, when every template recorded there failed stage 2's check,
+    else None."""
+    description = as_description(mask)
+    signature = attention_signature(problem, description)
+    device = Device.current()
+    records = [(template, record) for template in ATTENTION_TEMPLATES
+               if (record := database.lookup(template, signature, device)) is not None]
+    winners = [(template, record, space) for template, record in records if not record.failed
+               and record.params in (space := template.space(problem))]
+    if winners:
+        template, record, space = min(winners, key=lambda chosen: chosen[1].micros)
+        adopt_choice(problem, description, template, space[space.index(record.params)], record.micros)
+        return None
+    if records and all(record.failed for _, record in records):
+        return "; ".join(f"{template.name}: {record.why_failed}" for template, record in records)
+    return None
