@@ -316,7 +316,7 @@ class IndexedChain:
         elif op == "slice":
             dim, start, _, step = (list(args[1:]) + [None, None, None, 1])[:4]
             dim = (dim or 0) % rank
-            start = 0 if start is None else (start + shape[dim] if start < 0 else min(start, shape[dim]))
+            start = 0 if start is None else (max(0, start + shape[dim]) if start < 0 else min(start, shape[dim]))  # as torch clamps
             step = step or 1
             shifted = coords[dim] if start == 0 and step == 1 else f"({start}LL + {coords[dim]} * {step}LL)"
             mapped = coords[:dim] + (shifted,) + coords[dim + 1:]

@@ -89,6 +89,12 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
         if node.op == "transpose" and len(args) == 1:  # x.t(), x.T: every dim reversed, as a permute
             node = replace(node, target="aten.permute.default")
             args = (args[0], list(reversed(range(len(node.spec.shape)))))
+        if node.op == "slice" and (node.target or "").startswith("aten.narrow") and len(args) == 4 \
+                and all(isinstance(a, int) for a in args[1:]):  # narrow(x, dim, start, length): a slice's end
+            size = out.node(args[0].name).spec.shape[args[1]] if isinstance(args[0], Ref) else None
+            if size is not None:  # passes read a slice's args[3] as its end (narrow's length: found by review)
+                start = args[2] + size if args[2] < 0 else args[2]
+                node, args = replace(node, target="aten.slice.Tensor"), (args[0], args[1], start, start + args[3], 1)
         if node.op == "gather" and (piece := _index_as_slice(out, node, args)) is not None:
             node, args, kwargs = replace(node, op="slice", target="aten.slice.Tensor"), piece, {}
         if node.op == "cat":  # empty pieces add nothing (Phi-3's rotary: q[..., D:] is empty)

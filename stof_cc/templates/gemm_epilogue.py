@@ -298,6 +298,17 @@ def gemm_anchor(graph: Graph, group: FusionGroup) -> tuple[Node, tuple[str, ...]
         raise NotFusable(f"%{anchor.name}: operands {x_spec} and {w_spec} (fp16 or bf16, one dtype)")
     if x_spec.shape[-1] % 8:
         raise NotFusable(f"%{anchor.name}: K = {x_spec.shape[-1]} is not a multiple of 8 (TMA needs 16-byte rows)")
+    # the kernels read W as [N, K] and the bias as one value per output column: a 1-d weight (a
+    # [..., K] x [K] product, whose output has no N) wrote M x K values into an M-element output, and
+    # a [M, N] bias, which F.linear broadcasts, was read as its first row (found by review)
+    if len(w_spec.shape) != 2:
+        raise NotFusable(f"%{anchor.name}: a weight of shape {tuple(w_spec.shape)} (the kernels take a 2-d [N, K] weight)")
+    bias = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("bias")
+    if isinstance(bias, Ref):
+        b_shape = tuple(graph.node(bias.name).spec.shape)
+        if not b_shape or b_shape[-1] != w_spec.shape[0] or math.prod(b_shape) != w_spec.shape[0]:
+            raise NotFusable(f"%{anchor.name}: a bias of shape {b_shape} (the kernels add one value per output "
+                             f"column: a bias of {w_spec.shape[0]} values)")
     return anchor, group.nodes[position + 1:]
 
 

@@ -31,7 +31,7 @@ from stof_cc.templates.gemm_epilogue import (
     gemm_details,
     split_epilogue,
 )
-from stof_cc.templates.group import GroupProblem, chain_operands, kernel_operand, output_problem
+from stof_cc.templates.group import GroupProblem, chain_operands, output_problem, outside_operand
 from stof_cc.templates.pricing import ROW_EXCHANGE_US, WIDE_CLUSTER_RATE
 from stof_cc.templates.registry import Launch
 from stof_cc.templates.row_reduce import reduction_inputs
@@ -84,7 +84,7 @@ class GemmLayerNormTemplate(GemmEpilogueTemplate):
             raise NotFusable(f"%{norm.name}: rows of {gemm.n} (at most {ROW_LIMIT})")
         for ref, role in ((weight, "ln_weight"), (bias, "ln_bias")):
             if ref is not None:
-                operands.append(kernel_operand(graph, ref.name, role, "row"))
+                operands.append(outside_operand(graph, group, ref.name, role, "row"))
         post = Chain(graph, after, {norm.name: "acc_v"}, problem.shape, operand_prefix="post")
         operands += chain_operands(graph, group, post)
         details = GemmLayerNormDetails(

@@ -244,6 +244,14 @@ def kernel_operand(graph: Graph, ref: str, name: str, access: Access, any_dtype:
     return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}", any_dtype))
 
 
+def outside_operand(graph: Graph, group: FusionGroup, name: str, role: str, access: str) -> KernelOperand:
+    """A kernel operand read from memory (a norm's weight, say), refused where the group computes
+    it itself: the kernel never writes it, and the launch then found nothing to read (found by review)."""
+    if name in group.nodes:
+        raise NotFusable(f"group {group.name}: its {role} %{name} is computed inside the group")
+    return kernel_operand(graph, name, role, access)
+
+
 def chain_operands(graph: Graph, group: FusionGroup, chain: Chain | IndexedChain,
                    any_dtype: bool = False) -> list[KernelOperand]:
     """The kernel operands of a chain; a value the group computes itself cannot be one (the

@@ -24,9 +24,9 @@ from stof_cc.templates.group import (
     KernelOperand,
     anchor_input,
     chain_operands,
-    kernel_operand,
     moved_bytes,
     output_problem,
+    outside_operand,
 )
 from stof_cc.templates.pricing import (
     ROW_CTA_VECTOR_RATE,
@@ -90,7 +90,7 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
         read = anchor_input(graph, group, source.name, in_shape, indexed=True)
         prologue_operands = read.operands
         prologue_code, input_expr = read.code(" " * 16), read.expression
-        epilogue_operands = [kernel_operand(graph, ref.name, name, "row")
+        epilogue_operands = [outside_operand(graph, group, ref.name, name, "row")
                              for ref, name in ((weight, "weight"), (bias, "bias")) if ref is not None]
         epilogue = Chain(graph, read.after, {anchor.name: "y"}, in_shape, operand_prefix="ep")
         epilogue_operands += chain_operands(graph, group, epilogue)
