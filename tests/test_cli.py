@@ -179,6 +179,19 @@ def test_a_factory_name_never_leads_outside_the_build_dir(tmp_path, capsys):
     assert all(p.is_relative_to(build) for p in tmp_path.rglob("*") if p.is_file() and p != script)
 
 
+def test_a_reused_build_dir_holds_only_this_builds_group_sources(tmp_path, capsys):
+    """A group source an earlier build left (g7.cu, from a plan with more groups) was read as this
+    build's kernel; the user's own files stay."""
+    script = _write_escaping_factory(tmp_path)
+    build = tmp_path / "bd"
+    (build / "f").mkdir(parents=True)
+    (build / "f" / "g7.cu").write_text("// an earlier build's group\n")
+    (build / "f" / "notes.cu").write_text("// mine\n")
+    assert main(["compile", f"{script}:factory", "--no-nvcc", "--build-dir", str(build)]) == 0
+    assert (build / "f" / "g0.cu").is_file() and (build / "f" / "notes.cu").is_file()
+    assert not (build / "f" / "g7.cu").exists()
+
+
 def test_a_build_dir_name_too_long_is_a_clear_error(tmp_path, capsys):
     """The OS error handler itself raised (Path.is_file on a name too long): a raw traceback."""
     script = _write_escaping_factory(tmp_path)

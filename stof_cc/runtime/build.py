@@ -12,6 +12,7 @@ components (`ir/paths.py`), checked to stay inside the folder.
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +81,17 @@ def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels:
             resources = next(iter(compiled.resources.values()), None)
         builds.append(GroupBuild(group, template.name, params, path, note, resources, estimate_us,
                                  measured(template, group) if measured else None))
+    _remove_stale_sources(out_dir, {b.path for b in builds if b.path is not None})
     return builds
+
+
+def _remove_stale_sources(out_dir: Path, written: set[Path]) -> None:
+    """Remove the group sources (``g<N>.cu``) an earlier build left in ``out_dir`` that this one did
+    not write: a reader of the folder took them for this build's kernels (a group that now runs in
+    torch, a plan with fewer groups). Other files are the user's and stay."""
+    for path in out_dir.glob("g*.cu"):
+        if re.fullmatch(r"g\d+\.cu", path.name) and path not in written and path.is_file():
+            path.unlink(missing_ok=True)
 
 
 def check_build_dir(build_dir: object, argument: str) -> None:

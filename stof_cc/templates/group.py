@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+import traceback
 import warnings
 from abc import abstractmethod
 from collections.abc import Iterable
@@ -184,7 +185,7 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
         try:
             source = self.render(problem, params)
         except Exception as exc:
-            raise TemplateRegistrationError(f"template {self.name!r} does not render for {params}: "
+            raise TemplateRegistrationError(f"template {self.name!r} does not render for {params}{_render_place(exc)}: "
                                             f"{type(exc).__name__}: {exc}") from exc
         if f"{self.kernel_name(problem, params)}(" not in source:
             raise TemplateRegistrationError(f"template {self.name!r}: the rendered source does not define "
@@ -242,6 +243,14 @@ def kernel_operand(graph: Graph, ref: str, name: str, access: Access, any_dtype:
     if not isinstance(spec, TensorSpec):
         raise NotFusable(f"%{ref}: not a tensor ({spec})")
     return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}", any_dtype))
+
+
+def _render_place(exc: BaseException) -> str:
+    """" at FILE:LINE" of the template line that raised (Jinja puts the template's own frames in the
+    traceback; its UndefinedError names no line itself), or ""."""
+    frames = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(exc.__traceback__)
+              if frame.f_code.co_filename.endswith(".j2")]
+    return f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
 
 
 def outside_operand(graph: Graph, group: FusionGroup, name: str, role: str, access: str) -> KernelOperand:
