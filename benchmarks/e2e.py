@@ -98,7 +98,8 @@ def run_row(name: str, seq: int, database: Path, profile: bool = False, with_pee
     peers = {"eager": lambda: model(x, dense)} if with_peers else {}
     for mode in ("default", "reduce-overhead") if with_peers else ():
         for label, module in (("compiled", model), ("flex", flex)):
-            compiled_module = torch.compile(module, mode=mode)
+            torch._dynamo.reset()  # each sequence length its own static compile (a later one went dynamic)
+            compiled_module = torch.compile(module, mode=mode, dynamic=False)
             peers[f"{label}_{mode}"] = lambda m=compiled_module: m(x, dense)
     row = {"mask": name, "seq": seq, "batch": batch, "peers": {}}
     with torch.no_grad():

@@ -147,7 +147,8 @@ def run_case(name: str, module_type, k: int, n: int, chosen: bool = True) -> dic
         want = module.float()(x.float(), r.float())
         module.half()
         eager = lambda: module(x, r)  # noqa: E731
-        compiled_module = torch.compile(module)
+        torch._dynamo.reset()
+        compiled_module = torch.compile(module, mode="reduce-overhead", dynamic=False)  # its best mode here
         compiled = lambda: compiled_module(x, r)  # noqa: E731
         ours_ms, ours, point = stof_pipeline(module.cpu(), x, r, chosen)
         module.cuda()

@@ -86,7 +86,8 @@ def run_point(m: int, k: int, n: int, epilogue: str, dtype: torch.dtype, top_k: 
         except Exception as exc:  # reported, not hidden
             row["stof_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if compile_peer:
-            tuned = torch.compile(module, mode="max-autotune")
+            torch._dynamo.reset()  # tuned for this shape, not the first shape's kernel reused dynamically
+            tuned = torch.compile(module, mode="max-autotune", dynamic=False)
             runs["max_autotune"] = lambda: tuned(x, r)
         check_and_time(runs, want, row)
     return row
@@ -98,18 +99,25 @@ def table(rows: list[dict], head: str) -> str:
         return f"{row['flops'] / ms / 1e9:.0f}" if math.isfinite(ms) else "-"
 
     lines = [head, "", "| M | K | N | epilogue | stof point | stof TFLOP/s | cuBLAS TFLOP/s | max-autotune TFLOP/s | "
-             "stof / cuBLAS |", "|---|---|---|---|---|---|---|---|---|"]
+             "stof / cuBLAS | stof / best peer |", "|---|---|---|---|---|---|---|---|---|---|"]
     ratios: dict[str, list[float]] = {}
     for row in rows:
-        ratio = row.get("cublas_ms", math.inf) / row.get("stof_ms", math.inf)
-        if math.isfinite(ratio) and ratio > 0:
-            ratios.setdefault("bare" if row["epilogue"] == "none" else "epilogue", []).append(ratio)
+        kind = "bare" if row["epilogue"] == "none" else "epilogue"
+        ratio = row.get("cublas_ms", math.inf) / row.get("stof_ms", math.inf)  # issue 34's bar
+        # the best correct peer: cuBLAS (+ its epilogue's kernel, as eager runs it) or max-autotune, which
+        # may fuse the epilogue; an incorrect or failed one has an infinite time (found by review: the
+        # ratio was cuBLAS's alone, with max-autotune ignored even where it ran)
+        best = min(row.get("cublas_ms", math.inf), row.get("max_autotune_ms", math.inf)) / row.get("stof_ms", math.inf)
+        for name, value in ((kind, ratio), (f"{kind} (best peer)", best)):
+            if math.isfinite(value) and value > 0:
+                ratios.setdefault(name, []).append(value)
         lines.append(f"| {row['m']} | {row['k']} | {row['n']} | {row['epilogue']} | {row.get('stof_point', '-')} | "
                      f"{tflops(row, 'stof')} | {tflops(row, 'cublas')} | {tflops(row, 'max_autotune')} | "
-                     f"{ratio:.2f}x |" + "".join(f" {row[k]}" for k in row if k.endswith("_error")))
+                     f"{ratio:.2f}x | {best:.2f}x |" + "".join(f" {row[k]}" for k in row if k.endswith("_error")))
     for kind, values in ratios.items():
         geomean = math.exp(sum(map(math.log, values)) / len(values))
-        what = "cuBLAS" if kind == "bare" else "cuBLAS + its separate epilogue"
+        what = ("the best correct peer (cuBLAS or max-autotune)" if "best" in kind
+                else "cuBLAS" if kind == "bare" else "cuBLAS + its separate epilogue")
         lines.append(f"\n{kind}: geomean {geomean:.3f}x {what} over {len(values)} points, lowest {min(values):.3f}x")
     return "\n".join(lines)
 

@@ -153,7 +153,8 @@ def run_point(case: str, rows: int, width: int, dtype: torch.dtype, compile_peer
         except Exception as exc:  # reported, not hidden
             row["stof_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         if compile_peer:
-            implementations["inductor"] = torch.compile(module)
+            torch._dynamo.reset()  # each size compiled for its own shape: a second module of the same class
+            implementations["inductor"] = torch.compile(module, dynamic=False)  # was compiled dynamic (review)
         check_and_time({name: functools.partial(f, *inputs) for name, f in implementations.items()}, want, row)
         if "bytes" not in row:
             return row

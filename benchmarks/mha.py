@@ -103,6 +103,46 @@ def fa4_peer(**options):
     return run
 
 
+def document_length(seq: int) -> int:
+    """The grid's document mask: documents of max(128, S // 4) positions (WORKLOADS.md)."""
+    return max(128, seq // 4)
+
+
+def documents_as_batch(seq: int):
+    """SDPA (its fastest kernel: no mask) over the grid's equal documents as a batch: [B, H, S, D]
+    viewed as [B, H x S / L, L, D], no copy. What a user with equal-length documents runs, and
+    exactly the mask's answer (at S = 128 one document: dense attention)."""
+    length = document_length(seq)
+
+    def run(q, k, v):
+        b, h, s, d = q.shape
+        out = F.scaled_dot_product_attention(*(t.view(b, h * (s // length), length, d) for t in (q, k, v)))
+        return out.view(b, h, s, d)
+    return run
+
+
+def fa4_documents(seq: int):
+    """FA4's `flash_attn_varlen_func` with the documents' cu_seqlens, as packed-sequence users call
+    it, on [B x S, H, D] tensors laid out once per tensor (not timed)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    length, laid_out = document_length(seq), {}
+
+    def packed(t):
+        key = (t.data_ptr(), tuple(t.shape))
+        if key not in laid_out:
+            laid_out[key] = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).contiguous()
+        return laid_out[key]
+
+    def run(q, k, v):
+        b, h, s, d = q.shape
+        bounds = torch.arange(0, b * s + 1, length, dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen_func(packed(q), packed(k), packed(v), cu_seqlens_q=bounds, cu_seqlens_k=bounds,
+                                     max_seqlen_q=length, max_seqlen_k=length)
+        return (out[0] if isinstance(out, tuple) else out).view(b, s, h, d).transpose(1, 2)
+    return run
+
+
 def flex_peer(name, batch, heads, seq, kernel_options=None):
     """torch.compile(flex_attention) with the user's mask_mod; create_block_mask compiled above
     MAX_DENSE_SEQ, as FlexAttention's docs advise for long sequences. ``kernel_options``
@@ -139,6 +179,10 @@ def peers(name, dense, batch, heads, seq):
     if name == "causal":
         out["flash_causal"] = under(SDPBackend.FLASH_ATTENTION, is_causal=True)
         out["cudnn_causal"] = under(SDPBackend.CUDNN_ATTENTION, is_causal=True)
+    if name == "document":  # equal, aligned documents: dense kernels per document are correct peers
+        out["sdpa_documents"] = documents_as_batch(seq)  # (missing before: found by review)
+        if fa4_available():
+            out["fa4_varlen"] = fa4_documents(seq)
     flex = {"flex": None}
     if fa4_available():  # FA4 itself where it has the mask, and FA4's kernels under Flex for every mask
         if name == "causal":
@@ -248,7 +292,7 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
 
 
 def format_table(rows: list[dict]) -> str:
-    peer_names = ["sdpa_mask", "flash_causal", "cudnn_causal", "flex", "fa4", "flex_flash"]
+    peer_names = ["sdpa_mask", "flash_causal", "cudnn_causal", "sdpa_documents", "fa4_varlen", "flex", "fa4", "flex_flash"]
     head = "| mask | S | B | stof ms | " + " | ".join(f"{p} ms" for p in peer_names) + \
            " | floor ms | of floor | speedup | TFLOP/s | kernel |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]

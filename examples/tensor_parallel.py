@@ -184,8 +184,11 @@ def main() -> int:
                 progress(f"compiling and timing torch.compile (Inductor, {mode})")
                 torch._dynamo.reset()
                 peer = torch.compile(model, mode=mode, dynamic=False)
-                peer(inputs_embeds=x)
+                out = peer(inputs_embeds=x).last_hidden_state.float()
                 line += f", torch.compile {mode} {median_ms(lambda peer=peer: peer(inputs_embeds=x), device):.2f} ms"
+                if want is not None:  # checked as stof-cc is: a peer counts only where it is right
+                    peer_error = float((out - want).norm() / want.norm())
+                    line += f" (error {peer_error:.1e}{'' if peer_error < 1e-2 else ': WRONG, not a peer'})"
     error = None if want is None else float((got.float() - want).norm() / want.norm())
     drift = None if exact is None else float((want - exact).norm() / exact.norm())
     lines = [None] * world

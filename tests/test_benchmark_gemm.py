@@ -36,6 +36,7 @@ def test_the_table_reports_tflops_ratios_and_geomeans():
     assert f"| {flops / 0.01 / 1e9:.0f} | {flops / 0.011 / 1e9:.0f} | - | 1.10x |" in text
     assert "bare: geomean 1.100x cuBLAS over 1 points, lowest 1.100x" in text
     assert "epilogue: geomean 2.000x cuBLAS + its separate epilogue over 1 points" in text
+    assert "epilogue (best peer): geomean 1.200x the best correct peer" in text  # max-autotune was faster
     assert gemm.parse_pairs("4096x14336,768x768") == [(4096, 14336), (768, 768)]  # kernel_timing's
 
 
