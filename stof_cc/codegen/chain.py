@@ -98,9 +98,20 @@ def _div(node: Node, a: list[str]) -> str:
     return f"floor_divide({a[0]}, {a[1]})" if mode == "floor" else f"truncf({a[0]} / {a[1]})"  # group_common.j2
 
 
+def _dropout(node: Node, args: list[str]) -> str:
+    """Dropout in eval mode is the identity; in training mode (``train`` True) it is random, which no
+    generated chain draws: refused (it was generated as the identity: found by review)."""
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", False)
+    if train is not False:
+        raise NotFusable(f"%{node.name}: dropout in training mode (train={train}) has no generated code")
+    return args[0]
+
+
 def _clamp(node: Node, a: list[str]) -> str:
     low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
     high = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    if isinstance(low, Ref) or isinstance(high, Ref):  # a clear refusal, not a TypeError (found by review)
+        raise NotFusable(f"%{node.name}: clamp with tensor bounds has no code generator here")
     out = a[0]
     if low is not None:
         out = f"max_nan({out}, {_float(low)})"
@@ -179,7 +190,7 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "neg": (1, lambda n, a: f"-{a[0]}"),
     "pow": (2, _pow),
     "clamp": (1, _clamp),
-    "dropout": (1, _identity),  # canonicalize bypasses eval dropout; a left-over one is eval too
+    "dropout": (1, _dropout),  # canonicalize bypasses eval dropout; one in training mode is refused
     "cast": (1, _cast),
     "clone": (1, _identity),
     "remainder": (2, lambda n, a: f"remainder_of({a[0]}, {a[1]})"),  # group_common.j2, as torch

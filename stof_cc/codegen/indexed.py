@@ -244,8 +244,8 @@ class IndexedChain:
     def _as_compared(self, arg: Any, args: Sequence[Any]) -> Any:
         """A number compared with an fp16 or bf16 tensor, rounded to that dtype as torch's promotion
         does (``x_fp16 == 0.1`` compares with fp16's 0.1: in fp32, 9 of 256 elements differed, found
-        by review); anything else as it is."""
-        if not isinstance(arg, float):
+        by review; an int too: fp16's 2049 is 2048); anything else as it is."""
+        if isinstance(arg, bool) or not isinstance(arg, (int, float)):
             return arg
         for other in args[:2]:
             if isinstance(other, Ref):

@@ -221,7 +221,10 @@ def split_piece(split: Node, shape: tuple[int, ...], index: int) -> tuple[int, i
     chunk, unbind) over an input of ``shape``; size None for unbind's pieces (a select)."""
     target = split.target or ""
     unbind = target.startswith("aten.unbind")
-    dim = split.args[1] if unbind else split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if unbind:  # unbind(x) exports without its default dim (found by review: an IndexError)
+        dim = split.args[1] if len(split.args) > 1 else split.kwargs.get("dim", 0)
+    else:
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     dim = (dim or 0) % len(shape)
     if unbind:
         return dim, index, None

@@ -47,6 +47,8 @@ def _match(graph: Graph, mul: Node) -> tuple[str, Ref, float] | None:
         if chain is None:
             continue
         rsqrt, add, mean = chain
+        if not _plain(add):  # var + alpha * eps
+            continue
         eps = add.args[1] if isinstance(add.args[0], Ref) else add.args[0]
         if not isinstance(eps, (int, float)) or not _row_mean(mean):
             continue
@@ -66,6 +68,13 @@ def _match(graph: Graph, mul: Node) -> tuple[str, Ref, float] | None:
     return None
 
 
+def _plain(node: Node) -> bool:
+    """``node`` (an add or sub) is a + b or a - b: not rsub (b - a, which the IR's sub also holds)
+    and no ``alpha`` (a - alpha b). Read as plain, torch.rsub(x, m) normalised to -layer_norm
+    (found by review)."""
+    return not (node.target or "").startswith("aten.rsub") and node.kwargs.get("alpha", 1) == 1
+
+
 def _row_mean(mean: Node) -> bool:
     """``mean`` averages its tensor input over the last dimension alone, keeping it."""
     dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
@@ -78,7 +87,8 @@ def _centred(graph: Graph, scaled: Ref, square: Node, mul: Node, other: Node | N
     """x when ``scaled`` (and ``other``, the squared copy, if given) is x - mean(x, -1, keepdim)
     and the mean and the differences are read by the norm alone; else None."""
     subs = [graph.node(scaled.name)] + ([other] if other is not None else [])
-    if any(s.op != "sub" or len(s.args) != 2 or not all(isinstance(a, Ref) for a in s.args) for s in subs) \
+    if any(s.op != "sub" or not _plain(s) or len(s.args) != 2 or not all(isinstance(a, Ref) for a in s.args)
+           for s in subs) \
             or any(s.args != subs[0].args for s in subs):
         return None
     x, m = subs[0].args

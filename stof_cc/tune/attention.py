@@ -244,6 +244,9 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
         raise NotFusable(f"%{node.name}: a boolean mask tensor that is not key padding is known only at run time "
                          "(give the mask as a description: stof_cc.compile(..., mask=), stof_cc.backend(mask=) or "
                          "stof-cc compile --mask SPEC)")
+    if given.get("dropout_p"):  # the pass refuses it as training; the runtime asked this function alone
+        raise NotFusable(f"%{node.name}: attention with dropout_p = {given['dropout_p']} (training mode) has no "
+                         "stof-cc kernel")
     if given.get("softcap") is not None:
         raise NotFusable(f"%{node.name}: softcapped scores (c * tanh(s / c), c = {given['softcap']}) are not in "
                          "stof-cc's attention kernels yet")

@@ -97,7 +97,8 @@ def _structure_digest(graph: Graph, group: FusionGroup) -> str:
     places = {name: Ref(f"op{i}") for i, name in enumerate(group.nodes)}
     for ref in (r for n in group.nodes for r in graph.node(n).refs()):
         places.setdefault(ref.name, Ref(f"in{len(places) - len(group.nodes)}"))
-    text = ";".join(f"{node.op}{map_refs((node.args, node.kwargs), lambda ref: places[ref.name])}{node.spec}"
+    text = ";".join(f"{node.op}:{node.target}{map_refs((node.args, node.kwargs), lambda ref: places[ref.name])}"
+                    f"{node.spec}"
                     for node in (graph.node(n) for n in group.nodes))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
