@@ -134,3 +134,22 @@ def test_clamp_with_a_tensor_bound_is_refused_clearly():
         warnings.simplefilter("error")  # a template bug would warn; a refusal does not
         for group in plan.default.groups:
             applicable_templates(graph, group, H100)
+
+
+class _Larger(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.max(x * 2.0, y) + torch.min(x, y)
+
+
+def test_elementwise_max_of_two_tensors_is_maximum_not_a_reduction():
+    """torch.max(x, y) (aten.max.other) was the reduction amax: refused with 'object of type Ref has
+    no len()', the group in torch."""
+    from stof_cc.templates.group import applicable_templates
+    from stof_cc.templates.pricing import H100
+    x, y = torch.randn(4, 8, dtype=torch.float16), torch.randn(4, 8, dtype=torch.float16)
+    graph, plan = lower(_Larger(), (x, y))
+    assert {"maximum", "minimum"} <= {n.op for n in graph.nodes()}
+    (group,) = plan.default.groups
+    found, refused = applicable_templates(graph, group, H100)
+    assert [a.template.name for a in found] == ["elementwise"], refused
+    assert _matches_eager(_Larger(), x.float(), y.float()) < 1e-6

@@ -398,8 +398,10 @@ _ops("broadcast", "binary elementwise ops whose operands broadcast", {
     "mul": ("aten.mul",),
     "div": ("aten.div",),
     "remainder": ("aten.remainder",),
-    "maximum": ("aten.maximum",),
-    "minimum": ("aten.minimum",),
+    # torch.max(x, y) / torch.min(x, y) are elementwise (max.other), not the reduction amax: an exact
+    # overload is looked up before its packet (found by review: it anchored a reduction group)
+    "maximum": ("aten.maximum", "aten.max.other"),
+    "minimum": ("aten.minimum", "aten.min.other"),
     "where": ("aten.where",),
     "masked_fill": ("aten.masked_fill",),
     "compare": ("aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt", "aten.ge"),
