@@ -275,11 +275,12 @@ def _cmd_cache(args: argparse.Namespace) -> int:
                  " yet, 0 records (a tuned compile or `stof-cc tune` makes it)"))
         return 0
     try:
-        TuningDatabase(path, read_only=True).close()  # not a tuning database: an error, and the file untouched
+        checked = TuningDatabase(path, read_only=True)  # not a tuning database: an error, and the file untouched
     except TuningDatabaseError as exc:
         raise TuningDatabaseError(f"{exc}; stof-cc leaves such a file as it is: move it aside or remove it, "
                                   f"or name another file ({origin})") from None
-    if args.action == "clear" and _written_by_newer(path):  # its records are the newer version's to clear
+    checked.close()
+    if args.action == "clear" and checked.written_by_newer:  # its records are the newer version's to clear
         raise NewerDatabaseError(f"{path} ({origin}) was written by a newer stof-cc, which this one reads but never "
                                  "writes into: clear it with that version, or name another file")
     if args.action == "clear":
@@ -294,17 +295,6 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         print(f"  {r.template:<16} {r.signature:<40} {measured}  {json.dumps(r.params, sort_keys=True)}  "
               f"[{r.device}]")
     return 0
-
-
-def _written_by_newer(path: Path) -> bool:
-    db = TuningDatabase(path, read_only=True)
-    try:
-        db._columns()
-    except NewerDatabaseError:
-        return True
-    finally:
-        db.close()
-    return False
 
 
 def _database_choice(args: argparse.Namespace) -> tuple[str | Path, str]:

@@ -88,24 +88,23 @@ def nvcc_path() -> str | None:
 
 
 @functools.cache
-def nvcc_version() -> str:
+def nvcc_build() -> str:
+    """nvcc's whole ``--version`` text (its exact build, not only the release): part of each cache
+    key, so a toolkit updated in place (13.0.48 -> 13.0.88) never serves the old one's cubins."""
     exe = _require_nvcc()
     try:
-        out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:  # a CUDA_HOME with no nvcc in it, say
         where = "from PATH" if shutil.which("nvcc") else f"from CUDA_HOME={os.environ.get('CUDA_HOME')}"
         raise CompileError(f"nvcc at {exe} ({where}) does not run ({exc}): point CUDA_HOME at a CUDA toolkit "
                            "or put its bin/ on PATH") from exc
+
+
+def nvcc_version() -> str:
+    """nvcc's release (``13.0``), for messages."""
+    out = nvcc_build()
     match = re.search(r"release ([\d.]+)", out)
     return match.group(1) if match else out.strip().splitlines()[-1]
-
-
-@functools.cache
-def nvcc_build() -> str:
-    """nvcc's whole ``--version`` text (its exact build, not only the release): part of each cache
-    key, so a toolkit updated in place (13.0.48 -> 13.0.88) never serves the old one's cubins."""
-    nvcc_version()  # a clear error where nvcc does not run
-    return subprocess.run([_require_nvcc(), "--version"], capture_output=True, text=True, check=True).stdout
 
 
 # nvcc reads these from the environment and adds them to every command line: they change the

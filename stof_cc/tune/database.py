@@ -271,6 +271,7 @@ class TuningDatabase:
                  read_only: bool = False) -> None:
         self.timeout = timeout
         self._only_reading = read_only
+        self.written_by_newer = False  # set only reading (`_check_ours`): `cache clear` refuses such a file
         self._open(default_path() if path is None else path)
 
     def _open(self, path: object) -> None:
@@ -330,7 +331,7 @@ class TuningDatabase:
         try:
             ours = bool(self._columns())
         except NewerDatabaseError:
-            ours = True
+            ours = self.written_by_newer = True
         except sqlite3.Error as exc:
             what = "is not a tuning database" if _trouble(exc) == "corrupt" else "cannot be read"
             raise TuningDatabaseError(f"{self.path} {what} ({exc})") from None
