@@ -130,10 +130,15 @@ def test_clamp_with_a_tensor_bound_is_refused_clearly():
     from stof_cc.templates.group import applicable_templates
     from stof_cc.templates.pricing import H100
     graph, plan = lower(_ClampByTensor(), (torch.randn(4, 8, dtype=torch.float16), torch.randn(4, 8, dtype=torch.float16)))
+    reasons = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a template bug would warn; a refusal does not
         for group in plan.default.groups:
-            applicable_templates(graph, group, H100)
+            found, refused = applicable_templates(graph, group, H100)
+            if any(graph.node(n).op == "clamp" for n in group.nodes):
+                assert not found
+                reasons += refused
+    assert any("clamp with tensor bounds" in why for why in reasons), reasons
 
 
 class _Larger(torch.nn.Module):
