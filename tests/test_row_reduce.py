@@ -64,6 +64,19 @@ class RoundingError(torch.nn.Module):
         return (y - y.half().float()).sum(-1)
 
 
+class DefaultEpsRmsNorm(torch.nn.Module):
+    """``nn.RMSNorm`` without an eps over rows of small RMS (about 0.014): torch adds float32's
+    epsilon for fp16 rows too; the fp16 epsilon (1e-3, the kernel's before a review) moved them
+    by up to half their value."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(width)
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return self.norm((x + r) * 0.01)
+
+
 class MixedSoftmax(torch.nn.Module):
     """An fp16 input, an fp32 residual and output: vectors of the output's item size."""
 
@@ -278,6 +291,7 @@ def _run_on_host(tmp_path: Path, problem, params, values) -> torch.Tensor:
     (MixedSoftmax, (3, 7, 96), torch.float16),             # fp16 x element by element in fp32 vectors
     (Fp32WeightNorm, (3, 7, 1000), torch.float16),         # Cohere: an fp16 row, an fp32 weight
     (RoundingError, (3, 7, 264), torch.float32),           # a cast to fp16 mid-prologue rounds
+    (DefaultEpsRmsNorm, (3, 7, 264), torch.float16),      # torch's default eps for fp16 rows
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_every_point_matches_torch_on_the_host(tmp_path: Path, module_type, shape, dtype):
     torch.manual_seed(0)

@@ -201,9 +201,16 @@ def reduction_inputs(graph: Graph, node: Node, shape: tuple[int, ...]) -> tuple[
         else:
             bias = None
             eps = args[3] if len(args) > 3 else node.kwargs.get("eps")
-            eps = torch.finfo(in_spec.dtype).eps if eps is None else eps
+            eps = rms_norm_default_eps(in_spec.dtype) if eps is None else eps
         return node.op, source, weight, bias, float(eps)
     raise NotItsPattern(f"%{node.name}: reduction {node.op} has no row_reduce form (softmax, layer_norm, rms_norm)")
+
+
+def rms_norm_default_eps(dtype: torch.dtype) -> float:
+    """``rms_norm``'s eps when none is given, as torch's decomposition takes it: float32's machine
+    epsilon for fp16, bf16 and fp32 inputs (not the input dtype's, which for fp16 is 8192 times
+    larger and moved rows of small RMS by up to half their value: found by review), float64's else."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
 
 
 def row_value_inputs(graph: Graph, node: Node) -> tuple[str, Ref, float]:
