@@ -191,6 +191,26 @@ def test_graphs_stof_cc_cannot_take_run_on_the_fallback_with_the_reason():
     assert out.dtype == torch.float64
 
 
+def test_a_buffer_in_a_dtype_of_its_own_does_not_send_the_graph_to_the_fallback():
+    """An fp16 model keeping an fp32 ``inv_freq`` buffer (HF's Llama as loaded in fp16) runs on
+    stof-cc, the buffer in fp32 as eager holds it (it went to the fallback as "mixed dtypes")."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16).half().eval()
+    model.register_buffer("inv_freq", torch.rand(16), persistent=False)
+    backend, made = capturing(fallback="eager")
+    x, positions = torch.randn(4, 16, dtype=torch.float16), torch.arange(8000, 8004)
+
+    def run(x, positions):
+        return model(x) * (positions[:, None].float() * model.inv_freq).cos().to(x.dtype)
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.compile(run, backend=backend, dynamic=False)(x, positions)
+        want = run(x, positions)
+    assert made and all(g.delegate is None for g in made)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_the_default_fallback_is_inductor():
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).eval()

@@ -160,3 +160,52 @@ def test_a_plain_tensor_attribute_written_in_place_compiles_again():
     with pytest.warns(UserWarning, match="'c' of the compiled model changed"):
         got = compiled(x)
     torch.testing.assert_close(got, x * 5)
+
+
+class Rotary(torch.nn.Module):
+    """HF's rotary embedding as an fp16 model holds it: the angles from an fp32 ``inv_freq``
+    buffer (computed in fp32), the fp16 weights beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 32, 2).float() / 32), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions[:, None].float() * self.inv_freq[None, :].float()
+        return self.proj(x) * torch.cat((angles, angles), -1).cos().to(x.dtype)
+
+
+def test_a_buffer_the_model_keeps_in_its_own_dtype_stays_in_it():
+    """An fp16 model with an fp32 ``inv_freq`` is shared as it is (its angles stay fp32: converted
+    with the weights they were off by radians at 8k positions), with no warning; a model converted
+    from fp32 converts that buffer with its weights, as ``.to(dtype)`` would, and ties stay tied."""
+    torch.manual_seed(0)
+    model = Rotary().half().eval()
+    model.inv_freq = model.inv_freq.float()
+    x, positions = torch.randn(4, 32, dtype=torch.float16), torch.arange(8000, 8004)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled = stof_cc.compile(model, (x, positions))
+    assert compiled.module is model and model.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, positions), model(x, positions), rtol=0, atol=0)
+
+    wide = Rotary().eval()
+    wide.tied = torch.nn.Linear(32, 32)
+    wide.tied.weight = wide.proj.weight
+    with pytest.warns(UserWarning, match="weights are torch.float32"):
+        converted = stof_cc.compile(wide, (x, positions))
+    assert converted.module.inv_freq.dtype == torch.float16 and wide.inv_freq.dtype == torch.float32
+    assert converted.module.tied.weight is converted.module.proj.weight
+
+
+def test_floating_inputs_cast_for_a_model_without_weights_are_said():
+    """A model without floating weights compiled in fp16 from fp32 inputs returns fp16: said once."""
+    class Trig(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.sin(x) * 2
+
+    with pytest.warns(UserWarning, match=r"example inputs are torch.float32; the compiled model casts"):
+        compiled = stof_cc.compile(Trig(), (torch.randn(8),))
+    assert compiled(torch.randn(8)).dtype == torch.float16

@@ -49,11 +49,12 @@ from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.canonicalize import mutating_nodes
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
+from stof_cc.passes.lower import converted_dtypes
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
 from stof_cc.runtime.capture import capture
 from stof_cc.runtime.collectives import all_reduce_in_place, in_place_all_reduces, is_collective
-from stof_cc.runtime.weights import WeightWatch, eval_mode, other_dtypes, weights_to_compile
+from stof_cc.runtime.weights import WeightWatch, eval_mode, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.tune.attention import attention_kernel, node_mask
@@ -500,7 +501,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     The compiled module reads ``model``'s weights (shared when already in ``dtype``) and compiles
     again when they change (runtime/weights.py says what it notices)."""
     mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype, build_dir, database)
-    _say_what_changes(model, dtype)
+    _say_what_changes(model, dtype, (example_inputs, example_kwargs))
     gpu = _gpu_kernels_available()
     if gpu and not isinstance(database, TuningDatabase):
         database = TuningDatabase(database)
@@ -541,14 +542,20 @@ def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: An
     return mask
 
 
-def _say_what_changes(model: torch.nn.Module, dtype: torch.dtype) -> None:
+def _say_what_changes(model: torch.nn.Module, dtype: torch.dtype, example: Any) -> None:
     """One warning each when the compiled model will not run as the model does now: weights in
-    another floating dtype (it runs in ``dtype``), or training mode (it is compiled for inference:
-    dropout off)."""
-    others = other_dtypes(model, dtype)
+    another floating dtype (it runs in ``dtype``), floating inputs in another dtype where no weight
+    says so (a model without floating weights: its inputs and outputs change dtype), or training
+    mode (it is compiled for inference: dropout off)."""
+    others = converted_dtypes(model, dtype)
+    inputs = sorted({str(t.dtype) for t in pytree.tree_leaves(example)
+                     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype})
     if others:
         warnings.warn(f"stof_cc.compile: the model's weights are {', '.join(others)}; the compiled model runs in "
                       f"{dtype} (a converted copy of them): pass dtype= to choose", stacklevel=3)
+    elif inputs:
+        warnings.warn(f"stof_cc.compile: the example inputs are {', '.join(inputs)}; the compiled model casts "
+                      f"floating inputs to {dtype} and returns {dtype}: pass dtype= to choose", stacklevel=3)
     if model.training:
         warnings.warn("stof_cc.compile: the model is in training mode; it is compiled for inference, as in eval "
                       "mode (dropout off)", stacklevel=3)

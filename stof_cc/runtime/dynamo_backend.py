@@ -97,10 +97,12 @@ def _is_parallel(inputs: Sequence[Any]) -> bool:
     return any(type(x).__name__ == "DTensor" for x in inputs)
 
 
-def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> str | None:
+def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int]) -> str | None:
     """Why stof-cc cannot take this graph with these example inputs; None when it can. Non-tensor
     inputs the graph never reads (the DeviceMesh objects of a tensor-parallel rank's local graph)
-    do not count; DTensor inputs are `_parallel_route`'s."""
+    do not count; DTensor inputs are `_parallel_route`'s. A module buffer in a dtype of its own (HF's
+    fp32 ``inv_freq`` beside fp16 weights) does not mix the dtypes: it keeps its dtype
+    (`stof_cc.passes.lower.convert_weights`)."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     read = [x for x, node in zip(inputs, placeholders, strict=False) if node.users or isinstance(x, torch.Tensor)]
     if any(isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool) for x in inputs):
@@ -113,7 +115,7 @@ def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> str |
     kinds = sorted({type(x).__name__ for x in read if not isinstance(x, torch.Tensor)})
     if kinds:
         return f"it takes non-tensor inputs ({', '.join(kinds)})"
-    floating = {x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    floating = _floating_dtypes(inputs, slots)
     if len(floating) > 1:
         return f"its floating inputs mix dtypes ({', '.join(sorted(str(d) for d in floating))})"
     if floating and next(iter(floating)) not in DTYPES:
@@ -125,6 +127,14 @@ def _why_not(graph_module: torch.fx.GraphModule, inputs: Sequence[Any]) -> str |
                 and node.args[0] in placeholders:
             return f"it updates its input {node.args[0].name} in place ({name})"
     return None
+
+
+def _floating_dtypes(inputs: Sequence[Any], slots: list[int]) -> set[torch.dtype]:
+    """The floating dtypes of the graph's inputs that run in the compile dtype: all but its module
+    buffers (`_module_state_slots` that are not parameters)."""
+    buffers = {i for i in slots if not isinstance(inputs[i], torch.nn.Parameter)}
+    return {x.dtype for i, x in enumerate(inputs)
+            if i not in buffers and isinstance(x, torch.Tensor) and x.is_floating_point()}
 
 
 class _CompiledGraph:
@@ -142,7 +152,7 @@ class _CompiledGraph:
         self.delegate: Callable[..., Any] | None = None  # runs the graph instead: the fallback, or AOTAutograd's route
         self.local_graphs: list[_CompiledGraph] = []  # tensor parallelism: the local graph, once it ran
         self.slots = _module_state_slots(graph_module) if slots is None else slots
-        self.reason = _why_not(graph_module, inputs)
+        self.reason = _why_not(graph_module, inputs, self.slots)
         if self.reason is None and _is_parallel(inputs):
             self.reason = self._parallel(inputs)
         elif self.reason is None:
@@ -167,7 +177,7 @@ class _CompiledGraph:
     def _compile(self, inputs: Sequence[Any]) -> str | None:
         """Compile for these inputs' weights; on failure, the fallback and the reason."""
         frozen = _FrozenWeights(self.graph_module, inputs, self.slots)
-        dtype = next((x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32)
+        dtype = next(iter(_floating_dtypes(inputs, self.slots)), torch.float32)
         args = _given(inputs, self.slots)
         try:
             self.compiled_for[self._weights_key(inputs)] = compile_module(frozen, args, dtype=dtype,

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from stof_cc.passes.lower import convert_weights, converted_dtypes
+
 
 class WeightWatch:
     """The parameters, buffers and submodules of ``module`` as they were when watched."""
@@ -88,15 +90,10 @@ def _identity(tensor: torch.Tensor) -> tuple:
 
 def weights_to_compile(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The module whose tensors a compiled module reads: ``module`` itself when its floating
-    parameters and buffers are already in ``dtype`` (shared: no second copy of the weights),
-    else a copy converted to ``dtype`` (the user's module is never changed)."""
-    return copy.deepcopy(module).to(dtype) if other_dtypes(module, dtype) else module
-
-
-def other_dtypes(module: torch.nn.Module, dtype: torch.dtype) -> list[str]:
-    """The floating dtypes of ``module``'s parameters and buffers other than ``dtype``."""
-    return sorted({str(t.dtype) for t in (*module.parameters(), *module.buffers())
-                   if t.is_floating_point() and t.dtype != dtype})
+    parameters are already in ``dtype`` (shared: no second copy of the weights; buffers it keeps in
+    another dtype stay so, as `convert_weights` says), else a copy converted to ``dtype`` (the
+    user's module is never changed)."""
+    return convert_weights(copy.deepcopy(module), dtype) if converted_dtypes(module, dtype) else module
 
 
 @contextlib.contextmanager
