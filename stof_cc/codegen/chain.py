@@ -14,8 +14,9 @@ template defines these macros for its own indexing (a vector buffer, a GEMM tile
 column), so one generator serves all of them.
 
 Anything else (other broadcasts, boolean ops, integer math, layout changes) raises
-`NotFusable` with the node and the reason, and the group runs through torch instead.
-Values are computed in fp32 and rounded once, at the store.
+`NotFusable` with the node and the reason (`indexed.IndexedChain` takes most of it), and the
+group runs through torch instead. Values are computed in fp32 and rounded once, at the store,
+but for the inputs of an op whose result jumps (`steps_at_integers`), rounded as eager holds them.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def _float(value: Any) -> str:
     value = float(value)
     if math.isinf(value):
         return "INFINITY" if value > 0 else "-INFINITY"
+    if math.isnan(value):  # repr's "nan" + "f" is no C (nvcc refused the kernel: found by review)
+        return 'nanf("")'
     return f"{value!r}f"
 
 
@@ -94,8 +97,8 @@ def _div(node: Node, a: list[str]) -> str:
     if mode not in (None, "floor", "trunc"):
         raise NotFusable(f"%{node.name}: div with rounding_mode={mode!r}")
     if mode is None:
-        return f"{a[0]} / {a[1]}"
-    return f"floor_divide({a[0]}, {a[1]})" if mode == "floor" else f"truncf({a[0]} / {a[1]})"  # group_common.j2
+        return f"div_rn({a[0]}, {a[1]})"  # group_common.j2: IEEE division under fast math
+    return f"floor_divide({a[0]}, {a[1]})" if mode == "floor" else f"truncf(div_rn({a[0]}, {a[1]}))"
 
 
 def _dropout(node: Node, args: list[str]) -> str:
@@ -128,10 +131,28 @@ def _cast(node: Node, a: list[str]) -> str:
     """fp32 inside, but a cast to fp16 or bf16 rounds there, as torch's does (``y - y.half().float()``
     is the rounding error: read as a no-op it came out 0, found by review); the store rounds to the
     output dtype too."""
-    dtype = node.spec.dtype if isinstance(node.spec, TensorSpec) else None
+    return rounded_to(a[0], node.spec.dtype if isinstance(node.spec, TensorSpec) else None)
+
+
+def rounded_to(expr: str, dtype: Any) -> str:
+    """The fp32 value ``expr`` rounded to ``dtype`` where that is fp16 or bf16 (as eager holds a
+    value of that dtype), still a float; ``expr`` itself for any other dtype."""
     rounding = {"torch.float16": "__half2float(__float2half_rn({}))",
                 "torch.bfloat16": "__bfloat162float(__float2bfloat16_rn({}))"}.get(str(dtype))
-    return a[0] if rounding is None else rounding.format(a[0])
+    return expr if rounding is None else rounding.format(expr)
+
+
+def steps_at_integers(node: Node) -> bool:
+    """Whether ``node``'s result jumps where its input crosses a value (a comparison, a cast to an
+    integer or bool, floor or trunc division, remainder): there an fp32 input that eager holds in
+    fp16 / bf16 must be rounded to it first. Unrounded, ``(x * 10.7).long()`` differed from eager by
+    one in 90 of 4096 fp16 elements (found by review); elsewhere one rounding, at the store, is
+    within the dtype's own error."""
+    if node.op in ("compare", "remainder"):
+        return True
+    if node.op == "div":
+        return node.kwargs.get("rounding_mode") is not None
+    return node.op == "cast" and isinstance(node.spec, TensorSpec) and not node.spec.dtype.is_floating_point
 
 
 def _call(function: str) -> tuple[int, Callable[[Node, list[str]], str]]:
@@ -199,9 +220,9 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "expm1": _call("expm1f"),
     "log": _call("logf"),
     "log1p": _call("log1pf"),
-    "sin": _call("sinf"),
-    "cos": _call("cosf"),
-    "reciprocal": (1, lambda n, a: f"1.f / {a[0]}"),
+    "sin": (1, lambda n, a: f"sinf(reduced_angle({a[0]}))"),  # group_common.j2: fast math's sinf is exact
+    "cos": (1, lambda n, a: f"cosf(reduced_angle({a[0]}))"),  # only within [-pi, pi]
+    "reciprocal": (1, lambda n, a: f"div_rn(1.f, {a[0]})"),
     "square": (1, lambda n, a: f"{a[0]} * {a[0]}"),
     "softplus": (1, _softplus),
     "mish": (1, lambda n, a: f"{a[0]} * tanhf({a[0]} > 20.f ? {a[0]} : log1pf(expf({a[0]})))"),
@@ -244,6 +265,9 @@ class Chain:
         if tuple(spec.shape) != self.shape and not self._broadcasts_to_row(spec):
             raise NotFusable(f"%{node.name}: shape {tuple(spec.shape)} is neither the output's {self.shape} nor a row")
         args = [self._value(node, a) for a in node.args[:count]]
+        if steps_at_integers(node):  # each input as eager holds it
+            args = [rounded_to(v, self.graph.node(a.name).spec.dtype) if isinstance(a, Ref) else v
+                    for v, a in zip(args, node.args[:count], strict=True)]
         # positional (prefixed: a kernel may hold two chains), not the node's name, so that identical groups
         # render identical code
         var = f"{self._prefix}_v{len(self.lines)}"

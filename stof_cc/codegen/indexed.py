@@ -28,7 +28,15 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen.chain import EMITTERS, NotFusable, Operand, _cast, _float
+from stof_cc.codegen.chain import (
+    EMITTERS,
+    NotFusable,
+    Operand,
+    _cast,
+    _float,
+    rounded_to,
+    steps_at_integers,
+)
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.ir.ops import split_piece
 
@@ -167,6 +175,8 @@ class IndexedChain:
             raise NotFusable(f"%{node.name}: argument {arg!r} is neither a tensor nor a number")
         spec = self.graph.node(arg.name).spec
         expr, source = self._value(arg.name, self._broadcast(coords, spec.shape))
+        if source == "float" and steps_at_integers(node):  # as eager holds it (chain.steps_at_integers)
+            expr = rounded_to(expr, spec.dtype)
         return convert(expr, source, ctype)
 
     def _compute(self, node: Node, coords: Coords) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stof_cc.codegen import Chain, IndexedChain, NotFusable, NotItsPattern
+from stof_cc.codegen import Chain, IndexedChain, NotFusable, NotItsPattern, rounded_to
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
@@ -90,6 +90,8 @@ class RowReduceTemplate(GroupTemplate[RowReduceDetails]):
         read = anchor_input(graph, group, source.name, in_shape, indexed=True)
         prologue_operands = read.operands
         prologue_code, input_expr = read.code(" " * 16), read.expression
+        if read.prologue is not None:  # the reduction reads its input as eager holds it: rounded to its dtype
+            input_expr = rounded_to(input_expr, graph.node(source.name).spec.dtype)
         epilogue_operands = [outside_operand(graph, group, ref.name, name, "row")
                              for ref, name in ((weight, "weight"), (bias, "bias")) if ref is not None]
         epilogue = Chain(graph, read.after, {anchor.name: "y"}, in_shape, operand_prefix="ep")
