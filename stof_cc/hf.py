@@ -58,6 +58,7 @@ from stof_cc.backends.decode_launch import decode_attention, decode_unsupported,
 from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.masks.kept import keep
 from stof_cc.runtime.attention import attention
+from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS
 from stof_cc.tune.attention import CAUSAL, causal_window
 
 NAME = "stof_cc"
@@ -615,11 +616,25 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"the model runs in {query.dtype} (the kernels are fp16/bf16: load it with dtype=torch.bfloat16)"
+    head_dims = _why_not_head_dims(query, value)
+    if head_dims is not None:
+        return head_dims
     if mask is not None and any(mask.offsets()):
         return f"a decode step (queries at an offset into a cache): {decode_refusal}"
     if query.shape[2] != key.shape[2] and mask is not None and mask.description is not None:
         return f"a decode step (fewer queries than keys under a mask): {decode_refusal}"
     return None  # cross-attention (no mask, other lengths) runs in the kernels
+
+
+def _why_not_head_dims(query: torch.Tensor, value: torch.Tensor) -> str | None:
+    """Why the kernels do not take these head dims (Phi-3's 96, Gemma 3's 256, StableLM's 80, values
+    of another head dim than the queries), or None: such a prefill raised in the kernels' checks
+    instead of running in SDPA (found by review)."""
+    if value.shape[-1] != query.shape[-1]:
+        return f"values of head dim {value.shape[-1]}, queries of {query.shape[-1]} (the kernels take one)"
+    if query.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {query.shape[-1]} (the kernels take {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
+    return None
 
 
 _WARNED: set[str] = set()
@@ -792,8 +807,9 @@ def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return f"its tensors are on {query.device.type}"
     if kwargs.get("position_bias") is not None:
         return "a position bias (the op takes none)"
-    if value.shape[-1] != query.shape[-1]:
-        return f"values of head dim {value.shape[-1]}, queries of {query.shape[-1]} (the kernels take one)"
+    head_dims = _why_not_head_dims(query, value)
+    if head_dims is not None:
+        return head_dims
     if mask is not None and not mask.described:
         return "a mask stof-cc describes only outside a compiled graph (packed sequences, chunked, image blocks, custom)"
     offsets = () if mask is None else (mask.arguments["q_offset"], mask.arguments["kv_offset"])

@@ -57,6 +57,21 @@ def test_key_padding_and_bias_are_checked_and_converted_on_the_cpu():
         bias_view(torch.randn(3, 64, 64), q, 128)
 
 
+def test_a_bias_in_another_dtype_saturates_and_a_bias_needing_grad_a_list_of_padding_are_refused():
+    """An fp32 bias beyond fp16's range saturates at its largest (it became +-inf: NaN, or a row
+    counted as hidden), -inf stays -inf; a bias that requires grad is refused as q, k and v are;
+    key padding that is not a tensor is named (found by review)."""
+    from stof_cc.backends.attention_launch import bias_view
+
+    q = torch.randn(1, 1, 4, 64, dtype=torch.float16)
+    wide = torch.tensor([[7e4, -1e9, float("-inf"), 3.0]]).expand(4, 4)
+    assert bias_view(wide, q, 4)[0, 0, 0].tolist() == [65504.0, -65504.0, float("-inf"), 3.0]
+    with pytest.raises(AttentionInputError, match="inference-only"):
+        attention(q, q, q, bias=torch.zeros(4, 4, requires_grad=True))
+    with pytest.raises(AttentionInputError, match="key_padding must be a .* got list"):
+        attention(q, q, q, key_padding=[[1, 1, 1, 0]])
+
+
 def test_a_strided_split_is_taken_only_where_it_applies_and_pays():
     """A dilated window splits into d sliding windows where the cost model prices that lower
     (S = 8192 on the MHA grid); not where S is not a multiple of d, nor where B * d batch slots

@@ -125,5 +125,6 @@ def test_on_the_cpu_the_op_refuses_what_the_kernels_refuse_naming_it(change, mat
     q, k, v, padding = change(*_inputs())
     with pytest.raises(stof_cc.AttentionInputError, match=match):
         torch.ops.stof_cc.attention(q, k, v, "causal", None, padding)
-    with pytest.raises(stof_cc.AttentionInputError, match="scale must be positive"):
-        torch.ops.stof_cc.attention(*_inputs()[:3], "causal", -1.0, None)
+    for scale in (-1.0, float("inf")):  # an infinite scale gave NaN (found by review)
+        with pytest.raises(stof_cc.AttentionInputError, match="scale must be positive and finite"):
+            torch.ops.stof_cc.attention(*_inputs()[:3], "causal", scale, None)

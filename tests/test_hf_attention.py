@@ -845,3 +845,24 @@ def test_a_decoder_configured_bidirectional_stays_bidirectional_where_sdpa_runs(
         got = ours(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
         want = theirs(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_dim, value_dim, why", [
+    (96, 96, "head dim 96"),   # Phi-3-mini
+    (256, 256, "head dim 256"),  # Gemma 3
+    (64, 128, "values of head dim 128"),
+])
+def test_head_dims_the_kernels_do_not_take_run_in_sdpa_not_into_an_error(head_dim, value_dim, why):
+    """A prefill whose head dim the kernels do not take runs in transformers' SDPA (with the reason),
+    eager and traced alike: it raised in the kernels' own checks (found by review)."""
+    class OnDevice:  # what _why_sdpa reads of a CUDA fp16 tensor
+        requires_grad, is_cuda, dtype = False, True, torch.float16
+
+        def __init__(self, *shape):
+            self.shape = shape
+
+    q, k, v = OnDevice(1, 4, SEQ, head_dim), OnDevice(1, 4, SEQ, head_dim), OnDevice(1, 4, SEQ, value_dim)
+    assert why in stof_cc.hf._why_sdpa(q, k, v, None, "")
+    assert why in stof_cc.hf._why_sdpa_traced(q, k, v, None, {})
+    if head_dim == 64:  # the same queries with values of their own head dim: the kernels run them
+        assert stof_cc.hf._why_sdpa(q, k, OnDevice(1, 4, SEQ, 64), None, "") is None

@@ -398,8 +398,11 @@ STEPS = {
     "long": lambda x: (x * 10.7).long(), "compare": lambda x: x * 3.3 >= 1.65,
     "trunc division": lambda x: torch.div(x * 3.3, 0.7, rounding_mode="trunc"),
     "floor division": lambda x: torch.div(x * 3.3, 0.7, rounding_mode="floor"),
-    "remainder": lambda x: torch.remainder(x * 3.3, 0.75),  # 0.75 is an fp16: eager's CPU remainder rounds its
-}                                                            # divisor to fp16 (0.7 is 0.7002 there)
+    "remainder": lambda x: torch.remainder(x * 3.3, 0.7),  # eager's remainder reads 0.7 as fp16's 0.7002
+}
+# eager's CUDA kernel divides two fp16 tensors in fp16 before it truncates (2192 / 129 is 17 there); its
+# CPU kernel divides in fp32 (16): the generated kernels follow CUDA's, so this one is checked on the GPU
+GPU_STEPS = STEPS | {"trunc of two tensors": lambda x: torch.div(x * 3.3, x * 0.7 + 2, rounding_mode="trunc")}
 
 
 @pytest.mark.nvcc
@@ -414,3 +417,20 @@ def test_a_step_reads_its_fp16_input_as_eager_holds_it(tmp_path: Path, step: str
     graph, group, values = _only_group(module, (x,))
     got = _run(tmp_path, graph, group, values)
     torch.testing.assert_close(got, module(x), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", sorted(GPU_STEPS))
+def test_a_step_reads_its_fp16_input_as_eager_holds_it_on_the_gpu(step: str):
+    """The same on the GPU (fast math), against eager CUDA, every point: equal."""
+    from stof_cc.backends.group_launch import GroupLaunch
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 512, dtype=torch.float16)
+    module = _Pointwise(GPU_STEPS[step])
+    graph, group, values = _only_group(module, (x,))
+    problem = ELEMENTWISE.match(graph, group)
+    want = module(x.cuda())
+    for params in ELEMENTWISE.space(problem):
+        got = GroupLaunch(ELEMENTWISE, problem, params)({name: t.cuda() for name, t in values.items()})
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{step} {params}")

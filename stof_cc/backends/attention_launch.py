@@ -133,13 +133,17 @@ class LaunchPlan:
 
 def bias_view(bias: torch.Tensor, q: torch.Tensor, seq_k: int) -> torch.Tensor:
     """An additive bias broadcastable to [B, H, S_q, S_k] as the kernels read it: 4-D in q's
-    dtype, expanded (size-1 dims get stride 0) and unit stride over keys."""
+    dtype (rounded to it, a finite value beyond its range saturated at its largest), expanded
+    (size-1 dims get stride 0) and unit stride over keys."""
     b, h, s_q = q.shape[:3]
     if not isinstance(bias, torch.Tensor) or not bias.is_floating_point() or bias.device != q.device:
         raise AttentionInputError(f"bias must be a floating tensor on {q.device}, got "
                                   f"{type(bias).__name__ if not isinstance(bias, torch.Tensor) else f'{bias.dtype} on {bias.device}'}")
+    if bias.dtype != q.dtype:  # saturated: fp32's -1e9 or +7e4 gave fp16's -inf / +inf (a hidden row, NaN)
+        limits = torch.finfo(q.dtype)
+        bias = torch.where(bias.isinf(), bias, bias.clamp(limits.min, limits.max)).to(q.dtype)
     try:
-        bias = bias.to(q.dtype).expand(b, h, s_q, seq_k)
+        bias = bias.expand(b, h, s_q, seq_k)
     except RuntimeError:
         raise AttentionInputError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
                                   f"[{b}, {h}, {s_q}, {seq_k}]") from None
@@ -263,8 +267,8 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
     in one launch on the unsplit q, k, v, each residue's positions r, r + d, ... a sequence of its own."""
     residues = problem.residues
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
-    if not scale > 0:
-        raise AttentionInputError(f"scale must be positive, got {scale}")
+    if not 0 < scale < math.inf:
+        raise AttentionInputError(f"scale must be positive and finite, got {scale}")
     grid, threads, shared = template.launch(problem, params)
     if template.walks_tile_schedule:  # grid (CTAs, 1, 1), the schedule in place of row_order
         device = torch.cuda.get_device_properties(q.device)

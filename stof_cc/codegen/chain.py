@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 
 
@@ -98,7 +100,26 @@ def _div(node: Node, a: list[str]) -> str:
         raise NotFusable(f"%{node.name}: div with rounding_mode={mode!r}")
     if mode is None:
         return f"div_rn({a[0]}, {a[1]})"  # group_common.j2: IEEE division under fast math
-    return f"floor_divide({a[0]}, {a[1]})" if mode == "floor" else f"truncf(div_rn({a[0]}, {a[1]}))"
+    if mode == "floor":
+        return f"floor_divide({a[0]}, {a[1]})"
+    quotient = f"div_rn({a[0]}, {a[1]})"
+    if all(isinstance(x, Ref) for x in node.args[:2]):  # eager's CUDA kernel divides two fp16 / bf16 tensors
+        quotient = rounded_to(quotient, node.spec.dtype)  # in their dtype, then truncates
+    return f"truncf({quotient})"
+
+
+def _remainder(node: Node, a: list[str]) -> str:
+    """torch.remainder (group_common.j2's ``remainder_of``); a number beside an fp16 / bf16 tensor is
+    rounded to its dtype first, as eager's kernel takes it (0.7 is 0.7002 in fp16: every result
+    near a multiple moved, found on the GPU)."""
+    args = [_float(in_dtype(x, node.spec.dtype)) if isinstance(x, int | float) and not isinstance(x, bool) else v
+            for x, v in zip(node.args[:2], a, strict=True)]
+    return f"remainder_of({args[0]}, {args[1]})"
+
+
+def in_dtype(number: float, dtype: Any) -> float:
+    """``number`` as ``dtype`` holds it, for fp16 and bf16 (else as it is)."""
+    return torch.tensor(number, dtype=dtype).item() if dtype in (torch.float16, torch.bfloat16) else number
 
 
 def _dropout(node: Node, args: list[str]) -> str:
@@ -214,7 +235,7 @@ EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
     "dropout": (1, _dropout),  # canonicalize bypasses eval dropout; one in training mode is refused
     "cast": (1, _cast),
     "clone": (1, _identity),
-    "remainder": (2, lambda n, a: f"remainder_of({a[0]}, {a[1]})"),  # group_common.j2, as torch
+    "remainder": (2, _remainder),
     "abs": _call("fabsf"),
     "exp2": _call("exp2f"),
     "expm1": _call("expm1f"),

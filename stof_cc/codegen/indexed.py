@@ -34,6 +34,7 @@ from stof_cc.codegen.chain import (
     Operand,
     _cast,
     _float,
+    in_dtype,
     rounded_to,
     steps_at_integers,
 )
@@ -261,7 +262,7 @@ class IndexedChain:
             if isinstance(other, Ref):
                 spec = self.graph.node(other.name).spec
                 if isinstance(spec, TensorSpec) and spec.dtype in (torch.float16, torch.bfloat16):
-                    return torch.tensor(arg, dtype=spec.dtype).item()
+                    return in_dtype(arg, spec.dtype)
         return arg
 
     def _is_floating(self, arg: Any) -> bool:

@@ -87,9 +87,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     description = as_description(mask)
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         problem_of(q, k, v)  # raises, naming the argument
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, bias)):
         raise AttentionInputError("stof_cc.attention is inference-only (no backward): call it under "
-                                  "torch.no_grad() or pass tensors that do not require grad")
+                                  "torch.no_grad() or pass tensors (q, k, v and the bias) that do not require grad")
+    if key_padding is not None and not isinstance(key_padding, torch.Tensor | KeyPadding):
+        raise AttentionInputError(f"key_padding must be a [B, S_k] tensor (nonzero: a key to attend) or a KeyPadding, "
+                                  f"got {type(key_padding).__name__}")
     if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
         with torch.cuda.device(q.device):
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,

@@ -20,6 +20,7 @@ refused with `AttentionInputError` (no backward is registered).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -51,8 +52,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | No
     """The torch reference, with the checks of the CUDA path that do not depend on the kernels (any
     dtype and head dim run here): a graph that runs here does not fail there on its shapes."""
     check_layout(q, k, v)
-    if scale is not None and not scale > 0:
-        raise AttentionInputError(f"scale must be positive, got {scale}")
+    if scale is not None and not 0 < scale < math.inf:
+        raise AttentionInputError(f"scale must be positive and finite, got {scale}")
     if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
         raise AttentionInputError(f"key_padding must be [{q.shape[0]}, {k.shape[2]}] (batch, keys; nonzero = attend), "
                                   f"got shape {tuple(key_padding.shape)}")

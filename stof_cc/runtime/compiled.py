@@ -388,7 +388,8 @@ class CompiledModule:
             if not self._said_fp16:
                 self._said_fp16 = True
                 warnings.warn(f"stof_cc.compile: the model runs in {self.dtype}; its attention runs in the fp16 kernels "
-                              "(q, k and v converted, the output converted back: about 1e-3 of relative rounding; "
+                              "(q, k and v converted, the output converted back: about 1e-3 of relative rounding, "
+                              "and values beyond fp16's 65504 overflow; "
                               "an added bias is rounded to fp16 too, by up to 0.25 where it reaches 1000, as "
                               "ALiBi's does at long range). "
                               "Pass dtype=torch.float16 or torch.bfloat16 to run the whole model in the kernels' "
