@@ -626,13 +626,13 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return None  # cross-attention (no mask, other lengths) runs in the kernels
 
 
-def _why_not_head_dims(query: torch.Tensor, value: torch.Tensor) -> str | None:
-    """Why the kernels do not take these head dims (Phi-3's 96, Gemma 3's 256, StableLM's 80, values
-    of another head dim than the queries), or None: such a prefill raised in the kernels' checks
-    instead of running in SDPA (found by review)."""
+def _why_not_head_dims(query: torch.Tensor, value: torch.Tensor, every_head_dim: bool = False) -> str | None:
+    """Why the op does not take these head dims (values of another head dim than the queries; unless
+    ``every_head_dim``, as the CPU op's reference, Phi-3's 96, Gemma 3's 256, StableLM's 80), or None:
+    such a prefill raised in the kernels' checks instead of running in SDPA (found by review)."""
     if value.shape[-1] != query.shape[-1]:
         return f"values of head dim {value.shape[-1]}, queries of {query.shape[-1]} (the kernels take one)"
-    if query.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if not every_head_dim and query.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return f"head dim {query.shape[-1]} (the kernels take {', '.join(map(str, SUPPORTED_HEAD_DIMS))})"
     return None
 
@@ -807,7 +807,7 @@ def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return f"its tensors are on {query.device.type}"
     if kwargs.get("position_bias") is not None:
         return "a position bias (the op takes none)"
-    head_dims = _why_not_head_dims(query, value)
+    head_dims = _why_not_head_dims(query, value, every_head_dim=not query.is_cuda)  # the CPU op runs any
     if head_dims is not None:
         return head_dims
     if mask is not None and not mask.described:
