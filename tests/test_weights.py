@@ -194,10 +194,12 @@ def test_a_buffer_the_model_keeps_in_its_own_dtype_stays_in_it():
     wide = Rotary().eval()
     wide.tied = torch.nn.Linear(32, 32)
     wide.tied.weight = wide.proj.weight
+    wide.tied.register_buffer("inv_freq", wide.inv_freq, persistent=False)  # one buffer, two modules
     with pytest.warns(UserWarning, match="weights are torch.float32"):
         converted = stof_cc.compile(wide, (x, positions))
     assert converted.module.inv_freq.dtype == torch.float16 and wide.inv_freq.dtype == torch.float32
     assert converted.module.tied.weight is converted.module.proj.weight
+    assert converted.module.tied.inv_freq is converted.module.inv_freq
 
 
 def test_floating_inputs_cast_for_a_model_without_weights_are_said():

@@ -150,7 +150,9 @@ def convert_weights(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     for submodule in module.modules():
         for name, buffer in submodule._buffers.items():
             if buffer is not None and buffer.dtype in converted:
-                submodule._buffers[name] = done.setdefault(id(buffer), buffer.to(dtype))
+                if id(buffer) not in done:  # a buffer two modules share is converted once, and stays shared
+                    done[id(buffer)] = buffer.to(dtype)
+                submodule._buffers[name] = done[id(buffer)]
     return module
 
 
