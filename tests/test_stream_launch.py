@@ -9,21 +9,32 @@ import pytest
 from stof_cc.backends.stream_launch import DriverError, DriverKernel, ParameterBlock
 
 
+def _read(pointer, ctype):
+    return ctypes.cast(pointer, ctypes.POINTER(ctype)).contents.value
+
+
 def test_parameters_are_typed_by_the_format_and_refilled():
     block = ParameterBlock("PPiqf128s")
-    block.fill((0x1000, 0x2000, 7, 1 << 40, 0.5, bytes(range(128))))
-    assert [type(o) for o in block.objects[:5]] == [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32,
-                                                   ctypes.c_int64, ctypes.c_float]
-    assert block.objects[3].value == 1 << 40 and block.objects[4].value == 0.5
-    assert ctypes.sizeof(block.objects[5]) == 128 and block.objects[5].raw == bytes(range(128))
+    pointers = block.fill((0x1000, 0x2000, 7, 1 << 40, 0.5, bytes(range(128))))
+    assert [_read(pointers[i], t) for i, t in enumerate((ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32,
+                                                          ctypes.c_int64, ctypes.c_float))] == [0x1000, 0x2000, 7, 1 << 40, 0.5]
+    assert pointers[3] % 8 == 0 and pointers[2] % 4 == 0  # each value at its C alignment, as the driver reads it
+    assert ctypes.string_at(pointers[5], 128) == bytes(range(128))
     pointers = block.fill((1, 2, 3, 4, 1.5, b"x" * 128))
-    assert ctypes.cast(pointers[0], ctypes.POINTER(ctypes.c_uint64)).contents.value == 1
+    assert _read(pointers[0], ctypes.c_uint64) == 1 and _read(pointers[4], ctypes.c_float) == 1.5
     assert ctypes.string_at(pointers[5], 128) == b"x" * 128
-    assert len(ParameterBlock("128s128sPP").objects) == 4
+    mixed = ParameterBlock("128sPiIq")  # an int after a blob, a 64-bit value after a 32-bit one
+    pointers = mixed.fill((b"m" * 128, 0xDEAD_BEEF_0000, -3, 0xFFFF_FFFF, -(1 << 40)))
+    assert ctypes.string_at(pointers[0], 128) == b"m" * 128 and _read(pointers[1], ctypes.c_uint64) == 0xDEAD_BEEF_0000
+    assert _read(pointers[2], ctypes.c_int32) == -3 and _read(pointers[3], ctypes.c_uint32) == 0xFFFF_FFFF
+    assert _read(pointers[4], ctypes.c_int64) == -(1 << 40) and pointers[4] % 8 == 0
+    assert len(ParameterBlock("128s128sPP").pointers) == 4
     with pytest.raises(DriverError, match="2 parameters, got 3 arguments"):
         ParameterBlock("PP").fill((1, 2, 3))
     with pytest.raises(DriverError, match="128-byte parameter got 5 bytes"):
         ParameterBlock("128s").fill((b"short",))
+    with pytest.raises(DriverError, match="do not fit the format"):  # ctypes would have wrapped it silently
+        ParameterBlock("i").fill((1 << 40,))
 
 
 class FakeLib:
