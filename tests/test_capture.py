@@ -25,7 +25,8 @@ class FakeGraph:
 
 def _fake_cuda(monkeypatch):
     @contextlib.contextmanager
-    def graph(g, pool=None, stream=None):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"  # other threads' CUDA work is not stopped by a capture
         FakeGraph.capturing = g
         yield
         FakeGraph.capturing = None

@@ -200,6 +200,38 @@ def test_cuda_graph_replay_matches_the_plain_path(half_on_gpu):
 
 
 @pytest.mark.gpu
+def test_threads_calling_one_compiled_module_each_get_their_own_answer(half_on_gpu):
+    """Every call copies its inputs into the captured graphs' one set of static tensors: two threads
+    interleaving there would each read the other's inputs. Calls take turns (a lock), and a thread
+    on its own stream first waits for the last replay's clones (an event)."""
+    import threading
+
+    module, args = half_on_gpu("gpt2_block")
+    compiled = stof_cc.compile(module, args, tune=False, cuda_graphs=True)
+    compiled(*args)  # captured before the threads start
+    failures: list[str] = []
+
+    def calls(tag: int, own_stream: bool) -> None:
+        stream = torch.cuda.Stream() if own_stream else torch.cuda.current_stream()
+        with torch.cuda.stream(stream), torch.no_grad():
+            for i in range(15):
+                fresh = tuple(torch.randn_like(a) * (1 + tag) for a in args)
+                got, want = compiled(*fresh), module(*fresh)
+                torch.cuda.current_stream().synchronize()
+                error = relative_error(got, want)
+                if not error < 1e-2:
+                    failures.append(f"thread {tag} call {i}: relative error {error:.2e}")
+
+    threads = [threading.Thread(target=calls, args=(tag, tag % 2 == 1)) for tag in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:5]
+    assert all(v.graph_capture is not None for v in compiled.variants.values())
+
+
+@pytest.mark.gpu
 def test_on_the_gpu_in_place_writes_run_once_and_misaligned_inputs_are_read(half_on_gpu):
     """Found by review on an H100: a buffer's add_ ran in the capture's warm-up too (3, 6, 9 where eager
     gives 1, 2, 3), and a contiguous input at an address that is not 16-byte aligned raised without

@@ -33,7 +33,7 @@ def on_device(monkeypatch):
     """Make `device` torch's current device (and stream 0 current) for the kernel's launch."""
     state = {"device": 0, "stream": 0}
     monkeypatch.setattr(pycuda_backend, "current_device", lambda: state["device"])
-    monkeypatch.setattr(pycuda_backend, "_current_raw_stream", lambda device: state["stream"])
+    monkeypatch.setattr(pycuda_backend, "current_raw_stream", lambda device: state["stream"])
     monkeypatch.setattr(pycuda_backend, "DriverKernel", Recorder)
     Recorder.made = []
     return state

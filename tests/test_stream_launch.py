@@ -84,3 +84,35 @@ def test_launch_passes_grid_stream_and_a_pointer_per_parameter():
 def test_a_failing_driver_call_is_named():
     with pytest.raises(DriverError, match=r"cuModuleGetFunction\(k\) failed with CUDA error 1"):
         DriverKernel(b"cubin", "k", "P", lib=FakeLib(fail="cuModuleGetFunction"))
+
+
+def test_launches_of_one_kernel_from_several_threads_each_pass_their_own_parameters():
+    """The driver reads the parameters during the call, and ctypes lets other threads run then: a
+    second thread's fill used to overwrite the first's values mid-launch (a launch with another
+    call's pointers). The fake driver yields (sleeps) before reading, as a real call may."""
+    import threading
+    import time
+
+    class SlowLib(FakeLib):
+        def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+            time.sleep(0.002)  # another thread runs here
+            values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint64)).contents.value for i in range(2)]
+            self.calls.append(("seen", stream.value, values))
+            return 0
+
+    lib = SlowLib()
+    kernel = DriverKernel(b"\x7fELF-cubin", "k", "PP", lib=lib)
+
+    def launches(tag: int) -> None:
+        for i in range(20):
+            kernel.launch((1, 1, 1), 32, 0, tag, tag, i)
+
+    threads = [threading.Thread(target=launches, args=(tag,)) for tag in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seen = [c for c in lib.calls if isinstance(c, tuple)]
+    assert len(seen) == 60
+    assert all(stream == values[0] for _, stream, values in seen), "a launch read another thread's parameters"
+    assert sorted(values[1] for _, stream, values in seen if stream == 1) == list(range(20))

@@ -5,6 +5,7 @@ through here; stage 2 of the search runs each candidate the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import OrderedDict
@@ -70,7 +71,8 @@ class LaunchPlan:
             maps = self._maps[key] = [encode_heads(t, rows, self.residues)
                                       for t, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows), (out, OUT_BOX_ROWS))]
         else:
-            self._maps.move_to_end(key)
+            with contextlib.suppress(KeyError):  # another thread's call may have evicted it since
+                self._maps.move_to_end(key)
         return maps
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

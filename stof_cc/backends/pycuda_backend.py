@@ -54,7 +54,7 @@ def current_device() -> int:
     return getter() if getter is not None else torch.cuda.current_device()
 
 
-def _current_raw_stream(device: int) -> int:
+def current_raw_stream(device: int) -> int:
     """torch's current stream handle on ``device`` (the private getter costs well under a
     microsecond; the public `current_stream()` builds a Stream object)."""
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -95,7 +95,7 @@ class Kernel:
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, *args: object) -> None:
         """Launch on torch's current device and stream; pointers are passed as ints (``tensor.data_ptr()``)."""
         device = current_device()
-        stream = _current_raw_stream(device)
+        stream = current_raw_stream(device)
         if stream != 0 or self.by_value_structs or device != self.loaded_on:
             on_device = self._on_devices.get(device)
             if on_device is None:  # cuModuleLoadData into the current context: this device's primary one

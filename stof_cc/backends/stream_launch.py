@@ -26,6 +26,7 @@ import functools
 import os
 import re
 import struct
+import threading
 from collections.abc import Iterator
 
 FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -77,8 +78,8 @@ class ParameterBlock:
     the pointer array ``cuLaunchKernel`` reads; built once and refilled per launch. The values sit
     in one buffer at their C offsets, so a refill is one `struct.pack_into` (0.8 us for an attention
     kernel's 57 parameters on this project's CPU, where a ctypes object per parameter took 9.2).
-    Not for concurrent launches of one kernel from several threads (the driver copies the values
-    during the call)."""
+    One block per kernel: `DriverKernel` fills it and launches under a lock, since ctypes lets other
+    threads run during the driver call, which reads the values."""
 
     def __init__(self, arg_format: str) -> None:
         self.codes: list[tuple[str, int]] = []
@@ -156,19 +157,23 @@ class DriverKernel:
         self.waits_for_producers = waits_for_producers
         self._attribute = _programmatic_attribute()
         self._config = LaunchConfig(block_y=1, block_z=1, attrs=ctypes.pointer(self._attribute), num_attrs=1)
+        # ctypes releases the GIL for the driver call: a second thread's fill would overwrite the parameters
+        # (and the launch config) while the driver reads them
+        self._lock = threading.Lock()
 
     def launch(self, grid: tuple[int, int, int], threads: int, shared_bytes: int, stream: int, *args: object) -> None:
-        if shared_bytes > self._max_dynamic_shared:
-            _check(self.lib.cuFuncSetAttribute(self.function, FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                               shared_bytes), "cuFuncSetAttribute", self.lib)
-            self._max_dynamic_shared = shared_bytes
-        parameters = self._parameters.fill(args)
-        if self.waits_for_producers and _dependent_launches:
-            config = self._config
-            config.grid_x, config.grid_y, config.grid_z = grid
-            config.block_x, config.shared_bytes, config.stream = threads, shared_bytes, stream
-            _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.function, parameters, None),
-                   f"cuLaunchKernelEx({self.name}, programmatic)", self.lib)
-            return
-        _check(self.lib.cuLaunchKernel(self.function, *grid, threads, 1, 1, shared_bytes, ctypes.c_void_p(stream),
-                                       parameters, None), f"cuLaunchKernel({self.name})", self.lib)
+        with self._lock:
+            if shared_bytes > self._max_dynamic_shared:
+                _check(self.lib.cuFuncSetAttribute(self.function, FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                   shared_bytes), "cuFuncSetAttribute", self.lib)
+                self._max_dynamic_shared = shared_bytes
+            parameters = self._parameters.fill(args)
+            if self.waits_for_producers and _dependent_launches:
+                config = self._config
+                config.grid_x, config.grid_y, config.grid_z = grid
+                config.block_x, config.shared_bytes, config.stream = threads, shared_bytes, stream
+                _check(self.lib.cuLaunchKernelEx(ctypes.byref(config), self.function, parameters, None),
+                       f"cuLaunchKernelEx({self.name}, programmatic)", self.lib)
+                return
+            _check(self.lib.cuLaunchKernel(self.function, *grid, threads, 1, 1, shared_bytes, ctypes.c_void_p(stream),
+                                           parameters, None), f"cuLaunchKernel({self.name})", self.lib)

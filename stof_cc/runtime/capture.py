@@ -85,7 +85,9 @@ def capture(eager: Sequence[bool], run_step: Callable[[int, dict[Any, Any]], Non
                 pieces.append(_EagerPiece(list(range(start, end)), reads, slots))
             else:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                # thread-local: another thread's CUDA work during the capture is not an error (global mode
+                # refuses every thread's unsafe calls while any stream captures)
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     for index in range(start, end):
                         run_step(index, env)
                 pieces.append(graph)

@@ -16,13 +16,16 @@ has them (``tune=True``, the default, measures those it lacks first), else the t
 default point. With ``cuda_graphs=True`` (the default) a variant is captured once and replayed
 (launches off the default stream go through the driver-API launcher), which removes the host's
 launch gaps (docs/decisions.md#cuda-graphs). A variant whose capture fails runs uncaptured, with
-a warning.
+a warning. Several threads may call one compiled module: replays of a variant take turns (its
+inputs are copied into one set of captured tensors), a call on another stream than the last
+replay's waits for it on the GPU, and a new input shape compiles once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,7 +38,7 @@ import stof_cc.templates.builtin  # noqa: F401 (registers the built-in templates
 from stof_cc.backends.attention_launch import KeyPadding, key_padding_on_device
 from stof_cc.backends.group_launch import GroupLaunch
 from stof_cc.backends.nvcc import CompileError, compile_cubin, compile_many
-from stof_cc.backends.pycuda_backend import current_device, device_arch
+from stof_cc.backends.pycuda_backend import current_device, current_raw_stream, device_arch
 from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import TraceError
@@ -115,6 +118,11 @@ class Variant:
     # runs would write twice more and whose copied-in inputs would take the writes
     mutates: bool = False
     _constants: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
+    # Calls from several threads replay the graphs one at a time: each copies its inputs into the one set
+    # of static tensors and clones the static outputs, so a call interleaved with another's would read
+    # the other's inputs (`CompiledModule._replayed`)
+    replay_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    last_replay: tuple[int, torch.cuda.Event] | None = None  # (raw stream, event after its clones)
 
     def constants_on(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The parameters and buffers, moved to ``device`` once."""
@@ -139,6 +147,7 @@ class CompiledModule:
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
         self._said_training = source.training  # compile said it already (`_say_what_changes`)
+        self._compile_lock = threading.Lock()  # a new input shape compiles once, whichever thread calls first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         changed = self._watch.changed()
@@ -180,19 +189,21 @@ class CompiledModule:
         self._watch.reset()
 
     def _call(self, args: tuple, kwargs: dict, key: tuple) -> Any:
-        if key not in self.variants:  # a new input shape: compile a variant for it
-            try:
-                self.variants[key] = self._compile(args, kwargs)
-            except TraceError as exc:  # the culprit is this call's inputs, not the ones compile was given
-                raise TraceError(f"stof_cc: this call's inputs differ from those compiled for (shapes, dtypes or "
-                                 f"structure), and tracing the model on them failed: {exc}") from exc
+        if key not in self.variants:  # a new input shape: compile a variant for it (once, whichever thread asks)
+            with self._compile_lock:
+                if key not in self.variants:
+                    try:
+                        self.variants[key] = self._compile(args, kwargs)
+                    except TraceError as exc:  # the culprit is this call's inputs, not the ones compile was given
+                        raise TraceError(f"stof_cc: this call's inputs differ from those compiled for (shapes, "
+                                         f"dtypes or structure), and tracing the model on them failed: {exc}") from exc
         variant = self.variants[key]
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
             outputs = None
             if self.cuda_graphs and variant.gpu and not variant.capture_failed and not variant.mutates:
                 try:
-                    outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
+                    outputs = self._replayed(variant, inputs)
                 except RuntimeError as exc:  # e.g. a torch step that synchronises, which capture forbids
                     variant.capture_failed = True
                     warnings.warn(f"stof_cc: CUDA graph capture failed, this input shape runs uncaptured: {exc}",
@@ -225,6 +236,20 @@ class CompiledModule:
             for name in dead:
                 env.pop(name, None)
         return [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+
+    def _replayed(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
+        """`_replay`'s outputs, cloned, one thread at a time. A call on another stream than the last
+        replay's first waits for that replay's clones (an event, no host wait): its copies into the
+        static inputs would otherwise overwrite them under the other stream's graphs."""
+        with variant.replay_lock:
+            last = variant.last_replay
+            if last is not None and last[0] != current_raw_stream(current_device()):
+                torch.cuda.current_stream().wait_event(last[1])
+            outputs = [o.clone() if isinstance(o, torch.Tensor) else o for o in self._replay(variant, inputs)]
+            done = last[1] if last is not None else torch.cuda.Event()
+            done.record()
+            variant.last_replay = (current_raw_stream(current_device()), done)
+        return outputs
 
     def _replay(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         """Run the variant as CUDA graphs: captured on first use (after two warm-up runs on a
