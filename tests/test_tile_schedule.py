@@ -172,3 +172,18 @@ def test_lpt_in_rounds_hands_out_every_tile_as_the_heap_does(monkeypatch):
         got = tile_schedule._longest_first_onto_least_loaded(costs, ctas)
         assert got.tolist() == _heap_lpt(costs, ctas), (trial, n, ctas)
     assert heap_runs  # the heap's part ran too
+
+
+def test_the_makespan_the_cost_model_prices_is_the_persistent_schedules_busiest_cta():
+    import numpy as np
+
+    from stof_cc.backends.tile_schedule import TILE_FIXED_BLOCKS, longest_first_makespan
+
+    mask = masks.document(segment_ids=torch.arange(8192) // 2048)
+    block_mask = mask.block_mask(8192, 8192, 192, 128)
+    schedule = tile_schedule(block_mask, 1, 12, 132)  # one section: the order the model assumes
+    table = schedule.table.numpy()
+    offsets, entries = table[:133], table[133:].reshape(-1, TILE_ENTRY)
+    work = [int(sum(e[4] - e[3] + TILE_FIXED_BLOCKS for e in entries[offsets[c]:offsets[c + 1]])) for c in range(132)]
+    costs = np.sort(np.repeat(np.diff(block_mask.any_ptr_host), 12) + TILE_FIXED_BLOCKS)[::-1]
+    assert longest_first_makespan(costs, 132) == max(work) == 84

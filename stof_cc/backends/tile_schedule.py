@@ -162,6 +162,12 @@ def _longest_first_onto_least_loaded(costs: np.ndarray, ctas: int) -> np.ndarray
     return owner
 
 
+def longest_first_makespan(costs: np.ndarray, ctas: int) -> int:
+    """The busiest CTA's work when tiles of ``costs`` (longest first) go out as the persistent
+    schedule deals them (`_longest_first_onto_least_loaded`): what the cost model prices."""
+    return int(np.bincount(_longest_first_onto_least_loaded(costs, ctas), weights=costs, minlength=ctas).max())
+
+
 def _by_heap(costs: np.ndarray, start: int, stop: int, loads: np.ndarray, owner: np.ndarray) -> int:
     """Tiles [start, stop) one at a time off a heap of (load, CTA); ``loads`` updated. Returns stop."""
     heap = sorted((int(load), cta) for cta, load in enumerate(loads))
