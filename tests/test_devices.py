@@ -40,8 +40,11 @@ def on_device(monkeypatch):
 
 
 def test_a_kernel_launches_on_the_current_device_loading_itself_there_once(on_device):
-    kernel = Kernel("k", None, None, Recorder(), cubin=b"cubin", arg_format="Pi", loaded_on=0)
-    kernel.launch((1, 1, 1), 32, 0, 1234, 5)  # its own device, default stream: PyCUDA's function
+    import threading
+
+    kernel = Kernel("k", None, None, Recorder(), cubin=b"cubin", arg_format="Pi", loaded_on=0,
+                    loaded_thread=threading.get_ident())
+    kernel.launch((1, 1, 1), 32, 0, 1234, 5)  # its own device, default stream, PyCUDA's thread: PyCUDA's function
     assert kernel._function.launches == [((1, 1, 1), "pycuda", (1234, 5))] and not kernel._on_devices
     on_device["device"] = 1
     kernel.launch((2, 1, 1), 32, 0, 99, 6)
@@ -51,6 +54,11 @@ def test_a_kernel_launches_on_the_current_device_loading_itself_there_once(on_de
     on_device["device"], on_device["stream"] = 0, 777  # a user stream on device 0: the driver path there
     kernel.launch((4, 1, 1), 32, 0, 1, 2)
     assert kernel._on_devices[0].launches == [((4, 1, 1), 777, (1, 2))]
+    on_device["stream"] = 0  # another thread, PyCUDA's device and stream: PyCUDA has no context there
+    worker = threading.Thread(target=kernel.launch, args=((5, 1, 1), 32, 0, 3, 4))
+    worker.start()
+    worker.join()
+    assert kernel._on_devices[0].launches[-1] == ((5, 1, 1), 0, (3, 4))
     assert len(kernel._function.launches) == 1
 
 

@@ -14,11 +14,16 @@ Devices: a kernel launches on torch's current device (callers make the inputs' d
 `runtime.attention`, `CompiledModule`). PyCUDA serves the device whose primary context it
 retained (its bookkeeping knows that context only); on any other device the driver-API launcher
 loads the cubin into that device's primary context (the one torch uses) once, and launches there.
+
+Threads: PyCUDA keeps its context on the stack of the thread that imported it; another thread has
+none, and loading a module there fails. Kernels loaded or launched on any other thread go through
+the driver-API launcher too (torch has made the primary context current in every thread it runs in).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +50,12 @@ def _pycuda() -> tuple:
         raise BackendError("PyCUDA is not installed: pip install 'stof-cc[gpu]'") from exc
     own = current_device()
     torch.cuda.set_device(before)
+    global _pycuda_thread
+    _pycuda_thread = threading.get_ident()
     return drv, own
+
+
+_pycuda_thread: int | None = None  # the thread that imported PyCUDA: the one whose context stack holds its context
 
 
 def current_device() -> int:
@@ -81,6 +91,7 @@ class Kernel:
     arg_format: str = ""
     _max_dynamic_smem: int = 48 * 1024
     loaded_on: int = 0  # the device whose context holds _function (PyCUDA's), -1 for none
+    loaded_thread: int | None = None  # PyCUDA's thread: _function launches there only
     # the same kernel through the driver API, per device: launches off the default stream, with
     # by-value blobs, or on a device other than loaded_on
     _on_devices: dict[int, DriverKernel] = field(default_factory=dict)
@@ -96,7 +107,7 @@ class Kernel:
         """Launch on torch's current device and stream; pointers are passed as ints (``tensor.data_ptr()``)."""
         device = current_device()
         stream = current_raw_stream(device)
-        if stream != 0 or self.by_value_structs or device != self.loaded_on:
+        if stream != 0 or self.by_value_structs or device != self.loaded_on or threading.get_ident() != self.loaded_thread:
             on_device = self._on_devices.get(device)
             if on_device is None:  # cuModuleLoadData into the current context: this device's primary one
                 on_device = self._on_devices[device] = DriverKernel(self.cubin, self.name, self.arg_format,
@@ -124,10 +135,10 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     arch = device_arch() + arch_features
     compiled = compile_cubin(source, arch=arch, source_path=source_path)
     _, pycuda_device = _pycuda()
-    if current_device() == pycuda_device:
+    if current_device() == pycuda_device and threading.get_ident() == _pycuda_thread:
         kernel = _load(compiled.cubin, name, str(compiled.source_path), compiled.resources.get(name))
-        kernel.loaded_on = pycuda_device
-    else:  # PyCUDA's context is another device's: the driver-API launcher serves this one
+        kernel.loaded_on, kernel.loaded_thread = pycuda_device, _pycuda_thread
+    else:  # PyCUDA's context is another device's, or another thread's: the driver-API launcher serves this one
         kernel = Kernel(name, compiled.source_path, compiled.resources.get(name), None, loaded_on=-1)
     kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
     kernel.waits_for_producers = waits_for_producers and torch.cuda.get_device_capability() >= (9, 0)

@@ -104,7 +104,8 @@ class ParameterBlock:
         try:
             self.layout.pack_into(self.buffer, 0, *args)
         except struct.error as exc:  # a value out of its type's range, or of the wrong type
-            raise DriverError(f"kernel parameters {args!r} do not fit the format {self.layout.format!r}: {exc}") from None
+            shown = [f"<{len(a)} bytes>" if isinstance(a, bytes) else a for a in args]  # not the tensor maps' bytes
+            raise DriverError(f"kernel parameters {shown} do not fit the format {self.layout.format!r}: {exc}") from None
         return self.pointers
 
 

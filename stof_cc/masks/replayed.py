@@ -51,6 +51,10 @@ DEVICE_TYPES = ("cuda",)  # where graphs are captured (tests add "cpu", with an 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
 _refused: OrderedDict[tuple, None] = OrderedDict()  # keys failed or evicted: the compiled call from then on
 _lock = threading.Lock()  # the caches of graphs and refusals, here and in masks/lists.py
+# One CUDA-graph capture at a time in this process, these and the compiled modules' (runtime/capture.py):
+# torch.cuda.graph synchronises the device on entry, which invalidates any capture in flight on another
+# thread (both would fail, and each failure is remembered: graphs lost for good)
+CAPTURE_LOCK = threading.RLock()
 _warned: set[tuple] = set()  # (what failed, exception type) already warned about
 
 
@@ -69,7 +73,7 @@ class Captured:
 
     def __init__(self, device: torch.device, work: Callable[[], object]):
         self.device = device
-        with torch.cuda.device(device):
+        with CAPTURE_LOCK, torch.cuda.device(device):
             stream = torch.cuda.current_stream()
             side = torch.cuda.Stream()
             side.wait_stream(stream)
@@ -172,24 +176,32 @@ def replay(graphs: OrderedDict, refused: OrderedDict, key: object, capture: Call
     capture costs milliseconds and keys taking turns past ``kept`` would pay one every call); None
     where ``key`` is refused, or its capture or replay raises (running out of memory included; one
     warning per kind of failure): the caller's own path, as before, and never this graph again (the
-    latest `KEPT_REFUSALS` refusals remembered)."""
+    latest `KEPT_REFUSALS` refusals remembered). A capture takes `CAPTURE_LOCK` before the caches'
+    lock, as a compiled module's capture (holding it) may build such a mask: one order, no deadlock."""
     with _lock:
         if key in refused:
             return None
         graph = graphs.get(key)
-        if graph is None:
-            try:
-                graph = capture()
-            except Exception as exc:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
-                _refuse(refused, key)
-                _warn_once("captured", exc)
+        if graph is not None:
+            graphs.move_to_end(key)
+    if graph is None:
+        with CAPTURE_LOCK, _lock:
+            if key in refused:  # another thread's capture of this key failed meanwhile
                 return None
-            while len(graphs) >= kept:  # the evicted key is not captured again: keys that take turns past
-                evicted, old = graphs.popitem(last=False)  # `kept` would pay a capture every call
-                old.captured.release()
-                _refuse(refused, evicted)
-            graphs[key] = graph
-        graphs.move_to_end(key)
+            graph = graphs.get(key)
+            if graph is None:
+                try:
+                    graph = capture()
+                except Exception as exc:  # noqa: BLE001 (whatever torch raises for a capture it refuses)
+                    _refuse(refused, key)
+                    _warn_once("captured", exc)
+                    return None
+                while len(graphs) >= kept:  # the evicted key is not captured again: keys that take turns past
+                    evicted, old = graphs.popitem(last=False)  # `kept` would pay a capture every call
+                    old.captured.release()
+                    _refuse(refused, evicted)
+                graphs[key] = graph
+            graphs.move_to_end(key)
     try:
         return run(graph)
     except Exception as exc:  # noqa: BLE001 (a replay that fails gives way to the path it stands in for)
@@ -228,7 +240,9 @@ def signature(fn: Callable) -> object | None:
 def replays(fn_signature: object) -> bool:
     """Whether a kept graph was captured for this signature: the compiled form took the mask_mod
     whole (fullgraph), so what it returns has shapes its guards decide, not its tables' values."""
-    return any(key[-1] == fn_signature for key in _graphs)
+    with _lock:  # another thread may add or evict a graph meanwhile
+        keys = tuple(_graphs)
+    return any(key[-1] == fn_signature for key in keys)
 
 
 def _key(form: tuple, device: torch.device, fn_signature: object) -> tuple:

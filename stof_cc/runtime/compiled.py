@@ -48,6 +48,7 @@ from stof_cc.ir.node import CONSTANT, INPUT
 from stof_cc.ir.ops import pattern_kind
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, MaskError, from_dense
+from stof_cc.masks.replayed import CAPTURE_LOCK
 from stof_cc.passes import cast_floating, lower
 from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.canonicalize import mutating_nodes
@@ -147,7 +148,7 @@ class CompiledModule:
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
         self._said_training = source.training  # compile said it already (`_say_what_changes`)
-        self._compile_lock = threading.Lock()  # a new input shape compiles once, whichever thread calls first
+        self._compile_lock = threading.RLock()  # a new input shape compiles once, whichever thread calls first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         changed = self._watch.changed()
@@ -181,23 +182,26 @@ class CompiledModule:
         """Read the source module's weights again and drop every compiled variant (each input
         shape compiles again on its next call; kernels and tuning records are cached). Called
         on its own when a weight changed in a way PyTorch tracks; call it yourself after a write
-        through ``param.data``, which PyTorch does not track (runtime/weights.py)."""
-        self.module = weights_to_compile(self.source, self.dtype)
-        self._buffer_versions = _buffer_versions(self.module)
-        self.variants.clear()
-        self._dense_masks.clear()
-        self._watch.reset()
+        through ``param.data``, which PyTorch does not track (runtime/weights.py). Under the compile
+        lock: a variant another thread is compiling from the module before is not kept after it."""
+        with self._compile_lock:
+            self.module = weights_to_compile(self.source, self.dtype)
+            self._buffer_versions = _buffer_versions(self.module)
+            self.variants.clear()
+            self._dense_masks.clear()
+            self._watch.reset()
 
     def _call(self, args: tuple, kwargs: dict, key: tuple) -> Any:
-        if key not in self.variants:  # a new input shape: compile a variant for it (once, whichever thread asks)
+        variant = self.variants.get(key)
+        if variant is None:  # a new input shape: compile a variant for it (once, whichever thread asks)
             with self._compile_lock:
-                if key not in self.variants:
+                variant = self.variants.get(key)
+                if variant is None:
                     try:
-                        self.variants[key] = self._compile(args, kwargs)
+                        variant = self.variants[key] = self._compile(args, kwargs)
                     except TraceError as exc:  # the culprit is this call's inputs, not the ones compile was given
                         raise TraceError(f"stof_cc: this call's inputs differ from those compiled for (shapes, "
                                          f"dtypes or structure), and tracing the model on them failed: {exc}") from exc
-        variant = self.variants[key]
         inputs = bind_inputs(variant.graph, args, kwargs)
         with torch.no_grad():
             outputs = None
@@ -259,25 +263,26 @@ class CompiledModule:
         stream is one per process, made on the first device that captured, and capturing there
         switched a second device's launches to the first device (NaN on cuda:1 after cuda:0)."""
         if variant.graph_capture is None:
-            static = {name: t.clone() for name, t in inputs.items()}
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._execute(variant, static)
-            device = next((t.device for t in static.values()), torch.device("cuda"))
-            env: dict[Any, Any] = {**variant.constants_on(device), **static}
+            with CAPTURE_LOCK:  # one capture at a time in the process (masks.replayed.CAPTURE_LOCK says why)
+                static = {name: t.clone() for name, t in inputs.items()}
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._execute(variant, static)
+                device = next((t.device for t in static.values()), torch.device("cuda"))
+                env: dict[Any, Any] = {**variant.constants_on(device), **static}
 
-            def run_step(index: int, values: dict[Any, Any]) -> None:
-                self._run(variant.graph, variant.steps[index], values, device)
-                for name in variant.dies_after[index]:
-                    values.pop(name, None)
+                def run_step(index: int, values: dict[Any, Any]) -> None:
+                    self._run(variant.graph, variant.steps[index], values, device)
+                    for name in variant.dies_after[index]:
+                        values.pop(name, None)
 
-            eager = [any(is_collective(variant.graph.node(n)) for n in step.group.nodes) for step in variant.steps]
-            run = capture(eager, run_step, env, side)
-            torch.cuda.current_stream().wait_stream(side)
-            outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
-            variant.graph_capture = (run, static, outputs)
+                eager = [any(is_collective(variant.graph.node(n)) for n in step.group.nodes) for step in variant.steps]
+                run = capture(eager, run_step, env, side)
+                torch.cuda.current_stream().wait_stream(side)
+                outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+                variant.graph_capture = (run, static, outputs)
         run, static, outputs = variant.graph_capture
         for name, tensor in inputs.items():
             static[name].copy_(tensor)

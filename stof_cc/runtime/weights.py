@@ -44,38 +44,40 @@ class WeightWatch:
         self.reset()
 
     def reset(self) -> None:
-        """Take the module's tensors as they are now as the ones compiled."""
-        self._modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
-        self._tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
-        self._hooks: list[tuple[torch.nn.Module, str, tuple]] = []  # (module, path, its hooks' ids)
-        self._walk(self.module, "")
-        self._seen = [_identity(store[name]) for store, name, _ in self._tensors]
+        """Take the module's tensors as they are now as the ones compiled. Built aside and published
+        in one assignment: a `changed` in another thread reads the old state or the new, whole."""
+        modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
+        tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
+        hooks: list[tuple[torch.nn.Module, str, tuple]] = []  # (module, path, its hooks' ids)
+        self._walk(self.module, "", modules, tensors, hooks)
+        self._state = (modules, tensors, [_identity(store[name]) for store, name, _ in tensors], hooks)
 
-    def _walk(self, module: torch.nn.Module, prefix: str) -> None:
-        self._hooks.append((module, prefix.rstrip(".") or "the model", _hook_ids(module)))
+    def _walk(self, module: torch.nn.Module, prefix: str, modules: list, tensors: list, hooks: list) -> None:
+        hooks.append((module, prefix.rstrip(".") or "the model", _hook_ids(module)))
         for store in (module._parameters, module._buffers):
-            self._tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
+            tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
         # tensors kept as plain attributes (``self.c = torch.tensor(...)``): traced as constants too
-        self._tensors += [(module.__dict__, name, prefix + name) for name, t in module.__dict__.items()
-                          if isinstance(t, torch.Tensor)]
+        tensors += [(module.__dict__, name, prefix + name) for name, t in module.__dict__.items()
+                    if isinstance(t, torch.Tensor)]
         for name, child in module._modules.items():
-            self._modules.append((module._modules, name, child, prefix + name))
+            modules.append((module._modules, name, child, prefix + name))
             if child is not None:
-                self._walk(child, f"{prefix}{name}.")
+                self._walk(child, f"{prefix}{name}.", modules, tensors, hooks)
 
     def changed(self) -> str | None:
         """The qualified name of the first submodule or tensor that is not the one compiled
         (replaced, moved, cast or written in place), or None when all are."""
-        for parent, name, child, path in self._modules:
+        modules, tensors, seen_tensors, hooks = self._state
+        for parent, name, child, path in modules:
             if parent.get(name) is not child:
                 return f"submodule {path!r}"
-        for (store, name, path), seen in zip(self._tensors, self._seen, strict=True):
+        for (store, name, path), seen in zip(tensors, seen_tensors, strict=True):
             tensor = store.get(name)
             if tensor is not seen[0] or tensor._version != seen[1] or tensor.data_ptr() != seen[2] \
                     or tensor.dtype != seen[3] or tensor.device != seen[4]:
                 return repr(path)
-        for module, path, hooks in self._hooks:
-            if (module._forward_hooks or module._forward_pre_hooks or hooks) and _hook_ids(module) != hooks:
+        for module, path, ids in hooks:
+            if (module._forward_hooks or module._forward_pre_hooks or ids) and _hook_ids(module) != ids:
                 return f"the forward hooks of {path if path == 'the model' else repr(path)}"
         return None
 
