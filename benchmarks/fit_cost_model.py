@@ -3,6 +3,7 @@
     python benchmarks/mha.py --sweep --json sweep.json      # on the GPU (any --heads/--head-dim/--dtype)
     python benchmarks/fit_cost_model.py sweep.json [more.json ...]   # anywhere (CPU is enough)
     python benchmarks/fit_cost_model.py sweep.json --evaluate   # the current constants' picks only
+    python benchmarks/fit_cost_model.py sweep.json --picks      # each pick's time over the case's best
 
 `--evaluate` fits nothing: per case it prints the pick of the constants in cost_model.py, that
 pick's time as measured in the sweep, and its speedup over the sweep's best correct peer (all
@@ -81,6 +82,21 @@ def loss(cases, report: bool = False) -> float:
     return total
 
 
+def picks(cases) -> None:
+    """Per case, the current model's pick against the sweep's fastest candidate, then the mean and
+    the worst ratio (what the model costs where stage 2 does not run)."""
+    ratios = []
+    for label, points in cases:
+        scored = [(cost_model.estimate(p, d, hb, rows, part, smem, SM_COUNT, regs, threads).micros, us, p)
+                  for p, d, hb, rows, part, smem, regs, threads, us in points]
+        best = min(us for _, us, _ in scored)
+        _, picked_us, params = min(scored, key=lambda s: s[0])
+        ratios.append(picked_us / best)
+        print(f"{label}: {config_label(params)} {picked_us:.1f} us, best {best:.1f} us ({ratios[-1]:.3f}x)")
+    print(f"\nthe pick over the best: mean {sum(ratios) / len(ratios):.4f}, worst {max(ratios):.3f}x, "
+          f"{sum(r > 1.05 for r in ratios)} of {len(ratios)} cases above 1.05x")
+
+
 def evaluate(paths: list[str]) -> None:
     rows = {_label(r): r for path in paths for r in json.loads(Path(path).read_text())}
     speedups = []
@@ -138,9 +154,13 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--evaluate", action="store_true", help="report the current constants' picks, fit nothing")
+    parser.add_argument("--picks", action="store_true", help="each pick's time over the case's best, fit nothing")
     args = parser.parse_args()
     if args.evaluate:
         evaluate(args.sweeps)
+        return
+    if args.picks:
+        picks(load_cases(args.sweeps))
         return
     cases = load_cases(args.sweeps)
     best = (loss(cases), {name: getattr(cost_model, name) for name in CONSTANTS})
