@@ -59,11 +59,12 @@ class GroupLaunch:
         for index, box_rows, box_cols in self.maps:
             tensor = out if index == OUTPUT_MAP else tensors[index]
             key = (index, tensor.data_ptr())
-            if key not in self._encoded:
+            encoded = self._encoded.get(key)  # one lookup: another thread may clear the cache meanwhile
+            if encoded is None:
                 if len(self._encoded) >= MAX_CACHED_MAPS:
                     self._encoded.clear()
-                self._encoded[key] = encode_2d(tensor, box_rows, box_cols)
-            maps.append(self._encoded[key])
+                encoded = self._encoded[key] = encode_2d(tensor, box_rows, box_cols)
+            maps.append(encoded)
         return maps
 
 

@@ -34,6 +34,7 @@ measured): docs/decisions.md#user-masks-compiled-when-built-per-call, #per-call-
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from collections import OrderedDict
@@ -176,9 +177,11 @@ def per_shape(form: Callable, entry: tuple) -> Callable:
     """``form`` compiled (fullgraph, static shapes) as its own copy for ``entry`` (the form, and what
     tells its uses apart: a code, a shape): a code object of its own, so its own guards and recompile
     count; the latest `KEPT_FORMS` copies are kept."""
-    if entry in _functions:
-        _functions.move_to_end(entry)
-        return _functions[entry]
+    found = _functions.get(entry)  # one lookup: another thread may evict it meanwhile
+    if found is not None:
+        with contextlib.suppress(KeyError):
+            _functions.move_to_end(entry)
+        return found
     global _copies
     _copies += 1
     code = form.__code__.replace(co_name=f"{form.__name__}_{_copies}")
@@ -194,9 +197,11 @@ def _grid_indices(device: torch.device, seq_q: int, seq_k: int, block_m: int, bl
     of whole block rows (q clamped to the last row, q_valid), every chunk the same shape so that one
     compiled kernel runs them all."""
     key = (device, seq_q, seq_k, block_m, block_n, batch, heads)
-    if key in _indices:
-        _indices.move_to_end(key)
-        return _indices[key]
+    found = _indices.get(key)
+    if found is not None:
+        with contextlib.suppress(KeyError):
+            _indices.move_to_end(key)
+        return found
     n_rb, n_cb = -(-seq_q // block_m), -(-seq_k // block_n)
     index = {"dtype": torch.int32, "device": device}
     keys = torch.arange(n_cb * block_n, **index)

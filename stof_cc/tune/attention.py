@@ -10,6 +10,7 @@ runtime built on the old pick is dropped through the listeners registered with
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -120,9 +121,11 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
     per_mask = _choices.setdefault(description, {})
     group = description.choice_group()
     shared = None if group is None else (group, key)
-    if key not in per_mask and not own and shared in _group_choices:  # a mask of the same kind chose already
-        _group_choices.move_to_end(shared)
-        return _group_choices[shared]
+    group_choice = None if key in per_mask or own else _group_choices.get(shared)
+    if group_choice is not None:  # a mask of the same kind chose already
+        with contextlib.suppress(KeyError):  # another thread may have evicted it since
+            _group_choices.move_to_end(shared)
+        return group_choice
     if key not in per_mask:
         scored = []
         options = candidates(problem)
