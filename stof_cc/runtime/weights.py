@@ -74,7 +74,7 @@ class WeightWatch:
         # per tensor, every call: the object, its version (in-place writes), its address (``.data =``,
         # ``module.half()`` and ``.to(device)`` keep the object and the version) and its dtype (a
         # reinterpreting view keeps the address). A move to another device changes the address (one
-        # address space over host and devices), so the device is not compared: 0.4 us per tensor less.
+        # address space over host and devices), so the device is not compared: 0.24 us per tensor less.
         for (store, name, path), (seen, version, address, dtype) in zip(tensors, seen_tensors, strict=True):
             tensor = store.get(name)
             if tensor is not seen or tensor._version != version or tensor.data_ptr() != address \
