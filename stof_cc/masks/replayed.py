@@ -51,7 +51,7 @@ DEVICE_TYPES = ("cuda",)  # where graphs are captured (tests add "cpu", with an 
 _graphs: OrderedDict[tuple, _Graph] = OrderedDict()
 _refused: OrderedDict[tuple, None] = OrderedDict()  # keys failed or evicted: the compiled call from then on
 _lock = threading.Lock()  # the caches of graphs and refusals, here and in masks/lists.py
-# One CUDA-graph capture at a time in this process, these and the compiled modules' (runtime/capture.py):
+# One CUDA-graph capture at a time in this process, these and the compiled modules' (runtime/compiled.py):
 # torch.cuda.graph synchronises the device on entry, which invalidates any capture in flight on another
 # thread (both would fail, and each failure is remembered: graphs lost for good)
 CAPTURE_LOCK = threading.RLock()

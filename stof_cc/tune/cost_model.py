@@ -143,17 +143,18 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
     return Estimate(params, micros, occ, blocks, partial, max(counts, default=0))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def tile_imbalance(counts: tuple[int, ...], heads_batches: int, slots: int) -> float:
     """How much longer than an even share the busiest of ``slots`` SMs works (a persistent grid's CTA
     per SM, or the CTAs the SMs take in the same longest-first order): whole tiles do not divide
     evenly. Document S = 8192 at d = 64 in 192-row tiles: 516 tiles of 16 or 32 blocks
     on 132 CTAs, the busiest 84 units against an even 69 (1.21; measured 1.15x slower than 128-row
-    tiles, 1.03, which the model had ranked second). 1 where the bound mean + longest tile is within
-    2% of the mean (many tiles per CTA), without running the schedule."""
+    tiles, 1.03, which the model had ranked second). 1 where every tile has an SM of its own (the
+    longest is `estimate`'s critical path), and where the bound mean + longest tile is within 2% of
+    the mean (many tiles per CTA), without running the schedule."""
+    if len(counts) * heads_batches <= slots:
+        return 1.0
     tiles = np.repeat(np.asarray(counts, dtype=np.int64) + TILE_FIXED_BLOCKS, heads_batches)
-    if len(tiles) <= slots:
-        return 1.0 if len(tiles) == 0 else float(tiles.max() * len(tiles) / tiles.sum())
     mean = tiles.sum() / slots
     if tiles.max() <= 0.02 * mean:
         return 1.0
