@@ -7,6 +7,7 @@ import datetime
 import json
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -42,13 +43,15 @@ def searched_kernel(graph: Graph, group: FusionGroup, inputs: tuple[torch.Tensor
     return launch, f"{report.winner.template.name} {report.winner.params}", values
 
 
-def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: dict, rounds: int = ROUNDS) -> None:
+def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: dict, rounds: int = ROUNDS,
+                   timers: dict[str, Callable[[], float]] | None = None) -> None:
     """``row[name_err]`` and ``row[name_ms]`` for each run: its relative error against ``want``,
     and its median time where that is under `TOLERANCE` (else infinite); a run that raises gets
     ``row[name_error]`` and an infinite time, reported, not hidden. The correct runs are timed in
     ``rounds`` rounds, in turn and in reversed order every other round, and each keeps the median of its rounds: a GEMM of milliseconds
     heats the GPU, and its clock drifts under whichever run comes second (one shape read 0.85x
-    cuBLAS in one call and 1.16x in the next when each was timed once, one after the other)."""
+    cuBLAS in one call and 1.16x in the next when each was timed once, one after the other).
+    Each round times a run with `bench` (do_bench), or with ``timers[name]`` where given (ms)."""
     timed = {}
     for name, run in runs.items():
         try:
@@ -66,7 +69,7 @@ def check_and_time(runs: dict[str, Callable[[], Any]], want: torch.Tensor, row: 
             if f"{name}_error" in row:
                 continue
             try:
-                times[name].append(bench(run))
+                times[name].append(timers[name]() if timers else bench(run))
             except Exception as exc:  # noqa: BLE001
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     for name, measured in times.items():
@@ -92,6 +95,11 @@ def stream_ms(calls: list[Callable[[], Any]], min_launches: int = 16, replays: i
             for call in calls:
                 outputs.append(call())  # kept: every launch writes memory no other launch wrote
     graph.replay()
+    return replayed_ms(graph, laps * len(calls), replays)
+
+
+def replayed_ms(graph: torch.cuda.CUDAGraph, launches: int, replays: int) -> float:
+    """Median time per launch of ``replays`` replays of ``graph``, which holds ``launches``."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -99,8 +107,39 @@ def stream_ms(calls: list[Callable[[], Any]], min_launches: int = 16, replays: i
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / (laps * len(calls)))
+        times.append(start.elapsed_time(end) / launches)
     return statistics.median(times)
+
+
+def sustained_ms(calls: list[Callable[[], Any]], heat_s: float = 1.0, replay_ms: float = 20.0,
+                 replays: int = 10, max_launches: int = 2000) -> float:
+    """Median time per launch of ``calls`` (one per input set, each reading its own operands; their
+    outputs are not kept) run back to back in a CUDA graph, after ``heat_s`` seconds of the same
+    work: the state a model's GEMMs run in. A stream of large GEMMs holds the GPU at its power
+    limit (an H200 at 690 W ran the 70B layer's GEMMs at about 1440 MHz), where do_bench's short
+    bursts after idle moments time them at higher clocks that drift between runs
+    (benchmarks/history/35-2026-11-28.md)."""
+    for call in calls:  # warm-up: loads, allocations
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for call in calls:
+        call()
+    end.record()
+    end.synchronize()
+    lap_ms = max(start.elapsed_time(end), 1e-3)
+    laps = max(1, min(math.ceil(replay_ms / lap_ms), max_launches // len(calls)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(laps):
+            for call in calls:
+                call()
+    began = time.perf_counter()
+    while time.perf_counter() - began < heat_s:  # to the power state the timed replays run in
+        graph.replay()
+        torch.cuda.synchronize()
+    return replayed_ms(graph, laps * len(calls), replays)
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@ torch.distributed's `parallelize_module`, then `torch.compile(model, backend="st
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py [--hidden 8192] [--heads 64] [--kv-heads 8]
                                                             [--ffn 28672] [--layers 2] [--seq 4096]
-                                                            [--dtype float16] [--no-peer] [--profile [--trace DIR]] [--cpu]
+                                                            [--dtype float16] [--no-peer] [--profile [--trace DIR]]
+                                                            [--host-profile PREFIX] [--cpu]
 
 Each rank builds the same random-weight model (transformers' `LlamaModel` from a config, seed 0),
 shards it Megatron-style over a 1-D `DeviceMesh` of all ranks (q/k/v and gate/up column-wise,
@@ -60,7 +61,8 @@ def shard(model: torch.nn.Module, world: int, device_type: str) -> torch.nn.Modu
 
 
 def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
-    """Median wall time of ``fn`` after warm-up, every rank in step (a barrier before each call)."""
+    """Median wall time of ``fn`` after warm-up, every rank in step (a barrier before each call):
+    one call from an idle GPU to its last kernel, the host's entry included."""
     for _ in range(3):
         fn()
     times = []
@@ -74,6 +76,50 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - started) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def host_ms(fn, device: torch.device, repeats: int = 10) -> tuple[float, float]:
+    """(median host time of one call from an idle GPU: how long ``fn`` takes to return, which is
+    the launch work; time per call of ``repeats`` calls back to back, one synchronize at the
+    end: the host's entry hidden under the previous call's kernels, as in a serving loop)."""
+    entry = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        fn()
+        entry.append((time.perf_counter() - started) * 1e3)
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize(device)
+    return sorted(entry)[len(entry) // 2], (time.perf_counter() - started) * 1e3 / repeats
+
+
+def host_profile(fn, device: torch.device, path: str, calls: int = 10) -> None:
+    """cProfile of ``calls`` calls on this rank (a synchronize after each, outside the profile's
+    functions of interest: it shows as one line), written to ``path`` sorted by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(calls):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        profiler.enable()
+        fn()
+        profiler.disable()
+    torch.cuda.synchronize(device)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    with open(path, "w") as out:
+        out.write(f"{calls} calls\n{text.getvalue()}")
 
 
 KERNEL_KINDS = (("NCCL", ("nccl",)), ("GEMM", ("gemm", "nvjet", "cutlass", "xmma")), ("attention", ("stof_attn", "attention", "flash", "fmha")))
@@ -130,10 +176,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--no-peer", action="store_true", help="skip torch.compile (Inductor)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print, per rank, stof-cc's kernel time per call split into NCCL, GEMM, attention "
+                        help="also print, per rank, each implementation's kernel time per call split into NCCL, GEMM, attention "
                              "and the rest (torch.profiler; GPUs only)")
-    parser.add_argument("--trace", metavar="DIR", help="with --profile: write each rank's profiled calls to "
+    parser.add_argument("--trace", metavar="DIR", help="with --profile: write each rank's profiled stof-cc calls to "
                                                        "DIR/rank<r>.json (Chrome trace format)")
+    parser.add_argument("--host-profile", metavar="PREFIX", help="write a cProfile of ten calls of each implementation per rank "
+                                                                  "to PREFIX.<implementation>.rank<r>.txt (GPUs only)")
     args = parser.parse_args()
     sizes = {"hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "seq": 32} if args.cpu else \
         {"hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672, "seq": 4096}
@@ -177,6 +225,11 @@ def main() -> int:
         got = run(inputs_embeds=x).last_hidden_state
         progress("timing stof-cc")
         line = f"rank {rank}: stof-cc {median_ms(lambda: run(inputs_embeds=x), device):.2f} ms"
+        if device.type == "cuda":
+            line += " (host entry {:.2f} ms, back to back {:.2f} ms per call)".format(
+                *host_ms(lambda: run(inputs_embeds=x), device))
+        if args.host_profile and device.type == "cuda":
+            host_profile(lambda: run(inputs_embeds=x), device, f"{args.host_profile}.stof_cc.rank{rank}.txt")
         if args.profile and device.type == "cuda":
             line += f" ({kernel_split(lambda: run(inputs_embeds=x), args.trace)})"
         if not args.no_peer:  # Inductor in its default mode and with CUDA graphs; the faster is the peer
@@ -186,6 +239,14 @@ def main() -> int:
                 peer = torch.compile(model, mode=mode, dynamic=False)
                 out = peer(inputs_embeds=x).last_hidden_state.float()
                 line += f", torch.compile {mode} {median_ms(lambda peer=peer: peer(inputs_embeds=x), device):.2f} ms"
+                if device.type == "cuda":
+                    line += " (host entry {:.2f} ms, back to back {:.2f} ms per call)".format(
+                        *host_ms(lambda peer=peer: peer(inputs_embeds=x), device))
+                if args.profile and device.type == "cuda":
+                    line += f" ({kernel_split(lambda peer=peer: peer(inputs_embeds=x), None)})"
+                if args.host_profile and device.type == "cuda":
+                    host_profile(lambda peer=peer: peer(inputs_embeds=x), device,
+                                 f"{args.host_profile}.inductor_{mode}.rank{rank}.txt")
                 if want is not None:  # checked as stof-cc is: a peer counts only where it is right
                     peer_error = float((out - want).norm() / want.norm())
                     line += f" (error {peer_error:.1e}{'' if peer_error < 1e-2 else ': WRONG, not a peer'})"

@@ -45,3 +45,14 @@ def test_a_wrong_or_failing_run_is_reported_not_timed(monkeypatch):
     assert row["good_ms"] == 1.0 and row["wrong_ms"] == math.inf and row["broken_ms"] == math.inf
     assert row["wrong_err"] > kernel_timing.TOLERANCE and row["broken_error"].startswith("RuntimeError: launch failed")
     assert len(timed) == kernel_timing.ROUNDS  # only the good one was timed
+
+
+def test_given_timers_replace_do_bench_round_by_round(monkeypatch):
+    monkeypatch.setattr(kernel_timing, "bench", lambda run: (_ for _ in ()).throw(AssertionError("do_bench ran")))
+    monkeypatch.setattr(kernel_timing, "relative_error", lambda got, ref: 0.0)
+    laps = {"a": iter([4.0, 2.0, 3.0]), "b": iter([1.0, 9.0, 8.0])}
+    want = torch.ones(4)
+    row = {}
+    kernel_timing.check_and_time({"a": lambda: want, "b": lambda: want}, want, row, rounds=3,
+                                 timers={name: lambda name=name: next(laps[name]) for name in laps})
+    assert row["a_ms"] == 3.0 and row["b_ms"] == 8.0
