@@ -161,15 +161,16 @@ class CompiledModule:
             warnings.warn("stof_cc: the model was switched to training mode after it was compiled; the compiled "
                           "model still runs it for inference, as in eval mode (dropout off, running statistics)",
                           stacklevel=2)
-        given = pytree.tree_leaves((args, kwargs))
+        given, spec = pytree.tree_flatten((args, kwargs))  # once per call: the entry is host time before any kernel
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in given):
             raise ValueError("stof_cc.compile: the compiled model is inference-only (its kernels have no backward, "
                              "so the output would carry no gradient): call it under torch.no_grad() or pass "
                              "inputs that do not require grad")
-        args, kwargs = cast_floating((args, kwargs), self.dtype)
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat = cast_floating(given, self.dtype)
         cast = [(original, now, now._version) for original, now in zip(given, flat, strict=True)
                 if isinstance(now, torch.Tensor) and now is not original]
+        if cast:
+            args, kwargs = pytree.tree_unflatten(flat, spec)
         with _on_device_of(flat):
             result = self._call(args, kwargs, _signature(flat, spec))
         with torch.no_grad():

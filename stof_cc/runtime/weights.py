@@ -48,12 +48,13 @@ class WeightWatch:
         in one assignment: a `changed` in another thread reads the old state or the new, whole."""
         modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
         tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
-        hooks: list[tuple[torch.nn.Module, str, tuple]] = []  # (module, path, its hooks' ids)
+        hooks: list[tuple[torch.nn.Module, str, tuple]] = []  # (module, path, its hooks' ids, any hooks)
         self._walk(self.module, "", modules, tensors, hooks)
         self._state = (modules, tensors, [_identity(store[name]) for store, name, _ in tensors], hooks)
 
     def _walk(self, module: torch.nn.Module, prefix: str, modules: list, tensors: list, hooks: list) -> None:
-        hooks.append((module, prefix.rstrip(".") or "the model", _hook_ids(module)))
+        ids = _hook_ids(module)
+        hooks.append((module, prefix.rstrip(".") or "the model", ids, any(ids)))
         for store in (module._parameters, module._buffers):
             tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
         # tensors kept as plain attributes (``self.c = torch.tensor(...)``): traced as constants too
@@ -80,8 +81,8 @@ class WeightWatch:
             if tensor is not seen or tensor._version != version or tensor.data_ptr() != address \
                     or tensor.dtype is not dtype:
                 return repr(path)
-        for module, path, ids in hooks:
-            if (module._forward_hooks or module._forward_pre_hooks or ids) and _hook_ids(module) != ids:
+        for module, path, ids, hooked in hooks:  # the ids compared only where a hook is or was
+            if (hooked or module._forward_hooks or module._forward_pre_hooks) and _hook_ids(module) != ids:
                 return f"the forward hooks of {path if path == 'the model' else repr(path)}"
         return None
 
