@@ -184,6 +184,25 @@ def test_from_padding_uses_lengths_for_right_padding():
             assert torch.equal(got, keep[:, None, None, :].expand(2, 1, seq_q, 3)), (padding, seq_q)
 
 
+def test_from_padding_fits_its_own_batch_and_keys_in_either_form():
+    """Right padding became `key_padding` with its lengths and forgot how many keys the padding
+    covered: seq_k = 5 hid keys 3 and 4 of a 3-key padding with no error, and one row applied to no
+    other batch there while padding with holes applied it to every batch (found by review). Both
+    forms now refuse another seq_k or batch, naming from_padding; a meta or empty padding is refused."""
+    for padding in ([[1, 1, 1]], [[1, 0, 1]]):
+        description = masks.from_padding(torch.tensor(padding))
+        assert torch.equal(description.to_dense(2, 3)[0, 0], torch.tensor(padding).bool().expand(2, 3))
+        with pytest.raises(masks.MaskError, match="from_padding: the padding covers 3 keys, but seq_k=5"):
+            description.to_dense(2, 5)
+        with pytest.raises(masks.MaskError, match="from_padding: .*batch=3"):
+            description.to_dense(2, 3, batch=3)
+    with pytest.raises(masks.MaskError, match="from_padding: padding is on the meta device"):
+        masks.from_padding(torch.ones(2, 3, device="meta"))
+    for empty in (torch.ones(0, 3), torch.ones(2, 0)):
+        with pytest.raises(masks.MaskTypeError, match="from_padding: padding must be a .batch, keys. tensor with a row"):
+            masks.from_padding(empty)
+
+
 # -- before / expected ---------------------------------------------------------------------
 
 _QKV = TensorSpec((2, 2, 8, 16), torch.float32)

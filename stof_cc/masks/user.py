@@ -30,7 +30,7 @@ from stof_cc.masks.errors import MaskError, MaskTypeError, check_values
 from stof_cc.masks.geometry import PARTIAL, BlockGrid, Extent, Tiles, classes_from
 from stof_cc.masks.kept import keep
 from stof_cc.masks.runs import ClassRuns
-from stof_cc.masks.zoo import key_padding
+from stof_cc.masks.zoo import right_padding
 
 PACKED_BUDGET = 1 << 29  # bytes of row-packed bits kept, all extents together (S = 32768 with Bm = Hm = 1: 128 MiB)
 ROW_CHUNK_ELEMENTS = {"cpu": 1 << 23, "cuda": 1 << 26}  # (q, k) pairs evaluated at once
@@ -512,36 +512,40 @@ def _cell_value(cell: object) -> object:
 def from_padding(padding: Tensor, seq_q: int | None = None) -> MaskDescription:
     """The mask of an ``attention_mask``-style tensor [B, S_k] (nonzero = a real token), for any
     number of queries: `key_padding` with per-row lengths when every row is ones then zeros (the
-    usual right padding), else a mask_mod over the keys kept (dims [B, 1]). ``seq_q`` is not
+    usual right padding), else a mask_mod over the keys kept (dims [B, 1]); either fits the padding's
+    own batch and key count only (a clear MaskError for another). ``seq_q`` is not
     needed; it is accepted for calls written when the second form was a dense [B, 1, seq_q, S_k]
     mask fixed to that many queries."""
-    if not isinstance(padding, Tensor) or padding.dim() != 2:
-        raise MaskTypeError(f"from_padding: padding must be a [batch, keys] tensor, got {getattr(padding, 'shape', padding)}")
+    if not isinstance(padding, Tensor) or padding.dim() != 2 or 0 in padding.shape:
+        raise MaskTypeError(f"from_padding: padding must be a [batch, keys] tensor with a row and a key at least, "
+                            f"got {getattr(padding, 'shape', padding)}")
+    check_values("from_padding", "padding", padding)
     keep = (padding != 0).cpu()
     lengths = keep.sum(1)
     prefix = torch.arange(keep.shape[1])[None, :] < lengths[:, None]
     if torch.equal(keep, prefix):
-        return key_padding(lengths.tolist())
+        return right_padding(lengths.tolist(), keep.shape[1])
     return _KeptKeys(keep)
 
 
 class _KeptKeys(_MaskMod):
     """`from_padding`'s mask for padding that is not ones then zeros: the keys kept per batch
-    element [B, S_k], for any number of queries. It fixes its batch (dims [B, 1], as `key_padding`
-    does) and its keys: as a bare mask_mod it fixed neither, dropped every batch row but the first
-    when no batch was given, and indexed past its table with another batch or seq_k (found by review)."""
+    element [B, S_k], for any number of queries. It fixes its batch (dims [B, 1]) and its keys, as
+    the right-padding form does: as a bare mask_mod it fixed neither, dropped every batch row but the
+    first when no batch was given, and indexed past its table with another batch or seq_k (found by
+    review); one row applied to any batch while the right-padding form refused (found by review)."""
 
     def __init__(self, keep: Tensor) -> None:
         super().__init__(lambda b, h, q, k: keep[b, k], "padding", None)
         self.keep = keep
 
     def _fixed(self) -> tuple[int | None, int | None]:
-        return (self.keep.shape[0] if self.keep.shape[0] > 1 else None), None
+        return self.keep.shape[0], None
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         batch, keys = self.keep.shape
         if ext.seq_k != keys:
             raise MaskError(f"from_padding: the padding covers {keys} keys, but seq_k={ext.seq_k}")
-        if batch not in (1, ext.batch):
+        if batch != ext.batch:
             raise MaskError(f"from_padding: the padding has {batch} batch rows, but batch={ext.batch}")
         return batch, 1

@@ -541,11 +541,13 @@ class _Segments(_Documents):
 
 
 class _KeyPadding(_Labelled):
-    """k < lengths[b]: each batch element attends to its first lengths[b] keys."""
+    """k < lengths[b]: each batch element attends to its first lengths[b] keys. ``keys``, where
+    given, is the only seq_k it fits (`from_padding`'s padding covers that many keys); ``fn`` names
+    the public function in its errors."""
 
-    def __init__(self, lengths: Tensor, label: str) -> None:
+    def __init__(self, lengths: Tensor, label: str, keys: int | None = None, fn: str = "key_padding") -> None:
         super().__init__(label)
-        self.lengths = lengths
+        self.lengths, self.keys, self.fn = lengths, keys, fn
 
     def _fixed(self) -> tuple[int | None, int | None]:
         return self.lengths.numel(), None
@@ -553,9 +555,11 @@ class _KeyPadding(_Labelled):
     def _dims(self, ext: Extent) -> tuple[int, int]:
         if ext.batch != self.lengths.numel():
             raise MaskError(
-                f"key_padding: {self.lengths.numel()} lengths given (one per batch element), "
+                f"{self.fn}: {self.lengths.numel()} lengths given (one per batch element), "
                 f"but batch={ext.batch}"
             )
+        if self.keys is not None and ext.seq_k != self.keys:
+            raise MaskError(f"{self.fn}: the padding covers {self.keys} keys, but seq_k={ext.seq_k}")
         return ext.batch, 1
 
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
@@ -714,3 +718,9 @@ def key_padding(lengths: list[int] | Tensor) -> MaskDescription:
     keys pads none)."""
     sizes = check_int_list("key_padding", "lengths", lengths, 0)
     return _KeyPadding(torch.tensor([_span(n) for n in sizes]), _label("key_padding", lengths=sizes))
+
+
+def right_padding(lengths: list[int], keys: int) -> MaskDescription:
+    """`key_padding` of a padding tensor that covers ``keys`` keys (`user.from_padding`'s right
+    padding): it fits that seq_k only, and its errors name from_padding."""
+    return _KeyPadding(torch.tensor(lengths), _label("key_padding", lengths=lengths, keys=keys), keys, "from_padding")
