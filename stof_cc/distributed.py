@@ -49,6 +49,7 @@ from stof_cc.templates.attention import (
 from stof_cc.templates.pricing import target_capability
 from stof_cc.tune.attention import choose
 
+CPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the CPU reference path computes (in fp32)
 CLASS_BLOCK = 128  # the block side at which the plan reads the mask's classes (each chunk holds whole blocks)
 
 
@@ -63,6 +64,8 @@ def _chunks(world: int, balanced: bool) -> int:
 
 def shard_sequence(x: torch.Tensor, rank: int, world: int, balanced: bool = True, dim: int = -2) -> torch.Tensor:
     """This rank's shard of a full-sequence tensor (its chunks along ``dim``, side by side)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"shard_sequence: rank must be in [0, {world}) for world={world}, got {rank}")
     pieces = x.chunk(_chunks(world, balanced), dim=dim)
     if len(pieces) != _chunks(world, balanced) or x.shape[dim] % _chunks(world, balanced):
         raise ValueError(f"shard_sequence: a sequence of {x.shape[dim]} does not split into "
@@ -258,7 +261,12 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             raise ValueError(f"context_parallel_attention: a device mesh must be 1-D (the context-parallel "
                              f"dimension), got {group.ndim} dimensions; pass mesh['cp'] or its group")
         group = group.get_group()
+    if not isinstance(balanced, bool):  # a truthy string ran as balanced, whatever the shards' layout
+        raise TypeError(f"context_parallel_attention: balanced must be a bool, got {balanced!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:  # torch answers -1 for a rank outside the group; it crashed deep in the fingerprint
+        raise ValueError(f"context_parallel_attention: this rank (global rank {dist.get_rank()}) is not a member "
+                         "of group; call it on the group's ranks only")
     _check_inputs(q, k, v)
     plan = _check_ranks_agree(group, q, k, v, mask, balanced, check_every_call)
     mine = rank_chunks(rank, world, balanced)
@@ -301,8 +309,11 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                                   "other ranks carry no gradient back): call it under torch.no_grad()")
     if isinstance(q, torch.Tensor) and q.is_cuda:  # the kernels' checks too (dtype, head dim): after the
         problem_of(q, k, v)  # transfers were posted, their error left the other ranks waiting
-    else:
+    else:  # the CPU reference computes in fp32: fp16, bf16 and fp32 only (an int64 q crashed one rank's merge)
         check_layout(q, k, v)
+        if q.dtype not in CPU_DTYPES:
+            raise AttentionInputError(f"context_parallel_attention: q, k and v must be float16, bfloat16 or float32, "
+                                      f"got {q.dtype}")
     if k.shape[-2] != q.shape[-2] or v.shape[-1] != q.shape[-1]:
         raise ValueError(f"context_parallel_attention: q, k and v must be [B, H, S / world, D] shards of one "
                          f"sequence (K and V alike); got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")

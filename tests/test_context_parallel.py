@@ -22,6 +22,9 @@ def test_balanced_chunks_pair_the_first_with_the_last():
     x = torch.arange(8).view(1, 1, 8, 1)
     assert shard_sequence(x, 1, 2).flatten().tolist() == [2, 3, 4, 5]
     assert shard_sequence(x, 1, 2, balanced=False).flatten().tolist() == [4, 5, 6, 7]
+    for rank in (2, -1):  # rank 2 of 2 returned chunks 2 and 1; -1 raised a bare IndexError (a helper's audit)
+        with pytest.raises(ValueError, match=r"shard_sequence: rank must be in \[0, 2\)"):
+            shard_sequence(x, rank, 2)
 
 
 def test_the_plan_sends_only_the_chunks_queries_see():
@@ -245,6 +248,11 @@ MISTAKES = textwrap.dedent('''
             check_every_call=True)
     dense = masks.causal().to_dense(512, 512)[0, 0] if rank == 0 else torch.ones(512, 512, dtype=torch.bool)
     attempt("dense masks differ", q, k, v, masks.from_dense(dense))
+    attempt("integer inputs", q.long(), k.long(), v.long(), masks.causal(), balanced=False)
+    attempt("balanced not a bool", q, k, v, masks.causal(), balanced="no")
+    alone = dist.new_group([0])  # every rank makes the group; rank 1 is not in it
+    if rank == 1:
+        attempt("not a member", q, k, v, masks.causal(), alone)
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
         out.write(repr(said))
     dist.barrier()
@@ -275,6 +283,12 @@ def test_mistakes_are_refused_on_every_rank_before_anything_is_sent(tmp_path):
         assert said["differ after agreeing"].startswith("ValueError") and "rank 1: mask" in said["differ after agreeing"]
         assert said["dense masks differ"].startswith("ValueError") and "plan of the mask (another)" in \
             said["dense masks differ"], said
+        # a helper's audit: int64 shards ran on one rank and crashed the other's merge after the sends; a
+        # truthy string ran as balanced; a rank outside the group crashed in the fingerprint's weakref
+        assert said["integer inputs"].startswith("AttentionInputError") and "got torch.int64" in said["integer inputs"]
+        assert said["balanced not a bool"].startswith("TypeError") and "balanced must be a bool" in \
+            said["balanced not a bool"], said
+    assert "not a member of group" in eval((tmp_path / "rank1.txt").read_text())["not a member"]  # noqa: S307
 
 
 @pytest.mark.gpu
