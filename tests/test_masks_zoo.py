@@ -292,7 +292,8 @@ BAD_ARGUMENTS = [
         "random_blocks: block must be a positive int, got -4",
     ),
     (lambda: masks.document(), "document: give exactly one of lengths or segment_ids"),
-    (lambda: masks.document([4, 0]), r"document: lengths\[1\] must be a positive int, got 0"),
+    (lambda: masks.document([4, -1]), r"document: lengths\[1\] must be a non-negative int, got -1"),
+    (lambda: masks.document([0, 0]), r"document: lengths \[0, 0\] hold no position"),
     (
         lambda: masks.document(segment_ids=torch.zeros(4)),
         "document: segment_ids must be an integer tensor",
@@ -439,3 +440,11 @@ def test_a_description_next_to_a_tensor_says_how_to_combine_them():
         with pytest.raises(TypeError, match=r"masks.from_dense\(tensor\)"):
             combine()
     assert (masks.causal() | masks.from_dense(dense)).to_dense(8, 8).all()
+
+
+def test_an_empty_document_holds_no_position_as_in_cu_seqlens():
+    """lengths from cu_seqlens.diff() may hold an empty document, which cu_seqlens itself takes
+    (document_windows); document(lengths) refused it (a helper's audit)."""
+    with_empty, without = masks.document([3, 0, 4, 0]), masks.document([3, 4])
+    assert torch.equal(with_empty.to_dense(9), without.to_dense(9))
+    assert repr(with_empty) == repr(without)

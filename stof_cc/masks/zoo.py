@@ -690,12 +690,15 @@ def document(
     lengths: list[int] | Tensor | None = None, *, segment_ids: Tensor | None = None
 ) -> MaskDescription:
     """Packed sequences: doc(q) == doc(k). Either `lengths` of consecutive documents
-    (positions past their sum are padding), or `segment_ids`, an integer tensor [S] or
-    [B, S] (one row per batch element) where a negative id marks padding."""
+    (positions past their sum are padding; a document of length 0 holds no position, as an empty
+    one in ``cu_seqlens`` does), or `segment_ids`, an integer tensor [S] or [B, S] (one row per
+    batch element) where a negative id marks padding."""
     if (lengths is None) == (segment_ids is None):
         raise MaskTypeError("document: give exactly one of lengths or segment_ids")
     if lengths is not None:
-        sizes = check_int_list("document", "lengths", lengths, 1)
+        sizes = [n for n in check_int_list("document", "lengths", lengths, 0) if n]
+        if not sizes:
+            raise MaskError(f"document: lengths {lengths!r} hold no position (every document is empty)")
         return _Packed(sizes, _label("document", lengths=sizes))
     if (
         not isinstance(segment_ids, Tensor)
