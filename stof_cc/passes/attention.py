@@ -91,6 +91,9 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
     matches: dict[str, AttentionMatch] = {}
     for node in graph.nodes():
         match = _match_sdpa(graph, node, report) or _match_chain(graph, node, report)
+        if match is not None and (why := _operands_refused(graph, match)) is not None:
+            report.refused[match.root] = why
+            match = None
         if match is not None:
             matches[match.root] = match
             report.matched.append(match.root)
@@ -140,6 +143,20 @@ def added_biases(graph: Graph, node: Node) -> tuple[Ref, ...]:
                              given.get("bias")) if isinstance(r, Ref))
 
 
+def _operands_refused(graph: Graph, match: AttentionMatch) -> str | None:
+    """Why the attention node cannot take a match's q, k and v (None: it can). It reads heads at
+    dim -3 and takes fewer K/V heads as grouped (a divisor of q's): 2-d operands, or q broadcast
+    over more K/V heads, crashed its shape rule (found by a helper's fuzzing); they stay plain ops."""
+    specs = [graph.node(r.name).spec for r in (match.q, match.k, match.v)]
+    if any(not isinstance(spec, TensorSpec) or len(spec.shape) < 3 for spec in specs):
+        return "q, k and v must have a head or batch dimension before [S, D] (2-d operands stay plain ops)"
+    heads = [spec.shape[-3] for spec in specs]
+    if heads[1] != heads[2] or heads[0] % heads[1]:
+        return (f"{heads[0]} query heads over {heads[1]} key and {heads[2]} value heads (the node takes K/V "
+                "heads that divide the query heads)")
+    return None
+
+
 def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionMatch | None:
     if node.op != "scaled_dot_product_attention":
         return None
@@ -147,13 +164,7 @@ def _match_sdpa(graph: Graph, node: Node, report: AttentionReport) -> AttentionM
     if given.get("dropout_p", 0.0) != 0.0:
         report.refused[node.name] = "dropout_p is not 0 (training-mode attention)"
         return None
-    q = given["query"]
-    if given.get("enable_gqa", False):  # K/V with fewer heads: the attention node reads them so (passes/gqa.py)
-        heads = [graph.node(given[name].name).spec.shape[-3] for name in ("query", "key", "value")]
-        if heads[1] != heads[2] or heads[0] % heads[1]:
-            report.refused[node.name] = (f"enable_gqa with {heads[0]} query heads over {heads[1]} key and "
-                                         f"{heads[2]} value heads (the kernels need H a multiple of one H_kv)")
-            return None
+    q = given["query"]  # enable_gqa's K/V heads: `_operands_refused` checks them (passes/gqa.py reads them)
     head_dim = graph.node(q.name).spec.shape[-1]
     scale = given.get("scale")
     return AttentionMatch(node.name, q, given["key"], given["value"], given.get("attn_mask"), False,

@@ -186,8 +186,25 @@ def _functional_target(graph: Graph, node: Node) -> str | None:
     written = graph.node(node.args[0].name)
     if functional._schema.is_mutable or written.op in (INPUT, CONSTANT) or _aliases(written, graph):
         return None
+    if _result_dtype(graph, functional, node) != getattr(written.spec, "dtype", None):
+        return None  # it promotes where the in-place op casts back (bf16 += fp32): found by a helper's fuzzing
     readers = [u for u in graph.users(written.name) if u.name != node.name]
     return None if any(_aliases(u, graph) for u in readers) else target
+
+
+def _result_dtype(graph: Graph, functional: Any, node: Node) -> torch.dtype | None:
+    """The dtype ``functional`` gives on ``node``'s arguments (run on meta tensors of their specs);
+    None where that cannot be told."""
+    def meta(ref: Ref) -> Any:
+        spec = graph.node(ref.name).spec
+        if not isinstance(spec, TensorSpec):
+            raise TypeError(f"%{ref.name} is not one tensor")
+        return torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+    try:
+        result = functional(*map_refs(node.args, meta), **map_refs(node.kwargs, meta))
+    except Exception:  # noqa: BLE001 (an op meta cannot run, or a non-tensor operand: not rewritten)
+        return None
+    return result.dtype if isinstance(result, torch.Tensor) else None
 
 
 def _aliases(node: Node, graph: Graph | None = None) -> bool:
@@ -277,12 +294,19 @@ def _over_the_last_dim(out: Graph, node: Node) -> Node:
 
 
 def _without_empty_pieces(out: Graph, pieces: list, dtype: torch.dtype) -> list:
-    """cat's pieces without those that hold no element (and would not change its ``dtype``)."""
-    def empty(piece) -> bool:
-        spec = out.node(piece.name).spec if isinstance(piece, Ref) else None
-        return isinstance(spec, TensorSpec) and spec.numel == 0 and spec.dtype == dtype
-    kept = [p for p in pieces if not empty(p)]
-    return kept if kept else list(pieces[:1])
+    """cat's pieces without those that hold no element, where the rest still promote to its
+    ``dtype`` (an empty fp32 KV cache before fp16 keys makes the cat fp32: found by a helper's fuzzing)."""
+    specs = [out.node(p.name).spec if isinstance(p, Ref) else None for p in pieces]
+    if not all(isinstance(spec, TensorSpec) for spec in specs):
+        return list(pieces)
+    kept = [p for p, spec in zip(pieces, specs, strict=True) if spec.numel]
+    kept_dtypes = [spec.dtype for spec in specs if spec.numel]
+    if not kept:
+        return list(pieces[:1])
+    promoted = kept_dtypes[0]
+    for other in kept_dtypes[1:]:
+        promoted = torch.promote_types(promoted, other)
+    return kept if promoted == dtype else list(pieces)
 
 
 def _is_identity(graph: Graph, node: Node) -> bool:

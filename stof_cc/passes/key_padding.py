@@ -13,7 +13,10 @@ and for all true; if every time the attended positions are exactly the key vecto
 for every head and query (a boolean mask, or an additive one that is 0 where attended and
 below -1e4 elsewhere, i.e. no bias), the node becomes ``attention(q, k, v, None, scale=...,
 is_causal=..., key_padding=<key vector as [B, S_k]>)``. The nodes computing the key vector stay
-in the graph and run every call, so the description is exact whatever values the input holds;
+in the graph and run every call, so the description holds whatever values the input holds where
+the mask decides each key from the key vector (what the probes test: all keys, rows of one to three
+keys, rows missing one, random halves; a mask built to read more, such as how many keys a row
+keeps at a threshold the probes miss, is not told apart);
 the [B, 1, S, S] mask goes away unless something else reads it. A mask whose input does not
 become such a boolean (``(1 - attention_mask) * -1e9`` on an integer input: at 2 it adds
 +1e9) stays a tensor, added by the kernels as a bias.
@@ -57,7 +60,7 @@ from stof_cc.ir.ops import attention_reference
 from stof_cc.passes.attention import HIDDEN_BELOW, attention_arguments
 from stof_cc.passes.canonicalize import remove_dead_nodes
 
-PROBES = 4
+PROBES = 6  # `_probe_keys`: all kept, few kept, one missing, three random
 CPU = torch.device("cpu")
 
 
@@ -290,6 +293,24 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
     return nearest if distance[nearest] <= tolerance else None
 
 
+def _probe_keys(probe: int, batch: int, seq_k: int, generator: torch.Generator) -> torch.Tensor:
+    """The keys kept [B, S_k] in probe ``probe``: all (0); then rows keeping 1, 2 or 3 keys and rows
+    missing one (a mask that also reads how many keys a row keeps, ``kv | (kv.sum(-1) <= 2)``,
+    passed four random probes: found by a helper's fuzzing); then random halves. Never a row
+    without a key (there the original and key padding differ by design); random places, so that
+    every key, the first included, is probed as padding too."""
+    if probe == 0:
+        return torch.ones(batch, seq_k, dtype=torch.bool)
+    order = torch.rand(batch, seq_k, generator=generator).argsort(-1)  # a random rank per key
+    if probe == 1:
+        return order < (1 + torch.arange(batch)[:, None] % 3)
+    if probe == 2:
+        return order < max(seq_k - 1, 1)
+    keep = torch.rand(batch, seq_k, generator=generator) < 0.6
+    keep[torch.arange(batch), torch.randint(seq_k, (batch,), generator=generator)] = True
+    return keep
+
+
 def _probe(evaluate, batch: int, seq_q: int, seq_k: int, has_input: bool, marks_padding: bool) \
         -> tuple[dict[str, object], torch.Tensor | None, bool] | str:
     """(structure, bias, marks_padding) when the mask, evaluated with every key kept and then
@@ -298,11 +319,7 @@ def _probe(evaluate, batch: int, seq_q: int, seq_k: int, has_input: bool, marks_
     generator = torch.Generator().manual_seed(0)
     static = bias = None
     for probe in range(PROBES if has_input else 1):
-        keep = torch.ones(batch, seq_k, dtype=torch.bool) if probe == 0 else \
-            torch.rand(batch, seq_k, generator=generator) < 0.6
-        # no row without a key (there the original and key padding differ by design); a random
-        # one, so that every key, the first included, is probed as padding too
-        keep[torch.arange(batch), torch.randint(seq_k, (batch,), generator=generator)] = True
+        keep = _probe_keys(probe, batch, seq_k, generator)
         value = evaluate(~keep if marks_padding else keep)
         if isinstance(value, str):
             return value
