@@ -248,10 +248,11 @@ def _positive(text: str) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    module, example_args, example_kwargs = load_factory(args.model)  # a typo is found before the GPU is asked for
+    check_database_argument(*_database_choice(args))
     if not torch.cuda.is_available():
         print("stof-cc: error: tuning measures kernels on the GPU, and no CUDA device is visible", file=sys.stderr)
         return 2
-    module, example_args, example_kwargs = load_factory(args.model)
     dtype = getattr(torch, args.dtype)  # as `stof_cc.compile` and `stof-cc compile` cast: the same signatures
     graph, plan = lower(module, example_args, example_kwargs, dtype=dtype, name=_model_name(args.model))
     example_args, example_kwargs = cast_floating((tuple(example_args), dict(example_kwargs or {})), dtype)
@@ -434,7 +435,11 @@ def format_histogram(graph: Graph) -> str:
 def _check_against_module(graph: Graph, module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
     """Interpret the graph and compare every output tensor with the eager module's."""
     with torch.no_grad():
-        expected = module.eval()(*args, **kwargs)
+        try:
+            expected = module.eval()(*args, **kwargs)
+        except Exception as exc:  # the model's own failure, not stof-cc's: one line, not torch's traceback
+            raise FactoryError(f"the model fails on its own example inputs, run eagerly in torch: "
+                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
         got = interpret(graph, *args, **kwargs)
     exp_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     got_leaves = [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]

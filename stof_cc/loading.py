@@ -3,7 +3,9 @@
 A factory returns ``(module, example_args)`` or ``(module, example_args, example_kwargs)``;
 every command that takes a model (inspect, compile, tune) reads it this way. A file that does not
 load (a syntax error, a failed import, an exception) or a factory that raises is a `FactoryError`
-naming the file, the line and the cause in one line, chained to the original exception.
+naming the file, the line and the cause in one line, chained to the original exception; so is
+a file or factory that calls ``sys.exit`` (an ``argparse`` at import time does). The file's folder
+goes first on ``sys.path``, as ``python FILE.py`` puts it, so it imports modules beside it.
 """
 
 from __future__ import annotations
@@ -34,22 +36,30 @@ def load_factory(reference: str) -> tuple[torch.nn.Module, tuple[Any, ...], dict
         raise FactoryError(f"{path}: not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # its own folder first, as `python FILE.py` has it: a model beside the file imports
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # SystemExit: the file exits, or parses sys.argv, as it is imported
         sys.modules.pop(spec.name, None)
-        raise FactoryError(f"{path} does not load: {_cause(exc, path)}") from exc
+        raise FactoryError(f"{path} does not load: {_cause(exc, path)}{_exit_hint(exc)}") from exc
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise FactoryError(f"{path} has no function {factory_name!r}")
     try:
         result = factory()
-    except Exception as exc:
-        raise FactoryError(f"{reference} raised {_cause(exc, path)}") from exc
+    except (Exception, SystemExit) as exc:
+        raise FactoryError(f"{reference} raised {_cause(exc, path)}{_exit_hint(exc)}") from exc
     return _unpack(reference, result)
 
 
-def _cause(exc: Exception, path: Path) -> str:
+def _exit_hint(exc: BaseException) -> str:
+    return ("; the file exits (or parses the command line) when it runs: put that under "
+            "`if __name__ == \"__main__\":`" if isinstance(exc, SystemExit) else "")
+
+
+def _cause(exc: BaseException, path: Path) -> str:
     """``exc`` in one line, with the line it came from: a syntax error's own (in whichever file it
     is), else the innermost frame in ``path`` (the user's code, not the library it called)."""
     if isinstance(exc, SyntaxError):

@@ -251,6 +251,10 @@ def test_options_are_checked():
         stof_cc.backend(fallback="tensorrt")
     with pytest.raises(TypeError, match="mask must be a stof_cc.masks description, a bool tensor or None, got str"):
         stof_cc.backend(mask="causal")
+    with pytest.raises(TypeError, match="tune must be True or False, got 'yes'"):  # taken as true (a helper's audit)
+        stof_cc.backend(tune="yes")
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False, got 0"):
+        stof_cc.backend(cuda_graphs=0)
 
 
 def test_database_and_build_dir_are_checked_when_the_backend_is_made(tmp_path):

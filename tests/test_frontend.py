@@ -92,6 +92,21 @@ def test_data_dependent_control_flow_names_the_line():
     assert "inputs: float32[4]" in message  # the call it could not trace
 
 
+def test_a_failure_outside_the_models_code_names_no_other_code_as_its_line():
+    """A Linear given the wrong width, or a keyword-only argument left out, named a line of
+    generated code (``<string>:1``) or of the standard library's ``inspect`` (a helper's audit)."""
+    class Scaled(nn.Module):
+        def forward(self, x, *, scale):
+            return x * scale
+
+    for module, args in ((nn.Linear(16, 16), (torch.randn(2, 15),)), (Scaled(), (torch.randn(2, 4),))):
+        with pytest.raises(TraceError) as info:
+            trace(module, args)
+        first = str(info.value).splitlines()[0]
+        assert first.startswith(f"torch.export could not trace {type(module).__name__}: "), first
+        assert "<string>" not in first and "inspect.py" not in first and "stof_cc" not in first
+
+
 def test_a_size_that_depends_on_values_names_the_op_and_the_line():
     """Boolean indexing traces (torch.export gives it an unbacked size), and crashed stof-cc's IR with
     a raw GuardOnDataDependentSymNode (a newcomer's review): a TraceError names it now."""

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import operator
 import os
+import sysconfig
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,8 @@ class TraceError(RuntimeError):
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+_STOF_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def trace(
@@ -126,11 +129,17 @@ def _describe_path(path: tuple[Any, ...]) -> str:
     return head + "".join(str(k) for k in path[1:])
 
 
+def _model_frame(filename: str) -> bool:
+    """A frame of the model's code: not torch's, stof-cc's, the standard library's (``inspect``
+    binding the arguments) nor generated code (``<string>``), which named lines no user could find."""
+    return not filename.startswith((_TORCH_DIR, _STOF_DIR, _STDLIB_DIR, "<"))
+
+
 def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
     """Name the failing construct (the deepest frame outside torch) and what to try."""
     message = str(exc).strip().splitlines()
     first = message[0] if message else type(exc).__name__
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _model_frame(f.filename)]
     where = f" at {frames[-1].filename}:{frames[-1].lineno}" + (f" ({frames[-1].line})" if frames[-1].line else "") \
         if frames else ""
     lowered = str(exc).lower()

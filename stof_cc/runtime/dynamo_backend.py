@@ -331,6 +331,9 @@ def backend(mask: MaskDescription | torch.Tensor | None = None, tune: bool = Tru
     ``fallback`` ("inductor" or "eager") runs the graphs stof-cc cannot take."""
     if fallback not in FALLBACKS:
         raise ValueError(f"stof_cc.backend: fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+    for name, value in (("tune", tune), ("cuda_graphs", cuda_graphs)):  # a string was taken as true
+        if not isinstance(value, bool):
+            raise TypeError(f"stof_cc.backend: {name} must be True or False, got {value!r}")
     if mask is not None and not isinstance(mask, (MaskDescription, torch.Tensor)):
         raise TypeError(f"stof_cc.backend: mask must be a stof_cc.masks description, a bool tensor or None, "
                         f"got {type(mask).__name__}")
