@@ -31,7 +31,7 @@ from stof_cc.ir.paths import PathError, blocking_file, path_in
 from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.loading import FactoryError, load_factory
 from stof_cc.masks import MaskDescription, MaskError
-from stof_cc.masks.cli import add_masks_command
+from stof_cc.masks.cli import add_masks_command, folder_path
 from stof_cc.masks.spec import parse_spec
 from stof_cc.passes import PassReports, cast_floating, dump_to, lower
 from stof_cc.runtime.attention import attention
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect = sub.add_parser("inspect", help="trace a model and show its graph, op kinds and opaque ops")
     inspect.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
-    inspect.add_argument("--build-dir", default="stof_build", help="where the .dot file goes (default: %(default)s)")
+    inspect.add_argument("--build-dir", default="stof_build", type=folder_path, help="where the .dot file goes (default: %(default)s)")
     inspect.add_argument("--quiet-graph", action="store_true", help="do not print the whole graph")
     inspect.add_argument("--check", action="store_true",
                          help="also run the graph with the interpreter and compare with the module")
@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="size of one head: 32, 64 or 128 (default: %(default)s)")
     attention.add_argument("--dtype", choices=sorted(_DTYPES), default="float16",
                            help="dtype of q, k and v (default: %(default)s)")
-    attention.add_argument("--build-dir", help="write the chosen kernel's .cu here and compile it with nvcc")
+    attention.add_argument("--build-dir", type=folder_path, help="write the chosen kernel's .cu here and compile it with nvcc")
     attention.add_argument("--arch", type=_arch, choices=sorted(TARGETS), help=ARCH_HELP + " (not with --check)")
     attention.add_argument("--check", action="store_true",
                            help="run the chosen kernel on random inputs against the torch reference (needs a GPU)")
@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     compile_ = sub.add_parser("compile", help="partition a model into fusion groups and write (and nvcc-compile) "
                                               "each group's kernel")
     compile_.add_argument("model", help="FILE.py:FACTORY; the factory returns (module, args[, kwargs])")
-    compile_.add_argument("--build-dir", default="stof_build", help="where <model>/<group>.cu go (default: %(default)s)")
+    compile_.add_argument("--build-dir", default="stof_build", type=folder_path, help="where <model>/<group>.cu go (default: %(default)s)")
     compile_.add_argument("--no-nvcc", action="store_true", help="write the sources only")
     compile_.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
                           help="the model and its floating inputs are cast to this before tracing (%(default)s)")

@@ -425,3 +425,14 @@ def test_tune_top_k_must_be_positive(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["tune", "model.py:factory", "--top-k", "0"])
     assert exited.value.code == 2 and "0 is not a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["compile", "examples/encoder_layer.py:factory", "--no-nvcc"],
+                                     ["attention", "--seq", "128"], ["masks", "show", "causal", "--seq", "64"],
+                                     ["inspect", "examples/encoder_layer.py:factory"]])
+def test_an_empty_build_dir_is_an_error_in_every_command(command, capsys):
+    """`--build-dir ''` wrote into the current folder in two commands and nothing in `attention`
+    (a helper's audit)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--build-dir", ""])
+    assert exit_.value.code == 2 and "argument --build-dir: the path is empty" in capsys.readouterr().err

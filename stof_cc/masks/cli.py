@@ -19,6 +19,14 @@ from stof_cc.masks.picture import render, write_png
 from stof_cc.masks.spec import GRID_SYNTAX, PATTERNS, parse_spec
 
 
+def folder_path(text: str) -> str:
+    """An argparse type for ``--build-dir``: an empty path meant the current folder in some commands
+    and nothing at all in others (a helper's audit); it is an error in every one."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the path is empty (give a folder, e.g. stof_build)")
+    return text
+
+
 def _block_size(text: str) -> tuple[int, int]:
     """'64' -> (64, 64); '64x128' -> (64, 128)."""
     match = re.fullmatch(r"\s*(\d+)\s*(?:x\s*(\d+))?\s*", text)
@@ -44,7 +52,7 @@ def add_masks_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
     show.add_argument("--seq-k", type=int, help="key sequence length (default: --seq)")
     show.add_argument("--block", type=_block_size, default=(64, 64), help="N or MxN (default 64)")
     show.add_argument("--max-px", type=int, default=1024, help="largest panel side in pixels (default: %(default)s)")
-    show.add_argument("--build-dir", default="stof_build",
+    show.add_argument("--build-dir", default="stof_build", type=folder_path,
                       help="the PNG goes to <build-dir>/masks/ unless --out says (default: %(default)s)")
     show.add_argument("--out", help="PNG path (default: <build-dir>/masks/mask-<spec>-<seq>.png)")
     show.set_defaults(run=show_command)
