@@ -438,8 +438,9 @@ def _check_against_module(graph: Graph, module: torch.nn.Module, args: tuple, kw
         try:
             expected = module.eval()(*args, **kwargs)
         except Exception as exc:  # the model's own failure, not stof-cc's: one line, not torch's traceback
+            first = next(iter(str(exc).strip().splitlines()), "")
             raise FactoryError(f"the model fails on its own example inputs, run eagerly in torch: "
-                               f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+                               f"{type(exc).__name__}: {first}") from exc
         got = interpret(graph, *args, **kwargs)
     exp_leaves = [t for t in torch.utils._pytree.tree_leaves(expected) if isinstance(t, torch.Tensor)]
     got_leaves = [t for t in torch.utils._pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]

@@ -48,7 +48,7 @@ class WeightWatch:
         in one assignment: a `changed` in another thread reads the old state or the new, whole."""
         modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
         tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
-        hooks: list[tuple[torch.nn.Module, str, tuple]] = []  # (module, path, its hooks' ids, any hooks)
+        hooks: list[tuple[torch.nn.Module, str, tuple, bool]] = []  # (module, path, its hooks' ids, any hooks)
         self._walk(self.module, "", modules, tensors, hooks)
         self._state = (modules, tensors, [_identity(store[name]) for store, name, _ in tensors], hooks)
 
