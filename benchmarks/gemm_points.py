@@ -1,7 +1,7 @@
 """Raw kernel time of every `gemm_epilogue` parameter point against cuBLAS (issues 5 and 6).
 
-    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual] [--m M] [--shapes K:N,...] [--cold]
-                                     [--raster ROWS]
+    python benchmarks/gemm_points.py [REGEX] [SHAPES] [--gelu | --residual] [--m M] [--shapes K:N,...]
+                                     [--cold | --sustained] [--raster ROWS]
 
 REGEX filters points by tag (``pp_m64_n256_s4``: schedule, block_m, block_n, stages); SHAPES picks rows of (K, N) by index, comma
 separated: 0 = (768, 3072), 1 = (3072, 768), 2 = (768, 768), 3 = (4096, 4096), 4 = (768, 2304) (BERT's merged
@@ -11,7 +11,10 @@ out-projection's and FFN2's, whose residual tile the kernel stages through share
 checks, no allocation, tensor maps encoded once): CUDA events around 50 back-to-back launches,
 median of 5; a kernel shorter than one launch's host cost would still read as that cost. With ``--cold``
 each launch finds its operands in DRAM, as `benchmarks/gemm.py` times them (`triton.testing.do_bench`, which
-flushes L2 before every launch): back-to-back launches keep operands under 50 MB in L2. ``--raster``
+flushes L2 before every launch): back-to-back launches keep operands under 50 MB in L2. With
+``--sustained`` each point and cuBLAS run back to back in a CUDA graph after a second of the same work,
+over input sets holding twice the L2 (`kernel_timing.sustained_ms`, as ``gemm.py --sustained``): the
+power-limited clocks a model's GEMMs run at. ``--raster``
 forces the tile order's band height (`gemm_epilogue.raster_rows`, which the kernels otherwise get
 from the shape) to compare orders. Each point
 is first checked against ``F.linear``. Needs an NVIDIA Hopper GPU, PyCUDA and nvcc.
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fusion import TOKENS, Gemm, GemmBiasGelu, GemmBiasResidual, bench  # noqa: E402
+from kernel_timing import sustained_ms  # noqa: E402
 
 from stof_cc.backends.group_launch import GroupLaunch, precompile  # noqa: E402
 from stof_cc.ir.frontend import trace  # noqa: E402
@@ -38,6 +42,7 @@ from stof_cc.ir.reference import relative_error  # noqa: E402
 from stof_cc.passes import canonicalize, partition  # noqa: E402
 from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE, point_tag  # noqa: E402
 from stof_cc.templates.pricing import sm_count  # noqa: E402
+from stof_cc.tune.model import input_set_count  # noqa: E402
 
 SHAPES = [(768, 3072), (3072, 768), (768, 768), (4096, 4096), (768, 2304)]
 
@@ -65,7 +70,9 @@ def main() -> None:
     parser.add_argument("--residual", action="store_true", help="bias + residual epilogue (staged residual)")
     parser.add_argument("--m", type=int, default=TOKENS, help="rows of A (tokens)")
     parser.add_argument("--shapes", help="K:N pairs, comma separated (instead of rows)")
-    parser.add_argument("--cold", action="store_true", help="flush L2 before every launch (do_bench)")
+    timing = parser.add_mutually_exclusive_group()
+    timing.add_argument("--cold", action="store_true", help="flush L2 before every launch (do_bench)")
+    timing.add_argument("--sustained", action="store_true", help="back to back after a second of the same work")
     parser.add_argument("--raster", type=int, help="row tiles per band of the tile order, instead of raster_rows'")
     args = parser.parse_args()
     if args.raster:
@@ -87,8 +94,14 @@ def main() -> None:
         x_gpu, r_gpu, w_gpu = x.cuda(), r.cuda(), module.fc.weight.detach().cuda()
         inputs = [node.name for node in graph.nodes() if node.op == INPUT]
         values = dict(zip(inputs, (x_gpu, r_gpu), strict=False)) | {name: t.cuda() for name, t in graph.constants.items()}
-        timer = bench if args.cold else timed_ms
-        cublas = timer(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
+        if args.sustained:
+            sets = [values] + [{name: torch.randn_like(t) for name, t in values.items()}
+                               for _ in range(input_set_count(sum(t.nbytes for t in values.values())) - 1)]
+            (weight,) = [name for name, t in graph.constants.items() if tuple(t.shape) == (n, k)]
+            cublas = sustained_ms([lambda a=v[inputs[0]], w=v[weight]: torch.nn.functional.linear(a, w) for v in sets])
+        else:
+            timer = bench if args.cold else timed_ms
+            cublas = timer(lambda x_gpu=x_gpu, w_gpu=w_gpu: torch.nn.functional.linear(x_gpu, w_gpu))
         want = module.cuda()(x_gpu, r_gpu).detach().float()
         flops = 2 * tokens * n * k
         print(f"M={tokens} K={k} N={n}: cuBLAS {cublas * 1e3:.1f} us, {flops / cublas / 1e9:.0f} TFLOP/s", flush=True)
@@ -99,9 +112,12 @@ def main() -> None:
             tag = point_tag(params)
             launch = GroupLaunch(GEMM_EPILOGUE, problem, params)
             out = launch(values)
-            operands = [values[op.ref] for op in problem.operands]
-            kernel_args = launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
-            ms = timer(lambda launch=launch, kernel_args=kernel_args: launch.kernel.launch(*launch.geometry, *kernel_args))
+            if args.sustained:
+                ms = sustained_ms([lambda launch=launch, v=v: launch(v) for v in sets])
+            else:
+                operands = [values[op.ref] for op in problem.operands]
+                kernel_args = launch.tensor_map_args(operands, out) + [t.data_ptr() for t in operands] + [out.data_ptr()]
+                ms = timer(lambda launch=launch, kernel_args=kernel_args: launch.kernel.launch(*launch.geometry, *kernel_args))
             estimate = GEMM_EPILOGUE.estimate(problem, params, sm_count())
             print(f"  {tag:15s} {ms * 1e3:7.1f} us {flops / ms / 1e9:5.0f} TFLOP/s {cublas / ms:.2f}x cuBLAS "
                   f"estimate {estimate:6.1f} us error {relative_error(out, want):.1e}"
