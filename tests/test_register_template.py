@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,35 @@ def test_a_template_that_raises_on_a_group_unlike_its_example_is_skipped_there(t
             found, refused = applicable_templates(graph, group, (9, 0))
         assert [a.template for a in found] == [ELEMENTWISE]
         assert any(why.startswith("swiglu_split: match() or space() raised KeyError") for why in refused)
+    finally:
+        stof_cc.unregister_template(template.name)
+
+
+def test_a_template_that_raises_is_reported_once_however_many_places_ask(tmp_path: Path):
+    """compile, the scheme and the search each ask `applicable_templates`: the warning came once
+    per asking line, twice for one compile."""
+    def match(self, graph, group):
+        if "silu" not in {graph.node(n).op for n in group.nodes}:
+            raise ValueError("a bug met once per process")
+        return SwiGLUSplitTemplate.match(self, graph, group)
+
+    template = stof_cc.register_template(_user_template(tmp_path, match=match))
+    try:
+        class Halved(torch.nn.Module):
+            def forward(self, x):
+                return torch.relu(x) * 0.5
+
+        graph, plan = lower(Halved(), (torch.randn(4, 256, dtype=torch.float16),))
+        (group,) = plan.default.groups
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                found, refused = applicable_templates(graph, group, (9, 0))
+        assert [str(w.message) for w in caught if "a bug met once" in str(w.message)] == [
+            "stof-cc: template 'swiglu_split': match() or space() raised ValueError (a bug met once per process) on a "
+            "group unlike its example; it is skipped where it does, and another template or torch runs those groups"]
+        assert any(why == "swiglu_split: match() or space() raised ValueError: a bug met once per process"
+                   for why in refused)  # every call still says why
     finally:
         stof_cc.unregister_template(template.name)
 

@@ -426,6 +426,21 @@ def test_cache_list_of_no_database_yet_lists_nothing_and_creates_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_cache_commands_read_an_empty_file_as_no_records_as_the_library_does(tmp_path: Path, capsys):
+    """A 0-byte file is an SQLite database with no table: the library opens it and fills it, so
+    `cache list` and `cache clear` read 0 records there (they refused it as not a tuning database)."""
+    from stof_cc.cli import main
+
+    empty = tmp_path / "t.sqlite"
+    empty.touch()
+    assert main(["cache", "list", "--db", str(empty)]) == 0
+    assert capsys.readouterr().out == f"{empty}: 0 record(s)\n"
+    assert empty.read_bytes() == b""  # a listing writes nothing
+    assert main(["cache", "clear", "--db", str(empty)]) == 0
+    assert capsys.readouterr().out == f"{empty}: removed 0 record(s)\n"
+    assert TuningDatabase(empty).records() == []
+
+
 def test_cache_list_reads_a_database_in_use_and_creates_nothing(tmp_path: Path, capsys):
     from stof_cc.cli import main
 

@@ -342,6 +342,9 @@ class Applicable:
     space: tuple[dict[str, Any], ...]
 
 
+_warned_raises: set[str] = set()  # `applicable_templates`' warnings already given
+
+
 def applicable_templates(graph: Graph, group: FusionGroup,
                          capability: tuple[int, int]) -> tuple[list[Applicable], list[str]]:
     """The templates that generate ``group`` for a GPU of ``capability`` (`group_templates`' order:
@@ -363,9 +366,11 @@ def applicable_templates(graph: Graph, group: FusionGroup,
             continue
         except Exception as exc:  # a template's bug on a group unlike its example: the others (or torch) take it
             why = f"{template.name}: match() or space() raised {type(exc).__name__}: {exc}"
-            warnings.warn(f"stof-cc: template {template.name!r}: match() or space() raised {type(exc).__name__} "
-                          f"({exc}) on a group unlike its example; it is skipped where it does, and another template "
-                          "or torch runs those groups", stacklevel=2)  # said once per message (warnings' default)
+            if why not in _warned_raises:  # once per process: compile, the scheme and the search all ask here
+                _warned_raises.add(why)
+                warnings.warn(f"stof-cc: template {template.name!r}: match() or space() raised {type(exc).__name__} "
+                              f"({exc}) on a group unlike its example; it is skipped where it does, and another "
+                              "template or torch runs those groups", stacklevel=2)
             refused.append(why)
             continue
         if not template.runs_on(capability):

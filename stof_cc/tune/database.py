@@ -327,9 +327,10 @@ class TuningDatabase:
 
     def _check_ours(self) -> None:
         """Only reading: `TuningDatabaseError` unless the file holds our ``records`` table (a newer
-        stof-cc's, with more columns, is read as ours: `cache list` lists it)."""
+        stof-cc's, with more columns, is read as ours: `cache list` lists it) or no table at all (an
+        empty file, which a writer would fill: no records)."""
         try:
-            ours = bool(self._columns())
+            ours = bool(self._columns()) or not self._db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
         except NewerDatabaseError:
             ours = self.written_by_newer = True
         except sqlite3.Error as exc:
