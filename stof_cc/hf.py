@@ -45,6 +45,7 @@ import importlib.util
 import inspect
 import operator
 import sys
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -498,7 +499,7 @@ class _Packing:
     combined: OrderedDict[tuple, tuple[Any, HFMask]] = field(default_factory=OrderedDict)
 
 
-_last_packing: list[_Packing] = []  # the last forward's
+_last_packing = threading.local()  # .packing: this thread's last forward's (threads serving in turn keep theirs)
 KEPT_COMBINED = 8  # layer masks combined with one packing kept (a forward has one to three: full, sliding, chunked)
 
 
@@ -525,7 +526,7 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
         raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q and cu_seq_lens_k must be 1-D cumulative "
                          f"sequence lengths, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
     stamp = (_stamp(cu_q), _stamp(cu_k))
-    last = _last_packing[0] if _last_packing else None
+    last = getattr(_last_packing, "packing", None)
     if last is None or last.tensors[0]() is not cu_q or last.tensors[1]() is not cu_k or last.stamp != stamp:
         bounds = cu_q.cpu().tolist()
         if bounds != (bounds if cu_k is cu_q else cu_k.cpu().tolist()):
@@ -536,7 +537,7 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
             raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
                              f"lengths), got {bounds}")
         last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, PackedDocuments(bounds, document(lengths)))
-        _last_packing[:] = [last]
+        _last_packing.packing = last
     if query.shape[0] != 1 or last.found.total != query.shape[2] or key.shape[2] != query.shape[2]:
         raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.found.total}) "
                          f"must fill one row: query {tuple(query.shape)}, key {tuple(key.shape)} ([B, H, S, D], B = 1)")

@@ -628,8 +628,23 @@ def test_one_cu_seq_lens_tensor_over_many_forwards_keeps_a_bounded_set_of_layer_
     with torch.no_grad():
         for _ in range(3 * stof_cc.hf.KEPT_COMBINED):
             model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    (packing,) = stof_cc.hf._last_packing
-    assert len(packing.combined) <= stof_cc.hf.KEPT_COMBINED
+    assert len(stof_cc.hf._last_packing.packing.combined) <= stof_cc.hf.KEPT_COMBINED
+
+
+def test_threads_serving_packed_forwards_in_turn_keep_their_own_packing():
+    """The last forward's packing was one for the process: two threads packing different
+    sequences in turn rebuilt it (and every layer's mask with it) at every layer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    q = torch.randn(1, 2, 48, 64)
+    cus = [torch.tensor([0, 9, 39, 48], dtype=torch.int32), torch.tensor([0, 20, 48], dtype=torch.int32)]
+    with ThreadPoolExecutor(1) as a, ThreadPoolExecutor(1) as b:
+        def read(thread, cu):
+            return thread.submit(stof_cc.hf.packed_documents, q, q, cu, cu).result()
+        first = [read(a, cus[0]), read(b, cus[1])]
+        again = [read(a, cus[0]), read(b, cus[1])]
+    assert again[0] is first[0] and again[1] is first[1]
+    assert first[0].found.bounds == [0, 9, 39, 48] and first[1].found.bounds == [0, 20, 48]
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta", "modernbert"])
