@@ -76,6 +76,21 @@ def test_a_second_shape_compiles_a_second_variant(example_path):
     assert len(compiled.variants) == 2
 
 
+def test_an_input_of_another_layout_compiles_its_own_variant():
+    """The trace fixes a branch on ``is_contiguous()``: a transposed input of the same shape ran the
+    contiguous input's variant, x * 2 where eager gives x * 3 (found by review)."""
+    class ByLayout(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.is_contiguous() else x * 3
+
+    x = torch.randn(8, 8)
+    compiled = stof_cc.compile(ByLayout(), (x,), dtype=torch.float32, tune=False)
+    transposed = x.T.contiguous().T
+    torch.testing.assert_close(compiled(transposed), transposed * 3)
+    torch.testing.assert_close(compiled(x), x * 2)
+    assert len(compiled.variants) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("example", ["gpt2_block", "encoder_layer"])
 def test_compiled_module_matches_eager_on_the_gpu(example, example_path):

@@ -63,6 +63,32 @@ def test_groups_that_compute_different_things_never_share_a_signature():
     assert tuple(signatures(_SliceGelu(0))) == tuple(signatures(_SliceGelu(0, swap=True))) == found[0]
 
 
+class _RowDifferences(torch.nn.Module):
+    """x - a (a row broadcast over x) beside b - y: the same ops and, in name order, the same
+    input specs; only which operand is the row differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        return x - self.a, self.b - y
+
+
+def test_groups_whose_inputs_swap_places_never_share_a_signature():
+    """x[M, N] - a[N] and b[N] - y[M, N] shared a record (the specs were listed in name order and
+    the digest named places without their specs): the second group ran the first's point, never
+    checked against torch for it, or went to torch on the first's failure (found by review)."""
+    from stof_cc.passes import lower
+    from stof_cc.tune.scheme import choose_scheme
+
+    x, y = torch.randn(32, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
+    graph, plan = lower(_RowDifferences().half(), (x, y))
+    first, second = (group_signature(graph, g) for g in choose_scheme(graph, plan).scheme.groups)
+    assert first.split(" #")[0] == second.split(" #")[0] == "elementwise sub -> f16[32,64] <- f16[64],f16[32,64]"
+    assert first != second
+
+
 def test_stage_2_rotates_through_twice_the_l2():
     """Enough input sets that a launch finds its operands in DRAM: 4 MB sets on a 50 MB L2 take 25,
     large sets the minimum, tiny ones the cap."""

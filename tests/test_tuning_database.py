@@ -53,6 +53,48 @@ def test_key_changes_when_the_template_source_changes(tmp_path: Path):
     assert db.lookup(template, "sig", H100) is None
 
 
+def test_key_covers_the_code_generator_and_every_base_class(tmp_path: Path):
+    """The chains of a group kernel are written by stof_cc.codegen, and a user's template may
+    inherit its context() from a class of their own: an edit to either kept the old key, so the old
+    points ran the new source unchecked (found by review)."""
+    import importlib.util
+
+    from stof_cc.codegen import chain, indexed
+
+    assert set(ELEMENTWISE.renders_with) == {chain, indexed}
+
+    def module(text: str, name: str):
+        (tmp_path / f"{name}.py").write_text(text)
+        spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
+
+    def digest_with(generator, base: type) -> str:
+        leaf = type("Leaf", (base,), {"renders_with": (generator,), "__module__": __name__})
+        return template_digest(leaf())
+
+    one, two = module("SCALE = 1\n", "generator_one"), module("SCALE = 2\n", "generator_two")
+    bases = module("from stof_cc.templates.elementwise import ElementwiseTemplate\n"
+                   "class Base(ElementwiseTemplate):\n    name = 'base_a'\n", "bases_a").Base, \
+        module("from stof_cc.templates.elementwise import ElementwiseTemplate\n"
+               "class Base(ElementwiseTemplate):\n    name = 'base_b'\n", "bases_b").Base
+    assert digest_with(one, bases[0]) == digest_with(one, bases[0])
+    assert len({digest_with(one, bases[0]), digest_with(two, bases[0]), digest_with(one, bases[1])}) == 3
+
+
+def test_key_of_a_template_class_without_a_source_file_follows_its_code():
+    """``python -c`` or a notebook: no file to read, and the class was keyed by its name alone."""
+    def defined(body: str) -> str:
+        scope: dict = {"__name__": "a_notebook_cell", "ElementwiseTemplate": ElementwiseTemplate}
+        exec(f"class Mine(ElementwiseTemplate):\n    name = 'mine'\n{body}", scope)  # noqa: S102
+        return template_digest(scope["Mine"]())
+
+    once = defined("    def context(self, problem, params):\n        return {'half': 1}\n")
+    assert once == defined("    def context(self, problem, params):\n        return {'half': 1}\n")
+    assert once != defined("    def context(self, problem, params):\n        return {'half': 2}\n")
+
+
 def _writer(path: str, worker: int) -> None:
     db = TuningDatabase(path)
     for i in range(40):

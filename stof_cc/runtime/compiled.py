@@ -29,7 +29,7 @@ import threading
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -294,7 +294,7 @@ class CompiledModule:
         """Per variant (one per input signature): every group, how it runs and why."""
         lines = []
         for key, variant in self.variants.items():
-            devices = sorted({entry[2] for entry in key[1:] if isinstance(entry, tuple)})
+            devices = sorted({entry.device for entry in key[1:] if isinstance(entry, _TensorKey)})
             inputs = ", ".join(f"%{n.name} {n.spec}" for n in variant.graph.inputs)
             lines.append(f"inputs {inputs} on {', '.join(devices) or 'no device'}:")
             if not variant.gpu and variant.steps:  # one reason for every group: said once
@@ -620,9 +620,20 @@ def _gpu_kernels_available() -> bool:
 
 def _signature(flat: list[Any], spec: Any) -> tuple:
     """A call's variant key from its flattened arguments: structure, and each tensor's shape,
-    dtype and device (cuda:0 and cuda:1 are different variants)."""
-    return (str(spec),) + tuple((tuple(t.shape), t.dtype, str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
-                                for t in flat)
+    strides, dtype and device (cuda:0 and cuda:1 are different variants; so are a tensor and its
+    transpose made contiguous, since the trace fixes a forward's branch on ``is_contiguous()`` or
+    ``stride()``: one was run for the other, found by review)."""
+    return (str(spec),) + tuple(_TensorKey(tuple(t.shape), t.stride(), t.dtype, str(t.device))
+                                if isinstance(t, torch.Tensor) else repr(t) for t in flat)
+
+
+class _TensorKey(NamedTuple):
+    """A tensor argument's part of a variant key (`_signature`)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
 
 
 def _check_mask_fits(graph: Graph, mask: MaskDescription) -> None:

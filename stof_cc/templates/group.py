@@ -21,6 +21,8 @@ from typing import Any, Generic, Literal, TypeVar
 import torch
 
 from stof_cc.codegen import Chain, IndexedChain, NotFusable, NotItsPattern
+from stof_cc.codegen import chain as codegen_chain
+from stof_cc.codegen import indexed as codegen_indexed
 from stof_cc.codegen.indexed import C_TYPES as INDEXED_C_TYPES
 from stof_cc.ir.graph import Graph, TensorSpec
 from stof_cc.ir.ops import PATTERN_KINDS
@@ -117,6 +119,7 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
     ``operands``, ``out_type`` and the point's parameters) and those of its `context`."""
 
     kinds: tuple[str, ...]
+    renders_with = (codegen_chain, codegen_indexed)  # every chain of a group kernel is written there
     any_dtype = False  # reads and writes integer and boolean tensors too (its chains are `IndexedChain`s)
 
     @abstractmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Generic, TypeVar
 
 import jinja2
@@ -56,6 +57,9 @@ class KernelTemplate(ABC, Generic[ProblemT]):
     # while the kernel before them drains. Leave False unless the source really does: a PDL launch of a
     # kernel that does not wait reads its inputs before they are written.
     waits_for_producers: bool = False
+    # Modules beside the spec's own that write part of its source (the group templates' chains): their
+    # code is in the tuning records' key, so a changed generator is measured and checked again.
+    renders_with: tuple[ModuleType, ...] = ()
 
     def render_source(self, **context: Any) -> str:
         """``source_file`` rendered with ``context``."""

@@ -5,7 +5,9 @@ by argument or by ``STOF_CC_TUNING_DB``. One row per key; the key hashes everyth
 changes which parameters are best or whether they are legal:
 
 * the template's name and a digest of its Jinja2 sources (the file and every file it
-  imports) and of the Python modules defining its spec class and its stof-cc base classes;
+  imports), of the Python modules defining its spec class and its base classes (a user's too),
+  and of the modules that write part of its source (``renders_with``: the group chains' code
+  generator);
 * the group's signature (ops, shapes, dtypes, mask statistics bucket: the caller's string);
 * the GPU's name and compute capability, and the CUDA version.
 
@@ -51,6 +53,7 @@ import os
 import re
 import sqlite3
 import time
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,9 +134,10 @@ class Record:
 
 
 def template_digest(template: KernelTemplate) -> str:
-    """sha256 of the template's Jinja2 source, every file it imports (transitively), and the Python
-    modules of its spec class and its stof-cc bases: any edit to what renders or constrains it
-    changes the key."""
+    """sha256 of the template's Jinja2 source, every file it imports (transitively), the Python
+    modules of its spec class and its bases, and its ``renders_with`` modules: any edit to what
+    renders or constrains it changes the key (a code generator or a user's base class changed kept
+    the old records, and their points ran unchecked: found by review)."""
     digest = hashlib.sha256()
     seen: set[str] = set()
     pending = [template.source_file]
@@ -146,9 +150,14 @@ def template_digest(template: KernelTemplate) -> str:
         digest.update(name.encode() + b"\0" + text.encode())
         pending += _IMPORT.findall(text)
     for cls in type(template).__mro__:
-        if cls.__module__.startswith("stof_cc") or cls is type(template):
+        if cls.__module__ not in _LANGUAGE_MODULES:  # stof-cc's bases and a user's own bases alike
             digest.update(_module_source(cls).encode())
+    for module in template.renders_with:
+        digest.update(_source_of(module).encode())
     return digest.hexdigest()
+
+
+_LANGUAGE_MODULES = ("builtins", "abc", "typing")  # object, ABC, Generic: no template's own code
 
 
 @functools.cache
@@ -160,9 +169,35 @@ def _module_source(cls: type) -> str:
     and a warm compile of BERT-base looks up 336 keys (7.7 of its 8 s on the H100 before this cache).
     A class made at run time (no source file) is named by its module and qualified name."""
     try:
-        return inspect.getsource(inspect.getmodule(cls))
+        return _source_of(inspect.getmodule(cls))
     except (OSError, TypeError):
-        return f"{cls.__module__}.{cls.__qualname__}"
+        return _class_code(cls)
+
+
+def _class_code(cls: type) -> str:
+    """A class with no source file (``python -c``, a notebook): its name, the bytecode and
+    constants of its methods and its plain constants (by name only, an edit to its ``context()``
+    kept the old records: found by review)."""
+    parts = [f"{cls.__module__}.{cls.__qualname__}"]
+    for name, value in sorted(vars(cls).items()):
+        function = getattr(value, "__func__", value)  # static and class methods too
+        if hasattr(function, "__code__"):
+            parts.append(f"{name}:{_code_text(function.__code__)}")
+        elif isinstance(value, str | int | float | bool | tuple):
+            parts.append(f"{name}={value!r}")
+    return "\n".join(parts)
+
+
+def _code_text(code: types.CodeType) -> str:
+    """What a code object computes: its bytecode, the names it reads and its constants (nested
+    code objects likewise: their repr holds an address)."""
+    consts = ",".join(_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts)
+    return f"{code.co_code.hex()}|{','.join(code.co_names)}|{consts}"
+
+
+@functools.cache
+def _source_of(module) -> str:
+    return inspect.getsource(module)
 
 
 def default_path() -> Path:

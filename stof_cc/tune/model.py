@@ -93,14 +93,18 @@ def group_signature(graph: Graph, group: FusionGroup) -> str:
 def _structure_digest(graph: Graph, group: FusionGroup) -> str:
     """sha256 (12 hex digits) of the group's nodes with every value they read named by its place:
     the n-th op of the group, or the n-th outside input in the order the ops first read them
-    (names differ between layers, models and runs; their sorted order does too: mul_10 < mul_9)."""
+    (names differ between layers, models and runs; their sorted order does too: mul_10 < mul_9),
+    and each such input's spec at its place (``x[M, N] - a[N]`` and ``b[N] - y[M, N]`` list the
+    same specs in name order: they shared a record, found by review)."""
+    inside = set(group.nodes)
     places = {name: Ref(f"op{i}") for i, name in enumerate(group.nodes)}
     for ref in (r for n in group.nodes for r in graph.node(n).refs()):
         places.setdefault(ref.name, Ref(f"in{len(places) - len(group.nodes)}"))
     text = ";".join(f"{node.op}:{node.target}{map_refs((node.args, node.kwargs), lambda ref: places[ref.name])}"
                     f"{node.spec}"
                     for node in (graph.node(n) for n in group.nodes))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    inputs = ";".join(f"{place.name}:{graph.node(name).spec}" for name, place in places.items() if name not in inside)
+    return hashlib.sha256(f"{text}|{inputs}".encode()).hexdigest()[:12]
 
 
 def measured_times(graph: Graph, database: TuningDatabase, device: Device) -> Callable[[FusionGroup], float | None]:
