@@ -47,6 +47,7 @@ from stof_cc.templates.pricing import (
 )
 from stof_cc.tune.attention import attention_kernel, explain_attention
 from stof_cc.tune.database import (
+    DamagedDatabaseError,
     NewerDatabaseError,
     TuningDatabase,
     TuningDatabaseError,
@@ -275,21 +276,33 @@ def _cmd_cache(args: argparse.Namespace) -> int:
               + ("; nothing to clear" if args.action == "clear" else
                  " yet, 0 records (a tuned compile or `stof-cc tune` makes it)"))
         return 0
+    damaged = None
     try:
         checked = TuningDatabase(path, read_only=True)  # not a tuning database: an error, and the file untouched
+    except DamagedDatabaseError as exc:  # ours or not, a writer moves it aside: `clear` may
+        damaged = exc
     except TuningDatabaseError as exc:
         raise TuningDatabaseError(f"{exc}; stof-cc leaves such a file as it is: move it aside or remove it, "
                                   f"or name another file ({origin})") from None
-    checked.close()
-    if args.action == "clear" and checked.written_by_newer:  # its records are the newer version's to clear
-        raise NewerDatabaseError(f"{path} ({origin}) was written by a newer stof-cc, which this one reads but never "
-                                 "writes into: clear it with that version, or name another file")
+    else:
+        checked.close()
+        if args.action == "clear" and checked.written_by_newer:  # its records are the newer version's to clear
+            raise NewerDatabaseError(f"{path} ({origin}) was written by a newer stof-cc, which this one reads but "
+                                     "never writes into: clear it with that version, or name another file")
     if args.action == "clear":
-        db = TuningDatabase(path)
+        db = TuningDatabase(path)  # a damaged file is moved aside first, and the warning says where
         print(f"{db.path}: removed {db.clear()} record(s)")
         return 0
-    db = TuningDatabase(path, read_only=True)  # a listing creates, moves and writes nothing
-    records = db.records()
+    if damaged is None:
+        db = TuningDatabase(path, read_only=True)  # a listing creates, moves and writes nothing
+        try:
+            records = db.records(strict=True)
+        except DamagedDatabaseError as exc:
+            damaged = exc
+    if damaged is not None:
+        raise DamagedDatabaseError(f"{damaged}: its records cannot be listed; `stof-cc cache clear` or the next tuned "
+                                   f"compile moves it aside (to {path.name}.corrupt-<time>-<pid>) and starts an empty "
+                                   f"one ({origin})")
     print(f"{db.path}: {len(records)} record(s)")
     for r in records:
         measured = "   failed   " if r.failed else f"{r.micros:9.2f} us"  # stage 2 found no correct point

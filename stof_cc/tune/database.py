@@ -87,6 +87,11 @@ class NewerDatabaseError(TuningDatabaseError):
     """The file was written by a newer stof-cc: read as ours, never written into, moved or cleaned."""
 
 
+class DamagedDatabaseError(TuningDatabaseError):
+    """Only reading: the file is a database whose pages SQLite reports damaged (a write cut short,
+    a disk error). A writer moves such a file aside and starts an empty one."""
+
+
 class TuningDatabaseWarning(UserWarning):
     """A record or the database could not be used (busy, read-only, corrupt): the record is
     ignored or not saved, and measured again."""
@@ -266,6 +271,12 @@ def _trouble(exc: sqlite3.Error) -> str:
     return "other"
 
 
+def _damaged(exc: sqlite3.Error) -> bool:
+    """SQLite's word for a database file whose pages do not hold together (one cut short, a
+    flipped byte): not another tool's file."""
+    return "malformed" in str(exc)
+
+
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -369,6 +380,8 @@ class TuningDatabase:
         except NewerDatabaseError:
             ours = self.written_by_newer = True
         except sqlite3.Error as exc:
+            if _damaged(exc):
+                raise DamagedDatabaseError(f"{self.path} is damaged ({exc})") from None
             what = "is not a tuning database" if _trouble(exc) == "corrupt" else "cannot be read"
             raise TuningDatabaseError(f"{self.path} {what} ({exc})") from None
         if not ours:
@@ -492,9 +505,18 @@ class TuningDatabase:
                                    json.dumps(record.params, sort_keys=True), record.micros, record.created,
                                    SCHEMA_VERSION))
 
-    def records(self) -> list[Record]:
+    def records(self, strict: bool = False) -> list[Record]:
         """Every record that parses, by template and signature (those that do not are skipped,
-        with a warning, and removed)."""
+        with a warning, and removed). A file SQLite cannot read gives none, with a warning (a
+        writer moves a damaged one aside first); ``strict``: `DamagedDatabaseError` for a damaged
+        file instead, as a listing says."""
+        if strict:
+            try:
+                self._reopen_if_replaced()
+                return self._all()
+            except sqlite3.Error as exc:
+                if _damaged(exc):
+                    raise DamagedDatabaseError(f"{self.path} is damaged ({exc})") from None
         return self._safely(self._all, [], "no records were listed")
 
     def _all(self) -> list[Record]:
