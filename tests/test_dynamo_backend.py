@@ -211,6 +211,32 @@ def test_a_buffer_in_a_dtype_of_its_own_does_not_send_the_graph_to_the_fallback(
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_a_graph_reading_only_buffers_keeps_their_dtype():
+    """An fp16 model's graph whose only floating tensor is a buffer (``self.pe[pos] * 0.5`` before
+    a graph break) compiled in fp32 and returned fp32 where eager returns fp16 (found by review)."""
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+            self.register_buffer("pe", torch.randn(64, 16))
+
+        def forward(self, x, pos):
+            pe = self.pe[pos] * 0.5
+            print("", end="")  # a graph break: the first graph reads the buffer and pos only
+            return self.proj(x) + pe
+
+    torch.manual_seed(0)
+    model = Positions().eval().half()
+    x, pos = torch.randn(2, 8, 16, dtype=torch.float16), torch.arange(8)[None].repeat(2, 1)
+    backend, made = capturing(fallback="eager")
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend, dynamic=False)(x, pos)
+        want = model(x, pos)
+    assert made and all(g.delegate is None for g in made)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_the_default_fallback_is_inductor():
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).eval()

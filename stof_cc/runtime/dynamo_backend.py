@@ -137,6 +137,17 @@ def _floating_dtypes(inputs: Sequence[Any], slots: list[int]) -> set[torch.dtype
             if i not in buffers and isinstance(x, torch.Tensor) and x.is_floating_point()}
 
 
+def _compile_dtype(inputs: Sequence[Any], slots: list[int]) -> torch.dtype:
+    """The dtype a graph compiles in: its floating inputs' (`_floating_dtypes`), or, in a graph
+    whose only floating tensors are module buffers (``self.pe[pos] * 0.5``), theirs where they
+    agree: an fp16 model's such graph ran in fp32 and returned fp32 (found by review)."""
+    floating = _floating_dtypes(inputs, slots)
+    if not floating:
+        floating = {inputs[i].dtype for i in slots if isinstance(inputs[i], torch.Tensor)
+                    and inputs[i].is_floating_point()} & set(DTYPES)
+    return next(iter(floating)) if len(floating) == 1 else torch.float32
+
+
 class _CompiledGraph:
     """One dynamo graph: stof-cc's compiled module per set of module weights (dynamo hands the
     same graph to another module instance, or to the layers of a loop, when their tensors look
@@ -177,7 +188,7 @@ class _CompiledGraph:
     def _compile(self, inputs: Sequence[Any]) -> str | None:
         """Compile for these inputs' weights; on failure, the fallback and the reason."""
         frozen = _FrozenWeights(self.graph_module, inputs, self.slots)
-        dtype = next(iter(_floating_dtypes(inputs, self.slots)), torch.float32)
+        dtype = _compile_dtype(inputs, self.slots)
         args = _given(inputs, self.slots)
         try:
             self.compiled_for[self._weights_key(inputs)] = compile_module(frozen, args, dtype=dtype,
