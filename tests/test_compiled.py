@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -212,6 +213,47 @@ def test_cuda_graph_replay_matches_the_plain_path(half_on_gpu):
         got = graphed(*fresh)
         assert relative_error(got, want) < 1e-3
     assert all(v.graph_capture is not None for v in graphed.variants.values())
+
+
+class _PausesItsTrace(torch.nn.Module):
+    """A linear whose trace at two rows waits, mid-forward, until told to go on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.tracing, self.go = threading.Event(), threading.Event()
+
+    def forward(self, x):
+        if x.shape[0] == 2 and torch.compiler.is_exporting():
+            self.tracing.set()
+            self.go.wait(60)
+        return self.fc(x)
+
+
+def test_the_users_module_is_untouched_while_a_new_shape_is_traced():
+    """torch.export swaps fake tensors into the module it traces: while one thread compiled a new
+    shape, another thread's call saw every weight changed (spurious recompiles; with a buffer the
+    model writes, errors on fake tensors) and the user's own eager calls met fake tensors (found by
+    review). The trace now runs on a copy holding the same tensors."""
+    torch.manual_seed(0)
+    model = _PausesItsTrace().eval()
+    one, two = torch.randn(1, 16), torch.randn(2, 16)
+    compiled = stof_cc.compile(model, (one,), dtype=torch.float32, tune=False)
+    result = {}
+    tracer = threading.Thread(target=lambda: result.setdefault("two", compiled(two)))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracer.start()
+        try:
+            assert model.tracing.wait(60)
+            assert type(model.fc.weight) is torch.nn.Parameter  # not a fake tensor
+            torch.testing.assert_close(compiled(one), model(one))
+        finally:
+            model.go.set()
+            tracer.join()
+        torch.testing.assert_close(result["two"], model(two))
+    assert not [w for w in caught if "changed since it was compiled" in str(w.message)]
+    assert len(compiled.variants) == 2
 
 
 @pytest.mark.gpu

@@ -162,6 +162,57 @@ def test_a_plain_tensor_attribute_written_in_place_compiles_again():
     torch.testing.assert_close(got, x * 5)
 
 
+class _HeldTensors(torch.nn.Module):
+    """Tensors in a dict and a list attribute, which torch.export lifts as constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables, self.rows = {"scale": torch.full((8,), 2.0)}, [torch.full((8,), 1.0)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.tables["scale"] + self.rows[0]
+
+
+@pytest.mark.parametrize("change", ["dict entry replaced", "list item replaced", "dict replaced", "written in place"])
+def test_tensors_in_dict_and_list_attributes_are_watched(change):
+    """A tensor held in a dict or list attribute and replaced kept its old value in the compiled
+    model, with no warning (found by review)."""
+    module, x = _HeldTensors(), torch.randn(4, 8)
+    compiled = stof_cc.compile(module, (x,), dtype=torch.float32)
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+    if change == "dict entry replaced":
+        module.tables["scale"] = torch.full((8,), 5.0)
+    elif change == "list item replaced":
+        module.rows[0] = torch.full((8,), 5.0)
+    elif change == "dict replaced":
+        module.tables = {"scale": torch.full((8,), 5.0)}
+    else:
+        module.tables["scale"].fill_(5.0)
+    with pytest.warns(UserWarning, match="of the compiled model changed since it was compiled"):
+        got = compiled(x)
+    torch.testing.assert_close(got, module(x))
+
+
+_OUTSIDE = torch.full((8,), 3.0)
+
+
+class _ReadsAGlobal(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _OUTSIDE
+
+
+def test_a_tensor_read_from_outside_the_model_is_said_at_compile():
+    """A global the forward reads cannot be watched: compile says so, and how to refresh."""
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match=r"the forward reads 1 tensor\(s\) held outside the model's parameters, "
+                                         r"buffers and attributes \(f32\[8\]: a global.*call refresh\(\)"):
+        compiled = stof_cc.compile(_ReadsAGlobal(), (x,), dtype=torch.float32)
+    torch.testing.assert_close(compiled(x), x * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stof_cc.compile(_HeldTensors().eval(), (x,), dtype=torch.float32)  # watched: nothing to say
+
+
 class Rotary(torch.nn.Module):
     """HF's rotary embedding as an fp16 model holds it: the angles from an fp32 ``inv_freq``
     buffer (computed in fp32), the fp16 weights beside it."""

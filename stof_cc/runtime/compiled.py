@@ -58,7 +58,7 @@ from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
 from stof_cc.runtime.capture import capture
 from stof_cc.runtime.collectives import all_reduce_in_place, in_place_all_reduces, is_collective
-from stof_cc.runtime.weights import WeightWatch, eval_mode, weights_to_compile
+from stof_cc.runtime.weights import WeightWatch, eval_mode, tracing_copy, weights_to_compile
 from stof_cc.templates.group import applicable_templates
 from stof_cc.templates.pricing import sm_count, target_capability
 from stof_cc.tune.attention import attention_kernel, node_mask
@@ -305,10 +305,12 @@ class CompiledModule:
 
     # -- compiling one variant ------------------------------------------------------------------
     def _compile(self, args: tuple, kwargs: dict) -> Variant:
-        with eval_mode(self.module):
-            graph, plan = lower(self.module, args, kwargs, dtype=self.dtype, mask=self.mask)
+        traced = tracing_copy(self.module)  # the user's module untouched while it is traced
+        with eval_mode(traced):
+            graph, plan = lower(traced, args, kwargs, dtype=self.dtype, mask=self.mask)
         if self.mask is not None:
             _check_mask_fits(graph, self.mask)
+        _say_unwatched_tensors(graph, self.module)
         # kernels only for inputs on the GPU: CPU inputs on a GPU machine run through torch
         on_gpu = _on_gpu((args, kwargs))
         gpu = self.use_gpu_kernels and on_gpu
@@ -663,6 +665,20 @@ def _devices(tree: Any) -> str:
 
 
 _warned: set[str] = set()
+
+
+def _say_unwatched_tensors(graph: Graph, module: torch.nn.Module) -> None:
+    """Warn where the forward read tensors the weight watch cannot see: torch.export names them
+    ``lifted_tensor_N`` (a global, a closure's, another object's attribute). Tensors in a
+    submodule's dict, list or tuple attribute are lifted too, but watched (runtime/weights.py)."""
+    watched = {t.data_ptr() for t in WeightWatch(module).watched()}
+    outside = [graph.node(name).spec for name, tensor in graph.constants.items()
+               if str(graph.node(name).target).startswith("lifted_tensor") and tensor.data_ptr() not in watched]
+    if outside:
+        _warn_once(f"stof_cc.compile: the forward reads {len(outside)} tensor(s) held outside the model's parameters, "
+                   f"buffers and attributes ({', '.join(str(spec) for spec in outside[:4])}: a global, a closure's "
+                   "or another object's), which its weight watch cannot see: after replacing or changing one, call "
+                   "refresh(), or make it a buffer or attribute of a submodule")
 
 
 def _warn_once(message: str) -> None:

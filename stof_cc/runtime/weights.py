@@ -11,9 +11,14 @@ and ``.to()``, ``.half()`` or ``p.data = ...`` change the data pointer. On a cha
 module warns, naming the first changed tensor, and compiles again from the module as it is now
 (kernels and tuning records are cached, so this costs a trace, not a tuning).
 
-Tensors kept as plain attributes of a submodule (not registered as buffers) are watched the
-same way (a review found them read stale after an in-place write), and so are each submodule's
-forward hooks and pre-hooks, which the trace ran: one added or removed compiles again.
+Tensors kept as plain attributes of a submodule (not registered as buffers), or in a dict, list
+or tuple attribute, are watched the same way (reviews found both read stale), and so are each
+submodule's forward hooks and pre-hooks, which the trace ran: one added or removed compiles again.
+A tensor read from elsewhere (a global, a closure) cannot be watched: compile says so
+(`runtime.compiled._say_unwatched_tensors`).
+
+The trace runs on `tracing_copy`, never on the user's module: torch.export swaps fake tensors
+into the module it traces, which other threads would meet.
 
 What it cannot see: a write through ``p.data`` (``p.data.mul_(2)``) goes around the version
 counter, as it goes around autograd; nor Python numbers on a module (``self.scale = 3.0``), which
@@ -49,35 +54,53 @@ class WeightWatch:
         modules: list[tuple[dict, str, Any, str]] = []  # (parent._modules, name, child, path)
         tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
         hooks: list[tuple[torch.nn.Module, str, tuple, bool]] = []  # (module, path, its hooks' ids, any hooks)
-        self._walk(self.module, "", modules, tensors, hooks)
-        self._state = (modules, tensors, [_identity(store[name]) for store, name, _ in tensors], hooks)
+        held: list[tuple[dict, str, Any, Any, str]] = []  # (owner.__dict__, attribute, its dict or list, key, path)
+        self._walk(self.module, "", modules, tensors, hooks, held)
+        self._state = (modules, tensors, [_identity(store[name]) for store, name, _ in tensors], hooks,
+                       held, [_identity(box[key]) for _, _, box, key, _ in held])
 
-    def _walk(self, module: torch.nn.Module, prefix: str, modules: list, tensors: list, hooks: list) -> None:
+    def _walk(self, module: torch.nn.Module, prefix: str, modules: list, tensors: list, hooks: list,
+              held: list) -> None:
         ids = _hook_ids(module)
         hooks.append((module, prefix.rstrip(".") or "the model", ids, any(ids)))
         for store in (module._parameters, module._buffers):
             tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
-        # tensors kept as plain attributes (``self.c = torch.tensor(...)``): traced as constants too
-        tensors += [(module.__dict__, name, prefix + name) for name, t in module.__dict__.items()
-                    if isinstance(t, torch.Tensor)]
+        # tensors kept as plain attributes (``self.c = torch.tensor(...)``), or in a dict, list or tuple
+        # attribute (``self.tables = {"a": t}``): traced as constants too
+        for name, value in module.__dict__.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((module.__dict__, name, prefix + name))
+            elif isinstance(value, dict | list | tuple) and name not in _MODULE_TABLES:
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                held += [(module.__dict__, name, value, key, f"{prefix}{name}[{key!r}]") for key, t in items
+                         if isinstance(t, torch.Tensor)]
         for name, child in module._modules.items():
             modules.append((module._modules, name, child, prefix + name))
             if child is not None:
-                self._walk(child, f"{prefix}{name}.", modules, tensors, hooks)
+                self._walk(child, f"{prefix}{name}.", modules, tensors, hooks, held)
+
+    def watched(self) -> list[torch.Tensor]:
+        """Every tensor the watch compares (parameters, buffers, tensor attributes, tensors in dict,
+        list and tuple attributes)."""
+        _, tensors, seen_tensors, _, _, seen_held = self._state
+        return [seen[0] for seen in (*seen_tensors, *seen_held)]
 
     def changed(self) -> str | None:
         """The qualified name of the first submodule or tensor that is not the one compiled
         (replaced, moved, cast or written in place), or None when all are."""
-        modules, tensors, seen_tensors, hooks = self._state
+        modules, tensors, seen_tensors, hooks, held, seen_held = self._state
         for parent, name, child, path in modules:
             if parent.get(name) is not child:
                 return f"submodule {path!r}"
+        for (owner, name, box, key, path), seen in zip(held, seen_held, strict=True):
+            if owner.get(name) is not box or _changed(_item(box, key), seen):
+                return repr(path)
         # per tensor, every call: the object, its version (in-place writes), its address (``.data =``,
         # ``module.half()`` and ``.to(device)`` keep the object and the version) and its dtype (a
         # reinterpreting view keeps the address). A move to another device changes the address (one
         # address space over host and devices), so the device is not compared: 0.24 us per tensor less.
         for (store, name, path), (seen, version, address, dtype) in zip(tensors, seen_tensors, strict=True):
-            tensor = store.get(name)
+            tensor = store.get(name)  # inline, not `_changed`: this loop runs over every weight on every call
             if tensor is not seen or tensor._version != version or tensor.data_ptr() != address \
                     or tensor.dtype is not dtype:
                 return repr(path)
@@ -95,12 +118,42 @@ def _identity(tensor: torch.Tensor) -> tuple:
     return tensor, tensor._version, tensor.data_ptr(), tensor.dtype
 
 
+def _changed(tensor: Any, identity: tuple) -> bool:
+    seen, version, address, dtype = identity
+    return tensor is not seen or tensor._version != version or tensor.data_ptr() != address or tensor.dtype is not dtype
+
+
+def _item(box: dict | list | tuple, key: Any) -> Any:
+    """``box[key]``, or None where it is gone."""
+    if isinstance(box, dict):
+        return box.get(key)
+    return box[key] if key < len(box) else None
+
+
+_MODULE_TABLES = frozenset(vars(torch.nn.Module()))  # nn.Module's own dicts and sets: parameters, hooks...
+
+
 def weights_to_compile(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The module whose tensors a compiled module reads: ``module`` itself when its floating
     parameters are already in ``dtype`` (shared: no second copy of the weights; buffers it keeps in
     another dtype stay so, as `convert_weights` says), else a copy converted to ``dtype`` (the
     user's module is never changed)."""
     return convert_weights(copy.deepcopy(module), dtype) if converted_dtypes(module, dtype) else module
+
+
+def tracing_copy(module: torch.nn.Module, copies: dict[int, torch.nn.Module] | None = None) -> torch.nn.Module:
+    """``module`` for torch.export to trace: each submodule a shallow copy with parameter, buffer
+    and submodule tables of its own, holding the same tensors. The trace swaps fake tensors into
+    those tables and the modules' modes while it runs; on the user's module, other threads calling
+    it meanwhile (eagerly, or through the compiled module, whose weight watch then saw every weight
+    changed) met fake tensors (found by review). A submodule held twice is copied once."""
+    copies = {} if copies is None else copies
+    if id(module) not in copies:
+        clone = copies[id(module)] = copy.copy(module)
+        clone._parameters, clone._buffers = dict(module._parameters), dict(module._buffers)
+        clone._modules = {name: None if child is None else tracing_copy(child, copies)
+                          for name, child in module._modules.items()}
+    return copies[id(module)]
 
 
 @contextlib.contextmanager
