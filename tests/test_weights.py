@@ -213,6 +213,28 @@ def test_a_tensor_read_from_outside_the_model_is_said_at_compile():
         stof_cc.compile(_HeldTensors().eval(), (x,), dtype=torch.float32)  # watched: nothing to say
 
 
+def test_inference_tensors_are_watched_or_refused_with_the_way_around_it():
+    """Inference tensors have no version counter: the weight watch raised torch's bare "Inference
+    tensors do not track version counter" before anything named the model (found by review). A
+    tensor attribute made under inference_mode compiles and is watched (replaced: compiled again);
+    parameters made there cannot be traced, and the error says what to do."""
+    from stof_cc.ir.frontend import TraceError
+
+    model, x = _PlainTensorAttribute().eval(), torch.randn(3, 8)
+    with torch.inference_mode():
+        model.c = torch.full((8,), 3.0)
+    compiled = stof_cc.compile(model, (x,), dtype=torch.float32)
+    torch.testing.assert_close(compiled(x), x * 3)
+    model.c = torch.full((8,), 4.0)
+    with pytest.warns(UserWarning, match="'c' of the compiled model changed"):
+        torch.testing.assert_close(compiled(x), x * 4)
+    with torch.inference_mode():
+        linear = torch.nn.Linear(8, 8).eval()
+    with pytest.raises(TraceError, match=r"made under torch.inference_mode\(\) \(inference tensors\), which "
+                                         r"torch.export cannot trace: build or load the model outside it"):
+        stof_cc.compile(linear, (x,), dtype=torch.float32)
+
+
 class Rotary(torch.nn.Module):
     """HF's rotary embedding as an fp16 model holds it: the angles from an fp32 ``inv_freq``
     buffer (computed in fp32), the fp16 weights beside it."""

@@ -148,6 +148,10 @@ def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
                 "or express it with torch.where / torch.cond")
     elif "unsupported" in lowered:
         hint = "a Python construct torch.export cannot capture; move it out of forward()"
+    elif "inference tensor" in lowered:
+        hint = ("the model's parameters or buffers were made under torch.inference_mode() (inference tensors), "
+                "which torch.export cannot trace: build or load the model outside it (torch.no_grad() is fine), "
+                "or replace them by clones made outside it")
     else:
         hint = "check that forward() runs on the example inputs and uses only torch operations"
     return (f"torch.export could not trace {type(module).__name__}{where}: "

@@ -228,7 +228,7 @@ class CompiledModule:
         if self.module is not self.source:
             mine, theirs = dict(self.module.named_buffers()), dict(self.source.named_buffers())
             for name, buffer in mine.items():
-                if name in theirs and buffer._version != self._buffer_versions.get(name):
+                if name in self._buffer_versions and name in theirs and buffer._version != self._buffer_versions[name]:
                     theirs[name].copy_(buffer)
         self._watch.reset()
         self._buffer_versions = _buffer_versions(self.module)
@@ -607,7 +607,7 @@ def _report_measured(item: Any) -> None:
 
 def _buffer_versions(module: torch.nn.Module) -> dict[str, int]:
     """Each buffer's version counter: which ones a run wrote in place (`_kept_written_buffers`)."""
-    return {name: buffer._version for name, buffer in module.named_buffers()}
+    return {name: buffer._version for name, buffer in module.named_buffers() if not buffer.is_inference()}
 
 
 def _gpu_kernels_available() -> bool:

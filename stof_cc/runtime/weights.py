@@ -101,8 +101,8 @@ class WeightWatch:
         # address space over host and devices), so the device is not compared: 0.24 us per tensor less.
         for (store, name, path), (seen, version, address, dtype) in zip(tensors, seen_tensors, strict=True):
             tensor = store.get(name)  # inline, not `_changed`: this loop runs over every weight on every call
-            if tensor is not seen or tensor._version != version or tensor.data_ptr() != address \
-                    or tensor.dtype is not dtype:
+            if tensor is not seen or (version is not None and tensor._version != version) \
+                    or tensor.data_ptr() != address or tensor.dtype is not dtype:
                 return repr(path)
         for module, path, ids, hooked in hooks:  # the ids compared only where a hook is or was
             if (hooked or module._forward_hooks or module._forward_pre_hooks) and _hook_ids(module) != ids:
@@ -115,12 +115,15 @@ def _hook_ids(module: torch.nn.Module) -> tuple:
 
 
 def _identity(tensor: torch.Tensor) -> tuple:
-    return tensor, tensor._version, tensor.data_ptr(), tensor.dtype
+    """The tensor, its version (None for an inference tensor, which has none: torch.export cannot trace
+    one, and compile's error says so, where the watch raised torch's bare error first), address and dtype."""
+    return tensor, None if tensor.is_inference() else tensor._version, tensor.data_ptr(), tensor.dtype
 
 
 def _changed(tensor: Any, identity: tuple) -> bool:
     seen, version, address, dtype = identity
-    return tensor is not seen or tensor._version != version or tensor.data_ptr() != address or tensor.dtype is not dtype
+    return tensor is not seen or (version is not None and tensor._version != version) \
+        or tensor.data_ptr() != address or tensor.dtype is not dtype
 
 
 def _item(box: dict | list | tuple, key: Any) -> Any:
