@@ -533,10 +533,12 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
             raise ValueError(f"attn_implementation='{NAME}' packs self-attention only: cu_seq_lens_q and "
                              "cu_seq_lens_k must both be given and equal")
         lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-        if not lengths or bounds[0] != 0 or min(lengths) <= 0:
+        if not lengths or bounds[0] != 0 or min(lengths) < 0 or bounds[-1] == 0:
             raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q must rise from 0 (cumulative sequence "
                              f"lengths), got {bounds}")
-        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp, PackedDocuments(bounds, document(lengths)))
+        bounds = [0] + [b for a, b in zip(bounds, bounds[1:], strict=False) if b > a]  # empty sequences hold nothing
+        last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp,
+                        PackedDocuments(bounds, document([b - a for a, b in zip(bounds, bounds[1:], strict=False)])))
         _last_packing.packing = last
     if query.shape[0] != 1 or last.found.total != query.shape[2] or key.shape[2] != query.shape[2]:
         raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.found.total}) "
