@@ -256,6 +256,24 @@ def test_the_users_module_is_untouched_while_a_new_shape_is_traced():
     assert len(compiled.variants) == 2
 
 
+def test_a_module_whose_pickled_state_drops_attributes_is_traced_whole():
+    """The trace's copy of the module structure takes each module's attributes as they are, not
+    through ``__getstate__`` (which may leave out what pickling should not carry)."""
+    class Unpickled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.scale = torch.nn.Linear(8, 8), 3.0
+
+        def __getstate__(self):
+            return {k: v for k, v in self.__dict__.items() if k != "scale"}
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    model, x = Unpickled().eval(), torch.randn(2, 8)
+    torch.testing.assert_close(stof_cc.compile(model, (x,), dtype=torch.float32)(x), model(x))
+
+
 @pytest.mark.gpu
 def test_threads_calling_one_compiled_module_each_get_their_own_answer(half_on_gpu):
     """Every call copies its inputs into the captured graphs' one set of static tensors: two threads

@@ -152,7 +152,8 @@ def tracing_copy(module: torch.nn.Module, copies: dict[int, torch.nn.Module] | N
     changed) met fake tensors (found by review). A submodule held twice is copied once."""
     copies = {} if copies is None else copies
     if id(module) not in copies:
-        clone = copies[id(module)] = copy.copy(module)
+        clone = copies[id(module)] = object.__new__(type(module))  # not copy.copy: a __getstate__ may drop state
+        clone.__dict__.update(module.__dict__)
         clone._parameters, clone._buffers = dict(module._parameters), dict(module._buffers)
         clone._modules = {name: None if child is None else tracing_copy(child, copies)
                           for name, child in module._modules.items()}
