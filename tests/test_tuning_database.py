@@ -95,6 +95,22 @@ def test_key_of_a_template_class_without_a_source_file_follows_its_code():
     assert once != defined("    def context(self, problem, params):\n        return {'half': 2}\n")
 
 
+def test_threads_share_one_database(tmp_path: Path):
+    """A compiled module made in one thread and called from a server's workers looks records up
+    from them: SQLite refused it ("objects created in a thread can only be used in that same
+    thread"), with a warning per lookup, and the records went unused (seen on the GPU)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: db.store(ELEMENTWISE, f"sig{i}", H100, {"threads": 128, "vec": 1}, 1.0 + i),
+                          range(32)))
+            found = list(pool.map(lambda i: db.lookup(ELEMENTWISE, f"sig{i}", H100), range(32)))
+    assert [r.micros for r in found] == [1.0 + i for i in range(32)]
+
+
 def _writer(path: str, worker: int) -> None:
     db = TuningDatabase(path)
     for i in range(40):

@@ -52,6 +52,7 @@ import math
 import os
 import re
 import sqlite3
+import threading
 import time
 import types
 import warnings
@@ -316,6 +317,7 @@ class TuningDatabase:
     def __init__(self, path: str | Path | None = None, *, timeout: float = BUSY_TIMEOUT,
                  read_only: bool = False) -> None:
         self.timeout = timeout
+        self._turns = threading.RLock()  # one thread at a time on the connection (`_safely`)
         self._only_reading = read_only
         self.written_by_newer = False  # set only reading (`_check_ours`): `cache clear` refuses such a file
         self._open(default_path() if path is None else path)
@@ -344,7 +346,11 @@ class TuningDatabase:
             shared = os.access(self.path.parent, os.W_OK) and (writer_open or not self._only_reading)
             uri += "?mode=ro" if shared else "?mode=ro&immutable=1"
         try:
-            self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None)
+            # any thread: a compiled module called from a server's workers looks records up from them
+            # (refused with "SQLite objects created in a thread can only be used in that same thread"
+            # before); `_safely` takes turns on it
+            self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None,
+                                       check_same_thread=False)
         except sqlite3.Error as exc:
             raise TuningDatabaseError(f"tuning database {self.path} cannot be opened ({exc}); {_HOW}") from None
         # the file's identity: `_move_aside` moves this file only, never one put in its place, and
@@ -413,24 +419,25 @@ class TuningDatabase:
         corrupt, writable file is moved aside and the action retried once on a fresh one, and a
         missing table simply gives ``fallback``. A path that can no longer be opened gives
         ``fallback`` with a warning too."""
-        try:
-            self._reopen_if_replaced()
-            return action()
-        except TuningDatabaseError as exc:
-            warnings.warn(f"{exc}; {consequence}", TuningDatabaseWarning, stacklevel=3)
-            return fallback
-        except sqlite3.Error as exc:
-            trouble = _trouble(exc)
-            if trouble == "empty":
+        with self._turns:  # one thread at a time on the connection
+            try:
+                self._reopen_if_replaced()
+                return action()
+            except TuningDatabaseError as exc:
+                warnings.warn(f"{exc}; {consequence}", TuningDatabaseWarning, stacklevel=3)
                 return fallback
-            if trouble == "corrupt" and retry and not self.read_only:
-                self._move_aside(exc)
-                return self._safely(action, fallback, consequence, retry=False)
-            state = {"busy": f"is locked by another process (waited {self.timeout:g} s)",
-                     "read-only": "is read-only",
-                     "corrupt": f"is unreadable ({exc}) and could not be moved aside"}.get(trouble, f"failed ({exc})")
-            warnings.warn(f"tuning database {self.path} {state}; {consequence}", TuningDatabaseWarning, stacklevel=3)
-            return fallback
+            except sqlite3.Error as exc:
+                trouble = _trouble(exc)
+                if trouble == "empty":
+                    return fallback
+                if trouble == "corrupt" and retry and not self.read_only:
+                    self._move_aside(exc)
+                    return self._safely(action, fallback, consequence, retry=False)
+                state = {"busy": f"is locked by another process (waited {self.timeout:g} s)",
+                         "read-only": "is read-only",
+                         "corrupt": f"is unreadable ({exc}) and could not be moved aside"}.get(trouble, f"failed ({exc})")
+                warnings.warn(f"tuning database {self.path} {state}; {consequence}", TuningDatabaseWarning, stacklevel=3)
+                return fallback
 
     def _move_aside(self, exc: sqlite3.Error) -> None:
         """Rename the file this connection opened, with its -wal and -shm (the WAL belongs to it
@@ -512,8 +519,9 @@ class TuningDatabase:
         file instead, as a listing says."""
         if strict:
             try:
-                self._reopen_if_replaced()
-                return self._all()
+                with self._turns:
+                    self._reopen_if_replaced()
+                    return self._all()
             except sqlite3.Error as exc:
                 if _damaged(exc):
                     raise DamagedDatabaseError(f"{self.path} is damaged ({exc})") from None
