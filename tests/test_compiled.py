@@ -316,6 +316,32 @@ def test_threads_calling_one_compiled_module_each_get_their_own_answer(half_on_g
 
 
 @pytest.mark.gpu
+def test_a_process_whose_first_kernel_runs_in_a_worker_thread_ends_cleanly():
+    """PyCUDA imported first in a worker thread left its context on that thread's stack, and PyCUDA
+    aborted the process when the thread ended ("The context stack was not empty upon module
+    cleanup"; found when a test that starts a thread ran first in its process)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading, torch, stof_cc\n"
+        "from stof_cc import masks\n"
+        "from stof_cc.ir.reference import masked_attention, relative_error\n"
+        "mask, errors = masks.sliding_window(48), []\n"
+        "def run():\n"
+        "    q, k, v = (torch.randn(2, 3, 328, 64, device='cuda', dtype=torch.float16) for _ in range(3))\n"
+        "    want = masked_attention(q, k, v, mask.to_dense(328, 328).cuda())\n"
+        "    errors.append(relative_error(stof_cc.attention(q, k, v, mask), want))\n"
+        "worker = threading.Thread(target=run)\n"
+        "worker.start(); worker.join()\n"
+        "run()\n"  # and the main thread after it
+        "assert len(errors) == 2 and max(errors) < 1e-2, errors\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+@pytest.mark.gpu
 def test_a_thread_other_than_pycudas_loads_and_launches_kernels():
     """PyCUDA's context sits on the stack of the thread that imported it: a kernel first loaded, or
     launched on the default stream, from another thread goes through the driver API (a `mma.sync`

@@ -18,10 +18,14 @@ loads the cubin into that device's primary context (the one torch uses) once, an
 Threads: PyCUDA keeps its context on the stack of the thread that imported it; another thread has
 none, and loading a module there fails. Kernels loaded or launched on any other thread go through
 the driver-API launcher too (torch has made the primary context current in every thread it runs in).
+Imported first from a thread other than the main one, PyCUDA's context is taken off that thread's
+stack again (PyCUDA aborts the process when a thread ends with a context on it), and every kernel
+goes through the driver API.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 from dataclasses import dataclass, field
@@ -51,11 +55,18 @@ def _pycuda() -> tuple:
     own = current_device()
     torch.cuda.set_device(before)
     global _pycuda_thread
-    _pycuda_thread = threading.get_ident()
+    if threading.current_thread() is threading.main_thread():
+        _pycuda_thread = threading.get_ident()
+    else:  # a worker's context stack dies with it, and PyCUDA aborts the process when a context is left
+        # on it: taken off again, so every kernel goes through the driver API (a server's first call in
+        # a request thread aborted the process when that thread ended: found on the GPU)
+        drv.Context.pop()
+        atexit.unregister(pycuda.autoprimaryctx._finish_up)  # it would pop from the main thread's stack
+        _pycuda_thread = None
     return drv, own
 
 
-_pycuda_thread: int | None = None  # the thread that imported PyCUDA: the one whose context stack holds its context
+_pycuda_thread: int | None = None  # the main thread, where it imported PyCUDA: its context stack holds PyCUDA's context
 
 
 def current_device() -> int:
