@@ -173,7 +173,7 @@ def _module_source(cls: type) -> str:
     points as much as the class does, and with the class alone an edit to them kept the old records
     (found by review). Read once per process: `inspect.getsource` parses the whole module (2-7 ms),
     and a warm compile of BERT-base looks up 336 keys (7.7 of its 8 s on the H100 before this cache).
-    A class made at run time (no source file) is named by its module and qualified name."""
+    A class made at run time (no source file) is read as its code (`_class_code`)."""
     try:
         return _source_of(inspect.getmodule(cls))
     except (OSError, TypeError):
@@ -182,8 +182,8 @@ def _module_source(cls: type) -> str:
 
 def _class_code(cls: type) -> str:
     """A class with no source file (``python -c``, a notebook): its name, the bytecode and
-    constants of its methods and its plain constants (by name only, an edit to its ``context()``
-    kept the old records: found by review)."""
+    constants of its methods and its plain constants (keyed by its name alone, an edit to its
+    ``context()`` kept the old records: found by review)."""
     parts = [f"{cls.__module__}.{cls.__qualname__}"]
     for name, value in sorted(vars(cls).items()):
         function = getattr(value, "__func__", value)  # static and class methods too
