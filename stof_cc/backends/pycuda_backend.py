@@ -61,7 +61,9 @@ def _pycuda() -> tuple:
         # on it: taken off again, so every kernel goes through the driver API (a server's first call in
         # a request thread aborted the process when that thread ended: found on the GPU)
         drv.Context.pop()
-        atexit.unregister(pycuda.autoprimaryctx._finish_up)  # it would pop from the main thread's stack
+        finish_up = getattr(pycuda.autoprimaryctx, "_finish_up", None)  # it would pop from the main thread's stack
+        if finish_up is not None:
+            atexit.unregister(finish_up)
         _pycuda_thread = None
     return drv, own
 
