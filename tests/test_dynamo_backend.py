@@ -237,6 +237,34 @@ def test_a_graph_reading_only_buffers_keeps_their_dtype():
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+def test_a_tensor_replaced_on_every_call_is_said_once_it_has_compiled_many_times(monkeypatch):
+    """``self.n = self.n + 1`` in forward hands the graph a new tensor every call: each call compiles
+    again and every compile is kept (its key is the tensors' ids), silently (found by review)."""
+    class Counter(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n = self.n + 1
+            return self.fc(x) * self.n
+
+    monkeypatch.setattr(dynamo_backend, "MANY_WEIGHT_SETS", 3)
+    model, x = Counter().eval(), torch.randn(3, 16)
+    compiled = torch.compile(model, backend=stof_cc.backend(fallback="eager"), dynamic=False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [compiled(x) for _ in range(5)]
+    said = [w for w in caught if "has compiled for 3 sets of module tensors" in str(w.message)]
+    assert len(said) == 1 and "update such a tensor in place" in str(said[0].message)
+    eager = Counter().eval()
+    eager.load_state_dict({"fc.weight": model.fc.weight, "fc.bias": model.fc.bias, "n": torch.zeros(())})
+    with torch.no_grad():
+        for got in outputs:
+            torch.testing.assert_close(got, eager(x))
+
+
 def test_the_default_fallback_is_inductor():
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).eval()

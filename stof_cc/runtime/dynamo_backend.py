@@ -47,6 +47,9 @@ FALLBACKS = ("inductor", "eager")
 # layer that dynamo records as it is, hiding the attention and the GEMMs from stof-cc's passes
 FUSED_LAYER_OPS = ("_transformer_encoder_layer_fwd", "_native_multi_head_attention")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A graph compiled for this many sets of module tensors says so: dynamo hands one graph the layers of a
+# loop (one set each: up to some hundreds), or a module whose tensor is replaced on every call.
+MANY_WEIGHT_SETS = 256
 
 
 class _FrozenWeights(torch.nn.Module):
@@ -226,6 +229,11 @@ class _CompiledGraph:
             if self._compile(args) is not None:
                 return self.delegate(*args)
             compiled = self.compiled_for[self._weights_key(args)]
+            if len(self.compiled_for) == MANY_WEIGHT_SETS:
+                warnings.warn(f"stof_cc backend: {self.name} has compiled for {MANY_WEIGHT_SETS} sets of module "
+                              "tensors, each kept: a module tensor replaced on every call (a buffer reassigned in "
+                              "forward, `self.n = self.n + 1`) compiles it again every time; update such a tensor "
+                              "in place (`self.n.add_(1)`)", stacklevel=2)
         return compiled(*_given(args, self.slots))
 
 
