@@ -86,3 +86,12 @@ def test_a_strided_split_is_taken_only_where_it_applies_and_pays():
     wide = AttentionProblem(20000, 1, 256, 256, 64, torch.float16)  # 80000 slots
     assert split_pays(wide, masks.dilated(8, 4)) is None
     assert split_pays(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), masks.causal()) is None
+
+
+def test_cpu_tensors_are_sent_to_the_reference_for_any_mask_form():
+    """The error named ``mask.to_dense(S_q, S_k)``, which a bool tensor or None has not (found by review)."""
+    q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
+    with pytest.raises(AttentionInputError, match=r"q is on cpu; the kernels run on CUDA devices \(the CPU reference: "
+                                                  r"stof_cc.ir.reference.masked_attention\(q, k, v, dense\), dense a "
+                                                  r"bool tensor, mask.to_dense\(S_q, S_k\) for a stof-cc mask, or None\)"):
+        attention(q, q, q, None)

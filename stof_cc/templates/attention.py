@@ -95,8 +95,9 @@ def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionPr
         raise AttentionInputError(f"v's head dim must be q's {q.shape[3]} (the kernels take one); got v {tuple(v.shape)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type != "cuda":
-            raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices "
-                                      "(the CPU reference: stof_cc.ir.reference.masked_attention(q, k, v, mask.to_dense(S_q, S_k)))")
+            raise AttentionInputError(f"{name} is on {t.device}; the kernels run on CUDA devices (the CPU reference: "
+                                      "stof_cc.ir.reference.masked_attention(q, k, v, dense), dense a bool tensor, "
+                                      "mask.to_dense(S_q, S_k) for a stof-cc mask, or None)")
     batch, heads, seq_q, head_dim = q.shape
     kv_heads = None if k.shape[1] == heads else k.shape[1]
     return validated_problem(AttentionProblem(batch, heads, seq_q, k.shape[2], head_dim, q.dtype, kv_heads))
