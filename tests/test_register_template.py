@@ -3,6 +3,7 @@ generation; every registration problem is a clear error at registration time."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -181,12 +182,13 @@ def test_a_group_runs_the_template_stage_2_found_fastest_not_the_first(tmp_path:
         stof_cc.unregister_template(template.name)
 
 
-def test_a_template_that_raises_on_a_group_unlike_its_example_is_skipped_there(tmp_path: Path):
-    """match() raising something other than NotFusable on another model's group: a warning naming
-    the template, and the group goes to the built-in (it stopped the whole compile, naming nothing)."""
+@contextlib.contextmanager
+def _raising_elsewhere(tmp_path: Path, error: Exception):
+    """The example template registered with a match() that raises ``error`` on any group without
+    silu; yields (graph, group) of such a group (relu(x) * 2), and unregisters it after."""
     def match(self, graph, group):
         if "silu" not in {graph.node(n).op for n in group.nodes}:
-            raise KeyError("an op this template never expected")
+            raise error
         return SwiGLUSplitTemplate.match(self, graph, group)
 
     template = stof_cc.register_template(_user_template(tmp_path, match=match))
@@ -197,30 +199,25 @@ def test_a_template_that_raises_on_a_group_unlike_its_example_is_skipped_there(t
 
         graph, plan = lower(Scaled(), (torch.randn(4, 256, dtype=torch.float16),))
         (group,) = plan.default.groups
+        yield graph, group
+    finally:
+        stof_cc.unregister_template(template.name)
+
+
+def test_a_template_that_raises_on_a_group_unlike_its_example_is_skipped_there(tmp_path: Path):
+    """match() raising something other than NotFusable on another model's group: a warning naming
+    the template, and the group goes to the built-in (it stopped the whole compile, naming nothing)."""
+    with _raising_elsewhere(tmp_path, KeyError("an op this template never expected")) as (graph, group):
         with pytest.warns(UserWarning, match="template 'swiglu_split': match.. or space.. raised KeyError"):
             found, refused = applicable_templates(graph, group, (9, 0))
         assert [a.template for a in found] == [ELEMENTWISE]
         assert any(why.startswith("swiglu_split: match() or space() raised KeyError") for why in refused)
-    finally:
-        stof_cc.unregister_template(template.name)
 
 
 def test_a_template_that_raises_is_reported_once_however_many_places_ask(tmp_path: Path):
     """compile, the scheme and the search each ask `applicable_templates`: the warning came once
     per asking line, twice for one compile."""
-    def match(self, graph, group):
-        if "silu" not in {graph.node(n).op for n in group.nodes}:
-            raise ValueError("a bug met once per process")
-        return SwiGLUSplitTemplate.match(self, graph, group)
-
-    template = stof_cc.register_template(_user_template(tmp_path, match=match))
-    try:
-        class Halved(torch.nn.Module):
-            def forward(self, x):
-                return torch.relu(x) * 0.5
-
-        graph, plan = lower(Halved(), (torch.randn(4, 256, dtype=torch.float16),))
-        (group,) = plan.default.groups
+    with _raising_elsewhere(tmp_path, ValueError("a bug met once per process")) as (graph, group):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(3):
@@ -230,8 +227,6 @@ def test_a_template_that_raises_is_reported_once_however_many_places_ask(tmp_pat
             "group unlike its example; it is skipped where it does, and another template or torch runs those groups"]
         assert any(why == "swiglu_split: match() or space() raised ValueError: a bug met once per process"
                    for why in refused)  # every call still says why
-    finally:
-        stof_cc.unregister_template(template.name)
 
 
 def test_the_example_template_declines_groups_with_its_op_names_that_it_would_compute_wrongly():
