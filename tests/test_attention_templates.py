@@ -63,8 +63,9 @@ def test_spaces_are_not_empty_and_respect_limits():
 
 
 def test_row_windows_are_a_variant_of_their_own():
-    """The row-window variant (packed documents per call) takes one more pointer and tests rows
-    against their windows; the plain kernels' sources carry none of it; rowwise takes no windows."""
+    """The row-window variant (packed documents per call) takes two more pointers (the windows and
+    a tile counter) and tests rows against their windows; the plain kernels' sources carry none of
+    it; rowwise takes no windows."""
     problem = PROBLEMS[2]  # head_dim 64
     windows = dataclasses.replace(problem, row_windows=True)
     assert ROWWISE.space(windows) == [] and ROWWISE.space(problem)
@@ -72,10 +73,29 @@ def test_row_windows_are_a_variant_of_their_own():
         params = template.space(windows)[0]
         assert params in template.space(problem)
         plain, variant = template.render(problem, params), template.render(windows, params)
-        assert "row_window" not in plain and "const int2* __restrict__ row_windows)" in variant
+        assert "row_window" not in plain
+        assert "const int2* __restrict__ row_windows, int* __restrict__ tile_counter)" in variant
         assert "row_window_span(row_windows, batch_slot, q0, seq_q" in variant and "window.x" in variant
         assert "_windows" in template.kernel_name(windows, params) and "_windows" not in template.kernel_name(
             problem, params)
+
+
+def test_persistent_row_window_points_take_their_tiles_in_turn():
+    """A persistent point's share of tiles is cut by the static mask's work, which row windows change
+    per call: with windows its CTAs take tiles from the counter instead (and stop at the end mark);
+    without, and one CTA per tile, they read their fixed range."""
+    windows = dataclasses.replace(PROBLEMS[2], row_windows=True)
+    points = WGMMA_WS.space(windows)
+    assert {p["persistent"] for p in points} == {False, True}
+    for params in points:
+        in_turn = WGMMA_WS.takes_tiles_in_turn(windows, params)
+        assert in_turn == params["persistent"]
+        source = WGMMA_WS.render(windows, params)
+        assert ("atomicAdd(tile_counter, 1)" in source) == in_turn
+        assert ("if (tile_info[q_slot][0] < 0) break;" in source) == in_turn
+        plain = WGMMA_WS.render(PROBLEMS[2], params)
+        assert "atomicAdd" not in plain and not WGMMA_WS.takes_tiles_in_turn(PROBLEMS[2], params)
+    assert not any(t.takes_tiles_in_turn(windows, t.space(windows)[0]) for t in (BLOCKWISE, WGMMA))
 
 
 def test_render_is_deterministic_and_names_the_kernel():

@@ -203,6 +203,59 @@ def test_a_captured_call_replays_with_new_documents():
 
 
 @pytest.mark.gpu
+def test_persistent_ctas_taking_tiles_in_turn_cover_every_tile_in_every_replay():
+    """Persistent points with row windows take tiles from a counter zeroed per launch: with many
+    tiles per CTA (2 x 16 heads x 32 block rows for at most one CTA per SM), every tile is computed
+    in the first call and in each replay of a captured call (a counter left at its last value would
+    skip every tile: the output would stay NaN)."""
+    seq = 4096
+    q, k, v = (torch.randn(2, 16, seq, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    problem = dataclasses.replace(problem_of(q, k, v), row_windows=True)
+    persistent = [params for template, params in candidates(problem) if template.takes_tiles_in_turn(problem, params)]
+    assert persistent
+    causal = masks.causal()
+    for params in persistent[:2]:
+        cu_seqlens = torch.tensor(_boundaries(seq, 16, seed=3), dtype=torch.int32, device="cuda")
+        out = torch.full_like(q, float("nan"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the plan is built outside the capture, as torch.cuda.graph asks
+            attention(q, k, v, causal, cu_seqlens=cu_seqlens, params=params, out=out)
+        torch.cuda.current_stream().wait_stream(side)
+        _check(out, masked_attention(q, k, v, _dense(cu_seqlens.tolist(), seq, causal=True).cuda()), f"{params}")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            attention(q, k, v, causal, cu_seqlens=cu_seqlens, params=params, out=out)
+        for seed in (4, 5):
+            cu_seqlens.copy_(torch.tensor(_boundaries(seq, 16, seed=seed), dtype=torch.int32))
+            out.fill_(float("nan"))
+            graph.replay()
+            _check(out, masked_attention(q, k, v, _dense(cu_seqlens.tolist(), seq, causal=True).cuda()),
+                   f"{params}, replay with seed {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+def test_documents_over_a_static_mask_with_gaps_in_its_block_rows(persistent):
+    """The kernels narrow a block row's list to the rows' windows by guessing a column's place from a
+    gapless run, then search where the guess misses: a static mask that never attends keys 256-639
+    (three key blocks missing from every later row) under documents that span the gap."""
+    seq = 1024
+    q, k, v = _inputs(seq, 128, torch.bfloat16)
+    keys = torch.arange(seq)
+    static = masks.causal().to_dense(seq) & ~((keys >= 256) & (keys < 640))[None, :]
+    problem = dataclasses.replace(problem_of(q, k, v), row_windows=True)
+    points = [params for template, params in candidates(problem)
+              if params["strategy"] == "wgmma_ws" and params["persistent"] == persistent]
+    for params in points[:2]:
+        for bounds in ([0, 100, 700, 1024], [0, 300, 301, 900, 1000]):
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+            out = attention(q, k, v, masks.from_dense(static), cu_seqlens=cu_seqlens, params=params)
+            dense = (static & _dense(bounds, seq, causal=False)).cuda()
+            _check(out, masked_attention(q, k, v, dense), f"{params}, documents {bounds}")
+
+
+@pytest.mark.gpu
 def test_a_plan_is_kept_for_its_kind_of_call():
     """The row-window plan and the plain one are different kernels: each call finds its own."""
     q, k, v = _inputs(256, 64, torch.float16)

@@ -86,6 +86,20 @@ def test_per_head_masks_are_costed_per_head_and_fewer_tiles_than_ctas_fall_back_
     assert tile_schedule(bm, 1, 2, 1000).ctas == 8  # one CTA per tile when there are fewer tiles
 
 
+def test_tiles_taken_in_turn_keep_the_grid_order_behind_one_count():
+    """Per-call row windows: every CTA takes the grid's next tile from a counter, so the table holds
+    the grid's entries, offsets 0 but the last (the tile count), and at most one CTA per tile."""
+    bm = _block_mask(masks.causal(), 2, 3, 1000)
+    grid = tile_schedule(bm, 2, 3, None)
+    in_turn = tile_schedule(bm, 2, 3, 4, in_turn=True)
+    n_tiles = 2 * 3 * bm.n_rb
+    assert in_turn.ctas == 4
+    assert in_turn.table[:4].tolist() == [0] * 4 and int(in_turn.table[4]) == n_tiles
+    assert torch.equal(in_turn.table[5:], grid.table[n_tiles + 1:])
+    assert tile_schedule(bm, 2, 3, 1000, in_turn=True).ctas == n_tiles
+    assert tile_schedule(bm, 2, 3, 4) is not in_turn  # the shared schedule is another table
+
+
 MB = 1 << 20
 
 

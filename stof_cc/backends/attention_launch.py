@@ -50,6 +50,7 @@ class LaunchPlan:
     bias_to_raw: float  # 1 / scale: a bias is added to the raw scores, before the scale
     reads_bias: bool  # the kernel variant that adds a bias (problem.bias)
     reads_windows: bool  # the kernel variant that narrows rows to per-call windows (problem.row_windows)
+    takes_tiles_in_turn: bool = False  # CTAs take tiles from a counter, zeroed for each launch (template.takes_tiles_in_turn)
     tma_box_rows: tuple[int, int] | None = None  # Q's and K/V's tile rows when the kernel loads (and stores) with TMA
     residues: int = 1  # a strided split's d (problem.residues)
     _maps: OrderedDict[tuple[int, ...], list[bytes]] = field(default_factory=OrderedDict, compare=False,
@@ -117,7 +118,10 @@ class LaunchPlan:
                 raise AttentionInputError(f"row windows must be a contiguous int32 tensor [{self.shape[0]}, "
                                           f"{self.size_args[0]}, 2] on {self.device} (`document_windows`), got "
                                           f"{windows.dtype} {tuple(windows.shape)} on {windows.device}")
-            window_args = (windows.data_ptr(),)
+            # a counter per launch, from the stream's allocator: launches on two streams (or two graphs'
+            # replays) never share one, and a captured launch replays its zeroing
+            counter = torch.zeros(1, dtype=torch.int32, device=self.device) if self.takes_tiles_in_turn else None
+            window_args = (windows.data_ptr(), 0 if counter is None else counter.data_ptr())
         if lse is None:
             lse_args = (0, 0, 0, 0, 0)
         elif lse.shape != self.shape[:3] or lse.dtype != torch.float32 or lse.device != self.device or lse.stride(2) != 1:
@@ -276,7 +280,8 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         device = torch.cuda.get_device_properties(q.device)
         ctas = device.multi_processor_count if params["persistent"] else None
         schedule = tile_schedule(block_mask, problem.batch, problem.heads, ctas, device.multi_processor_count,
-                                 kv_bytes_per_query_head(problem), device.L2_cache_size)
+                                 kv_bytes_per_query_head(problem), device.L2_cache_size,
+                                 in_turn=template.takes_tiles_in_turn(problem, params))
         grid, order = (schedule.ctas, 1, 1), schedule.table
     else:
         order = _row_order(block_mask)
@@ -296,7 +301,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem), residues,
                   division_magic(residues, problem.batch)),
         mask_tensors=mask_tensors, bias_to_raw=1.0 / scale, reads_bias=problem.bias,
-        reads_windows=problem.row_windows,
+        reads_windows=problem.row_windows, takes_tiles_in_turn=template.takes_tiles_in_turn(problem, params),
         tma_box_rows=(params["block_m"], params["block_n"]) if template.loads_with_tma else None,
         residues=residues,
     )
@@ -336,7 +341,7 @@ def compiled_kernel(template: KernelTemplate, problem: AttentionProblem, params:
     key = (template.name, problem.dtype, problem.head_dim, problem.bias, problem.residues > 1, problem.row_windows,
            tuple(sorted(params.items())))
     if key not in _kernels:
-        arg_format = TENSOR_MAP_FORMAT * 4 * template.loads_with_tma + template.arg_format + "P" * problem.row_windows
+        arg_format = TENSOR_MAP_FORMAT * 4 * template.loads_with_tma + template.arg_format + "PP" * problem.row_windows
         _kernels[key] = load_kernel(template.render(problem, params), template.kernel_name(problem, params),
                                     arg_format, arch_features=template.arch_features,
                                     waits_for_producers=template.waits_for_producers)

@@ -9,7 +9,10 @@ Two schedules, both longest tile first:
   blocks while the consumers still finish the one before: no per-CTA start-up on the critical
   path, and no partly filled last wave.
 
-Both run the tiles in L2 sections: consecutive (batch, head) pairs whose K and V fit in L2
+A persistent point whose tiles' work only the device knows (per-call row windows) takes the tiles
+in turn instead: the grid's order, each CTA taking the next tile from a counter (``in_turn``).
+
+All run the tiles in L2 sections: consecutive (batch, head) pairs whose K and V fit in L2
 together (`pairs_per_section`), one section after another, longest first inside each. Longest
 first over all pairs had every CTA on a different head at once: at S = 8192, d = 128, 16 heads
 (64 MB of K and V) a causal launch hit L2 for 77% of its reads, FlashAttention-4 with its
@@ -18,7 +21,8 @@ sections 90% (ncu on the H100, benchmarks/history/25-2026-11-27.md).
 The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, then per tile,
 CTA by CTA, ``TILE_ENTRY`` ints: head, batch, block row, and the tile's range [first, last) in
 the block mask's ``any_cols`` / ``any_tile`` (so a kernel reads one entry, not the mask's row
-pointers after it). Kernels read it in place of ``row_order``.
+pointers after it). Kernels read it in place of ``row_order``. Taken in turn, the offsets are 0 but
+the last, which counts every tile.
 """
 
 from __future__ import annotations
@@ -66,16 +70,17 @@ def pairs_per_section(kv_bytes: float, l2_bytes: int) -> int:
 
 
 def tile_schedule(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms: int | None = None,
-                  kv_bytes: int | None = None, l2_bytes: int | None = None) -> TileSchedule:
+                  kv_bytes: int | None = None, l2_bytes: int | None = None, in_turn: bool = False) -> TileSchedule:
     """The schedule of every (head, batch, block row) tile: one CTA each when ``ctas`` is None
-    (grid, run ``sms`` at a time), else at most ``ctas`` persistent CTAs. Given ``kv_bytes`` (a
-    query head's whole K and V: a K/V head's over the query heads that share it), ``l2_bytes`` and
-    ``ctas`` or ``sms``, the tiles run in L2 sections (`pairs_per_section`, `balanced_section`);
-    else in one. Cached per mask."""
-    key = (batch, heads, ctas, sms, kv_bytes, l2_bytes)
+    (grid, run ``sms`` at a time), else at most ``ctas`` persistent CTAs, each with its share or,
+    ``in_turn``, taking the grid's order one tile at a time. Given ``kv_bytes`` (a query head's
+    whole K and V: a K/V head's over the query heads that share it), ``l2_bytes`` and ``ctas`` or
+    ``sms``, the tiles run in L2 sections (`pairs_per_section`, `balanced_section`); else in one.
+    Cached per mask."""
+    key = (batch, heads, ctas, sms, kv_bytes, l2_bytes, in_turn)
     cached = _schedules.setdefault(block_mask, {})
     if key not in cached:
-        cached[key] = _build(block_mask, batch, heads, ctas, sms, kv_bytes, l2_bytes)
+        cached[key] = _build(block_mask, batch, heads, ctas, sms, kv_bytes, l2_bytes, in_turn)
     return cached[key]
 
 
@@ -101,7 +106,7 @@ def balanced_section(costs: np.ndarray, section: int | None, workers: int | None
 
 
 def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms: int | None,
-           kv_bytes: int | None, l2_bytes: int | None) -> TileSchedule:
+           kv_bytes: int | None, l2_bytes: int | None, in_turn: bool) -> TileSchedule:
     """On the host, in numpy: a mask built per call pays this every call. Inside such a call on
     the lent H100's host (S = 32768, 16 heads, 4096 tiles) the torch version's own time was 27 ms
     (cProfile) and the call took 36 ms, 12 ms with numpy; alone, both take about 4 ms there, most
@@ -126,9 +131,14 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms:
     any_ptr = block_mask.any_ptr_host
     entries = np.stack((h, b, row, any_ptr[mask_row], any_ptr[mask_row + 1]), 1).astype(np.int32)
     n_tiles = n_rb * batch * heads
-    if ctas is None or ctas >= n_tiles:
+    if ctas is None or ctas >= n_tiles and not in_turn:
         offsets = np.arange(n_tiles + 1, dtype=np.int32)
         return _on_device(block_mask, n_tiles, offsets, entries)
+    if in_turn:
+        ctas = min(ctas, n_tiles)
+        offsets = np.zeros(ctas + 1, dtype=np.int32)
+        offsets[-1] = n_tiles
+        return _on_device(block_mask, ctas, offsets, entries)
     owner = _longest_first_onto_least_loaded(flat[order] + TILE_FIXED_BLOCKS, ctas)
     by_cta = np.argsort(owner, kind="stable")  # each CTA's tiles keep the longest-first order
     offsets = np.zeros(ctas + 1, dtype=np.int32)

@@ -164,7 +164,8 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     # (batch, head, row, residue of q, k, v, o), 2 mask-row strides, scale * log2(e), the K/V head
     # multiplier (attention_launch.kv_head_magic), residues and theirs, bias, its strides over
     # (B, H, S_q), 1 / scale, the log-sum-exp output (or null) and its strides over (B, H, row, residue);
-    # the row-window variant then takes the windows (`attention_launch.compiled_kernel` adds its "P")
+    # the row-window variant then takes the windows and a tile counter (`attention_launch.compiled_kernel`
+    # adds their "PP"; the counter is read by `takes_tiles_in_turn` points only, null for the others)
     arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f" + "P" + "q" * 4
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
@@ -193,6 +194,12 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
                     and self.shared_bytes(problem, params) <= SMEM_LIMIT):
                 points.append(params)
         return points
+
+    @staticmethod
+    def takes_tiles_in_turn(problem: AttentionProblem, params: dict[str, Any]) -> bool:
+        """Whether the point's CTAs take their tiles one at a time from a counter the launch zeroes
+        (none here: one CTA per tile)."""
+        return False
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """Registers per thread as ptxas allocates them: 1.34 x the accumulators plus 25 for
@@ -260,6 +267,8 @@ class WgmmaAttention(_AttentionTemplate):
 
 PRODUCER_THREADS = 128  # attention_wgmma_ws's copy warpgroup
 PRODUCER_REGISTERS = 24  # attention_wgmma_ws's producer: one thread issues every TMA copy
+# taking tiles from a counter and narrowing each to its row windows: at 24 the producer spilled 16-24 bytes
+IN_TURN_PRODUCER_REGISTERS = 32
 # What attention_wgmma_ws's consumer warpgroups need per thread, by (head_dim, block_n): no copy code, so
 # less than WGMMA_REGISTERS; (64, 128) compiles into the 160 that three consumer warpgroups get.
 WS_CONSUMER_REGISTERS = {(64, 64): 121, (64, 128): 160, (128, 64): 160, (128, 128): 208}
@@ -285,24 +294,38 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     bias_registers = WS_BIAS_REGISTERS
     schedules = (False, True)  # params["persistent"]: one CTA per tile, or one per SM (tile_schedule)
 
-    def consumer_registers(self, params: dict[str, Any]) -> int:
-        """Registers per consumer thread after setmaxnreg: what the producer leaves of the
-        register file, a multiple of 8, at most 240."""
-        spare = (SM_REGISTER_FILE - PRODUCER_THREADS * PRODUCER_REGISTERS) // (params["warps"] * 32)
-        return min(240, spare // 8 * 8)
+    def producer_registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        """Registers per producer thread after setmaxnreg."""
+        return IN_TURN_PRODUCER_REGISTERS if self.takes_tiles_in_turn(problem, params) else PRODUCER_REGISTERS
+
+    def consumer_registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        """Registers per consumer thread after setmaxnreg: the launch's own share plus what the
+        producer gives up, a multiple of 8, at most 240. setmaxnreg.inc draws only on registers the CTA
+        was launched with (the launch cap per thread times its threads): consumers asking more wait
+        forever (a producer at 32 beside consumers at 240 hung every launch on the H200)."""
+        consumers = params["warps"] * 32
+        launched = SM_REGISTER_FILE // (consumers + PRODUCER_THREADS) // 8 * 8
+        given_up = (launched - self.producer_registers(problem, params)) * PRODUCER_THREADS
+        return min(240, (launched + given_up // consumers) // 8 * 8)
 
     def space(self, problem: AttentionProblem) -> list[dict[str, Any]]:
         """Three consumer warpgroups (block_m 192) take 3 stages: each K/V buffer stays held until
         the third has read it (measured on the H100: 2 stages no faster, and ptxas spilled one
-        of its variants). The row-window variant runs one CTA per tile only."""
-        return [params | {"persistent": persistent} for params in super().space(problem)
-                if WS_CONSUMER_REGISTERS[(problem.head_dim, params["block_n"])] + WS_BIAS_REGISTERS * problem.bias
-                + STRIDED_REGISTERS * (problem.residues > 1) + WS_WINDOW_REGISTERS * problem.row_windows
-                <= self.consumer_registers(params)
-                and (params["block_m"] == 128 or params["stages"] == 3) for persistent in self.schedules
-                # a persistent CTA's share of tiles is cut by the static mask's work, which per-call row
-                # windows change: a causal share of many short rows would hold as many whole documents
-                if not (persistent and problem.row_windows)]
+        of its variants)."""
+        needed = (STRIDED_REGISTERS * (problem.residues > 1) + WS_BIAS_REGISTERS * problem.bias
+                  + WS_WINDOW_REGISTERS * problem.row_windows)
+        points = [params | {"persistent": persistent} for params in super().space(problem)
+                  if params["block_m"] == 128 or params["stages"] == 3 for persistent in self.schedules]
+        return [params for params in points if WS_CONSUMER_REGISTERS[(problem.head_dim, params["block_n"])] + needed
+                <= self.consumer_registers(problem, params)]
+
+    @staticmethod
+    def takes_tiles_in_turn(problem: AttentionProblem, params: dict[str, Any]) -> bool:
+        """A persistent point with per-call row windows: its CTAs take the schedule's tiles one at a
+        time from a counter (zeroed before each launch) instead of fixed shares. A share is cut by
+        the static mask's work, which the windows change in every call: under a causal mask the CTA
+        holding many short early rows would hold as many whole documents."""
+        return bool(params.get("persistent")) and problem.row_windows
 
     def kernel_name(self, problem: AttentionProblem, params: dict[str, Any]) -> str:
         return super().kernel_name(problem, params) + ("_persistent" if params["persistent"] else "")
@@ -321,8 +344,9 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
         return min(super().registers(problem, params), launch_cap)
 
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
-        return super().context(problem, params) | {"producer_registers": PRODUCER_REGISTERS,
-                                                   "consumer_registers": self.consumer_registers(params)}
+        return super().context(problem, params) | {"producer_registers": self.producer_registers(problem, params),
+                                                   "consumer_registers": self.consumer_registers(problem, params),
+                                                   "dynamic": self.takes_tiles_in_turn(problem, params)}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         """One CTA per tile, flattened to x; `attention_launch.launch_plan` narrows a persistent
