@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from stof_cc import masks
 from stof_cc.ir.reference import relative_error
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionProblem
-from stof_cc.tune.attention import explain_attention
+from stof_cc.tune.attention import choose, explain_attention
 from stof_cc.tune.database import TuningDatabase
 from stof_cc.tune.tune_attention import attention_candidates, attention_signature, tune_attention
 
@@ -30,6 +31,21 @@ def test_candidates_follow_the_model_and_render():
     one, two = (masks.from_dense(torch.rand(1024, 1024) > 0.5) for _ in range(2))
     assert attention_signature(problem, one) != attention_signature(problem, two)  # same repr, other bits
     assert attention_signature(problem, mask) == attention_signature(problem, masks.sliding_window(64))
+
+
+def test_points_taking_tiles_in_turn_are_priced_as_their_twins_and_ranked_after_them():
+    """Per-call row windows: the persistent points (tiles taken in turn) gain or lose by the documents,
+    which no plan sees, so the model prices each as its one-CTA-per-tile twin and picks the twin."""
+    problem = AttentionProblem(1, 16, 8192, 8192, 128, torch.bfloat16, row_windows=True)
+    estimates = choose(problem, masks.causal()).estimates
+    by_point = {tuple(sorted(e.params.items())): e for e in estimates}
+    in_turn = [e for e in estimates if e.params.get("persistent")]
+    assert in_turn and not estimates[0].params.get("persistent")
+    for estimate in in_turn:
+        twin = by_point[tuple(sorted((estimate.params | {"persistent": False}).items()))]
+        assert estimate.micros == twin.micros and estimates.index(estimate) > estimates.index(twin)
+    plain = choose(dataclasses.replace(problem, row_windows=False), masks.causal()).estimates
+    assert any(e.params.get("persistent") for e in plain[:2])  # static masks still price persistence
 
 
 @pytest.mark.gpu
