@@ -131,7 +131,7 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms:
     any_ptr = block_mask.any_ptr_host
     entries = np.stack((h, b, row, any_ptr[mask_row], any_ptr[mask_row + 1]), 1).astype(np.int32)
     n_tiles = n_rb * batch * heads
-    if ctas is None or ctas >= n_tiles and not in_turn:
+    if ctas is None or (ctas >= n_tiles and not in_turn):
         offsets = np.arange(n_tiles + 1, dtype=np.int32)
         return _on_device(block_mask, n_tiles, offsets, entries)
     if in_turn:
