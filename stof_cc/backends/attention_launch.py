@@ -276,12 +276,13 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
     if not 0 < scale < math.inf:
         raise AttentionInputError(f"scale must be positive and finite, got {scale}")
     grid, threads, shared = template.launch(problem, params)
+    in_turn = template.takes_tiles_in_turn(problem, params)
     if template.walks_tile_schedule:  # grid (CTAs, 1, 1), the schedule in place of row_order
         device = torch.cuda.get_device_properties(q.device)
         ctas = device.multi_processor_count if params["persistent"] else None
         schedule = tile_schedule(block_mask, problem.batch, problem.heads, ctas, device.multi_processor_count,
                                  kv_bytes_per_query_head(problem), device.L2_cache_size,
-                                 in_turn=template.takes_tiles_in_turn(problem, params))
+                                 in_turn=in_turn)
         grid, order = (schedule.ctas, 1, 1), schedule.table
     else:
         order = _row_order(block_mask)
@@ -301,7 +302,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
         end_args=(rows_per_batch, rows_per_head, scale * LOG2E, kv_head_magic(problem), residues,
                   division_magic(residues, problem.batch)),
         mask_tensors=mask_tensors, bias_to_raw=1.0 / scale, reads_bias=problem.bias,
-        reads_windows=problem.row_windows, takes_tiles_in_turn=template.takes_tiles_in_turn(problem, params),
+        reads_windows=problem.row_windows, takes_tiles_in_turn=in_turn,
         tma_box_rows=(params["block_m"], params["block_n"]) if template.loads_with_tma else None,
         residues=residues,
     )

@@ -346,7 +346,7 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
         return super().context(problem, params) | {"producer_registers": self.producer_registers(problem, params),
                                                    "consumer_registers": self.consumer_registers(problem, params),
-                                                   "dynamic": self.takes_tiles_in_turn(problem, params)}
+                                                   "in_turn": self.takes_tiles_in_turn(problem, params)}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         """One CTA per tile, flattened to x; `attention_launch.launch_plan` narrows a persistent
