@@ -4,6 +4,8 @@ the device, their errors on the CPU, and the kernels' row-window variant against
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from stof_cc import masks
 from stof_cc.backends.attention_launch import document_windows, position_windows, windows_of
 from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
+from stof_cc.runtime.attention import _plans as runtime_plans
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionInputError, problem_of
 from stof_cc.tune.attention import candidates
@@ -177,6 +180,20 @@ def test_every_template_point_matches_the_reference_with_new_documents_each_call
                    f"{template.name} {params}, {documents} documents, {tail} padded rows")
 
 
+def _captured(call) -> torch.cuda.CUDAGraph:
+    """``call`` run once on a side stream (its plan is built outside the capture, as torch.cuda.graph
+    asks), then captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
 @pytest.mark.gpu
 def test_a_captured_call_replays_with_new_documents():
     """The boundaries are data on the device: a call captured in a CUDA graph replays with new
@@ -185,14 +202,7 @@ def test_a_captured_call_replays_with_new_documents():
     q, k, v = _inputs(seq, 128, torch.bfloat16)
     causal, out = masks.causal(), torch.empty_like(q)
     cu_seqlens = torch.tensor(_boundaries(seq, 8, seed=0), dtype=torch.int32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the plan is built outside the capture, as torch.cuda.graph asks
-        attention(q, k, v, causal, cu_seqlens=cu_seqlens, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attention(q, k, v, causal, cu_seqlens=cu_seqlens, out=out)
+    graph = _captured(lambda: attention(q, k, v, causal, cu_seqlens=cu_seqlens, out=out))
     for seed, documents in ((1, 8), (2, 8), (3, 3)):  # the buffer keeps 9 entries: fewer documents end empty ones
         bounds = _boundaries(seq, documents, seed=seed, tail=40 * seed)
         bounds += [bounds[-1]] * (cu_seqlens.numel() - len(bounds))
@@ -200,6 +210,35 @@ def test_a_captured_call_replays_with_new_documents():
         graph.replay()
         _check(out, masked_attention(q, k, v, _dense(bounds, seq, causal=True).cuda()),
                f"replayed with {documents} documents")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_captured_call_outlives_its_mask(documents):
+    """A graph captured around a call whose mask the caller drops afterwards (or whose plan a tuning
+    run's adopted winner replaces): the runtime's plans go with their mask, and every replay would read
+    the plan's freed device memory (its tile schedule, its block mask). Freed blocks are refilled before
+    the replay; it must still give the right answer. (Found by a scratch A/B that rebuilt its plans in a
+    loop: wrong timings, then an illegal address.)"""
+    seq = 2048
+    q, k, v = _inputs(seq, 128, torch.bfloat16)
+    out = torch.empty_like(q)
+    bounds = _boundaries(seq, 8, seed=5)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device="cuda") if documents else None
+    allowed = _dense(bounds, seq, causal=True) if documents else torch.ones(seq, seq, dtype=torch.bool).tril()
+    mask = masks.causal()
+    graph = _captured(lambda mask=mask: attention(q, k, v, mask, cu_seqlens=cu_seqlens, out=out))
+    plans = [weakref.ref(plan) for plan in runtime_plans[mask].values()]
+    del mask
+    gc.collect()
+    assert plans and all(plan() is not None for plan in plans), "a captured plan went with its mask"
+    clutter = [torch.full((size,), -1, dtype=torch.int32, device="cuda") for size in (2 ** n for n in range(6, 22))
+               for _ in range(4)]  # whatever was freed holds -1 now
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    del clutter
+    _check(out, masked_attention(q, k, v, allowed.cuda()), f"replayed after its mask went ({documents=})")
 
 
 @pytest.mark.gpu

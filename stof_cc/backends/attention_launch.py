@@ -24,6 +24,10 @@ from stof_cc.templates.registry import KernelTemplate
 LOG2E = 1.4426950408889634
 
 _kernels: dict[tuple, Kernel] = {}
+# Plans a CUDA graph captured a launch of: every replay reads their device tensors (the tile schedule, the
+# block mask) by address, and the runtime's own plans go with their mask, which a caller may have built
+# inline and dropped. Held for the process; a graph cannot say when it is destroyed.
+_captured_plans: dict[int, LaunchPlan] = {}
 MAX_CACHED_MAPS = 64  # per plan: the (q, k, v, out) address sets whose tensor maps are kept (least recent out)
 OUT_BOX_ROWS = 64  # the output map's box: a consumer warpgroup's rows (attention_wgmma_ws stores them with TMA)
 
@@ -85,6 +89,8 @@ class LaunchPlan:
         (`bias_view`'s result) when given; ``lse``, an fp32 [B, H, S_q] tensor (unit stride over
         rows), receives each row's log-sum-exp; ``windows`` (`document_windows`' int32 [B, S_q, 2])
         narrows each query row to its keys [x, y) in the plan's row-window variant."""
+        if torch.cuda.is_current_stream_capturing():
+            _captured_plans[id(self)] = self
         if out is None:
             out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         elif out.shape != self.shape or out.dtype != self.dtype or out.device != self.device \

@@ -149,14 +149,15 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
         for template, params in options:
             row_blocks, partial = counts[(params["block_m"], params["block_n"])]
             # A point whose CTAs take tiles in turn (per-call row windows) is priced as its one-CTA-per-tile
-            # twin and ranked after it: its gain depends on the documents, which no plan sees. On an H200
-            # (S = 32768, d = 128) it was 1.12x its twin with 64 documents, 0.89-0.96x with 8-16 (history/37).
+            # twin, which counts the same blocks, and ranked before it: on an H200 (S = 32768, d = 64 and 128,
+            # 8-64 documents) it was 1.02-1.23x its twin once its consumers' wgmma descriptors stayed in
+            # uniform registers (history/38; 0.89-1.12x before, history/37).
             in_turn = template.takes_tiles_in_turn(problem, params)
             priced = estimate(params | {"persistent": False} if in_turn else params, problem.head_dim,
                               heads_batches, row_blocks, partial, template.shared_bytes(problem, params), key[1],
                               template.registers(problem, params), template.launch(problem, params)[1])
             scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn))
-        scored.sort(key=lambda item: (item[0].micros, item[2]))
+        scored.sort(key=lambda item: (item[0].micros, not item[2]))
         best, template, _ = scored[0]
         rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
         per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _, _ in scored), rule)
