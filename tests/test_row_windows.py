@@ -11,11 +11,18 @@ import pytest
 import torch
 
 from stof_cc import masks
-from stof_cc.backends.attention_launch import document_windows, position_windows, windows_of
+from stof_cc.backends.nvcc import compile_cubin
+from stof_cc.backends.row_windows import (
+    document_windows,
+    position_windows,
+    windows_of,
+    windows_on_device,
+)
 from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
 from stof_cc.runtime.attention import _plans as runtime_plans
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import AttentionInputError, problem_of
+from stof_cc.templates.row_windows import ROW_WINDOWS, RowWindowsProblem
 from stof_cc.tune.attention import candidates
 
 
@@ -129,6 +136,16 @@ def test_bad_position_ids_are_named_or_kept_in_bounds():
     assert (windows[1:] >= windows[:-1]).all()
 
 
+@pytest.mark.nvcc
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_row_windows_kernel_compiles(dtype):
+    problem = RowWindowsProblem(dtype, 2, 1000)
+    (params,) = ROW_WINDOWS.space(problem)
+    compiled = compile_cubin(ROW_WINDOWS.render(problem, params), arch="sm_90")
+    report = compiled.resources[ROW_WINDOWS.kernel_name(problem, params)]
+    assert report.spill_stores == 0, report
+
+
 def test_cu_seqlens_need_one_packed_sequence_of_queries_and_keys_and_no_bias():
     q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
     k = v = torch.randn(1, 2, 24, 64, dtype=torch.float16)
@@ -178,6 +195,28 @@ def test_every_template_point_matches_the_reference_with_new_documents_each_call
             dense = _dense(bounds, seq, causal).cuda()
             _check(out, masked_attention(q, k, v, dense),
                    f"{template.name} {params}, {documents} documents, {tail} padded rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_row_windows_kernel_gives_the_torch_ops_windows(dtype):
+    """The kernel a GPU call builds its windows with, value for value against `windows_of`'s torch ops
+    (the CPU's form): ragged lengths, empty documents, a padded tail, one document, one document per
+    row, and entries a device buffer may hold that the CPU check refuses (negative, decreasing, past
+    the sequence), for which both must agree too."""
+    generator = torch.Generator().manual_seed(7)
+    cases = [(1000, _boundaries(1000, documents, seed=documents, tail=tail))
+             for documents, tail in ((1, 0), (6, 0), (11, 37), (64, 5))]
+    cases += [(129, list(range(130))), (4096, [0, 4096]), (300, [3, 6, 9, 400]), (300, [-5, 40, 20, 250, 250, 90]),
+              (777, sorted(torch.randint(-50, 900, (40,), generator=generator).tolist()))]
+    cases += [(512, torch.randint(-20, 600, (17,), generator=generator).tolist()) for _ in range(4)]
+    for seq, bounds in cases:
+        cu_seqlens = torch.tensor(bounds, dtype=dtype, device="cuda")
+        for batch in (1, 3):
+            got = windows_on_device(cu_seqlens, batch, seq)
+            want = windows_of(cu_seqlens, batch, seq)
+            assert got.shape == (batch, seq, 2) and got.dtype == torch.int32 and got.is_contiguous()
+            assert torch.equal(got, want), (seq, bounds[:8], batch)
 
 
 def _captured(call) -> torch.cuda.CUDAGraph:

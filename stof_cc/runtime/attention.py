@@ -21,12 +21,11 @@ from stof_cc.backends.attention_launch import (
     KeyPadding,
     LaunchPlan,
     bias_view,
-    document_windows,
     key_padding_on_device,
     launch_plan,
-    position_windows,
 )
 from stof_cc.backends.pycuda_backend import current_device
+from stof_cc.backends.row_windows import document_windows, position_windows
 from stof_cc.masks import MaskDescription
 from stof_cc.templates.attention import (
     GRID_YZ_LIMIT,

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from stof_cc.backends.attention_launch import document_windows
+from stof_cc.backends.row_windows import document_windows
 from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, parse_spec
 from stof_cc.runtime.attention import attention
