@@ -15,7 +15,9 @@ from stof_cc.backends.nvcc import compile_cubin
 from stof_cc.backends.row_windows import (
     document_windows,
     position_windows,
+    position_windows_on_device,
     windows_of,
+    windows_of_positions,
     windows_on_device,
 )
 from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
@@ -137,9 +139,10 @@ def test_bad_position_ids_are_named_or_kept_in_bounds():
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_the_row_windows_kernel_compiles(dtype):
-    problem = RowWindowsProblem(dtype, 2, 1000)
+@pytest.mark.parametrize(("source", "dtype"), [("cu_seqlens", torch.int32), ("cu_seqlens", torch.int64),
+                                               ("position_ids", torch.int64)])
+def test_the_row_windows_kernels_compile(source, dtype):
+    problem = RowWindowsProblem(source, dtype, 2, 1000)
     (params,) = ROW_WINDOWS.space(problem)
     compiled = compile_cubin(ROW_WINDOWS.render(problem, params), arch="sm_90")
     report = compiled.resources[ROW_WINDOWS.kernel_name(problem, params)]
@@ -217,6 +220,29 @@ def test_the_row_windows_kernel_gives_the_torch_ops_windows(dtype):
             want = windows_of(cu_seqlens, batch, seq)
             assert got.shape == (batch, seq, 2) and got.dtype == torch.int32 and got.is_contiguous()
             assert torch.equal(got, want), (seq, bounds[:8], batch)
+
+
+@pytest.mark.gpu
+def test_the_position_windows_kernel_gives_the_torch_ops_windows():
+    """The position-id form, value for value against `windows_of_positions`: one id row for every
+    batch element and one per element, lengths around and past the kernel's 8192-row tiles, HF's ids restarting at 0, ids restarting at 1 or jumping, one document, every row its own
+    document, int32 ids, and ids near int64's ends (their + 1 wraps, as torch's does)."""
+    generator = torch.Generator().manual_seed(11)
+    seqs = (1, 5, 1000, 8191, 8192, 8193, 2 * 8192 + 1000)
+    for seq in seqs:
+        per_element = [_positions(_boundaries(seq, documents, seed=seq + documents), seq) if seq > documents
+                       else torch.arange(seq) for documents in (1, 7)]
+        cases = [torch.stack(per_element), per_element[1][None], torch.zeros(1, seq, dtype=torch.long),
+                 torch.randint(0, 3, (2, seq), generator=generator), (torch.arange(seq) % 37 + 1)[None].to(torch.int32),
+                 torch.full((1, seq), 2 ** 63 - 1), torch.tensor([2 ** 63 - 1, -(2 ** 63)] * seq)[:seq][None]]
+        for ids in cases:
+            ids = ids.cuda()
+            for batch in {ids.shape[0], 2}:
+                if ids.shape[0] not in (1, batch):
+                    continue
+                got = position_windows_on_device(ids, batch, seq)
+                assert got.shape == (batch, seq, 2) and got.is_contiguous()
+                assert torch.equal(got, windows_of_positions(ids, batch, seq)), (seq, ids[0, :8].tolist(), batch)
 
 
 def _captured(call) -> torch.cuda.CUDAGraph:

@@ -1,7 +1,8 @@
 """Packed documents as the row-window attention kernels read them: each query row's window of keys
 [start, end), int32 [B, S, 2], built per call on the inputs' device with no host read (so a CUDA graph
 replays it with whatever boundaries its buffers hold), from FlashAttention's cumulative lengths
-(`document_windows`: one kernel launch on a GPU) or HF's position ids (`position_windows`: torch ops)."""
+(`document_windows`) or HF's position ids (`position_windows`): one kernel launch each on a GPU, torch
+ops on the CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.templates.attention import AttentionInputError
 from stof_cc.templates.row_windows import ROW_WINDOWS, RowWindowsProblem
 
-_kernels: dict[torch.dtype, Kernel] = {}  # per cu_seqlens dtype
+_kernels: dict[str, Kernel] = {}  # by kernel name
 
 
 def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -46,17 +47,32 @@ def windows_on_device(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.T
     """`windows_of` in one launch of the row-windows kernel (templates/row_windows.py) on
     ``cu_seqlens``' CUDA device and torch's current stream, value for value: the form a CUDA graph
     captures, where each torch op of `windows_of` would add a launch gap."""
-    problem = RowWindowsProblem(cu_seqlens.dtype, batch, seq)
-    point = ROW_WINDOWS.space(problem)[0]
-    kernel = _kernels.get(cu_seqlens.dtype)
-    if kernel is None:
-        kernel = _kernels[cu_seqlens.dtype] = load_kernel(
-            ROW_WINDOWS.render(problem, point), ROW_WINDOWS.kernel_name(problem, point), ROW_WINDOWS.arg_format,
-            waits_for_producers=ROW_WINDOWS.waits_for_producers)
     cu_seqlens = cu_seqlens.contiguous()
-    windows = torch.empty(batch, seq, 2, dtype=torch.int32, device=cu_seqlens.device)
-    grid, threads, shared = ROW_WINDOWS.launch(problem, point)
-    kernel.launch(grid, threads, shared, cu_seqlens.data_ptr(), cu_seqlens.numel(), windows.data_ptr(), batch, seq)
+    problem = RowWindowsProblem("cu_seqlens", cu_seqlens.dtype, batch, seq)
+    return _built(problem, cu_seqlens, cu_seqlens.numel())
+
+
+def position_windows_on_device(ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """`windows_of_positions` in one launch of the row-windows kernel's position form on ``ids``'
+    CUDA device (int64 [1 | batch, seq]), value for value."""
+    ids = ids.to(torch.int64).contiguous()
+    problem = RowWindowsProblem("position_ids", torch.int64, batch, seq, ids.shape[0])
+    return _built(problem, ids, ids.shape[0])
+
+
+def _built(problem: RowWindowsProblem, source: torch.Tensor, count: int) -> torch.Tensor:
+    """int32 [batch, seq, 2] windows written by the kernel for ``problem`` from ``source`` (its
+    ``count``: cu_seqlens' entries, or the position ids' rows)."""
+    point = ROW_WINDOWS.space(problem)[0]
+    name = ROW_WINDOWS.kernel_name(problem, point)
+    kernel = _kernels.get(name)
+    if kernel is None:
+        kernel = _kernels[name] = load_kernel(ROW_WINDOWS.render(problem, point), name, ROW_WINDOWS.arg_format,
+                                              waits_for_producers=ROW_WINDOWS.waits_for_producers)
+    windows = torch.empty(problem.batch, problem.seq, 2, dtype=torch.int32, device=source.device)
+    if windows.numel():  # an empty grid is a launch error
+        grid, threads, shared = ROW_WINDOWS.launch(problem, point)
+        kernel.launch(grid, threads, shared, source.data_ptr(), count, windows.data_ptr(), problem.batch, problem.seq)
     return windows
 
 
@@ -82,7 +98,8 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
     at 1, or jump), and row r sees the keys of its own document. Starts and ends came from two rules
     before (r - id, and the next id 0), so ids that did not restart at exactly 0 let rows see
     another document's keys (found by review). ``position_ids`` [seq] (every batch element alike)
-    or [batch, seq] (each its own documents), integer, on ``device``; torch ops with no host read."""
+    or [batch, seq] (each its own documents), integer, on ``device``; no host read (one kernel launch
+    on a GPU)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2) \
             or position_ids.shape[-1] != seq or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch) \
             or position_ids.is_floating_point() or position_ids.dtype == torch.bool:
@@ -92,7 +109,17 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
                                      if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__))
     if position_ids.device != device:
         raise AttentionInputError(f"position_ids is on {position_ids.device}; the inputs are on {device}")
-    ids = position_ids.reshape(-1, seq).to(torch.int64)
+    ids = position_ids.reshape(-1, seq)
+    if device.type == "cuda":
+        return position_windows_on_device(ids, batch, seq)
+    return windows_of_positions(ids, batch, seq)
+
+
+def windows_of_positions(ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """`position_windows` once the input is checked (``ids`` [1 | batch, seq]), by torch ops on
+    their device with no host read: the CPU's form, and the reference of `position_windows_on_device`."""
+    device = ids.device
+    ids = ids.to(torch.int64)
     rows = torch.arange(seq, device=device, dtype=torch.int32).expand(ids.shape[0], seq)
     opens = torch.cat((torch.ones_like(ids[:, :1], dtype=torch.bool), ids[:, 1:] != ids[:, :-1] + 1), 1)
     start = torch.cummax(torch.where(opens, rows, 0), dim=1).values  # the latest opening at or before r
