@@ -2,17 +2,18 @@
 (issue 36's bar).
 
     python benchmarks/hf_generate.py [--families llama,qwen2,mistral,gemma3] [--hidden 2048] [--layers 4]
-                                     [--prompt 4096] [--new 128] [--batch 1,8] [--dtype bfloat16] [--sdpa-decode]
+                                     [--prompt 4096] [--new 128] [--batch 1,8] [--dtype bfloat16] [--rounds 5] [--sdpa-decode]
                                      [--json out.json]
 
 Per family and batch: one random-weight model (``--hidden``, head dim 128, a quarter as many K/V
 heads, FFN 4 x hidden, ``--layers``), its weights loaded into each implementation's copy; a prompt
 of ``--prompt`` random tokens (with B > 1 the second half of the batch left-padded by a quarter,
 as generation pads); the prefill (one forward, no cache) timed with `triton.testing.do_bench`,
-then greedy `generate()` of ``--new`` tokens timed end to end (the median of 3 after one
-warm-up). Every implementation's tokens are compared with sdpa's: the bar asks for identical
-greedy tokens, and random weights make near-ties, so the row reports the first position where
-they differ. stof-cc's decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`), or with
+then greedy `generate()` of ``--new`` tokens timed end to end (the median of ``--rounds`` after one
+warm-up; stof-cc and sdpa, the bar's pair, take turns round by round, as the host's speed drifts
+within a run; Flex's generate() runs once, for its tokens). Every implementation's tokens are
+compared with sdpa's: the bar asks for identical greedy tokens, and random weights make near-ties,
+so the row reports the first position where they differ. stof-cc's decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`), or with
 ``--sdpa-decode`` in transformers' SDPA (as before the kernel; stof_cc/hf.py says so once).
 Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 """
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import stof_cc.hf  # noqa: E402
 
 IMPLEMENTATIONS = ("stof_cc", "sdpa", "flex_attention")
+TIMED_GENERATE = ("stof_cc", "sdpa")  # the bar's pair; Flex's generate() gives its tokens but is not timed
 VOCAB = 32000
 
 
@@ -112,17 +114,25 @@ def run(family: str, batch: int, args, implementations=IMPLEMENTATIONS, device: 
             try:
                 row["prefill_ms"][name] = prefill_ms(
                     lambda model=model: model(input_ids=ids, attention_mask=mask, use_cache=False), device)
-                model.generate(ids, attention_mask=mask, **settings)  # warm-up
-                times = []
-                for _ in range(3):
-                    sync()
-                    started = time.perf_counter()
-                    tokens[name] = model.generate(ids, attention_mask=mask, **settings)[:, ids.shape[1]:]
-                    sync()
-                    times.append(time.perf_counter() - started)
-                row["generate_s"][name] = statistics.median(times)
+                tokens[name] = model.generate(ids, attention_mask=mask, **settings)[:, ids.shape[1]:]  # warm-up
             except Exception as exc:  # reported, not hidden
                 row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        # generate() is bound by the host, whose speed drifts by 20-30% within a run: the implementations
+        # take turns, round by round, so each round compares them under the same conditions
+        times: dict[str, list[float]] = {name: [] for name in models
+                                         if name in TIMED_GENERATE and name not in row.get("errors", {})}
+        for _ in range(args.rounds):
+            for name in list(times):
+                try:
+                    sync()
+                    started = time.perf_counter()
+                    tokens[name] = models[name].generate(ids, attention_mask=mask, **settings)[:, ids.shape[1]:]
+                    sync()
+                    times[name].append(time.perf_counter() - started)
+                except Exception as exc:  # reported, not hidden
+                    row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    del times[name]
+        row["generate_s"] = {name: statistics.median(t) for name, t in times.items()}
     if "sdpa" in tokens:
         row["first_difference"] = {name: first_difference(t, tokens["sdpa"]) for name, t in tokens.items()}
     return row
@@ -154,6 +164,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16"))
+    parser.add_argument("--rounds", type=int, default=5, help="timed generate() calls per implementation, taken in turn")
     parser.add_argument("--sdpa-decode", action="store_true", help="stof-cc's decode steps in SDPA, not its decode kernel")
     parser.add_argument("--json")
     args = parser.parse_args()

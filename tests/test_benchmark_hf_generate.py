@@ -22,7 +22,7 @@ spec.loader.exec_module(hf_generate)
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
 def test_a_tiny_run_gives_sdpas_tokens_and_a_table(family):
     hf_generate.stof_cc.hf.register()
-    args = SimpleNamespace(hidden=256, layers=1, prompt=24, new=3, dtype="float32")
+    args = SimpleNamespace(hidden=256, layers=1, prompt=24, new=3, dtype="float32", rounds=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # stof_cc's attention says once that it runs in SDPA on the CPU
         row = hf_generate.run(family, 2, args, implementations=("stof_cc", "sdpa"), device="cpu")
