@@ -23,7 +23,7 @@ from stof_cc.backends.row_windows import (
 from stof_cc.ir.reference import masked_attention, masked_lse, relative_error
 from stof_cc.runtime.attention import _plans as runtime_plans
 from stof_cc.runtime.attention import attention
-from stof_cc.templates.attention import AttentionInputError, problem_of
+from stof_cc.templates.attention import GRID_YZ_LIMIT, AttentionInputError, problem_of
 from stof_cc.templates.row_windows import ROW_WINDOWS, RowWindowsProblem
 from stof_cc.tune.attention import candidates
 
@@ -125,6 +125,12 @@ def test_position_ids_split_documents_as_transformers_does(ids):
     documents = find_packed_sequence_indices(ids[None])
     documents = torch.zeros_like(ids) if documents is None else documents[0]
     assert torch.equal(seen, documents[:, None] == documents[None, :])
+
+
+def test_position_ids_for_more_batch_elements_than_the_grid_holds_are_named():
+    batch = GRID_YZ_LIMIT + 1
+    with pytest.raises(AttentionInputError, match=f"{batch} batch elements"):
+        position_windows(torch.zeros(batch, 1, dtype=torch.int8), batch, 1, torch.device("cpu"))
 
 
 def test_bad_position_ids_are_named_or_kept_in_bounds():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
-from stof_cc.templates.attention import AttentionInputError
+from stof_cc.templates.attention import GRID_YZ_LIMIT, AttentionInputError
 from stof_cc.templates.row_windows import ROW_WINDOWS, RowWindowsProblem
 
 _kernels: dict[str, Kernel] = {}  # by kernel name
@@ -110,6 +110,9 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
     if position_ids.device != device:
         raise AttentionInputError(f"position_ids is on {position_ids.device}; the inputs are on {device}")
     ids = position_ids.reshape(-1, seq)
+    if ids.shape[0] > GRID_YZ_LIMIT:  # the kernel's grid holds a row of CTAs per batch element
+        raise AttentionInputError(f"position_ids for {ids.shape[0]} batch elements; the kernels take at most "
+                                  f"{GRID_YZ_LIMIT} (pass one row of ids [{seq}] if every element has the same documents)")
     if device.type == "cuda":
         return position_windows_on_device(ids, batch, seq)
     return windows_of_positions(ids, batch, seq)
