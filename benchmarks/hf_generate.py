@@ -7,14 +7,15 @@
 
 Per family and batch: one random-weight model (``--hidden``, head dim 128, a quarter as many K/V
 heads, FFN 4 x hidden, ``--layers``), its weights loaded into each implementation's copy; a prompt
-of ``--prompt`` random tokens (with B > 1 the second half of the batch left-padded by a quarter,
-as generation pads); the prefill (one forward, no cache) timed with `triton.testing.do_bench`,
-then greedy `generate()` of ``--new`` tokens timed end to end (the median of ``--rounds`` after one
-warm-up; stof-cc and sdpa, the bar's pair, take turns round by round, as the host's speed drifts
-within a run; Flex's generate() runs once, for its tokens). Every implementation's tokens are
-compared with sdpa's: the bar asks for identical greedy tokens, and random weights make near-ties,
-so the row reports the first position where they differ. stof-cc's decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`), or with
-``--sdpa-decode`` in transformers' SDPA (as before the kernel; stof_cc/hf.py says so once).
+of ``--prompt`` random tokens (with B > 1 the second half of the batch left-padded by a quarter, as
+generation pads); the prefill (one forward, no cache) timed with `triton.testing.do_bench`, then
+greedy `generate()` of ``--new`` tokens timed end to end (the median of ``--rounds`` after one
+warm-up; stof-cc and sdpa, the bar's pair, take turns round by round, in either order as often, as
+the host's speed drifts within a run; Flex's generate() runs once, for its tokens). Every
+implementation's tokens are compared with sdpa's: the bar asks for identical greedy tokens, and
+random weights make near-ties, so the row reports the first position where they differ. stof-cc's
+decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`), or with ``--sdpa-decode`` in
+transformers' SDPA (as before the kernel; stof_cc/hf.py says so once).
 Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 """
 
@@ -121,8 +122,8 @@ def run(family: str, batch: int, args, implementations=IMPLEMENTATIONS, device: 
         # take turns, round by round, so each round compares them under the same conditions
         times: dict[str, list[float]] = {name: [] for name in models
                                          if name in TIMED_GENERATE and name not in row.get("errors", {})}
-        for _ in range(args.rounds):
-            for name in list(times):
+        for round_ in range(args.rounds):
+            for name in list(times)[::-1 if round_ % 2 else 1]:  # either order as often: no order bias
                 try:
                     sync()
                     started = time.perf_counter()
@@ -168,6 +169,8 @@ def main() -> None:
     parser.add_argument("--sdpa-decode", action="store_true", help="stof-cc's decode steps in SDPA, not its decode kernel")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     stof_cc.hf.register()
     stof_cc.hf.DECODE_KERNEL = not args.sdpa_decode
     rows = []

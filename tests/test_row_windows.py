@@ -133,6 +133,19 @@ def test_position_ids_for_more_batch_elements_than_the_grid_holds_are_named():
         position_windows(torch.zeros(batch, 1, dtype=torch.int8), batch, 1, torch.device("cpu"))
 
 
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: document_windows(torch.tensor([0, 4]), 1, 0, torch.device("cpu")), "1 to .* rows"),
+    (lambda: position_windows(torch.zeros(1, 0, dtype=torch.long), 1, 0, torch.device("cpu")), "1 to .* rows"),
+    (lambda: windows_on_device(torch.tensor([4]), 1, 8), "at least 2 entries"),
+    (lambda: windows_on_device(torch.tensor([0.0, 4.0]), 1, 8), "int32 or int64"),
+    (lambda: position_windows_on_device(torch.zeros(3, 8, dtype=torch.long), 2, 8), r"\[1 or 2, 8\]"),
+    (lambda: position_windows_on_device(torch.zeros(8, dtype=torch.long), 1, 8), r"\[1 or 1, 8\]"),
+])
+def test_the_window_builders_name_what_they_refuse_before_any_launch(call, message):
+    with pytest.raises(AttentionInputError, match=message):
+        call()
+
+
 def test_bad_position_ids_are_named_or_kept_in_bounds():
     with pytest.raises(AttentionInputError, match=r"integer tensor \[16\] or \[2, 16\]"):
         position_windows(torch.zeros(3, 16, dtype=torch.long), 2, 16, torch.device("cpu"))
@@ -219,9 +232,11 @@ def test_the_row_windows_kernel_gives_the_torch_ops_windows(dtype):
     cases += [(129, list(range(130))), (4096, [0, 4096]), (300, [3, 6, 9, 400]), (300, [-5, 40, 20, 250, 250, 90]),
               (777, sorted(torch.randint(-50, 900, (40,), generator=generator).tolist()))]
     cases += [(512, torch.randint(-20, 600, (17,), generator=generator).tolist()) for _ in range(4)]
+    if dtype == torch.int64:  # clamped before they are narrowed to rows
+        cases += [(300, [-(2 ** 40), 100, 2 ** 40]), (300, [0, 2 ** 40 + 5, 2 ** 62])]
     for seq, bounds in cases:
         cu_seqlens = torch.tensor(bounds, dtype=dtype, device="cuda")
-        for batch in (1, 3):
+        for batch in (0, 1, 3):
             got = windows_on_device(cu_seqlens, batch, seq)
             want = windows_of(cu_seqlens, batch, seq)
             assert got.shape == (batch, seq, 2) and got.dtype == torch.int32 and got.is_contiguous()
@@ -231,19 +246,23 @@ def test_the_row_windows_kernel_gives_the_torch_ops_windows(dtype):
 @pytest.mark.gpu
 def test_the_position_windows_kernel_gives_the_torch_ops_windows():
     """The position-id form, value for value against `windows_of_positions`: one id row for every
-    batch element and one per element, lengths around and past the kernel's 8192-row tiles, HF's ids restarting at 0, ids restarting at 1 or jumping, one document, every row its own
-    document, int32 ids, and ids near int64's ends (their + 1 wraps, as torch's does)."""
+    batch element and one per element, lengths around the kernel's 1024-row tiles and its 8192-row
+    look-around steps, documents opening exactly at and beside those edges, HF's ids restarting at 0,
+    ids restarting at 1 or jumping, one document, every row its own document, int32 ids, and ids near
+    int64's ends (their + 1 wraps, as torch's does)."""
     generator = torch.Generator().manual_seed(11)
-    seqs = (1, 5, 1000, 8191, 8192, 8193, 2 * 8192 + 1000)
+    seqs = (1, 5, 1000, 1023, 1024, 1025, 2048, 8191, 8192, 8193, 2 * 8192 + 1000)
     for seq in seqs:
         per_element = [_positions(_boundaries(seq, documents, seed=seq + documents), seq) if seq > documents
                        else torch.arange(seq) for documents in (1, 7)]
-        cases = [torch.stack(per_element), per_element[1][None], torch.zeros(1, seq, dtype=torch.long),
+        edges = [0] + [edge for edge in (1023, 1024, 1025, 8191, 8192, 8193, 16384) if edge < seq] + [seq]
+        cases = [torch.stack(per_element), per_element[1][None], _positions(edges, seq)[None],
+                 torch.zeros(1, seq, dtype=torch.long),
                  torch.randint(0, 3, (2, seq), generator=generator), (torch.arange(seq) % 37 + 1)[None].to(torch.int32),
                  torch.full((1, seq), 2 ** 63 - 1), torch.tensor([2 ** 63 - 1, -(2 ** 63)] * seq)[:seq][None]]
         for ids in cases:
             ids = ids.cuda()
-            for batch in {ids.shape[0], 2}:
+            for batch in {ids.shape[0], 2, 0}:
                 if ids.shape[0] not in (1, batch):
                     continue
                 got = position_windows_on_device(ids, batch, seq)

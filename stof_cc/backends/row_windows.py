@@ -10,9 +10,10 @@ import torch
 
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.templates.attention import GRID_YZ_LIMIT, AttentionInputError
-from stof_cc.templates.row_windows import ROW_WINDOWS, RowWindowsProblem
+from stof_cc.templates.row_windows import INDEX_TYPES, ROW_WINDOWS, RowWindowsProblem
 
 _kernels: dict[str, Kernel] = {}  # by kernel name
+MAX_ROWS = 2 ** 31 - 2 ** 16  # 32-bit row indices, with room for the position kernel's steps past the last row
 
 
 def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -30,6 +31,7 @@ def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: tor
                                   "(0, then each document's end), got "
                                   + (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
                                      if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__))
+    _check_sizes(batch, seq)
     if cu_seqlens.device.type == "cpu":
         if cu_seqlens[0] != 0 or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()) or cu_seqlens[-1] > seq:
             raise AttentionInputError(f"cu_seqlens must start at 0, never decrease and end at most at the "
@@ -47,6 +49,10 @@ def windows_on_device(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.T
     """`windows_of` in one launch of the row-windows kernel (templates/row_windows.py) on
     ``cu_seqlens``' CUDA device and torch's current stream, value for value: the form a CUDA graph
     captures, where each torch op of `windows_of` would add a launch gap."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in INDEX_TYPES:
+        raise AttentionInputError(f"cu_seqlens must be a 1-D int32 or int64 tensor of at least 2 entries, got "
+                                  f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    _check_sizes(batch, seq)
     cu_seqlens = cu_seqlens.contiguous()
     problem = RowWindowsProblem("cu_seqlens", cu_seqlens.dtype, batch, seq)
     return _built(problem, cu_seqlens, cu_seqlens.numel())
@@ -54,7 +60,8 @@ def windows_on_device(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.T
 
 def position_windows_on_device(ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """`windows_of_positions` in one launch of the row-windows kernel's position form on ``ids``'
-    CUDA device (int64 [1 | batch, seq]), value for value."""
+    CUDA device (integer [1 | batch, seq]), value for value."""
+    _check_ids(ids, batch, seq)
     ids = ids.to(torch.int64).contiguous()
     problem = RowWindowsProblem("position_ids", torch.int64, batch, seq, ids.shape[0])
     return _built(problem, ids, ids.shape[0])
@@ -72,14 +79,36 @@ def _built(problem: RowWindowsProblem, source: torch.Tensor, count: int) -> torc
     windows = torch.empty(problem.batch, problem.seq, 2, dtype=torch.int32, device=source.device)
     if windows.numel():  # an empty grid is a launch error
         grid, threads, shared = ROW_WINDOWS.launch(problem, point)
-        kernel.launch(grid, threads, shared, source.data_ptr(), count, windows.data_ptr(), problem.batch, problem.seq)
+        with torch.cuda.device(source.device):  # kernels launch on torch's current device
+            kernel.launch(grid, threads, shared, source.data_ptr(), count, windows.data_ptr(), problem.batch,
+                          problem.seq)
     return windows
+
+
+def _check_sizes(batch: int, seq: int) -> None:
+    """The sizes the kernels index with 32-bit rows (their look-arounds step past the last row)."""
+    if seq < 1 or seq > MAX_ROWS or batch < 0:
+        raise AttentionInputError(f"packed documents need 1 to {MAX_ROWS} rows and a batch of 0 or more, got "
+                                  f"{seq} rows and a batch of {batch}")
+
+
+def _check_ids(ids: torch.Tensor, batch: int, seq: int) -> None:
+    """Position ids as the kernel reads them: integer [1 | batch, seq], at most a grid's rows of CTAs."""
+    _check_sizes(batch, seq)
+    if ids.dim() != 2 or ids.shape[1] != seq or ids.shape[0] not in (1, batch) or ids.is_floating_point() \
+            or ids.dtype == torch.bool:
+        raise AttentionInputError(f"position ids must be an integer tensor [1 or {batch}, {seq}], got {ids.dtype} "
+                                  f"{tuple(ids.shape)}")
+    if ids.shape[0] > GRID_YZ_LIMIT:  # the kernel's grid holds a row of CTAs per batch element
+        raise AttentionInputError(f"position_ids for {ids.shape[0]} batch elements; the kernels take at most "
+                                  f"{GRID_YZ_LIMIT} (pass one row of ids [{seq}] if every element has the same "
+                                  "documents)")
 
 
 def windows_of(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """`document_windows` once the input is checked, by torch ops on ``cu_seqlens``' device with no
-    host read: the CPU's form, and the reference `windows_on_device` is tested against. Values are clamped to [0, seq]; rows before the first entry or past the last get no
-    key, so both ends of the windows never decrease, whatever the entries."""
+    host read: the CPU's form, and the reference `windows_on_device` is tested against. Values are
+    clamped to [0, seq]; rows before the first entry or past the last get no key."""
     device = cu_seqlens.device
     bounds = cu_seqlens.clamp(0, seq).to(torch.int32)
     rows = torch.arange(seq, device=device, dtype=torch.int32)
@@ -95,11 +124,11 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
     """Packed documents from position ids (HF's padding-free batches), as `document_windows` gives
     them from cumulative lengths: a document opens at the first row and wherever an id is not its
     predecessor's + 1 (transformers' rule, `find_packed_sequence_indices`: ids that restart at 0,
-    at 1, or jump), and row r sees the keys of its own document. Starts and ends came from two rules
-    before (r - id, and the next id 0), so ids that did not restart at exactly 0 let rows see
-    another document's keys (found by review). ``position_ids`` [seq] (every batch element alike)
-    or [batch, seq] (each its own documents), integer, on ``device``; no host read (one kernel launch
-    on a GPU)."""
+    at 1, or jump), and row r sees the keys of its own document. ``position_ids`` [seq] (every batch
+    element alike) or [batch, seq] (each its own documents), integer, on ``device``; no host read.
+    On a GPU one kernel launch, whose CTAs (one per 1024 rows) each look before and after their rows
+    8192 rows a step for the nearest openings: one step where documents are shorter than that, and
+    up to S / 8192 for one document of S rows (16 at S = 131072)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2) \
             or position_ids.shape[-1] != seq or position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch) \
             or position_ids.is_floating_point() or position_ids.dtype == torch.bool:
@@ -109,10 +138,9 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
                                      if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__))
     if position_ids.device != device:
         raise AttentionInputError(f"position_ids is on {position_ids.device}; the inputs are on {device}")
+    _check_sizes(batch, seq)
     ids = position_ids.reshape(-1, seq)
-    if ids.shape[0] > GRID_YZ_LIMIT:  # the kernel's grid holds a row of CTAs per batch element
-        raise AttentionInputError(f"position_ids for {ids.shape[0]} batch elements; the kernels take at most "
-                                  f"{GRID_YZ_LIMIT} (pass one row of ids [{seq}] if every element has the same documents)")
+    _check_ids(ids, batch, seq)  # the same limits on every device: what runs on the CPU runs on a GPU
     if device.type == "cuda":
         return position_windows_on_device(ids, batch, seq)
     return windows_of_positions(ids, batch, seq)
