@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from stof_cc.backends.pycuda_backend import Kernel, load_kernel
+from stof_cc.backends.pycuda_backend import Kernel, current_device, load_kernel
 from stof_cc.templates.attention import GRID_YZ_LIMIT, AttentionInputError
 from stof_cc.templates.row_windows import INDEX_TYPES, ROW_WINDOWS, RowWindowsProblem
 
@@ -79,9 +79,12 @@ def _built(problem: RowWindowsProblem, source: torch.Tensor, count: int) -> torc
     windows = torch.empty(problem.batch, problem.seq, 2, dtype=torch.int32, device=source.device)
     if windows.numel():  # an empty grid is a launch error
         grid, threads, shared = ROW_WINDOWS.launch(problem, point)
-        with torch.cuda.device(source.device):  # kernels launch on torch's current device
-            kernel.launch(grid, threads, shared, source.data_ptr(), count, windows.data_ptr(), problem.batch,
-                          problem.seq)
+        arguments = (source.data_ptr(), count, windows.data_ptr(), problem.batch, problem.seq)
+        if source.device.index == current_device():
+            kernel.launch(grid, threads, shared, *arguments)
+        else:  # kernels launch on torch's current device
+            with torch.cuda.device(source.device):
+                kernel.launch(grid, threads, shared, *arguments)
     return windows
 
 
