@@ -141,7 +141,7 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
                                      if isinstance(position_ids, torch.Tensor) else type(position_ids).__name__))
     if position_ids.device != device:
         raise AttentionInputError(f"position_ids is on {position_ids.device}; the inputs are on {device}")
-    _check_sizes(batch, seq)
+    _check_sizes(batch, seq)  # before the reshape, which cannot infer a dimension beside 0 rows
     ids = position_ids.reshape(-1, seq)
     _check_ids(ids, batch, seq)  # the same limits on every device: what runs on the CPU runs on a GPU
     if device.type == "cuda":
