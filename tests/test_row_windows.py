@@ -136,7 +136,7 @@ def test_position_ids_for_more_batch_elements_than_the_grid_holds_are_named():
 @pytest.mark.parametrize(("call", "message"), [
     (lambda: document_windows(torch.tensor([0, 4]), 1, 0, torch.device("cpu")), "1 to .* rows"),
     (lambda: position_windows(torch.zeros(1, 0, dtype=torch.long), 1, 0, torch.device("cpu")), "1 to .* rows"),
-    (lambda: windows_on_device(torch.tensor([4]), 1, 8), "at least 2 entries"),
+    (lambda: windows_on_device(torch.tensor([4]), 1, 8), "1-D int32 or int64"),
     (lambda: windows_on_device(torch.tensor([0.0, 4.0]), 1, 8), "int32 or int64"),
     (lambda: position_windows_on_device(torch.zeros(3, 8, dtype=torch.long), 2, 8), r"\[1 or 2, 8\]"),
     (lambda: position_windows_on_device(torch.zeros(8, dtype=torch.long), 1, 8), r"\[1 or 1, 8\]"),

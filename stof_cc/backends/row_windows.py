@@ -25,13 +25,7 @@ def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: tor
     A CPU tensor is checked (starts at 0, never decreases); a device one is the caller's to keep
     so (as FlashAttention's varlen functions take it): values are clamped to [0, seq], so a bad one
     can give wrong rows but never a read out of bounds."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
-            or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise AttentionInputError("cu_seqlens must be a 1-D int32 or int64 tensor of cumulative document lengths "
-                                  "(0, then each document's end), got "
-                                  + (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
-                                     if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__))
-    _check_sizes(batch, seq)
+    _check_cu_seqlens(cu_seqlens, batch, seq)
     if cu_seqlens.device.type == "cpu":
         if cu_seqlens[0] != 0 or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()) or cu_seqlens[-1] > seq:
             raise AttentionInputError(f"cu_seqlens must start at 0, never decrease and end at most at the "
@@ -41,7 +35,7 @@ def document_windows(cu_seqlens: torch.Tensor, batch: int, seq: int, device: tor
     elif cu_seqlens.device != device:
         raise AttentionInputError(f"cu_seqlens is on {cu_seqlens.device}; the inputs are on {device}")
     if device.type == "cuda":
-        return windows_on_device(cu_seqlens, batch, seq)
+        return _document_windows_built(cu_seqlens, batch, seq)
     return windows_of(cu_seqlens, batch, seq)
 
 
@@ -49,22 +43,33 @@ def windows_on_device(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.T
     """`windows_of` in one launch of the row-windows kernel (templates/row_windows.py) on
     ``cu_seqlens``' CUDA device and torch's current stream, value for value: the form a CUDA graph
     captures, where each torch op of `windows_of` would add a launch gap."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype not in INDEX_TYPES:
-        raise AttentionInputError(f"cu_seqlens must be a 1-D int32 or int64 tensor of at least 2 entries, got "
-                                  f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    _check_sizes(batch, seq)
-    cu_seqlens = cu_seqlens.contiguous()
-    problem = RowWindowsProblem("cu_seqlens", cu_seqlens.dtype, batch, seq)
-    return _built(problem, cu_seqlens, cu_seqlens.numel())
+    _check_cu_seqlens(cu_seqlens, batch, seq)
+    return _document_windows_built(cu_seqlens, batch, seq)
 
 
 def position_windows_on_device(ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
     """`windows_of_positions` in one launch of the row-windows kernel's position form on ``ids``'
     CUDA device (integer [1 | batch, seq]), value for value."""
-    _check_ids(ids, batch, seq)
+    _check_sizes(batch, seq)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != seq or ids.shape[0] not in (1, batch) \
+            or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise AttentionInputError(f"position ids must be an integer tensor [1 or {batch}, {seq}], got "
+                                  + (f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
+                                     else type(ids).__name__))
+    _check_id_rows(ids, seq)
+    return _position_windows_built(ids, batch, seq)
+
+
+def _document_windows_built(cu_seqlens: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """`windows_on_device` once its inputs are checked."""
+    cu_seqlens = cu_seqlens.contiguous()
+    return _built(RowWindowsProblem("cu_seqlens", cu_seqlens.dtype, batch, seq), cu_seqlens, cu_seqlens.numel())
+
+
+def _position_windows_built(ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """`position_windows_on_device` once its inputs are checked."""
     ids = ids.to(torch.int64).contiguous()
-    problem = RowWindowsProblem("position_ids", torch.int64, batch, seq, ids.shape[0])
-    return _built(problem, ids, ids.shape[0])
+    return _built(RowWindowsProblem("position_ids", torch.int64, batch, seq, ids.shape[0]), ids, ids.shape[0])
 
 
 def _built(problem: RowWindowsProblem, source: torch.Tensor, count: int) -> torch.Tensor:
@@ -95,14 +100,20 @@ def _check_sizes(batch: int, seq: int) -> None:
                                   f"{seq} rows and a batch of {batch}")
 
 
-def _check_ids(ids: torch.Tensor, batch: int, seq: int) -> None:
-    """Position ids as the kernel reads them: integer [1 | batch, seq], at most a grid's rows of CTAs."""
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq: int) -> None:
+    """FlashAttention's cumulative lengths as the builders read them, and the sizes."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.dtype not in INDEX_TYPES:
+        raise AttentionInputError("cu_seqlens must be a 1-D int32 or int64 tensor of cumulative document lengths "
+                                  "(0, then each document's end), got "
+                                  + (f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+                                     if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__))
     _check_sizes(batch, seq)
-    if ids.dim() != 2 or ids.shape[1] != seq or ids.shape[0] not in (1, batch) or ids.is_floating_point() \
-            or ids.dtype == torch.bool:
-        raise AttentionInputError(f"position ids must be an integer tensor [1 or {batch}, {seq}], got {ids.dtype} "
-                                  f"{tuple(ids.shape)}")
-    if ids.shape[0] > GRID_YZ_LIMIT:  # the kernel's grid holds a row of CTAs per batch element
+
+
+def _check_id_rows(ids: torch.Tensor, seq: int) -> None:
+    """At most a grid's rows of CTAs: the position kernel runs a row of them per row of ids."""
+    if ids.shape[0] > GRID_YZ_LIMIT:
         raise AttentionInputError(f"position_ids for {ids.shape[0]} batch elements; the kernels take at most "
                                   f"{GRID_YZ_LIMIT} (pass one row of ids [{seq}] if every element has the same "
                                   "documents)")
@@ -143,9 +154,9 @@ def position_windows(position_ids: torch.Tensor, batch: int, seq: int, device: t
         raise AttentionInputError(f"position_ids is on {position_ids.device}; the inputs are on {device}")
     _check_sizes(batch, seq)  # before the reshape, which cannot infer a dimension beside 0 rows
     ids = position_ids.reshape(-1, seq)
-    _check_ids(ids, batch, seq)  # the same limits on every device: what runs on the CPU runs on a GPU
+    _check_id_rows(ids, seq)  # the same limits on every device: what runs on the CPU runs on a GPU
     if device.type == "cuda":
-        return position_windows_on_device(ids, batch, seq)
+        return _position_windows_built(ids, batch, seq)
     return windows_of_positions(ids, batch, seq)
 
 
