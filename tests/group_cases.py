@@ -116,17 +116,6 @@ class LinearRmsNorm(torch.nn.Module):
         return self.norm(self.proj(x) - r)
 
 
-class LinearNoBias(torch.nn.Module):
-    """A bare GEMM, N neither a tile multiple nor a multiple of 8 (so stored directly)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(width, width // 2 + 72, bias=False)
-
-    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        return self.fc(x)
-
-
 class HeadSplit(torch.nn.Module):
     """A Q projection whose store writes the (batch, head, seq, head_dim) layout directly."""
 

@@ -279,37 +279,3 @@ def test_multicast_twins_only_for_128_by_256_tiles_in_at_most_two_waves():
     assert GEMM_EPILOGUE.default_params(problem).get("multicast") is None  # ties keep the plain point
     graph, group = _gemm_group(torch.nn.Linear(4096, 4096, bias=False).half(), torch.randn(4096, 4096, dtype=torch.float16))
     assert not any(p.get("multicast") for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))  # 512 tiles
-
-
-def test_k_split_twins_only_where_the_tiles_fill_less_than_half_the_sms():
-    """K-split twins (clusters of 2 or 4 CTAs sharing a tile's k-steps) of cooperative points at
-    M = 1024, K = 3072, N = 768 (24-96 tiles for 132 SMs): one tile per CTA (the grid is every
-    tile's cluster, at most the SMs), at least four k-steps per CTA, stored directly (no output
-    map: a CTA's columns are not whole staging boxes), the cluster size in the source; none with
-    a staged residual, none at M = 4096 (enough tiles), none where K is too short to share."""
-    import math
-
-    from stof_cc.templates.gemm_epilogue import point_tag
-    from stof_cc.templates.group import OUTPUT_MAP
-    from stof_cc.templates.pricing import sm_count
-
-    graph, group = _gemm_group(torch.nn.Linear(3072, 768, bias=False).half(), torch.randn(1024, 3072, dtype=torch.float16))
-    problem = GEMM_EPILOGUE.match(graph, group)
-    space = GEMM_EPILOGUE.space(problem)
-    twins = [p for p in space if p.get("k_split")]
-    assert "co_m128_n192_s4_ks4" in [point_tag(p) for p in twins]
-    for twin in twins:
-        plain = {k: v for k, v in twin.items() if k != "k_split"}
-        assert plain in space and twin["schedule"] == "cooperative"
-        tiles = math.ceil(1024 / twin["block_m"]) * math.ceil(768 / twin["block_n"])
-        (grid, _, _), _, _ = GEMM_EPILOGUE.launch(problem, twin)
-        assert 2 * tiles < sm_count() and grid == tiles * twin["k_split"] <= sm_count()
-        assert 3072 // 64 >= 4 * twin["k_split"]
-        assert OUTPUT_MAP not in [index for index, _, _ in GEMM_EPILOGUE.tensor_maps(problem, twin)]
-        source = GEMM_EPILOGUE.render(problem, twin)
-        assert "__cluster_dims__(KSPLIT, 1, 1)" in source and f"#define KSPLIT {twin['k_split']}" in source
-        assert "map_out" not in source
-    graph, group = _gemm_group(torch.nn.Linear(3072, 768, bias=False).half(), torch.randn(4096, 3072, dtype=torch.float16))
-    assert not any(p.get("k_split") for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))
-    graph, group = _gemm_group(torch.nn.Linear(256, 768, bias=False).half(), torch.randn(1024, 256, dtype=torch.float16))
-    assert not any(p.get("k_split") for p in GEMM_EPILOGUE.space(GEMM_EPILOGUE.match(graph, group)))  # 4 k-steps

@@ -99,35 +99,6 @@ def test_persistent_gemm_walks_many_tiles_per_cta(module_name, raster, ctas, dty
         assert err < 1e-2, f"{params} on {launch.geometry[0][0]} CTA(s): relative error {err}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("module_name, shape", [("LinearGelu", (333, 1000)), ("HeadSplit", (2, 111, 1024)),
-                                                ("LinearNoBias", (333, 1096))])
-def test_k_split_twins_match_torch(module_name, shape, dtype):
-    """Every K-split twin (clusters of 2 or 4 CTAs summing a tile's k-step shares over distributed
-    shared memory, each storing its columns) on shapes no tile divides: K = 1000 and 1096 (16 and
-    18 k-steps, the last partial; 1096 leaves the fourth CTA 3 k-steps to the others' 5), ragged M
-    and N, an epilogue with the bias (added once, by the owner), the head split's store index, and
-    a bare GEMM whose N (620) is no multiple of 8."""
-    import group_cases
-
-    from stof_cc.templates.gemm_epilogue import GEMM_EPILOGUE
-
-    if not GEMM_EPILOGUE.runs_on(torch.cuda.get_device_capability()):
-        pytest.skip("gemm_epilogue needs sm_90")
-    module, (x, r), graph, group = build(getattr(group_cases, module_name), "gemm", shape, dtype)
-    problem = GEMM_EPILOGUE.match(graph, group)
-    twins = [params for params in GEMM_EPILOGUE.space(problem) if params.get("k_split")]
-    assert {params["k_split"] for params in twins} == {2, 4}, twins
-    want = module.float()(x.float(), r.float()).cuda()
-    values = {n.name: t.cuda() for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
-    values |= {name: t.cuda() for name, t in graph.constants.items()}
-    precompile(GEMM_EPILOGUE, problem, twins)
-    for params in twins:
-        got = run_group(GEMM_EPILOGUE, problem, params, values)
-        err = relative_error(got, want)
-        assert err < 1e-2, f"{params} {shape} {dtype}: relative error {err}"
-
-
 def test_gelu_is_within_its_fitted_bound():
     """Generated GELU (gelu_erf: a fitted form of Abramowitz & Stegun 7.1.28, not erff) against torch's
     in float64 over [-10, 10] in fp32, where rounding to fp16/bf16 hides nothing: the fit's bound is 3e-5."""

@@ -14,11 +14,7 @@ the ring) from under the products on. Rings of 3 or 4 operand stages, and the de
 that fits, for small cold GEMMs. Where the tiles make at most two waves, cooperative 128 x 256 tiles
 also come as W-multicast twins (``"multicast": 2``): clusters of two CTAs on units of two row tiles
 sharing a column tile, each loading half of every W chunk into both, which is how cuBLAS runs
-those shapes; priced as their one-CTA twins, so only stage 2's measurement picks them. Where a
-shape's tiles fill less than half the SMs, cooperative points also come as K-split twins
-(``"k_split": 2`` or ``4``): clusters of that many CTAs share a tile's k-steps and sum their
-partial products over distributed shared memory, each CTA storing its share of the columns
-(docs/decisions.md#k-split-clusters).
+those shapes; priced as their one-CTA twins, so only stage 2's measurement picks them.
 Why (with the figures): docs/decisions.md#gemm-on-wgmma, #gemm-operands-by-tma,
 #staged-residual, #staging-ring, #staged-residual-ring, #deep-rings, #mainloop-instructions, #multicast-clusters (taken out
 twice at more waves, back for one or two),
@@ -56,8 +52,6 @@ DEEP_STAGES = 8  # and the deepest ring that fits, up to this, where it is deepe
 SCHEDULES = ("cooperative", "pingpong")
 MULTICAST = 2  # CTAs per cluster of a multicast twin
 MULTICAST_WAVES = 2  # multicast twins where the tiles make at most this many waves
-K_SPLITS = (2, 4)  # CTAs per cluster of a K-split twin
-K_SPLIT_MIN_STEPS = 4  # k-steps per CTA of a K-split twin, at least
 SMEM_LIMIT = 227 * 1024
 PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232  # (65536 - 128 x 40) / 256, rounded down to a multiple of 8
@@ -124,9 +118,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
                         limit = CONSUMER_REGISTERS if _consumer_warpgroups(params) > 1 else 255
                         if self.shared_bytes(problem, params) <= SMEM_LIMIT and registers <= limit:
                             points.append(params)
-        return (points + [params | {"multicast": MULTICAST} for params in points if _multicast_twin(problem.details, params)]
-                + [params | {"k_split": k_split} for params in points for k_split in K_SPLITS
-                   if _split_twin(problem.details, params, k_split)])
+        return points + [params | {"multicast": MULTICAST} for params in points if _multicast_twin(problem.details, params)]
 
     def default_params(self, problem: Problem) -> dict[str, Any]:
         """Stage 1's pick (how it compares with the measured best: docs/decisions.md#gemm-default-point)."""
@@ -139,7 +131,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         epilogue = moved_bytes(problem) - a_and_w - staged  # the output and the epilogue's other operands
         return gemm_us(d.m, d.n, d.k, params["block_m"], params["block_n"], params["stages"], epilogue,
                        sm_count, pingpong=params["schedule"] == "pingpong", epilogue_ops=d.epilogue_ops,
-                       tma_store=_tma_store(d, params), k_split=_k_split(params))
+                       tma_store=d.tma_store)
 
     def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         staged = problem.details.staged
@@ -150,7 +142,7 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         """A and W: 64-column (128-byte) boxes of a tile's rows; the output (TMA store) and the
         staged operand: a consumer warpgroup's rows."""
         maps = [(0, params["block_m"], 64), (1, params["block_n"] // _multicast(params), 64)]
-        if _tma_store(problem.details, params):
+        if problem.details.tma_store:
             maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
         if problem.details.staged is not None:
             maps.append((problem.details.staged, _rows_per_warpgroup(params), 64))
@@ -160,28 +152,24 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         return f"stof_gemm_{point_tag(params)}"
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
-        """The details' fields (a K-split point stores directly: its CTAs own column shares that are
-        not whole staging boxes), the register split, the consumer warpgroups per CTA and the tile
-        raster's band height."""
-        return {**fields_of(problem.details), "tma_store": _tma_store(problem.details, params),
-                "producer_registers": PRODUCER_REGISTERS,
+        """The details' fields, the register split, the consumer warpgroups per CTA and the
+        tile raster's band height."""
+        return {**fields_of(problem.details), "producer_registers": PRODUCER_REGISTERS,
                 "consumer_registers": CONSUMER_REGISTERS, "consumer_wgs": _consumer_warpgroups(params),
                 "staging_boxes": staging_boxes(problem.details, params),
                 "raster_rows": _unit_raster_rows(problem.details, params)}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
         """Persistent: at most one CTA per SM (each walks the tiles blockIdx.x + i gridDim.x; under
-        multicast each cluster the units, the grid a multiple of the cluster, set in the source).
-        A K-split point is not: its kernel takes one tile per CTA (its ring receives the other
-        CTAs' sums once its own products retired), so the grid is every tile's cluster."""
+        multicast each cluster the units, the grid a multiple of the cluster, set in the source)."""
         per_unit = _multicast(params)
         units = -(-problem.details.m // (params["block_m"] * per_unit)) * -(-problem.details.n // params["block_n"])
-        grid = units * _k_split(params) if _k_split(params) > 1 else min(units, sm_count() // per_unit) * per_unit
+        grid = min(units, sm_count() // per_unit) * per_unit
         return (grid, 1, 1), _consumer_warpgroups(params) * 128 + 128, self.shared_bytes(problem, params)
 
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
-        return _shared_bytes(params, staging_boxes(problem.details, params) if _tma_store(problem.details, params) else 0)
+        return _shared_bytes(params, staging_boxes(problem.details, params) if problem.details.tma_store else 0)
 
 
 def _stage_counts(problem: Problem, schedule: str, block_m: int, block_n: int) -> list[int]:
@@ -258,8 +246,7 @@ def point_tag(params: dict[str, Any]) -> str:
     ``co_m128_n256_s4_mc2`` (a multicast twin)."""
     schedule = "pp" if params["schedule"] == "pingpong" else "co"
     multicast = f"_mc{params['multicast']}" if _multicast(params) > 1 else ""
-    split = f"_ks{params['k_split']}" if _k_split(params) > 1 else ""
-    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}{multicast}{split}"
+    return f"{schedule}_m{params['block_m']}_n{params['block_n']}_s{params['stages']}{multicast}"
 
 
 def _multicast(params: dict[str, Any]) -> int:
@@ -275,29 +262,6 @@ def _multicast_twin(details: GemmDetails, params: dict[str, Any]) -> bool:
     (docs/decisions.md#multicast-clusters)."""
     return (params["schedule"] == "cooperative" and params["block_m"] == 128 and params["block_n"] == 256
             and details.m > params["block_m"] and _tiles(details, params) <= MULTICAST_WAVES * sm_count())
-
-
-def _k_split(params: dict[str, Any]) -> int:
-    return params.get("k_split", 1)
-
-
-def _tma_store(details: GemmDetails, params: dict[str, Any]) -> bool:
-    return details.tma_store and _k_split(params) == 1
-
-
-def _split_twin(details: GemmDetails, params: dict[str, Any], k_split: int) -> bool:
-    """Whether a point gets a K-split twin of ``k_split`` CTAs per tile: a cooperative point whose
-    tiles fill less than half the SMs and whose clusters fit one wave, with at least
-    K_SPLIT_MIN_STEPS k-steps per CTA, whole 8-column blocks per CTA, no staged operand (the
-    twin stores directly), and the other CTAs' sums fitting its ring. Such shapes (M = 1024 with
-    N = 768 or 1024) wait on shared-memory traffic per flop with small tiles, and leave SMs idle
-    with large ones (docs/decisions.md#k-split-clusters)."""
-    tiles, k_steps = _tiles(details, params), -(-details.k // 64)
-    received = (k_split - 1) * params["block_m"] * params["block_n"] * 4 // k_split  # fp32 sums of its columns
-    return (params["schedule"] == "cooperative" and _multicast(params) == 1 and details.staged is None
-            and 2 * tiles < sm_count() and tiles * k_split <= sm_count() and k_steps >= K_SPLIT_MIN_STEPS * k_split
-            and params["block_n"] // 8 % k_split == 0
-            and received <= params["stages"] * (params["block_m"] + params["block_n"]) * 64 * 2)
 
 
 def _unit_raster_rows(details: GemmDetails, params: dict[str, Any]) -> int:

@@ -32,9 +32,6 @@ GROUP_LAUNCH_US = 4.0
 # that many k-steps in flight, so a tile takes at least k-steps x this / stages
 # (docs/decisions.md#deep-rings)
 LOAD_LATENCY_US = 2.0
-# A K-split CTA's partial sums over distributed shared memory, bytes per us sent and received per SM:
-# assumed (about 64 bytes per cycle), not fitted (docs/decisions.md#k-split-clusters)
-SPLIT_EXCHANGE_BYTES_PER_US = 1.0e5
 ROW_CTA_US = 1.5                # one row_reduce CTA: loads, two CTA-wide reductions, store
 
 
@@ -67,8 +64,7 @@ WIDE_CLUSTER_RATE = 0.7
 
 
 def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epilogue_bytes: float,
-            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False,
-            k_split: int = 1) -> float:
+            sm_count: int, pingpong: bool = False, epilogue_ops: float = 0.0, tma_store: bool = False) -> float:
     """Tiles in waves over the SMs (wave quantisation and tile waste on ragged shapes both count:
     a partial tile costs a whole one), each at the wgmma rate scaled by its warpgroups' operand
     intensity (a cooperative warpgroup holds 64 rows of the tile, a ping-pong one all of it),
@@ -79,12 +75,9 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     (cooperative), under the other warpgroup's products under ping-pong, where a tile costs
     max(products, (products + epilogue) / 2). Then the output's traffic: all of it exposed when
     cooperative consumers store directly, only the last wave's when the store is asynchronous (TMA)
-    or ping-pong. Under a K split (``k_split`` CTAs per tile) each CTA takes that share of the
-    k-steps and of the epilogue's columns, and first exchanges the other shares' fp32 sums
-    (`SPLIT_EXCHANGE_BYTES_PER_US`)."""
-    tiles = math.ceil(m / block_m) * math.ceil(n / block_n) * k_split
+    or ping-pong."""
+    tiles = math.ceil(m / block_m) * math.ceil(n / block_n)
     waves = math.ceil(tiles / sm_count)
-    k = math.ceil(k / 64 / k_split) * 64
     rows = block_m if pingpong else 64
     efficiency = min(1.0, rows * block_n / (rows + block_n) / FULL_RATE_INTENSITY) ** INTENSITY_EXPONENT
     efficiency *= (ONE_ROW_BLOCK_RATE if block_m == 64 else 1.0) * (THREE_STAGE_RATE if stages == 3 else 1.0)
@@ -92,9 +85,7 @@ def gemm_us(m: int, n: int, k: int, block_m: int, block_n: int, stages: int, epi
     products_us = max(2 * block_m * block_n * k / (GEMM_FLOPS_PER_US * efficiency),
                       math.ceil(k / 64) * LOAD_LATENCY_US / stages)
     owners = 1 if pingpong else block_m // 64  # warpgroups computing one tile's epilogue
-    epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners * k_split)
-    if k_split > 1:
-        epilogue_us += (k_split - 1) / k_split * block_m * block_n * 4 / SPLIT_EXCHANGE_BYTES_PER_US
+    epilogue_us = block_m * block_n * (1.0 + epilogue_ops) / (EPILOGUE_ELEMENTS_PER_US * owners)
     tile_us = max(products_us, (products_us + epilogue_us) / 2) if pingpong else products_us + epilogue_us
     exposed_store = 1 / waves if pingpong or tma_store else 1.0
     return GROUP_LAUNCH_US + waves * tile_us + exposed_store * epilogue_bytes / HBM_BYTES_PER_US
