@@ -415,3 +415,35 @@ def test_a_finite_bias_stays_finite_and_one_beyond_q_s_range_saturates(dtype):
         if dtype == torch.float16:
             out = attention(q, k, v, bias=wide, params=params)
             torch.testing.assert_close(out, v[:, :, 11:12].expand_as(out), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", (64, 128))
+def test_document_tiles_start_where_documents_start(dtype, head_dim):
+    """Every warp-specialised point on documents whose boundaries no tile height divides: its tiles
+    start where documents start (row origins, at every point whose plain tiles hold more blocks), a
+    document's last tile overlaps the one before (those rows computed and stored twice, alike), two
+    short documents share a tile with the start of the next; with key padding, and the log-sum-exp."""
+    from stof_cc.tune.attention import row_origins
+
+    batch, heads, seq = 2, 4, 3000
+    description = masks.document([1000, 37, 1200, 700, 63])
+    padding = torch.ones(batch, seq, dtype=torch.int64, device="cuda")
+    padding[1, 2500:] = 0
+    dense = description.to_dense(seq, seq).cuda()
+    problem = problem_of(*(torch.empty(batch, heads, seq, head_dim, dtype=dtype, device="cuda") for _ in range(3)))
+    points = [(t, p) for t, p in candidates(problem) if t.walks_tile_schedule]
+    shifted = [p for _, p in points if row_origins(description, problem, p) is not None]
+    assert {p["block_m"] for p in shifted} == {128, 192}, shifted
+    for template, params in points:
+        for key_padding in (None, padding):
+            q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
+            out = torch.full_like(q, float("nan"))
+            _, lse = attention(q, k, v, description, key_padding=key_padding, params=params, out=out, return_lse=True)
+            ref_mask = dense if key_padding is None else dense & (key_padding != 0)[:, None, None, :]
+            label = f"{template.name} {params} padding={key_padding is not None} origins={params in shifted}"
+            _check(out, masked_attention(q, k, v, ref_mask), label)
+            want = masked_lse(q, k, ref_mask)
+            assert torch.equal(torch.isinf(lse), torch.isinf(want)), f"{label}: -inf rows differ"
+            finite = ~torch.isinf(want)
+            assert (lse[finite] - want[finite]).abs().max() < 1e-3, f"{label}: lse off"

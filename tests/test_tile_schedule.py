@@ -23,12 +23,16 @@ def _block_mask(description, batch: int, heads: int, seq: int) -> BlockMask:
     return cached_block_mask(description, problem, {"block_m": 128, "block_n": 128}, torch.device("cpu"))
 
 
-def _decode(table: torch.Tensor, ctas: int, block_mask: BlockMask | None = None) -> list[list[tuple[int, int, int]]]:
-    """Each CTA's (head, batch, block row) tiles; with ``block_mask``, checks each tile's
-    [first, last) against the mask's row pointers."""
+def _decode(table: torch.Tensor, ctas: int, block_mask: BlockMask | None = None,
+            block_m: int = 128) -> list[list[tuple[int, int, int]]]:
+    """Each CTA's (head, batch, block row) tiles (the entries hold each tile's first query row: a
+    multiple of ``block_m``); with ``block_mask``, checks each tile's [first, last) against the
+    mask's row pointers."""
     offsets = table[: ctas + 1].tolist()
     entries = table[ctas + 1:].view(-1, TILE_ENTRY).tolist()
     assert offsets[0] == 0 and offsets[-1] == len(entries)
+    assert all(q0 % block_m == 0 for _, _, q0, _, _ in entries)
+    entries = [[h, b, q0 // block_m, first, last] for h, b, q0, first, last in entries]
     if block_mask is not None:
         any_ptr = block_mask.any_ptr.tolist()
         for h, b, row, first, last in entries:

@@ -19,8 +19,9 @@ first over all pairs had every CTA on a different head at once: at S = 8192, d =
 sections 90% (ncu on the H100, benchmarks/history/25-2026-11-27.md).
 
 The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, then per tile,
-CTA by CTA, ``TILE_ENTRY`` ints: head, batch, block row, and the tile's range [first, last) in
-the block mask's ``any_cols`` / ``any_tile`` (so a kernel reads one entry, not the mask's row
+CTA by CTA, ``TILE_ENTRY`` ints: head, batch, the tile's first query row (its block row times
+block_m, or the mask's row origin: tiles that start where documents start), and the tile's range
+[first, last) in the block mask's ``any_cols`` / ``any_tile`` (so a kernel reads one entry, not the mask's row
 pointers after it). Kernels read it in place of ``row_order``. Taken in turn, the offsets are 0 but
 the last, which counts every tile.
 """
@@ -37,7 +38,7 @@ import torch
 from stof_cc.masks.block_mask import BlockMask
 
 TILE_FIXED_BLOCKS = 1  # a tile's prologue and output store, in key blocks (for balancing only)
-TILE_ENTRY = 5  # ints per tile: head, batch, block row, first, last
+TILE_ENTRY = 5  # ints per tile: head, batch, first query row, first, last
 ROUND_AT_LEAST = 8  # tiles a round of `_longest_first_onto_least_loaded` places before the heap takes over
 HEAP_TILES = 2  # rounds' worth of tiles the heap then places
 
@@ -129,7 +130,7 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms:
     # the tile's row of the block mask (a mask of one batch element or head serves them all)
     mask_row = ((b if block_mask.batch > 1 else 0) * block_mask.heads + (h if block_mask.heads > 1 else 0)) * n_rb + row
     any_ptr = block_mask.any_ptr_host
-    entries = np.stack((h, b, row, any_ptr[mask_row], any_ptr[mask_row + 1]), 1).astype(np.int32)
+    entries = np.stack((h, b, block_mask.row_starts()[row], any_ptr[mask_row], any_ptr[mask_row + 1]), 1).astype(np.int32)
     n_tiles = n_rb * batch * heads
     if ctas is None or (ctas >= n_tiles and not in_turn):
         offsets = np.arange(n_tiles + 1, dtype=np.int32)

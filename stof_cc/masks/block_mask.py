@@ -37,7 +37,11 @@ class BlockMask:
     Layout (kernels index these tensors directly; all int32 except part_bits):
       batch, heads     leading mask dims Bm in {1, B}, Hm in {1, H}: 1 when the mask is the
                        same for every batch element / head (kernels use b * (Bm > 1)).
-      n_rb, n_cb       ceil(seq_q / block_m) block rows, ceil(seq_k / block_n) block columns.
+      n_rb, n_cb       ceil(seq_q / block_m) block rows, ceil(seq_k / block_n) block columns;
+                       under ``row_origins`` (masks.row_origins: tiles that start where documents
+                       start), block row i covers the block_m queries from row_origins[i] instead
+                       of i * block_m, and n_rb is their count. Windows may overlap: every row of a
+                       window is classified with the whole mask, so overlapping rows agree.
       row              block row r = (b * Hm + h) * n_rb + i, for R = Bm * Hm * n_rb rows.
       full_ptr  [R+1]  CSR offsets; full_cols[full_ptr[r]:full_ptr[r+1]] are the FULL block
                        columns of row r, ascending. A FULL block in the ragged last block
@@ -71,6 +75,7 @@ class BlockMask:
     any_ptr: torch.Tensor
     any_cols: torch.Tensor
     any_tile: torch.Tensor
+    row_origins: tuple[int, ...] | None = None
 
     @classmethod
     def from_classes(
@@ -95,6 +100,7 @@ class BlockMask:
         seq_k: int,
         block_m: int,
         block_n: int,
+        row_origins: tuple[int, ...] | None = None,
     ) -> BlockMask:
         """Assemble the CSR arrays from exact classes as runs and the tiles of the PARTIAL
         blocks in row-major order (int32 [n_part, words]); the work and memory are those of
@@ -128,6 +134,7 @@ class BlockMask:
             any_ptr,
             any_cols,
             any_tile,
+            row_origins,
         )
 
     @classmethod
@@ -175,7 +182,13 @@ class BlockMask:
 
     @property
     def n_rb(self) -> int:
-        return -(-self.seq_q // self.block_m)
+        return -(-self.seq_q // self.block_m) if self.row_origins is None else len(self.row_origins)
+
+    def row_starts(self) -> np.ndarray:
+        """int64 [n_rb]: each block row's first query row (what the tile schedule hands the kernels)."""
+        if self.row_origins is None:
+            return np.arange(self.n_rb, dtype=np.int64) * self.block_m
+        return np.asarray(self.row_origins, dtype=np.int64)
 
     @property
     def n_cb(self) -> int:
@@ -320,6 +333,11 @@ class BlockMask:
             where = (classes == PARTIAL).nonzero(as_tuple=True)
             tiles[where] = unpack(self.part_bits.cpu()[keep], bm, bn)
         dense = tiles.permute(0, 1, 3, 2, 4).reshape(len(classes), n_rb * bm, n_cb * bn)
+        if self.row_origins is not None:  # each window's rows where they lie (overlapping rows agree)
+            rows = torch.tensor(self.row_origins).view(-1, 1) + torch.arange(bm)
+            placed = torch.zeros(len(classes), self.seq_q, n_cb * bn, dtype=torch.bool)
+            placed[:, rows.reshape(-1)] = dense
+            dense = placed
         return dense[:, : self.seq_q, : self.seq_k].contiguous()
 
     def _rows(self, ptr: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def build_block_mask(desc: MaskDescription, grid: BlockGrid, dims: tuple[int, in
     runs, bits = _exact(desc, grid, dims, device, keep_bits=True)
     runs, bits = _collapse(runs, bits)
     return BlockMask.from_runs(
-        runs, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n
+        runs, bits, grid.ext.seq_q, grid.ext.seq_k, grid.block_m, grid.block_n, grid.row_origins
     ).to(device)  # the CSR arrays follow the tiles (which are there already)
 
 

@@ -43,6 +43,7 @@ class MaskDescription:
 
     invariant = False
     size_dependent = False
+    takes_row_origins = False  # classifies block rows that start anywhere (BlockGrid's row_origins)
 
     def __init__(self) -> None:
         self._device_memo: dict[tuple[object, str], torch.Tensor] = {}
@@ -97,6 +98,13 @@ class MaskDescription:
         on each residue's strided subsequence (positions r, r + d, ...), is ``sub`` (in that
         subsequence's own positions): d independent attentions over strided views then
         compute it, each with a denser mask. None for masks without that structure."""
+        return None
+
+    def document_starts(self, seq: int) -> list[int] | None:
+        """Where each document (a run of positions attending each other's, padding included)
+        begins over ``seq`` positions, the same in every batch element and head, for a mask that
+        is documents alone; None (the default) for any other mask. Such a mask's tiles can start
+        where documents start (`masks.row_origins`)."""
         return None
 
     def choice_group(self) -> object | None:
@@ -243,13 +251,15 @@ class MaskDescription:
         batch: int | None = None,
         heads: int | None = None,
         device: torch.device | str = "cpu",
+        row_origins: tuple[int, ...] | None = None,
     ) -> BlockMask:
         """The mask in the unified storage format (see BlockMask) for these sizes, its tensors
-        on ``device``; built there once per (sizes, block shape, device) and kept (a
-        description does not change)."""
+        on ``device``; built there once per (sizes, block shape, device, row origins) and kept (a
+        description does not change). ``row_origins``: block row i covers the block_m queries
+        from row_origins[i] (a mask that `takes_row_origins`)."""
         device = torch.device(device)
         return self._kept("block_mask", seq_q, seq_k, block_m, block_n, batch, heads, str(device),
-                          lambda grid, dims: build_block_mask(self, grid, dims, device))
+                          lambda grid, dims: build_block_mask(self, grid, dims, device), row_origins)
 
     def block_runs(
         self,
@@ -259,13 +269,14 @@ class MaskDescription:
         block_n: int = 64,
         batch: int | None = None,
         heads: int | None = None,
+        row_origins: tuple[int, ...] | None = None,
     ) -> ClassRuns:
         """The exact classes (EMPTY / PARTIAL / FULL) of the blocks for these sizes, run-length
         encoded per block row (dims [Bm, Hm] as `mask_dims`, not collapsed), without building
         the block mask (no CSR arrays, no tiles); kept like `block_mask`'s results. The cost
         model counts blocks on them: memory follows the runs, not the n_rb x n_cb grid."""
         return self._kept("block_runs", seq_q, seq_k, block_m, block_n, batch, heads, "runs",
-                          lambda grid, dims: build_block_runs(self, grid, dims))
+                          lambda grid, dims: build_block_runs(self, grid, dims), row_origins)
 
     def block_classes(
         self,
@@ -280,18 +291,21 @@ class MaskDescription:
         return self.block_runs(seq_q, seq_k, block_m, block_n, batch, heads).to_dense()
 
     def _kept(self, fn: str, seq_q: int, seq_k: int | None, block_m: int, block_n: int, batch: int | None,
-              heads: int | None, kind: str, build: Callable[[BlockGrid, tuple[int, int]], Any]) -> Any:
-        """``build(grid, dims)`` for these sizes and block shape, checked as ``fn``'s arguments;
-        kept per (sizes, block shape, ``kind``), the latest BUILT_KEPT."""
+              heads: int | None, kind: str, build: Callable[[BlockGrid, tuple[int, int]], Any],
+              row_origins: tuple[int, ...] | None = None) -> Any:
+        """``build(grid, dims)`` for these sizes, block shape and row origins, checked as ``fn``'s
+        arguments; kept per (sizes, block shape, ``kind``, row origins), the latest BUILT_KEPT."""
         ext, dims = self._extent(fn, seq_q, seq_k, batch, heads)
         limit = (MAX_BLOCK, "a tile is block_m x block_n bits")
         block_m = check_int(fn, "block_m", block_m, limit=limit)
         block_n = check_int(fn, "block_n", block_n, limit=limit)
-        key = (ext, dims, block_m, block_n, kind)
+        if row_origins is not None and not self.takes_row_origins:
+            raise MaskError(f"{self!r}: {fn}: row_origins are for document masks (document_starts)")
+        key = (ext, dims, block_m, block_n, kind, row_origins)
         if key not in self._built:
             if len(self._built) >= BUILT_KEPT:
                 self._built.pop(next(iter(self._built)))
-            self._built[key] = build(BlockGrid(ext, block_m, block_n), dims)
+            self._built[key] = build(BlockGrid(ext, block_m, block_n, row_origins), dims)
         return self._built[key]
 
     def __or__(self, other: object) -> MaskDescription:

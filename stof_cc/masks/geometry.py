@@ -70,15 +70,25 @@ class BlockGrid:
     """The block_m x block_n grid over an extent: per block row i (``rows``) the (clipped,
     inclusive) query range q_lo[i]..q_hi[i], and which block columns hold given keys
     (`touching`, `inside`). Everything here is O(n_rb): a pattern classifies a block row by the
-    column ranges its keys fall in, never by a tensor over all blocks."""
+    column ranges its keys fall in, never by a tensor over all blocks.
 
-    def __init__(self, ext: Extent, block_m: int, block_n: int) -> None:
+    Block row i covers queries i * block_m ... unless ``row_origins`` are given: then row i covers
+    the block_m queries from row_origins[i], each window whole (inside seq_q), windows in any order
+    and overlapping as they may (`masks.row_origins`: tiles that start where documents start)."""
+
+    def __init__(self, ext: Extent, block_m: int, block_n: int, row_origins: tuple[int, ...] | None = None) -> None:
         self.ext, self.block_m, self.block_n = ext, block_m, block_n
-        self.n_rb = -(-ext.seq_q // block_m)
+        self.row_origins = row_origins
+        if row_origins is not None and (not row_origins or min(row_origins) < 0
+                                        or max(row_origins) + block_m > ext.seq_q):
+            raise ValueError(f"row origins must each start a whole {block_m}-row window inside {ext.seq_q} queries")
+        self.n_rb = -(-ext.seq_q // block_m) if row_origins is None else len(row_origins)
         self.n_cb = -(-ext.seq_k // block_n)
         self.words = n_words(block_m, block_n)
         self._classes: dict[int, ClassRuns] = {}
-        self._aligned = ext.seq_q % block_m == 0 and ext.seq_k % block_n == 0
+        whole_rows = row_origins is not None or ext.seq_q % block_m == 0
+        self._aligned = whole_rows and ext.seq_k % block_n == 0
+        self._last_row_ragged = not whole_rows
 
     # The rows' tensors are made where a pattern reads them: a mask_mod built per call never does,
     # and on the lent H100's host their five small ops took 0.05 ms of that build.
@@ -88,7 +98,7 @@ class BlockGrid:
 
     @functools.cached_property
     def q_lo(self) -> torch.Tensor:
-        return self.rows * self.block_m
+        return self.rows * self.block_m if self.row_origins is None else torch.tensor(self.row_origins)
 
     @functools.cached_property
     def q_hi(self) -> torch.Tensor:
@@ -128,7 +138,8 @@ class BlockGrid:
         device), clamped into range; positions past the ragged tail are masked off by
         `valid_words` afterwards."""
         device = tiles.i.device
-        q = tiles.i.view(-1, 1, 1) * self.block_m + torch.arange(self.block_m, device=device).view(1, -1, 1)
+        first = tiles.i * self.block_m if self.row_origins is None else self.q_lo.to(device)[tiles.i]
+        q = first.view(-1, 1, 1) + torch.arange(self.block_m, device=device).view(1, -1, 1)
         k = tiles.j.view(-1, 1, 1) * self.block_n + torch.arange(self.block_n, device=device).view(1, 1, -1)
         return q.clamp(max=self.ext.seq_q - 1), k.clamp(max=self.ext.seq_k - 1)
 
@@ -138,13 +149,13 @@ class BlockGrid:
         valid = self._valid.to(tiles.i.device)
         if self._aligned:
             return valid[0].expand(len(tiles), -1)
-        pattern = 2 * (tiles.i == self.n_rb - 1).long() + (tiles.j == self.n_cb - 1).long()
+        pattern = 2 * ((tiles.i == self.n_rb - 1) & self._last_row_ragged).long() + (tiles.j == self.n_cb - 1).long()
         return valid[pattern]
 
     def valid_grid(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """`valid_words` of every block, int32 [n_rb, n_cb, words], built on ``device`` (at
         S = 32768 with 128 x 128 blocks it is 128 MiB: not a thing to copy there)."""
-        last_row = torch.arange(self.n_rb, device=device) == self.n_rb - 1
+        last_row = (torch.arange(self.n_rb, device=device) == self.n_rb - 1) & self._last_row_ragged
         last_col = torch.arange(self.n_cb, device=device) == self.n_cb - 1
         pattern = 2 * last_row.long()[:, None] + last_col.long()[None, :]
         return self._valid.to(device)[pattern]
@@ -153,7 +164,7 @@ class BlockGrid:
     def _valid(self) -> torch.Tensor:
         """The four in-range patterns (interior, last column, last row, corner), packed; made
         when first read (a per-call build on the GPU never does)."""
-        rows_last = self.ext.seq_q - (self.n_rb - 1) * self.block_m
+        rows_last = self.ext.seq_q - (self.n_rb - 1) * self.block_m if self._last_row_ragged else self.block_m
         cols_last = self.ext.seq_k - (self.n_cb - 1) * self.block_n
         r = torch.arange(self.block_m).view(-1, 1)
         c = torch.arange(self.block_n).view(1, -1)

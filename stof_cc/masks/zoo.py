@@ -318,14 +318,21 @@ class _Documents(_Labelled):
     (`_ranges`); classification reads, per block of positions, the range of its ids."""
 
     ordered = True  # whether ids never decrease along the positions (padding aside)
+    takes_row_origins = True
 
     def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         """(lo, hi, clean), each [rows, n_blocks]: the smallest and largest id in each block of
         ``block`` positions (hi < 0 for a block of padding only), and whether it holds no padding."""
         raise NotImplementedError
 
+    def _window_ranges(self, first: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+        """`_ranges` of the windows of ``block`` positions from each of ``first`` (each inside the
+        sequence): a grid's block rows under row origins."""
+        raise NotImplementedError
+
     def _classify(self, grid: BlockGrid) -> ClassRuns:
-        q_lo, q_hi, q_clean = self._ranges(grid.ext.seq_q, grid.block_m)
+        q_lo, q_hi, q_clean = (self._ranges(grid.ext.seq_q, grid.block_m) if grid.row_origins is None
+                               else self._window_ranges(grid.q_lo, grid.block_m))
         k_lo, k_hi, k_clean = self._ranges(grid.ext.seq_k, grid.block_n)
         if not self.ordered:
             return self._dense_classes(grid, (q_lo, q_hi, q_clean), (k_lo, k_hi, k_clean))
@@ -437,10 +444,22 @@ class _Packed(_Documents):
         doc = doc.clamp(max=len(self.ends) - 1)
         return _interval_tile_bits(grid, tiles, torch.where(real, starts[doc], 0), torch.where(real, ends[doc], 0))
 
+    def document_starts(self, seq: int) -> list[int] | None:
+        """The documents' starts below ``seq``, then the padding's past their sum."""
+        ends = self.ends.tolist()
+        starts = [start for start in [0, *ends[:-1]] if start < seq]
+        return starts + ([ends[-1]] if ends[-1] < seq else [])
+
     def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
-        total = int(self.ends[-1])
         first = torch.arange(-(-seq // block)) * block
-        last = (first + block).clamp(max=seq) - 1
+        return self._spans(first, (first + block).clamp(max=seq) - 1)
+
+    def _window_ranges(self, first: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self._spans(first, first + block - 1)
+
+    def _spans(self, first: Tensor, last: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`_ranges` of the positions first[i] ... last[i]."""
+        total = int(self.ends[-1])
         lo, hi = self._doc(first), self._doc(last.clamp(max=total - 1))
         padding_only = first >= total
         return (torch.where(padding_only, -1, lo)[None], torch.where(padding_only, -1, hi)[None],
@@ -530,10 +549,25 @@ class _Segments(_Documents):
         doc_q, doc_k = table[row, q.clamp(max=size)], table[row, k.clamp(max=size)]
         return (doc_q == doc_k) & (doc_q >= 0)
 
+    def document_starts(self, seq: int) -> list[int] | None:
+        """Where the ids change (padding runs included), for ids shared by every batch element."""
+        if self.ids.shape[0] > 1:
+            return None
+        ids = self.ids[0, :seq]
+        return [0, *((ids[1:] != ids[:-1]).nonzero().squeeze(1) + 1).tolist()]
+
     def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         n = -(-seq // block)
         ids = self.ids[:, :seq]  # the ragged tail repeats the last id (out of range, not padding)
         ids = torch.cat([ids, ids[:, -1:].expand(-1, n * block - seq)], dim=1).view(-1, n, block)
+        return self._id_ranges(ids)
+
+    def _window_ranges(self, first: Tensor, block: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self._id_ranges(self.ids[:, first[:, None] + torch.arange(block)])
+
+    @staticmethod
+    def _id_ranges(ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """`_ranges` of id windows [rows, n_blocks, block]."""
         padding = ids < 0
         lo = torch.where(padding, torch.iinfo(torch.long).max, ids).amin(-1)
         hi = torch.where(padding, -1, ids).amax(-1)

@@ -25,12 +25,14 @@ from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask, coarse_counts
 from stof_cc.masks.geometry import FULL, PARTIAL
+from stof_cc.masks.row_origins import document_row_origins
 from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
     GRID_YZ_LIMIT,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    WGMMA_WS,
     AttentionInputError,
     AttentionProblem,
     config_label,
@@ -153,9 +155,13 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
             # 8-64 documents) it was 1.02-1.23x its twin once its consumers' wgmma descriptors stayed in
             # uniform registers (history/38; 0.89-1.12x before, history/37).
             in_turn = template.takes_tiles_in_turn(problem, params)
-            priced = estimate(params | {"persistent": False} if in_turn else params, problem.head_dim,
-                              heads_batches, row_blocks, partial, template.shared_bytes(problem, params), key[1],
-                              template.registers(problem, params), template.launch(problem, params)[1])
+            origins = row_origins(description, problem, params)
+            if origins is not None:  # tiles that start where documents start: their own blocks
+                runs = description.block_runs(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
+                                              batch=problem.batch, heads=problem.heads, row_origins=origins)
+                row_blocks, partial = runs.per_row(FULL, PARTIAL).tolist(), runs.total(PARTIAL)
+            priced = _priced(template, problem, params | {"persistent": False} if in_turn else params, params,
+                             heads_batches, row_blocks, partial)
             scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn))
         scored.sort(key=lambda item: (item[0].micros, not item[2]))
         best, template, _ = scored[0]
@@ -206,15 +212,51 @@ def pinned_choice(problem: AttentionProblem, params: dict[str, Any]) -> Attentio
     return AttentionChoice(template, params, (), (0.0, 0.0, ""))
 
 
+def _priced(template: KernelTemplate, problem: AttentionProblem, priced_as: dict[str, Any], params: dict[str, Any],
+            heads_batches: int, row_blocks: Any, partial: int) -> Estimate:
+    """The model's estimate of ``params`` (priced as ``priced_as``) on these block counts."""
+    return estimate(priced_as, problem.head_dim, heads_batches, row_blocks, partial,
+                    template.shared_bytes(problem, params), sm_count(), template.registers(problem, params),
+                    template.launch(problem, params)[1])
+
+
+def row_origins(description: MaskDescription, problem: AttentionProblem,
+                params: dict[str, Any]) -> tuple[int, ...] | None:
+    """Block rows that start where documents start (`masks.row_origins`) for a point of the
+    kernel that reads each tile's first row from its schedule (attention_wgmma_ws), where the mask
+    is documents alone and the model prices such tiles below the plain ones (fewer partial blocks,
+    more or fewer blocks: a document's last tile overlaps the one before); else None. At S = 8192
+    with four documents and 192-row tiles: 704 blocks, none partial, against 720 of which 64
+    partial (docs/decisions.md#document-tiles)."""
+    if params.get("strategy") != WGMMA_WS.strategy or problem.residues > 1 or problem.seq_q != problem.seq_k:
+        return None
+    starts = description.document_starts(problem.seq_q)
+    origins = None if starts is None else document_row_origins(starts, problem.seq_q, params["block_m"])
+    if origins is None:
+        return None
+    sizes = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"])
+    dims = {"batch": problem.batch, "heads": problem.heads}
+    priced_as = params | {"persistent": False} if WGMMA_WS.takes_tiles_in_turn(problem, params) else params
+
+    def micros(runs: Any) -> float:
+        heads_batches = problem.batch * problem.heads // (runs.batch * runs.heads)
+        return _priced(WGMMA_WS, problem, priced_as, params, heads_batches, runs.per_row(FULL, PARTIAL).tolist(),
+                       runs.total(PARTIAL)).micros
+    shifted = micros(description.block_runs(*sizes, **dims, row_origins=origins))
+    return origins if shifted < micros(description.block_runs(*sizes, **dims)) else None
+
+
 def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
                       params: dict[str, Any], device: torch.device) -> BlockMask:
+    origins = row_origins(description, problem, params)
     key = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
-           problem.batch, problem.heads, str(device))
+           problem.batch, problem.heads, str(device), origins)
     per_mask = _block_masks.setdefault(description, {})
     if key not in per_mask:
         if device.type == "cpu" or description.evaluates_on(device):  # built where its tiles are evaluated
             per_mask[key] = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
-                                                   batch=problem.batch, heads=problem.heads, device=device)
+                                                   batch=problem.batch, heads=problem.heads, device=device,
+                                                   row_origins=origins)
         else:
             per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu")).to(device)
     return per_mask[key]

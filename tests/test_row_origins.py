@@ -1,0 +1,113 @@
+"""Tiles that start where documents start (masks.row_origins): the windows, the document masks
+classified on them, the tile schedule and the cost model's counts (CPU; the kernels on the GPU:
+tests/test_attention_gpu.py's document-tile test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stof_cc import masks
+from stof_cc.backends.tile_schedule import TILE_ENTRY, tile_schedule
+from stof_cc.masks.errors import MaskError
+from stof_cc.masks.row_origins import document_row_origins
+from stof_cc.templates.attention import AttentionProblem
+from stof_cc.tune.attention import cached_block_mask, candidates, choose, row_origins
+
+
+def _ws_point(problem: AttentionProblem, block_m: int, block_n: int) -> dict:
+    """The persistent warp-specialised point of this tile shape."""
+    return next(p for t, p in candidates(problem, (9, 0))
+                if t.walks_tile_schedule and p["persistent"] and (p["block_m"], p["block_n"]) == (block_m, block_n))
+
+
+CASES = [  # (description, S, block_m)
+    (masks.document([100, 50, 850, 200]), 1200, 192),  # a window over two short documents and into a third
+    (masks.document(segment_ids=torch.arange(8192) // 2048), 8192, 192),  # the MHA grid's documents
+    (masks.document([300, 500]), 1000, 128),  # a padded tail
+    (masks.document(segment_ids=torch.tensor([0] * 300 + [-1] * 100 + [1] * 500 + [2] * 100)), 1000, 192),
+    (masks.document([700, 296]), 1000, 192),  # a short last document: its window reaches back
+]
+
+
+@pytest.mark.parametrize(("description", "seq", "block_m"), CASES)
+def test_windows_cover_every_row_and_stay_in_their_document_where_it_is_long_enough(description, seq, block_m):
+    starts = description.document_starts(seq)
+    origins = document_row_origins(starts, seq, block_m)
+    rows = torch.tensor(origins).view(-1, 1) + torch.arange(block_m)
+    assert 0 <= min(origins) and max(origins) + block_m <= seq
+    covered = torch.zeros(seq, dtype=torch.bool)
+    covered[rows.reshape(-1)] = True
+    assert covered.all()
+    ends = [*starts[1:], seq]
+    for start, end in zip(starts, ends, strict=True):
+        # a long document's rows lie in windows of its own, but for those a window of earlier rows ran into
+        reached = max([o + block_m for o in origins if o < start], default=start)
+        if end - start >= block_m and reached < end:
+            own = [o for o in origins if start <= o and o + block_m <= end]
+            inside = torch.zeros(seq, dtype=torch.bool)
+            for o in own:
+                inside[o:o + block_m] = True
+            assert inside[max(start, reached):end].all(), (start, end, origins)
+
+
+@pytest.mark.parametrize(("description", "seq", "block_m"), CASES)
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_a_block_mask_on_windows_holds_each_rows_true_mask(description, seq, block_m, block_n):
+    """Every window row classified with the whole mask (bits included): the block mask densified
+    (windows placed where they lie, overlapping rows agreeing) is the dense mask."""
+    origins = document_row_origins(description.document_starts(seq), seq, block_m)
+    block_mask = description.block_mask(seq, seq, block_m, block_n, row_origins=origins)
+    assert block_mask.n_rb == len(origins) and block_mask.row_origins == origins
+    assert torch.equal(block_mask.to_dense(), description.to_dense(seq, seq))
+    runs = description.block_runs(seq, seq, block_m, block_n, row_origins=origins)
+    assert runs.total(masks.geometry.FULL, masks.geometry.PARTIAL) == block_mask.n_nonempty
+
+
+def test_the_grid_documents_lose_their_partial_blocks():
+    """Four documents of 2048 at S = 8192 with 192-row tiles: 704 blocks, none partial, where tiles
+    at multiples of 192 hold 720, 64 of them partial; at block_m 128 the plain tiles already fit."""
+    description = masks.document(segment_ids=torch.arange(8192) // 2048)
+    problem = AttentionProblem(1, 12, 8192, 8192, 64, torch.float16)
+    params = _ws_point(problem, 192, 128)
+    origins = row_origins(description, problem, params)
+    block_mask = cached_block_mask(description, problem, params, torch.device("cpu"))
+    assert block_mask.row_origins == origins and (block_mask.n_nonempty, block_mask.n_partial) == (704, 0)
+    plain = description.block_mask(8192, 8192, 192, 128)
+    assert (plain.n_nonempty, plain.n_partial) == (720, 64)
+    assert row_origins(description, problem, _ws_point(problem, 128, 128)) is None  # the plain tiles fit
+    wgmma = next(p for t, p in candidates(problem, (9, 0)) if p["strategy"] == "wgmma")
+    assert row_origins(description, problem, wgmma) is None  # reads no schedule
+    assert row_origins(masks.causal(), problem, params) is None
+    assert row_origins(masks.causal() & description, problem, params) is None  # documents alone only
+    estimates = {(e.params["strategy"], e.params["block_m"], e.params["block_n"], e.params.get("persistent")): e
+                 for e in choose(problem, description, own=True).estimates}
+    assert estimates[("wgmma_ws", 192, 128, True)].blocks == 704 * 12
+
+
+def test_windows_the_model_prices_above_the_plain_tiles_are_not_taken():
+    """A padding run between documents: windows over it reach into the next document, and the
+    windows hold more blocks (31 of 192 x 128 against 22); the model prices them higher, so the
+    plain tiles run."""
+    description = masks.document(segment_ids=torch.tensor([0] * 300 + [-1] * 100 + [1] * 500 + [2] * 100))
+    problem = AttentionProblem(1, 2, 1000, 1000, 64, torch.float16)
+    assert row_origins(description, problem, _ws_point(problem, 192, 128)) is None
+
+
+def test_the_schedule_hands_each_tile_its_first_row():
+    description = masks.document([700, 296])
+    problem = AttentionProblem(2, 3, 996, 996, 64, torch.float16)
+    block_mask = cached_block_mask(description, problem, _ws_point(problem, 192, 128), torch.device("cpu"))
+    assert block_mask.row_origins is not None
+    schedule = tile_schedule(block_mask, 2, 3, None)
+    entries = schedule.table[schedule.ctas + 1:].view(-1, TILE_ENTRY).tolist()
+    assert sorted(q0 for _, _, q0, _, _ in entries) == sorted(block_mask.row_origins * 6)
+    any_ptr = block_mask.any_ptr.tolist()
+    for _, _, q0, first, last in entries:
+        row = block_mask.row_origins.index(q0)
+        assert (first, last) == (any_ptr[row], any_ptr[row + 1])
+
+
+def test_row_origins_are_refused_for_other_masks():
+    with pytest.raises(MaskError, match="document masks"):
+        masks.causal().block_mask(1000, 1000, 192, 128, row_origins=(0, 192))
