@@ -111,3 +111,11 @@ def test_the_schedule_hands_each_tile_its_first_row():
 def test_row_origins_are_refused_for_other_masks():
     with pytest.raises(MaskError, match="document masks"):
         masks.causal().block_mask(1000, 1000, 192, 128, row_origins=(0, 192))
+
+
+def test_explain_says_where_the_tiles_start():
+    from stof_cc.tune.attention import explain_attention
+
+    text = explain_attention(1, 12, 8192, 8192, 64, masks.document(segment_ids=torch.arange(8192) // 2048)).explain()
+    assert "its 44 tiles per head start where documents start" in text
+    assert "start where documents start" not in explain_attention(1, 12, 8192, 8192, 64, masks.causal()).explain()

@@ -52,14 +52,18 @@ class AttentionChoice:
     estimates: tuple[Estimate, ...]
     stof_rule: tuple[float, float, str]
     measured_us: float | None = None  # set when stage 2 of the search picked it
+    document_tiles: int | None = None  # the pick's tiles per (batch, head) where they start at documents (row_origins)
 
     def explain(self) -> str:
-        """The pick, STOF's rule beside it (and, where they differ, the two estimates), then
-        every candidate."""
+        """The pick (and its document tiles), STOF's rule beside it (and, where they differ, the
+        two estimates), then every candidate."""
         how = (f"measured {self.measured_us:.1f} us (stage 2 of the search)" if self.measured_us is not None
                else "the cost model's first choice")
-        lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}", self._against_stof_rule(),
-                 "candidates (best first):"]
+        lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}"]
+        if self.document_tiles is not None:
+            lines.append(f"  its {self.document_tiles} tiles per head start where documents start, a document's last "
+                         "overlapping the one before (docs/decisions.md#document-tiles)")
+        lines += [self._against_stof_rule(), "candidates (best first):"]
         lines += [f"  {e.describe()}" for e in self.estimates]
         return "\n".join(lines)
 
@@ -166,7 +170,9 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
         scored.sort(key=lambda item: (item[0].micros, not item[2]))
         best, template, _ = scored[0]
         rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
-        per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _, _ in scored), rule)
+        origins = row_origins(description, problem, best.params)
+        per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _, _ in scored), rule,
+                                        document_tiles=None if origins is None else len(origins))
         if shared is not None and shared not in _group_choices:
             _group_choices[shared] = per_mask[key]
             while len(_group_choices) > GROUP_CHOICES_KEPT:
@@ -178,7 +184,9 @@ def adopt_choice(problem: AttentionProblem, description: MaskDescription, templa
                  params: dict[str, Any], measured_us: float) -> AttentionChoice:
     """Make a measured winner the choice for (problem, mask): later `attention` calls run it."""
     modelled = choose(problem, description, own=True)
-    choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us)
+    origins = row_origins(description, problem, params)
+    choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us,
+                             None if origins is None else len(origins))
     _choices[description][(problem, sm_count())] = choice
     for listener in _adopt_listeners:  # e.g. the runtime's launch plans built on the model's pick
         listener(description)
