@@ -419,29 +419,38 @@ def test_a_finite_bias_stays_finite_and_one_beyond_q_s_range_saturates(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", (64, 128))
-def test_document_tiles_start_where_documents_start(dtype, head_dim):
+@pytest.mark.parametrize("lengths", [[1000, 37, 1200, 700, 63], [1000, 37, 1200, 700]])
+def test_document_tiles_start_where_documents_start(lengths, dtype, head_dim):
     """Every warp-specialised point on documents whose boundaries no tile height divides: its tiles
     start where documents start (row origins, at every point whose plain tiles hold more blocks), a
     document's last tile overlaps the one before (those rows computed and stored twice, alike), two
-    short documents share a tile with the start of the next; with key padding, and the log-sum-exp."""
+    short documents share a tile with the start of the next, a padded tail (63 rows that attend
+    nothing) is a run of its own; with key padding, a bias, and the log-sum-exp."""
     from stof_cc.tune.attention import row_origins
 
     batch, heads, seq = 2, 4, 3000
-    description = masks.document([1000, 37, 1200, 700, 63])
+    description = masks.document(lengths)
     padding = torch.ones(batch, seq, dtype=torch.int64, device="cuda")
     padding[1, 2500:] = 0
     dense = description.to_dense(seq, seq).cuda()
+    bias = torch.randn(1, heads, seq, seq, device="cuda", dtype=dtype)
     problem = problem_of(*(torch.empty(batch, heads, seq, head_dim, dtype=dtype, device="cuda") for _ in range(3)))
     points = [(t, p) for t, p in candidates(problem) if t.walks_tile_schedule]
     shifted = [p for _, p in points if row_origins(description, problem, p) is not None]
     assert {p["block_m"] for p in shifted} == {128, 192}, shifted
+    with_bias_too = [p for t, p in candidates(dataclasses.replace(problem, bias=True)) if t.walks_tile_schedule]
     for template, params in points:
-        for key_padding in (None, padding):
+        runs = ((None, False), (padding, False)) + (((None, True),) if params in with_bias_too else ())
+        for key_padding, with_bias in runs:
             q, k, v = (torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=dtype) for _ in range(3))
             out = torch.full_like(q, float("nan"))
+            label = f"{template.name} {params} padding={key_padding is not None} bias={with_bias} origins={params in shifted}"
+            if with_bias:
+                attention(q, k, v, description, bias=bias, params=params, out=out)
+                _check(out, _biased_reference(q, k, v, bias, dense), label)
+                continue
             _, lse = attention(q, k, v, description, key_padding=key_padding, params=params, out=out, return_lse=True)
             ref_mask = dense if key_padding is None else dense & (key_padding != 0)[:, None, None, :]
-            label = f"{template.name} {params} padding={key_padding is not None} origins={params in shifted}"
             _check(out, masked_attention(q, k, v, ref_mask), label)
             want = masked_lse(q, k, ref_mask)
             assert torch.equal(torch.isinf(lse), torch.isinf(want)), f"{label}: -inf rows differ"

@@ -108,14 +108,38 @@ def test_the_schedule_hands_each_tile_its_first_row():
         assert (first, last) == (any_ptr[row], any_ptr[row + 1])
 
 
-def test_row_origins_are_refused_for_other_masks():
+def test_row_origins_are_refused_for_other_masks_and_where_they_leave_rows_out():
     with pytest.raises(MaskError, match="document masks"):
         masks.causal().block_mask(1000, 1000, 192, 128, row_origins=(0, 192))
+    document = masks.document([700, 296])
+    with pytest.raises(MaskError, match="query row 192 in no window"):
+        document.block_mask(996, 996, 192, 128, row_origins=(0, 500))
+    with pytest.raises(MaskError, match="whole 192-row window inside 996"):
+        document.block_mask(996, 996, 192, 128, row_origins=(0, 900))
+    with pytest.raises(MaskError, match="sequence of ints"):
+        document.block_mask(996, 996, 192, 128, row_origins=("a",))
+    origins = document_row_origins(document.document_starts(996), 996, 192)
+    assert document.block_mask(996, 996, 192, 128, row_origins=list(origins)).row_origins == origins
+
+
+@pytest.mark.parametrize(("lengths", "seq", "block_m", "block_n"), [([200] * 5, 1000, 192, 128), ([700, 296], 996, 192, 128),
+                                                                    ([100, 200], 300, 192, 64)])
+def test_a_window_mask_counts_each_attended_element_once(lengths, seq, block_m, block_n):
+    """Rows two windows share count once (n_attended, the density in the repr); pictures refuse such a mask."""
+    from stof_cc.masks.picture import render
+
+    document = masks.document(lengths)
+    origins = document_row_origins(document.document_starts(seq), seq, block_m)
+    block_mask = document.block_mask(seq, seq, block_m, block_n, row_origins=origins)
+    assert block_mask.n_attended == int(document.to_dense(seq, seq).sum())
+    assert "block rows from document starts" in repr(block_mask)
+    with pytest.raises(MaskError, match="row_origins"):
+        render(block_mask)
 
 
 def test_explain_says_where_the_tiles_start():
     from stof_cc.tune.attention import explain_attention
 
     text = explain_attention(1, 12, 8192, 8192, 64, masks.document(segment_ids=torch.arange(8192) // 2048)).explain()
-    assert "its 44 tiles per head start where documents start" in text
-    assert "start where documents start" not in explain_attention(1, 12, 8192, 8192, 64, masks.causal()).explain()
+    assert "its 44 tiles per (batch, head) are laid out from the documents' starts" in text
+    assert "documents' starts" not in explain_attention(1, 12, 8192, 8192, 64, masks.causal()).explain()

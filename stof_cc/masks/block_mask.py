@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 import stof_cc.masks.lists as lists
-from stof_cc.masks.bits import n_words, popcount, unpack
+from stof_cc.masks.bits import n_words, pack, popcount, unpack
 from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 from stof_cc.masks.runs import MAX, ClassRuns, spread
@@ -227,15 +227,30 @@ class BlockMask:
     @property
     def n_attended(self) -> int:
         """Number of True elements over all slices: per block row, its height times the width of
-        its FULL blocks (only a row's last column can be ragged), plus the PARTIAL tiles' bits."""
+        its FULL blocks (only a row's last column can be ragged), plus the PARTIAL tiles' bits.
+        Under row origins each query row counts once, in the first window that covers it."""
         ptr = self.full_ptr.cpu().long()
         counts = ptr[1:] - ptr[:-1]
         ends_at_edge = torch.zeros_like(counts, dtype=torch.bool)
         stored = counts > 0
         ends_at_edge[stored] = self.full_cols.cpu()[ptr[1:][stored] - 1] == self.n_cb - 1
         width = counts * self.block_n - ends_at_edge * (self.n_cb * self.block_n - self.seq_k)
-        height = (self.seq_q - torch.arange(len(counts)) % self.n_rb * self.block_m).clamp(max=self.block_m)
-        return int((height * width).sum()) + popcount(self.part_bits.cpu())
+        if self.row_origins is None:
+            height = (self.seq_q - torch.arange(len(counts)) % self.n_rb * self.block_m).clamp(max=self.block_m)
+            return int((height * width).sum()) + popcount(self.part_bits.cpu())
+        owned = self._owned_rows()
+        full = int((owned.sum(1)[torch.arange(len(counts)) % self.n_rb] * width).sum())
+        owned_words = pack(owned[:, :, None].expand(-1, -1, self.block_n).contiguous())
+        tile_rows = self._rows(self.part_ptr.cpu()) % self.n_rb
+        return full + popcount(self.part_bits.cpu().view(torch.int32) & owned_words[tile_rows])
+
+    def _owned_rows(self) -> torch.Tensor:
+        """bool [n_rb, block_m]: under row origins, which of each window's rows no earlier window covers."""
+        owner = torch.full((self.seq_q,), -1, dtype=torch.long)
+        rows = torch.tensor(self.row_origins).view(-1, 1) + torch.arange(self.block_m)
+        for window in range(self.n_rb - 1, -1, -1):  # the earliest window covering a row writes it last
+            owner[rows[window]] = window
+        return owner[rows] == torch.arange(self.n_rb).view(-1, 1)
 
     @property
     def element_density(self) -> float:
@@ -262,7 +277,8 @@ class BlockMask:
     def __repr__(self) -> str:
         return (
             f"BlockMask(seq {self.seq_q}x{self.seq_k}, block {self.block_m}x{self.block_n}, "
-            f"dims {self.batch}x{self.heads}, grid {self.n_rb}x{self.n_cb}: "
+            f"dims {self.batch}x{self.heads}, grid {self.n_rb}x{self.n_cb}"
+            f"{' (block rows from document starts)' if self.row_origins is not None else ''}: "
             f"{self.n_full} full, {self.n_partial} partial, {self.n_empty} empty; "
             f"density {self.element_density:.2%} of elements, {self.block_density:.2%} of blocks, "
             f"partial share {self.partial_share:.2%}; {self.nbytes / 1024:.1f} KiB)"

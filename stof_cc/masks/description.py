@@ -101,8 +101,8 @@ class MaskDescription:
         return None
 
     def document_starts(self, seq: int) -> list[int] | None:
-        """Where each document (a run of positions attending each other's, padding included)
-        begins over ``seq`` positions, the same in every batch element and head, for a mask that
+        """Where each run of positions begins over ``seq`` positions (a document, or a run of
+        padding between or after them), the same in every batch element and head, for a mask that
         is documents alone; None (the default) for any other mask. Such a mask's tiles can start
         where documents start (`masks.row_origins`)."""
         return None
@@ -299,8 +299,8 @@ class MaskDescription:
         limit = (MAX_BLOCK, "a tile is block_m x block_n bits")
         block_m = check_int(fn, "block_m", block_m, limit=limit)
         block_n = check_int(fn, "block_n", block_n, limit=limit)
-        if row_origins is not None and not self.takes_row_origins:
-            raise MaskError(f"{self!r}: {fn}: row_origins are for document masks (document_starts)")
+        if row_origins is not None:
+            row_origins = _checked_origins(self, fn, row_origins, block_m, ext.seq_q)
         key = (ext, dims, block_m, block_n, kind, row_origins)
         if key not in self._built:
             if len(self._built) >= BUILT_KEPT:
@@ -318,6 +318,26 @@ class MaskDescription:
 
     def __invert__(self) -> MaskDescription:
         return Complement(self)
+
+
+def _checked_origins(mask: MaskDescription, fn: str, row_origins: object, block_m: int,
+                     seq_q: int) -> tuple[int, ...]:
+    """``row_origins`` as a tuple of ints, checked: a document mask's, each a whole block_m-row
+    window inside the queries, and every query row in one (a row no window covers is never computed)."""
+    if not mask.takes_row_origins:
+        raise MaskError(f"{mask!r}: {fn}: row_origins are for document masks (document_starts)")
+    try:
+        origins = tuple(int(o) for o in row_origins)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise MaskError(f"{fn}: row_origins must be a sequence of ints, got {row_origins!r}") from None
+    if not origins or min(origins) < 0 or max(origins) + block_m > seq_q:
+        raise MaskError(f"{fn}: row_origins must each start a whole {block_m}-row window inside {seq_q} queries")
+    covered = torch.zeros(seq_q, dtype=torch.bool)
+    for origin in origins:
+        covered[origin:origin + block_m] = True
+    if not covered.all():
+        raise MaskError(f"{fn}: row_origins leave query row {int((~covered).nonzero()[0])} in no window")
+    return origins
 
 
 def _not_combinable(mask: MaskDescription, operator: str, other: object) -> object:

@@ -78,10 +78,7 @@ class BlockGrid:
 
     def __init__(self, ext: Extent, block_m: int, block_n: int, row_origins: tuple[int, ...] | None = None) -> None:
         self.ext, self.block_m, self.block_n = ext, block_m, block_n
-        self.row_origins = row_origins
-        if row_origins is not None and (not row_origins or min(row_origins) < 0
-                                        or max(row_origins) + block_m > ext.seq_q):
-            raise ValueError(f"row origins must each start a whole {block_m}-row window inside {ext.seq_q} queries")
+        self.row_origins = row_origins  # checked by MaskDescription's builders
         self.n_rb = -(-ext.seq_q // block_m) if row_origins is None else len(row_origins)
         self.n_cb = -(-ext.seq_k // block_n)
         self.words = n_words(block_m, block_n)

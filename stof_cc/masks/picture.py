@@ -13,7 +13,7 @@ import torch
 
 from stof_cc.masks.bits import unpack
 from stof_cc.masks.block_mask import BlockMask
-from stof_cc.masks.errors import check_int
+from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
 from stof_cc.masks.runs import ClassRuns, spread
 
@@ -62,6 +62,9 @@ def render(mask: BlockMask, b: int = 0, h: int = 0, max_px: int = 1024) -> np.nd
     Drawn from the block map as runs and the partial tiles, never from a dense seq_q x seq_k
     tensor nor a class per block: a FULL run is one rectangle however long, so the work is the
     picture, the runs and the partial tiles, whatever the sequence length."""
+    if mask.row_origins is not None:
+        raise MaskError("render: this block mask's rows start where documents start (row_origins); render the "
+                        "description's own block mask (description.block_mask(seq_q, seq_k, block_m, block_n))")
     max_px = check_int("render", "max_px", max_px, limit=(MAX_PX, "a panel side in pixels"))
     b = check_int("render", "b", b, 0, mask.batch - 1)
     h = check_int("render", "h", h, 0, mask.heads - 1)

@@ -5,10 +5,12 @@ length is no multiple of block_m, the tile over its end holds rows of two docume
 key blocks of both (twice a tile's work for bidirectional documents of S / 4 tokens with 192-row
 tiles: 5.5% more blocks at S = 8192, and tiles twice as long as the rest). FlashAttention's varlen
 kernels start tiles at every document instead. Here each document gets windows of block_m rows from
-its start, and its last window ends at its end, overlapping the one before: the overlapping rows
-are computed twice, each time over the same key blocks in the same order, so both tiles store the
-same values, and no tile needs a partial store. Only a document shorter than block_m (or a rest of
-one that a window ran into) shares a window with what follows, as every tile does today.
+its start, and its last window ends at its end, overlapping the one before. The overlapping rows are
+computed twice, and both tiles store the same values: every row of a window is classified with the
+whole mask, and a key block that one window visits and the other does not is fully masked for the
+shared rows, which leaves their running max, sum and output as they were. No tile needs a partial
+store. Only a document shorter than block_m (or a rest of one that a window ran into) shares a
+window with what follows, as every tile did before.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class AttentionChoice:
                else "the cost model's first choice")
         lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}"]
         if self.document_tiles is not None:
-            lines.append(f"  its {self.document_tiles} tiles per head start where documents start, a document's last "
-                         "overlapping the one before (docs/decisions.md#document-tiles)")
+            lines.append(f"  its {self.document_tiles} tiles per (batch, head) are laid out from the documents' starts, "
+                         "a document's last overlapping the one before (docs/decisions.md#document-tiles)")
         lines += [self._against_stof_rule(), "candidates (best first):"]
         lines += [f"  {e.describe()}" for e in self.estimates]
         return "\n".join(lines)
@@ -255,8 +255,11 @@ def row_origins(description: MaskDescription, problem: AttentionProblem,
 
 
 def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
-                      params: dict[str, Any], device: torch.device) -> BlockMask:
-    origins = row_origins(description, problem, params)
+                      params: dict[str, Any], device: torch.device, origins: object = ...) -> BlockMask:
+    """The block mask a point runs ``description`` with, on ``device``, kept per mask (and its
+    `row_origins`, worked out here unless given)."""
+    if origins is ...:
+        origins = row_origins(description, problem, params)
     key = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
            problem.batch, problem.heads, str(device), origins)
     per_mask = _block_masks.setdefault(description, {})
@@ -266,7 +269,7 @@ def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
                                                    batch=problem.batch, heads=problem.heads, device=device,
                                                    row_origins=origins)
         else:
-            per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu")).to(device)
+            per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu"), origins).to(device)
     return per_mask[key]
 
 
