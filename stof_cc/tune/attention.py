@@ -166,12 +166,12 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
                 row_blocks, partial = runs.per_row(FULL, PARTIAL).tolist(), runs.total(PARTIAL)
             priced = _priced(template, problem, params | {"persistent": False} if in_turn else params, params,
                              heads_batches, row_blocks, partial)
-            scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn))
+            scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn,
+                           origins))
         scored.sort(key=lambda item: (item[0].micros, not item[2]))
-        best, template, _ = scored[0]
+        best, template, _, origins = scored[0]
         rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
-        origins = row_origins(description, problem, best.params)
-        per_mask[key] = AttentionChoice(template, best.params, tuple(e for e, _, _ in scored), rule,
+        per_mask[key] = AttentionChoice(template, best.params, tuple(item[0] for item in scored), rule,
                                         document_tiles=None if origins is None else len(origins))
         if shared is not None and shared not in _group_choices:
             _group_choices[shared] = per_mask[key]
