@@ -33,7 +33,7 @@ SM_REGISTER_FILE = 64 * 1024  # 32-bit registers per SM: one CTA's threads x reg
 GRID_YZ_LIMIT = 65535  # CUDA's limit on gridDim.y (batch) and gridDim.z (block rows)
 # wgmma kernels' registers per thread by (head_dim, block_n): the sm_90a ptxas reports, which vary
 # by a few registers over block_m and dtype (checked in CI)
-WGMMA_REGISTERS = {(64, 64): 121, (64, 128): 185, (128, 64): 160, (128, 128): 208}
+WGMMA_REGISTERS = {(64, 64): 121, (64, 128): 185, (128, 64): 160, (128, 128): 208, (128, 160): 232}
 # The bias variant's loads and row pointers: keeps out the points whose bias variants spill (sm_90a ptxas,
 # nvcc 13: d = 128 with n128, 68-72 bytes at 255 registers, and m192 n64, 116 bytes at its 168), leaves in
 # those that compile without (161-249 registers).
@@ -184,7 +184,7 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
                 or problem.row_windows and (not self.takes_row_windows or problem.residues > 1):
             return []
         points = []
-        for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns, self.stage_counts):
+        for (block_m, m_tiles), block_n, stages in product(self.shapes, self.block_ns_of(problem), self.stage_counts):
             params = {"strategy": self.strategy, "block_m": block_m, "block_n": block_n,
                       "warps": block_m // (16 * m_tiles), "m_tiles": m_tiles, "stages": stages}
             registers = self.registers(problem, params) + STRIDED_REGISTERS * (problem.residues > 1)
@@ -199,6 +199,16 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     def takes_tiles_in_turn(problem: AttentionProblem, params: dict[str, Any]) -> bool:
         """Whether the point's CTAs take their tiles one at a time from a counter the launch zeroes
         (none here: one CTA per tile)."""
+        return False
+
+    def block_ns_of(self, problem: AttentionProblem) -> tuple[int, ...]:
+        """The key block widths the space takes for this problem."""
+        return self.block_ns
+
+    def exposes_bit_loads(self, problem: AttentionProblem, params: dict[str, Any]) -> bool:
+        """Whether the point reads PARTIAL blocks' bit words where a warp-specialised kernel would have them
+        copied beside K (the cost model prices the exposed load); the one-CTA kernels' words are priced in
+        their bit tests."""
         return False
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
@@ -271,7 +281,7 @@ PRODUCER_REGISTERS = 24  # attention_wgmma_ws's producer: one thread issues ever
 IN_TURN_PRODUCER_REGISTERS = 32
 # What attention_wgmma_ws's consumer warpgroups need per thread, by (head_dim, block_n): no copy code, so
 # less than WGMMA_REGISTERS; (64, 128) compiles into the 160 that three consumer warpgroups get.
-WS_CONSUMER_REGISTERS = {(64, 64): 121, (64, 128): 160, (128, 64): 160, (128, 128): 208}
+WS_CONSUMER_REGISTERS = {(64, 64): 121, (64, 128): 160, (128, 64): 160, (128, 128): 208, (128, 160): 232}
 # More for the bias variant (its loads and row pointers): keeps out the points whose bias variants
 # spilled: every three-warpgroup one (52-368 bytes at 160 registers) and m128 n128 at d = 128 (112-148
 # bytes at 240); CI compiles the rest without spills.
@@ -293,6 +303,12 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     loads_with_tma = True
     bias_registers = WS_BIAS_REGISTERS
     schedules = (False, True)  # params["persistent"]: one CTA per tile, or one per SM (tile_schedule)
+
+    def block_ns_of(self, problem: AttentionProblem) -> tuple[int, ...]:
+        """160-key blocks at d = 128 only (FlashAttention-3's 176 in whole 32-key bit words: 4-8% faster
+        than n128 on long causal and full masks on an H200); at d = 64 they ran 0.85-0.93x the model's
+        pick (history/41)."""
+        return self.block_ns + ((160,) if problem.head_dim == 128 else ())
 
     def producer_registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """Registers per producer thread after setmaxnreg."""
@@ -332,10 +348,24 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
 
     def shared_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """Two Q buffers (a persistent CTA loads the next tile's Q while this one's S read the
-        other) and a partial block's bit tile per stage."""
-        second_q = params["block_m"] * problem.head_dim * 2
-        bit_tiles = params["stages"] * params["block_m"] * params["block_n"] // 8
-        return super().shared_bytes(problem, params) + second_q + bit_tiles
+        other) and, where they fit, a partial block's bit tile per stage (`stages_bits`)."""
+        return self._buffers_bytes(problem, params) + self.stages_bits(problem, params) * self._bit_tiles_bytes(params)
+
+    def stages_bits(self, problem: AttentionProblem, params: dict[str, Any]) -> bool:
+        """Whether the producer copies each PARTIAL block's bit tile into shared memory beside its K. Where
+        the tiles do not fit beside the buffers (d = 128 with n160: 225 KB of Q, K and V), the consumers read
+        the words from global memory (L2) instead, issued under the block's matrix products."""
+        return self._buffers_bytes(problem, params) + self._bit_tiles_bytes(params) <= SMEM_LIMIT
+
+    def exposes_bit_loads(self, problem: AttentionProblem, params: dict[str, Any]) -> bool:
+        return not self.stages_bits(problem, params)
+
+    def _buffers_bytes(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
+        return super().shared_bytes(problem, params) + params["block_m"] * problem.head_dim * 2  # a second Q buffer
+
+    @staticmethod
+    def _bit_tiles_bytes(params: dict[str, Any]) -> int:
+        return params["stages"] * params["block_m"] * params["block_n"] // 8
 
     def registers(self, problem: AttentionProblem, params: dict[str, Any]) -> int:
         """What ptxas reports and the launch reserves: the register file split evenly over all
@@ -346,7 +376,8 @@ class WarpSpecialisedWgmmaAttention(WgmmaAttention):
     def context(self, problem: AttentionProblem, params: dict[str, Any]) -> dict[str, Any]:
         return super().context(problem, params) | {"producer_registers": self.producer_registers(problem, params),
                                                    "consumer_registers": self.consumer_registers(problem, params),
-                                                   "in_turn": self.takes_tiles_in_turn(problem, params)}
+                                                   "in_turn": self.takes_tiles_in_turn(problem, params),
+                                                   "staged_bits": self.stages_bits(problem, params)}
 
     def launch(self, problem: AttentionProblem, params: dict[str, Any]) -> Launch:
         """One CTA per tile, flattened to x; `attention_launch.launch_plan` narrows a persistent

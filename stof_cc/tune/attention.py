@@ -225,7 +225,7 @@ def _priced(template: KernelTemplate, problem: AttentionProblem, priced_as: dict
     """The model's estimate of ``params`` (priced as ``priced_as``) on these block counts."""
     return estimate(priced_as, problem.head_dim, heads_batches, row_blocks, partial,
                     template.shared_bytes(problem, params), sm_count(), template.registers(problem, params),
-                    template.launch(problem, params)[1])
+                    template.launch(problem, params)[1], template.exposes_bit_loads(problem, params))
 
 
 def row_origins(description: MaskDescription, problem: AttentionProblem,

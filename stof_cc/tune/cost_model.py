@@ -15,7 +15,8 @@ The model prices one launch of a masked-attention template as
     - softmax time, bm * bn elements at ``EXP_PER_US``, added to the tensor-core time, except
       in the warp-specialised kernel, whose consumer warpgroups take turns on the tensor cores
       so that one's softmax overlaps another's products: there the larger of the two counts;
-      for PARTIAL blocks the bit tests, bm * bn at ``BIT_TESTS_PER_US``;
+      for PARTIAL blocks the bit tests, bm * bn at ``BIT_TESTS_PER_US``, plus ``EXPOSED_BITS_US`` where a
+      warp-specialised point reads the words from L2 instead of having them copied beside K;
     - the K and V tiles, 4 * bn * d bytes, streamed into shared memory at
       ``TILE_BYTES_PER_US`` (this is what makes CTAs with more rows cheaper per flop);
     - a fixed latency ``ITER_US`` (barriers, waits, row reductions; ``WS_ITER_US`` for the
@@ -68,6 +69,8 @@ ITER_US = 0.572                # fixed latency of one block iteration
 WS_ITER_US = 0.375             # the same for attention_wgmma_ws (no CTA-wide barrier per block)
 EXPOSED_LOAD_US = 3.57e-04     # per KiB of K/V a one-stage kernel waits for
 CTA_FIXED_US = 1.89           # per CTA: Q tile load, output store, prologue
+EXPOSED_BITS_US = 0.235        # per PARTIAL block whose words a ws consumer reads from L2 (no room to stage them):
+                               # set from one A/B (dilated, S = 16384, d = 128, H200: n160 1.06x slower than n128)
 PERSISTENT_TILE_US = 0.055     # per tile of a persistent CTA, instead of CTA_FIXED_US: set (not fitted); with
                                # the fitted CTA_FIXED_US persistent points rank ahead, as the sweeps measured them
 LAUNCH_US = 3.15               # kernel launch, first wave ramp and tail
@@ -103,12 +106,14 @@ def occupancy(threads: int, shared_bytes: int, registers_per_thread: int) -> int
 
 def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_blocks: Any,
              partial_blocks: int, shared_bytes: int, sm_count: int,
-             registers_per_thread: int = 128, threads: int | None = None) -> Estimate:
+             registers_per_thread: int = 128, threads: int | None = None,
+             exposed_bit_loads: bool = False) -> Estimate:
     """Estimate one candidate.
 
     ``row_blocks`` holds the non-empty block count of every block row of every distinct
     mask (a 1-D integer tensor or list); ``heads_batches`` is how many (batch, head)
-    pairs each distinct mask serves; ``threads`` is the CTA size (default: its warps).
+    pairs each distinct mask serves; ``threads`` is the CTA size (default: its warps);
+    ``exposed_bit_loads``: the point's consumers read PARTIAL blocks' words from L2 themselves.
     """
     bm, bn, warps = params["block_m"], params["block_n"], params["warps"]
     counts = [int(c) for c in row_blocks]
@@ -130,7 +135,7 @@ def estimate(params: dict[str, Any], head_dim: int, heads_batches: int, row_bloc
         compute_us = tensor_us + softmax_us
     per_block = compute_us + 4 * bn * head_dim / TILE_BYTES_PER_US
     latency = (WS_ITER_US if params["strategy"] == "wgmma_ws" else ITER_US) + (EXPOSED_LOAD_US * 4 * bn * head_dim / 1024 if params["stages"] == 1 else 0.0)
-    per_partial = bm * bn / BIT_TESTS_PER_US
+    per_partial = bm * bn / BIT_TESTS_PER_US + (EXPOSED_BITS_US if exposed_bit_loads else 0.0)
     persistent = params.get("persistent", False)
     sm_work = (blocks * (per_block + latency / occ) + partial * per_partial
                + n_ctas * (PERSISTENT_TILE_US if persistent else CTA_FIXED_US))
