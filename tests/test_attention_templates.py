@@ -98,6 +98,25 @@ def test_persistent_row_window_points_take_their_tiles_in_turn():
     assert not any(t.takes_tiles_in_turn(windows, t.space(windows)[0]) for t in (BLOCKWISE, WGMMA))
 
 
+def test_wide_key_blocks_read_their_bit_words_from_l2():
+    """160-key blocks at d = 128 only: there a PARTIAL block's bit tiles do not fit beside two Q buffers
+    and two K/V stages, so the producer copies none and the consumers read the words from global memory
+    (L2), which the cost model prices; the other points keep them staged beside K."""
+    d128, d64 = PROBLEMS[4], PROBLEMS[2]
+    assert not any(params["block_n"] == 160 for params in WGMMA_WS.space(d64))
+    wide = [params for params in WGMMA_WS.space(d128) if params["block_n"] == 160]
+    assert {params["persistent"] for params in wide} == {False, True}
+    for params in wide:
+        assert not WGMMA_WS.stages_bits(d128, params) and WGMMA_WS.exposes_bit_loads(d128, params)
+        assert WGMMA_WS.shared_bytes(d128, params) <= 227 * 1024
+        source = WGMMA_WS.render(d128, params)
+        assert "load_bits(sBits" not in source and "sBits" not in source and "__ldg(bits + " in source
+    narrow = next(params for params in WGMMA_WS.space(d128) if params["block_n"] == 128)
+    assert WGMMA_WS.stages_bits(d128, narrow) and not WGMMA_WS.exposes_bit_loads(d128, narrow)
+    assert "load_bits(sBits" in WGMMA_WS.render(d128, narrow)
+    assert not BLOCKWISE.exposes_bit_loads(d128, BLOCKWISE.space(d128)[0])
+
+
 def test_render_is_deterministic_and_names_the_kernel():
     problem, params = PROBLEMS[0], BLOCKWISE.space(PROBLEMS[0])[0]
     source = BLOCKWISE.render(problem, params)

@@ -25,6 +25,8 @@ def test_estimate_grows_with_work_and_is_infinite_when_nothing_fits():
     large = estimate(PARAMS, 64, 12, [64] * 64, 0, 55 * 1024, 132, 246)
     partial = estimate(PARAMS, 64, 12, [64] * 64, 500, 55 * 1024, 132, 246)
     assert 0 < small.micros < large.micros < partial.micros
+    # a warp-specialised point whose consumers read the bit words from L2 pays for each PARTIAL block
+    assert estimate(PARAMS, 64, 12, [64] * 64, 500, 55 * 1024, 132, 246, exposed_bit_loads=True).micros > partial.micros
     assert estimate(PARAMS, 64, 12, [4], 0, 300 * 1024, 132, 246).micros == float("inf")
 
 
