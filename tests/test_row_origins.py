@@ -103,9 +103,52 @@ def test_the_schedule_hands_each_tile_its_first_row():
     entries = schedule.table[schedule.ctas + 1:].view(-1, TILE_ENTRY).tolist()
     assert sorted(q0 for _, _, q0, _, _ in entries) == sorted(block_mask.row_origins * 6)
     any_ptr = block_mask.any_ptr.tolist()
+    # windows inside one document (here all: 0, 192, 384, 508; 700, 804) carry its keys, -(start + 1) and end
+    assert block_mask.row_keys == ((0, 700),) * 4 + ((700, 996),) * 2
     for _, _, q0, first, last in entries:
         row = block_mask.row_origins.index(q0)
-        assert (first, last) == (any_ptr[row], any_ptr[row + 1])
+        start, end = block_mask.row_keys[row]
+        assert (first, last) == ((-(start + 1), end) if start >= 0 else (any_ptr[row], any_ptr[row + 1]))
+
+
+def test_document_keys_are_each_documents_own_positions():
+    """A run's keys where its rows attend exactly its own positions (padding: none); an id that recurs
+    has no such range, and other masks have none."""
+    assert masks.document([3, 2]).document_keys(7) == [(0, 3), (3, 5), (5, 5)]
+    ids = torch.tensor([0, 0, 1, 1, 2, -1, -1])
+    assert masks.document(segment_ids=ids).document_keys(7) == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    assert masks.document(segment_ids=torch.tensor([0, 0, 1, 1, 0, -1, -1])).document_keys(7) is None
+    assert masks.document(segment_ids=torch.stack([ids, ids.flip(0)])).document_keys(7) is None  # per batch element
+    assert masks.causal().document_keys(7) is None
+
+
+def test_windows_inside_one_document_walk_its_keys_from_its_start():
+    """Four documents of 4096 at d = 128 with 160-key blocks: every 128-row window lies in one
+    document, so it walks that document in 26 blocks from its start (4096 keys), none PARTIAL, where
+    blocks at multiples of 160 take 27, two of them PARTIAL; the model prices it so and picks it."""
+    from stof_cc.backends.tile_schedule import tile_costs
+    from stof_cc.masks.row_origins import window_keys
+
+    description = masks.document(segment_ids=torch.arange(16384) // 4096)
+    problem = AttentionProblem(1, 16, 16384, 16384, 128, torch.bfloat16)
+    params = _ws_point(problem, 128, 160)
+    origins = row_origins(description, problem, params)
+    assert origins == tuple(range(0, 16384, 128))  # the plain tiles' rows, as windows
+    block_mask = cached_block_mask(description, problem, params, torch.device("cpu"))
+    assert block_mask.row_keys == tuple((4096 * (o // 4096), 4096 * (o // 4096 + 1)) for o in origins)
+    assert (tile_costs(block_mask, 1, 16) == 26).all()
+    plain = description.block_mask(16384, 16384, 128, 160)
+    assert plain.any_ptr[33] - plain.any_ptr[32] == 27 and plain.n_partial > 0
+    choice = choose(problem, description, own=True)
+    assert (choice.params["block_n"], choice.document_tiles) == (160, 128)
+    assert next(e for e in choice.estimates if e.params == params).partial_blocks == 0
+    starts = description.document_starts(16384)
+    assert window_keys(starts, description.document_keys(16384), (0, 4000), 128) == ((0, 4096), (-1, -1))
+    assert window_keys(starts, description.document_keys(16384), (4000,), 128) is None
+    short = masks.document([100, 50, 850, 200])  # the first window holds two short documents and part of a third
+    short_origins = document_row_origins(short.document_starts(1200), 1200, 192)
+    keys = window_keys(short.document_starts(1200), short.document_keys(1200), short_origins, 192)
+    assert keys == ((-1, -1),) + ((150, 1000),) * 5 + ((1000, 1200),) * 2
 
 
 def test_row_origins_are_refused_for_other_masks_and_where_they_leave_rows_out():

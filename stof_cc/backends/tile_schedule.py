@@ -22,7 +22,8 @@ The schedule is one int32 tensor on the mask's device: ``ctas + 1`` offsets, the
 CTA by CTA, ``TILE_ENTRY`` ints: head, batch, the tile's first query row (its block row times
 block_m, or the mask's row origin: tiles that start where documents start), and the tile's range
 [first, last) in the block mask's ``any_cols`` / ``any_tile`` (so a kernel reads one entry, not the mask's row
-pointers after it). Kernels read it in place of ``row_order``. Taken in turn, the offsets are 0 but
+pointers after it), or, for a tile inside one document (the mask's ``row_keys``), -(start + 1) and end: the
+document's keys, walked in blocks from its start. Kernels read it in place of ``row_order``. Taken in turn, the offsets are 0 but
 the last, which counts every tile.
 """
 
@@ -55,10 +56,14 @@ _schedules: weakref.WeakKeyDictionary[BlockMask, dict[tuple, TileSchedule]] = we
 
 
 def tile_costs(block_mask: BlockMask, batch: int, heads: int) -> np.ndarray:
-    """int64 [block rows, batch, heads]: each tile's non-empty key blocks (mask slices broadcast
-    over the batch and heads they serve)."""
+    """int64 [block rows, batch, heads]: each tile's non-empty key blocks, or the blocks that walk
+    its key range (``row_keys``), mask slices broadcast over the batch and heads they serve."""
     counts = np.diff(block_mask.any_ptr_host)
     counts = counts.reshape(block_mask.batch, block_mask.heads, block_mask.n_rb)
+    spans = block_mask.key_spans()
+    if spans is not None:
+        keys, blocks = spans
+        counts = np.where(keys[:, 0] >= 0, blocks, counts)
     return np.broadcast_to(counts, (batch, heads, block_mask.n_rb)).transpose(2, 0, 1)
 
 
@@ -130,7 +135,12 @@ def _build(block_mask: BlockMask, batch: int, heads: int, ctas: int | None, sms:
     # the tile's row of the block mask (a mask of one batch element or head serves them all)
     mask_row = ((b if block_mask.batch > 1 else 0) * block_mask.heads + (h if block_mask.heads > 1 else 0)) * n_rb + row
     any_ptr = block_mask.any_ptr_host
-    entries = np.stack((h, b, block_mask.row_starts()[row], any_ptr[mask_row], any_ptr[mask_row + 1]), 1).astype(np.int32)
+    first, last = any_ptr[mask_row], any_ptr[mask_row + 1]
+    spans = block_mask.key_spans()
+    if spans is not None:  # a tile inside one document: its key range, the start encoded as -(start + 1)
+        keys = spans[0][row]
+        first, last = np.where(keys[:, 0] >= 0, -(keys[:, 0] + 1), first), np.where(keys[:, 0] >= 0, keys[:, 1], last)
+    entries = np.stack((h, b, block_mask.row_starts()[row], first, last), 1).astype(np.int32)
     n_tiles = n_rb * batch * heads
     if ctas is None or (ctas >= n_tiles and not in_turn):
         offsets = np.arange(n_tiles + 1, dtype=np.int32)

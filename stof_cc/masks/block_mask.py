@@ -13,6 +13,7 @@ import stof_cc.masks.lists as lists
 from stof_cc.masks.bits import n_words, pack, popcount, unpack
 from stof_cc.masks.errors import MaskError, check_int
 from stof_cc.masks.geometry import EMPTY, FULL, PARTIAL
+from stof_cc.masks.row_origins import key_blocks
 from stof_cc.masks.runs import MAX, ClassRuns, spread
 
 INT32_MAX = 2**31 - 1
@@ -54,6 +55,10 @@ class BlockMask:
       any_ptr   [R+1], any_cols: every non-empty block, columns ascending (the merge of the
                        two lists above), for single-loop kernels; any_tile[n] is the
                        part_bits row of that block, or -1 when it is FULL.
+      row_keys         under row origins, per block row the keys [start, end) of the one document
+                       holding all its rows (`masks.row_origins.window_keys`), or (-1, -1): the tile
+                       schedule hands such a tile that key range instead of its block list, and the
+                       warp-specialised kernel walks it in FULL blocks from the document's start.
 
     Classification is exact: no PARTIAL tile is all ones or all zeros over its in-range part.
     A query row with no attended key is legal; its attention output is defined as 0
@@ -76,6 +81,7 @@ class BlockMask:
     any_cols: torch.Tensor
     any_tile: torch.Tensor
     row_origins: tuple[int, ...] | None = None
+    row_keys: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def from_classes(
@@ -189,6 +195,12 @@ class BlockMask:
         if self.row_origins is None:
             return np.arange(self.n_rb, dtype=np.int64) * self.block_m
         return np.asarray(self.row_origins, dtype=np.int64)
+
+    def key_spans(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(keys int64 [n_rb, 2], blocks int64 [n_rb]) under ``row_keys``: each block row's key range
+        ((-1, -1) where it keeps its block list) and the blocks of block_n keys that walk it from its
+        start (0 where it keeps its list); None without row keys."""
+        return None if self.row_keys is None else key_blocks(self.row_keys, self.block_n)
 
     @property
     def n_cb(self) -> int:

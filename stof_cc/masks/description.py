@@ -107,6 +107,13 @@ class MaskDescription:
         where documents start (`masks.row_origins`)."""
         return None
 
+    def document_keys(self, seq: int) -> list[tuple[int, int]] | None:
+        """Per run of `document_starts(seq)`, the keys [start, end) its rows attend when they are
+        that run itself (an empty range for a run of padding); None for any other mask, or where a
+        document's keys are not its one run (an id that recurs further on). Tiles inside one such run
+        walk its keys in blocks from the run's start (`masks.row_origins.window_keys`)."""
+        return None
+
     def choice_group(self) -> object | None:
         """A key shared by masks of one kind that change every call (documents with new
         boundaries): they share the cost model's kernel choice (`tune.attention.choose`),

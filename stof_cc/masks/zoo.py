@@ -450,6 +450,13 @@ class _Packed(_Documents):
         starts = [start for start in [0, *ends[:-1]] if start < seq]
         return starts + ([ends[-1]] if ends[-1] < seq else [])
 
+    def document_keys(self, seq: int) -> list[tuple[int, int]] | None:
+        """Each document's own positions; the padding past their sum attends nothing."""
+        starts = self.document_starts(seq)
+        total = int(self.ends[-1])
+        return [(start, end) if start < total else (start, start)
+                for start, end in zip(starts, [*starts[1:], seq], strict=True)]
+
     def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         first = torch.arange(-(-seq // block)) * block
         return self._spans(first, (first + block).clamp(max=seq) - 1)
@@ -555,6 +562,22 @@ class _Segments(_Documents):
             return None
         ids = self.ids[0, :seq]
         return [0, *((ids[1:] != ids[:-1]).nonzero().squeeze(1) + 1).tolist()]
+
+    def document_keys(self, seq: int) -> list[tuple[int, int]] | None:
+        """Each run's own positions where its id occurs nowhere else; a run of padding attends nothing."""
+        starts = self.document_starts(seq)
+        if starts is None:
+            return None
+        ids = self.ids[0, :seq]
+        present, counts = torch.unique(ids, return_counts=True)
+        occurrences = dict(zip(present.tolist(), counts.tolist(), strict=True))
+        keys = []
+        for start, end in zip(starts, [*starts[1:], seq], strict=True):
+            doc = int(ids[start])
+            if doc >= 0 and occurrences[doc] != end - start:
+                return None  # the id recurs: its rows attend keys outside their run
+            keys.append((start, end) if doc >= 0 else (start, start))
+        return keys
 
     def _ranges(self, seq: int, block: int) -> tuple[Tensor, Tensor, Tensor]:
         n = -(-seq // block)

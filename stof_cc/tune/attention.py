@@ -25,7 +25,7 @@ from stof_cc.ir.graph import Graph, Node
 from stof_cc.masks import MaskDescription, causal, from_dense, full, sliding_window
 from stof_cc.masks.block_mask import BlockMask, coarse_counts
 from stof_cc.masks.geometry import FULL, PARTIAL
-from stof_cc.masks.row_origins import document_row_origins
+from stof_cc.masks.row_origins import document_row_origins, key_blocks, window_keys
 from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
@@ -161,9 +161,7 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
             in_turn = template.takes_tiles_in_turn(problem, params)
             origins = row_origins(description, problem, params)
             if origins is not None:  # tiles that start where documents start: their own blocks
-                runs = description.block_runs(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
-                                              batch=problem.batch, heads=problem.heads, row_origins=origins)
-                row_blocks, partial = runs.per_row(FULL, PARTIAL).tolist(), runs.total(PARTIAL)
+                row_blocks, partial = _window_counts(description, problem, params, origins)
             priced = _priced(template, problem, params | {"persistent": False} if in_turn else params, params,
                              heads_batches, row_blocks, partial)
             scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn,
@@ -239,19 +237,51 @@ def row_origins(description: MaskDescription, problem: AttentionProblem,
     if params.get("strategy") != WGMMA_WS.strategy or problem.residues > 1 or problem.seq_q != problem.seq_k:
         return None
     starts = description.document_starts(problem.seq_q)
-    origins = None if starts is None else document_row_origins(starts, problem.seq_q, params["block_m"])
-    if origins is None:
+    if starts is None or problem.seq_q < params["block_m"]:
         return None
+    origins = document_row_origins(starts, problem.seq_q, params["block_m"])
+    if origins is None:  # tiles already start at documents: as windows they may still walk documents' keys
+        origins = tuple(range(0, problem.seq_q, params["block_m"]))
     sizes = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"])
     dims = {"batch": problem.batch, "heads": problem.heads}
     priced_as = params | {"persistent": False} if WGMMA_WS.takes_tiles_in_turn(problem, params) else params
 
-    def micros(runs: Any) -> float:
-        heads_batches = problem.batch * problem.heads // (runs.batch * runs.heads)
-        return _priced(WGMMA_WS, problem, priced_as, params, heads_batches, runs.per_row(FULL, PARTIAL).tolist(),
-                       runs.total(PARTIAL)).micros
-    shifted = micros(description.block_runs(*sizes, **dims, row_origins=origins))
-    return origins if shifted < micros(description.block_runs(*sizes, **dims)) else None
+    def micros(row_blocks: list[int], partial: int) -> float:
+        heads_batches = problem.batch * problem.heads * len(origins) // len(row_blocks)
+        return _priced(WGMMA_WS, problem, priced_as, params, heads_batches, row_blocks, partial).micros
+    plain = description.block_runs(*sizes, **dims)
+    plain_us = _priced(WGMMA_WS, problem, priced_as, params, problem.batch * problem.heads // (plain.batch * plain.heads),
+                       plain.per_row(FULL, PARTIAL).tolist(), plain.total(PARTIAL)).micros
+    return origins if micros(*_window_counts(description, problem, params, origins)) < plain_us else None
+
+
+def document_keys(description: MaskDescription, problem: AttentionProblem, params: dict[str, Any],
+                  origins: tuple[int, ...] | None) -> tuple[tuple[int, int], ...] | None:
+    """The key ranges of a point's document tiles (`masks.row_origins.window_keys`): a tile inside one
+    document walks that document's keys from its start. Not with per-call row windows, whose narrowing
+    reads the block lists."""
+    if origins is None or problem.row_windows:
+        return None
+    keys = description.document_keys(problem.seq_q)
+    return None if keys is None else window_keys(description.document_starts(problem.seq_q), keys, origins,
+                                                 params["block_m"])
+
+
+def _window_counts(description: MaskDescription, problem: AttentionProblem, params: dict[str, Any],
+                   origins: tuple[int, ...]) -> tuple[list[int], int]:
+    """(blocks per tile, PARTIAL blocks) of a point's document tiles: a tile inside one document walks its
+    keys in FULL blocks from the document's start (`document_keys`), the others their block lists."""
+    runs = description.block_runs(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
+                                  batch=problem.batch, heads=problem.heads, row_origins=origins)
+    rows, partial = runs.per_row(FULL, PARTIAL), runs.per_row(PARTIAL)
+    keys = document_keys(description, problem, params, origins)
+    if keys is not None:
+        spans, blocks = key_blocks(keys, params["block_n"])
+        slices = rows.numel() // len(origins)
+        inside = torch.from_numpy(spans[:, 0] >= 0).repeat(slices)
+        rows = torch.where(inside, torch.from_numpy(blocks).repeat(slices), rows)
+        partial = torch.where(inside, 0, partial)
+    return rows.tolist(), int(partial.sum())
 
 
 def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
@@ -265,9 +295,10 @@ def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
     per_mask = _block_masks.setdefault(description, {})
     if key not in per_mask:
         if device.type == "cpu" or description.evaluates_on(device):  # built where its tiles are evaluated
-            per_mask[key] = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
-                                                   batch=problem.batch, heads=problem.heads, device=device,
-                                                   row_origins=origins)
+            mask = description.block_mask(problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
+                                          batch=problem.batch, heads=problem.heads, device=device, row_origins=origins)
+            keys = document_keys(description, problem, params, origins)
+            per_mask[key] = mask if keys is None else dataclasses.replace(mask, row_keys=keys)
         else:
             per_mask[key] = cached_block_mask(description, problem, params, torch.device("cpu"), origins).to(device)
     return per_mask[key]
