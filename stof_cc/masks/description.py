@@ -339,11 +339,13 @@ def _checked_origins(mask: MaskDescription, fn: str, row_origins: object, block_
         raise MaskError(f"{fn}: row_origins must be a sequence of ints, got {row_origins!r}") from None
     if not origins or min(origins) < 0 or max(origins) + block_m > seq_q:
         raise MaskError(f"{fn}: row_origins must each start a whole {block_m}-row window inside {seq_q} queries")
-    covered = torch.zeros(seq_q, dtype=torch.bool)
-    for origin in origins:
-        covered[origin:origin + block_m] = True
-    if not covered.all():
-        raise MaskError(f"{fn}: row_origins leave query row {int((~covered).nonzero()[0])} in no window")
+    starts = np.sort(np.asarray(origins, dtype=np.int64))
+    reach = np.maximum.accumulate(starts + block_m)  # the windows so far cover [0, reach) unless one left a gap
+    gaps = np.flatnonzero(starts[1:] > reach[:-1])
+    if starts[0] > 0 or len(gaps):
+        raise MaskError(f"{fn}: row_origins leave query row {0 if starts[0] > 0 else int(reach[gaps[0]])} in no window")
+    if reach[-1] < seq_q:
+        raise MaskError(f"{fn}: row_origins leave query row {int(reach[-1])} in no window")
     return origins
 
 
