@@ -140,7 +140,8 @@ def test_windows_inside_one_document_walk_its_keys_from_its_start():
     plain = description.block_mask(16384, 16384, 128, 160)
     assert plain.any_ptr[33] - plain.any_ptr[32] == 27 and plain.n_partial > 0
     choice = choose(problem, description, own=True)
-    assert (choice.params["block_n"], choice.document_tiles) == (160, 128)
+    assert (choice.params["block_n"], choice.document_tiles, choice.key_walks) == (160, 128, 128)
+    assert "128 of them lie in one document and walk its keys" in choice.explain()
     assert next(e for e in choice.estimates if e.params == params).partial_blocks == 0
     starts = description.document_starts(16384)
     assert window_keys(starts, description.document_keys(16384), (0, 4000), 128) == ((0, 4096), (-1, -1))

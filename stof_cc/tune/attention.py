@@ -53,6 +53,7 @@ class AttentionChoice:
     stof_rule: tuple[float, float, str]
     measured_us: float | None = None  # set when stage 2 of the search picked it
     document_tiles: int | None = None  # the pick's tiles per (batch, head) where they start at documents (row_origins)
+    key_walks: int = 0  # of those, the tiles that walk their one document's keys from its start (document_keys)
 
     def explain(self) -> str:
         """The pick (and its document tiles), STOF's rule beside it (and, where they differ, the
@@ -63,6 +64,9 @@ class AttentionChoice:
         if self.document_tiles is not None:
             lines.append(f"  its {self.document_tiles} tiles per (batch, head) are laid out from the documents' starts, "
                          "a document's last overlapping the one before (docs/decisions.md#document-tiles)")
+        if self.key_walks:
+            lines.append(f"  {self.key_walks} of them lie in one document and walk its keys in blocks from its start "
+                         "(docs/decisions.md#document-key-walks)")
         lines += [self._against_stof_rule(), "candidates (best first):"]
         lines += [f"  {e.describe()}" for e in self.estimates]
         return "\n".join(lines)
@@ -169,8 +173,9 @@ def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool
         scored.sort(key=lambda item: (item[0].micros, not item[2]))
         best, template, _, origins = scored[0]
         rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
+        tiles, walks = _tile_layout(description, problem, best.params, origins)
         per_mask[key] = AttentionChoice(template, best.params, tuple(item[0] for item in scored), rule,
-                                        document_tiles=None if origins is None else len(origins))
+                                        document_tiles=tiles, key_walks=walks)
         if shared is not None and shared not in _group_choices:
             _group_choices[shared] = per_mask[key]
             while len(_group_choices) > GROUP_CHOICES_KEPT:
@@ -182,9 +187,9 @@ def adopt_choice(problem: AttentionProblem, description: MaskDescription, templa
                  params: dict[str, Any], measured_us: float) -> AttentionChoice:
     """Make a measured winner the choice for (problem, mask): later `attention` calls run it."""
     modelled = choose(problem, description, own=True)
-    origins = row_origins(description, problem, params)
+    tiles, walks = _tile_layout(description, problem, params, row_origins(description, problem, params))
     choice = AttentionChoice(template, dict(params), modelled.estimates, modelled.stof_rule, measured_us,
-                             None if origins is None else len(origins))
+                             document_tiles=tiles, key_walks=walks)
     _choices[description][(problem, sm_count())] = choice
     for listener in _adopt_listeners:  # e.g. the runtime's launch plans built on the model's pick
         listener(description)
@@ -265,6 +270,14 @@ def document_keys(description: MaskDescription, problem: AttentionProblem, param
     keys = description.document_keys(problem.seq_q)
     return None if keys is None else window_keys(description.document_starts(problem.seq_q), keys, origins,
                                                  params["block_m"])
+
+
+def _tile_layout(description: MaskDescription, problem: AttentionProblem, params: dict[str, Any],
+                 origins: tuple[int, ...] | None) -> tuple[int | None, int]:
+    """(document tiles per (batch, head) or None, how many of them walk one document's keys): what
+    `AttentionChoice.explain` reports of a point's tiles."""
+    keys = document_keys(description, problem, params, origins)
+    return None if origins is None else len(origins), 0 if keys is None else sum(start >= 0 for start, _ in keys)
 
 
 def _window_counts(description: MaskDescription, problem: AttentionProblem, params: dict[str, Any],
