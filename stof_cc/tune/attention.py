@@ -251,12 +251,12 @@ def row_origins(description: MaskDescription, problem: AttentionProblem,
     dims = {"batch": problem.batch, "heads": problem.heads}
     priced_as = params | {"persistent": False} if WGMMA_WS.takes_tiles_in_turn(problem, params) else params
 
-    def micros(row_blocks: list[int], partial: int) -> float:
-        heads_batches = problem.batch * problem.heads * len(origins) // len(row_blocks)
-        return _priced(WGMMA_WS, problem, priced_as, params, heads_batches, row_blocks, partial).micros
     plain = description.block_runs(*sizes, **dims)
-    plain_us = _priced(WGMMA_WS, problem, priced_as, params, problem.batch * problem.heads // (plain.batch * plain.heads),
-                       plain.per_row(FULL, PARTIAL).tolist(), plain.total(PARTIAL)).micros
+    heads_batches = problem.batch * problem.heads // (plain.batch * plain.heads)  # windows have the same slices
+
+    def micros(row_blocks: list[int], partial: int) -> float:
+        return _priced(WGMMA_WS, problem, priced_as, params, heads_batches, row_blocks, partial).micros
+    plain_us = micros(plain.per_row(FULL, PARTIAL).tolist(), plain.total(PARTIAL))
     return origins if micros(*_window_counts(description, problem, params, origins)) < plain_us else None
 
 
