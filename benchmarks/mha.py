@@ -14,7 +14,9 @@ staged on the lent machine by ../shared/device/stage_fa4.sh), also FA4's `flash_
 fastest dense kernel (SDPA without a mask under the flash and cuDNN backends, and FA4 without a
 mask where it imports) times the mask's density; each row reports stof-cc's
 fraction of it. Times are medians of `triton.testing.do_bench` after warm-up (stof-cc's kernel is
-compiled and its mask converted before timing, as a user's second call would find them). Prints
+compiled and its mask converted before timing, as a user's second call would find them), taken in
+`--rounds` rounds (default 3) with every implementation in turn, the median of its rounds kept: timed
+once each, the first case of a process read up to 30% slow. Prints
 one row per case, then the geomean; `--append` adds the table to the work log (benchmarks/history/) with date,
 GPU and versions. Long context: `--seqs 32768,131072 --masks causal,sliding,document`.
 
@@ -25,7 +27,7 @@ stream sleep, median of 20, inputs rotated) and reports where the model's choice
 same way. `--no-peers` skips the peers (for tuning evidence only).
 
     python benchmarks/mha.py [--seqs 128,2048] [--masks causal,sliding] [--heads 12 --head-dim 64 --dtype float16]
-                             [--batch B] [--tune] [--sweep] [--no-peers] [--json FILE] [--append]
+                             [--batch B] [--rounds N] [--tune] [--sweep] [--no-peers] [--json FILE] [--append]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fit_cost_model import spearman  # noqa: E402
+from kernel_timing import ROUNDS, take_turns  # noqa: E402
 from work_log import append_to_work_log  # noqa: E402  (benchmarks/, the script's folder)
 
 from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
@@ -220,7 +223,7 @@ def sampled_reference(q, k, v, desc, rows):
 
 def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: bool = True,
              heads: int = GRID_HEADS, d: int = GRID_HEAD_DIM, dtype: torch.dtype = torch.float16,
-             batch: int | None = None) -> dict:
+             batch: int | None = None, rounds: int = ROUNDS) -> dict:
     batch = grid_batch(seq) if batch is None else batch
     desc = grid_mask(name, seq)
     density = desc.block_mask(seq, seq, 128, 128).element_density
@@ -246,25 +249,31 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
     choice = choose(problem, desc)
     ours = lambda: attention(q, k, v, desc)  # noqa: E731
     row["stof_err"] = relative_error(ours()[:, :, rows], ref)
-    row["stof_ms"] = bench(ours)
     row["kernel"] = config_label(choice.params)
-    row["tflops"] = 4 * attended * d / (row["stof_ms"] * 1e-3) / 1e12
 
+    timers = {"stof": lambda: bench(ours)}  # stof-cc, the correct peers and the dense floors, timed in turns
     row["peers"] = {}
     for peer, fn in (peers(name, dense, batch, heads, seq) if with_peers else {}).items():
         try:
             err = relative_error(fn(q, k, v)[:, :, rows], ref)
-            row["peers"][peer] = {"ms": bench(lambda fn=fn: fn(q, k, v)), "err": err, "ok": err < TOLERANCE}
+            row["peers"][peer] = {"ms": math.inf, "err": err, "ok": err < TOLERANCE}
+            if err < TOLERANCE:
+                timers[peer] = lambda fn=fn: bench(lambda: fn(q, k, v))
         except Exception as exc:
             row["peers"][peer] = {"ms": math.inf, "err": math.inf, "ok": False, "error": str(exc)[:200]}
+    floors = dense_floors() if with_peers else {}
+    timers |= {f"dense {label}": lambda fn=fn: bench(lambda: fn(q, k, v)) for label, fn in floors.items()}
+    times, errors = take_turns(timers, rounds)
+    for label, error in errors.items():  # a peer or dense backend that fails while timed is named
+        print(f"  {label} failed at S={seq}: {error[:160]}")
+    row["stof_ms"] = times["stof"]
+    row["tflops"] = 4 * attended * d / (row["stof_ms"] * 1e-3) / 1e12
+    for peer, result in row["peers"].items():
+        result["ms"] = times.get(peer, math.inf)
+        if peer in errors:
+            result.update(ok=False, error=errors[peer])
     if with_peers:
-        row["dense_ms"] = {}
-        for label, fn in dense_floors().items():
-            try:
-                row["dense_ms"][label] = bench(lambda fn=fn: fn(q, k, v))
-            except Exception as exc:  # a backend that refuses the shape is named
-                row["dense_ms"][label] = math.inf
-                print(f"  dense {label} unavailable at S={seq}: {type(exc).__name__}: {str(exc)[:120]}")
+        row["dense_ms"] = {label: times[f"dense {label}"] for label in floors}
         row["floor_ms"] = min(row["dense_ms"].values()) * density
         row["floor_fraction"] = row["floor_ms"] / row["stof_ms"]
         correct = [p["ms"] for p in row["peers"].values() if p["ok"]]
@@ -392,6 +401,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=GRID_HEAD_DIM)
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--batch", type=int, help="instead of 4096 tokens per call")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="timing rounds, every implementation in turn (the median of its rounds)")
     parser.add_argument("--json", help="write every measurement here")
     parser.add_argument("--append", action="store_true", help="append the table to the work log, benchmarks/history/")
     args = parser.parse_args()
@@ -401,7 +412,7 @@ def main() -> None:
     for seq in map(int, args.seqs.split(",")):
         for name in args.masks.split(","):
             row = run_case(name, seq, args.sweep, args.tune, with_peers=not args.no_peers, heads=args.heads,
-                           d=args.head_dim, dtype=getattr(torch, args.dtype), batch=args.batch)
+                           d=args.head_dim, dtype=getattr(torch, args.dtype), batch=args.batch, rounds=args.rounds)
             rows.append(row)
             line = f"{name:>10} S={seq:<5} stof {row['stof_ms']:.4f} ms  [{row['kernel']}]"
             if "speedup" in row:

@@ -56,3 +56,20 @@ def test_given_timers_replace_do_bench_round_by_round(monkeypatch):
     kernel_timing.check_and_time({"a": lambda: want, "b": lambda: want}, want, row, rounds=3,
                                  timers={name: lambda name=name: next(laps[name]) for name in laps})
     assert row["a_ms"] == 3.0 and row["b_ms"] == 8.0
+
+
+def test_take_turns_stops_timing_a_timer_that_raises():
+    """mha.py times stof-cc, its peers and the dense floors this way: one failing while timed is named
+    with an infinite time, and the others go on taking turns."""
+    calls = []
+
+    def flaky():
+        calls.append("flaky")
+        if len(calls) > 1:
+            raise RuntimeError("out of memory")
+        return 1.0
+
+    laps = iter([3.0, 1.0, 2.0])
+    times, errors = kernel_timing.take_turns({"steady": lambda: next(laps), "flaky": flaky}, rounds=3)
+    assert times == {"steady": 2.0, "flaky": math.inf}
+    assert errors == {"flaky": "RuntimeError: out of memory"} and calls == ["flaky", "flaky"]
