@@ -95,3 +95,34 @@ def test_cpu_tensors_are_sent_to_the_reference_for_any_mask_form():
                                                   r"stof_cc.ir.reference.masked_attention\(q, k, v, dense\), dense a "
                                                   r"bool tensor, mask.to_dense\(S_q, S_k\) for a stof-cc mask, or None\)"):
         attention(q, q, q, None)
+
+
+def test_documents_described_anew_every_call_point_to_cu_seqlens_once(monkeypatch):
+    """masks.document(lengths) built per call is a new description, planned on the host each time: the eighth
+    such plan for one kind and layout warns, once, that cu_seqlens reads the documents on the device."""
+    import warnings
+
+    from stof_cc import masks
+    from stof_cc.runtime import attention as runtime
+
+    monkeypatch.setattr(runtime, "_plan", lambda *args, **kwargs: object())
+    monkeypatch.setattr(runtime, "_documents_planned", type(runtime._documents_planned)())
+    q = torch.randn(1, 2, 256, 64)
+    kept = []  # plans are held per live description
+
+    def plan_each(make, count, bias=False, windows=False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in range(count):
+                kept.append(make(n))
+                runtime._planned(q, q, q, kept[-1], None, None, bias, windows=windows)
+                runtime._planned(q, q, q, kept[-1], None, None, bias, windows=windows)  # its plan again: no count
+        return [str(w.message) for w in caught]
+
+    said = plan_each(lambda n: masks.document([100 + n, 156 - n]), runtime.PER_CALL_DOCUMENTS + 3)
+    assert len(said) == 1 and "cu_seqlens=" in said[0] and "document" in said[0]
+    said = plan_each(lambda n: masks.causal() & masks.document([64 + n, 192 - n]), runtime.PER_CALL_DOCUMENTS)
+    assert len(said) == 1  # under a causal mask too: its own kind
+    assert plan_each(lambda n: masks.document([50 + n, 206 - n]), 12, bias=True) == []  # cu_seqlens takes no bias
+    assert plan_each(lambda n: masks.document([40 + n, 216 - n]), 12, windows=True) == []  # on the device already
+    assert plan_each(lambda n: masks.sliding_window(16 + n), 12) == []  # not documents

@@ -12,7 +12,9 @@ support raises `AttentionInputError` naming the argument.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
+from collections import Counter
 from typing import Any
 
 import torch
@@ -42,6 +44,10 @@ from stof_cc.tune.attention import (
 )
 
 _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, LaunchPlan]] = weakref.WeakKeyDictionary()
+# New document masks planned per (choice group, layout): past PER_CALL_DOCUMENTS of them, one warning that
+# cu_seqlens / position_ids read the documents on the device instead (`_advise_device_documents`).
+_documents_planned: Counter[tuple] = Counter()
+PER_CALL_DOCUMENTS = 8
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -153,8 +159,37 @@ def _planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: Mas
     per_mask = _plans.setdefault(description, {})
     plan = per_mask.get(layout)
     if plan is None:
+        if not (bias or windows):  # cu_seqlens takes no bias; with windows the documents are on the device already
+            _advise_device_documents(description, layout)
         plan = per_mask[layout] = _plan(q, k, v, description, scale, params, bias, residues, windows)
     return plan
+
+
+def _advise_device_documents(description: MaskDescription | None, layout: tuple) -> None:
+    """Warn once per kind and layout when documents described anew every call (`masks.document(lengths)`,
+    `masks.document(segment_ids=ids)`: new boundaries, a new description) keep being planned: each is classified, laid
+    out and scheduled on the host (20-25 ms at S = 32768 on the lent H200's host, history/41) where
+    `cu_seqlens` or `position_ids` read the documents on the device into the one plan their mask has."""
+    group = None if description is None else description.choice_group()
+    if not _names_documents(group):
+        return
+    _documents_planned[group, layout] += 1
+    if _documents_planned[group, layout] == PER_CALL_DOCUMENTS:
+        warnings.warn(f"stof_cc.attention: {PER_CALL_DOCUMENTS} different document masks of one kind ({description!r} "
+                      "the latest) have each been planned for the same inputs: every new one is classified, laid out "
+                      "and scheduled on the host (tens of ms at S = 32768). For documents that change every call, "
+                      "pass cu_seqlens= (or position_ids=) with the mask the documents sit under (masks.causal() "
+                      "or None): they are read on the device into one plan, and a CUDA graph can replay the call",
+                      stacklevel=4)
+
+
+def _names_documents(group: object) -> bool:
+    """Whether a choice group (`MaskDescription.choice_group`: nested tuples for combined masks) holds
+    packed documents' or segment ids' group."""
+    if not isinstance(group, tuple) or not group:
+        return False
+    return group[0] in ("document", "document segments") or any(
+        _names_documents(part) for part in group if isinstance(part, tuple))
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription,
