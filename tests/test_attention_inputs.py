@@ -123,6 +123,9 @@ def test_documents_described_anew_every_call_point_to_cu_seqlens_once(monkeypatc
     assert len(said) == 1 and "cu_seqlens=" in said[0] and "document" in said[0]
     said = plan_each(lambda n: masks.causal() & masks.document([64 + n, 192 - n]), runtime.PER_CALL_DOCUMENTS)
     assert len(said) == 1  # under a causal mask too: its own kind
+    said = plan_each(lambda n: masks.document(segment_ids=(torch.arange(256) >= 60 + n).long().view(1, -1)),
+                     runtime.PER_CALL_DOCUMENTS)
+    assert len(said) == 1  # segment ids (transformers' packed batches) too
     assert plan_each(lambda n: masks.document([50 + n, 206 - n]), 12, bias=True) == []  # cu_seqlens takes no bias
     assert plan_each(lambda n: masks.document([40 + n, 216 - n]), 12, windows=True) == []  # on the device already
     assert plan_each(lambda n: masks.sliding_window(16 + n), 12) == []  # not documents

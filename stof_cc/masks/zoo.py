@@ -28,6 +28,9 @@ from stof_cc.masks.runs import MAX, MIX, ClassRuns, spread, stretches
 
 Piece = tuple[Tensor, Tensor, Tensor, int]  # block rows, first column, stop column, class
 SEED_LIMIT = (2**64 - 1, "the largest seed torch.Generator takes")
+# The head of the choice groups (`choice_group`) of packed documents and of segment ids: the runtime reads it to
+# tell per-call documents, which cu_seqlens / position_ids would read on the device, from other per-call masks.
+PACKED_GROUP, SEGMENTS_GROUP = "document", "document segments"
 UNORDERED_DOCUMENT_BLOCKS = 1 << 27  # blocks classified densely for interleaved segment ids (a few bytes each)
 
 
@@ -423,7 +426,7 @@ class _Packed(_Documents):
     def choice_group(self) -> object | None:
         """Packed sequences of one total length and about as many documents (the count's power
         of two) share a kernel choice: their boundaries move every call."""
-        return "document", int(self.ends[-1]), len(self.ends).bit_length()
+        return PACKED_GROUP, int(self.ends[-1]), len(self.ends).bit_length()
 
     def exact_classes(self, grid: BlockGrid) -> bool:
         """Exact where no position is padding: a block's documents are consecutive ids, each
@@ -531,7 +534,7 @@ class _Segments(_Documents):
     def choice_group(self) -> object | None:
         """Segment ids of one shape and about as many documents (the largest id's power of two)
         share a kernel choice (transformers' packed sequences: new ids every call)."""
-        return "document segments", tuple(self.ids.shape), int(self.ids.max()).bit_length()
+        return SEGMENTS_GROUP, tuple(self.ids.shape), int(self.ids.max()).bit_length()
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         rows, size = self.ids.shape

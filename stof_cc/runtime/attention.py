@@ -29,6 +29,7 @@ from stof_cc.backends.attention_launch import (
 from stof_cc.backends.pycuda_backend import current_device
 from stof_cc.backends.row_windows import document_windows, position_windows
 from stof_cc.masks import MaskDescription
+from stof_cc.masks.zoo import PACKED_GROUP, SEGMENTS_GROUP
 from stof_cc.templates.attention import (
     GRID_YZ_LIMIT,
     AttentionInputError,
@@ -188,7 +189,7 @@ def _names_documents(group: object) -> bool:
     packed documents' or segment ids' group."""
     if not isinstance(group, tuple) or not group:
         return False
-    return group[0] in ("document", "document segments") or any(
+    return group[0] in (PACKED_GROUP, SEGMENTS_GROUP) or any(
         _names_documents(part) for part in group if isinstance(part, tuple))
 
 
