@@ -104,6 +104,38 @@ def test_every_template_instance_returns_the_log_sum_exp(dtype, head_dim):
         assert (lse[finite] - want[finite]).abs().max() < 1e-3, f"{label}: lse off"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_scores_that_climb_from_block_to_block_move_the_softmax_reference(dtype, head_dim):
+    """Keys scaled up along the sequence and a large scale: each row's maximum climbs by far more than the
+    softmax's slack (2^8) from block to block, and a late block's scores pass an early block's by more
+    than fp32's exponent range, which exponentials against a stale reference would overflow. Every point,
+    with causal masking, the output and the log-sum-exp; then a bias that climbs along the keys, every
+    bias variant."""
+    seq = 1000
+    problem = problem_of(*_inputs(seq, head_dim, dtype))
+    ramp = torch.linspace(0.05, 3.0, seq, device="cuda").view(1, 1, seq, 1)
+    causal = masks.causal()
+    dense = causal.to_dense(seq).cuda()
+    for template, params in candidates(problem):
+        q, k, v = _inputs(seq, head_dim, dtype)
+        k = (k.float() * ramp).to(dtype)
+        out, lse = attention(q, k, v, causal, scale=2.0, params=params, return_lse=True)
+        label = f"climbing {template.name} {params}"
+        _check(out, masked_attention(q, k, v, dense, 2.0), label)
+        want = masked_lse(q, k, dense, 2.0)  # up to about 300 at the last rows
+        assert ((lse - want).abs() <= 1e-4 * want.abs() + 1e-3).all(), f"{label}: lse off"
+    seq = 300
+    # in the inputs' dtype, as the kernels read it (bf16 rounds 0.7 * 299 by a quarter)
+    climb = (torch.arange(seq, device="cuda", dtype=torch.float32) * 0.7).expand(1, HEADS, seq, seq).to(dtype)
+    q, k, v = _inputs(seq, head_dim, dtype)
+    for template, params in candidates(dataclasses.replace(problem_of(q, k, v), bias=True)):
+        q, k, v = _inputs(seq, head_dim, dtype)
+        out = attention(q, k, v, causal, bias=climb, params=params)
+        keep = causal.to_dense(seq).cuda()
+        _check(out, _biased_reference(q, k, v, climb, keep), f"climbing bias {template.name} {params}")
+
+
 def test_a_strided_split_returns_the_log_sum_exp_of_every_position():
     """The dilated window that runs as strided windows writes each residue's rows of the LSE too."""
     from stof_cc.runtime import attention as runtime_attention
