@@ -808,21 +808,26 @@ def test_hooks_changed_after_compile_compile_again_and_training_mode_is_said():
         compiled(x)  # said once
 
 
-class _NegativeScale(torch.nn.Module):
+class _Scaled(torch.nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
     def forward(self, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=-0.125)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.scale)
 
 
 @pytest.mark.nvcc
-def test_attention_with_a_scale_that_is_not_positive_runs_in_torch(fake_gpu):
-    """The kernels take a positive scale: a negative one became a kernel step that raised at its first
-    call on the GPU (found by review); it is NotFusable now, and torch runs it."""
+@pytest.mark.parametrize("scale", [-0.125, 1e-31])
+def test_attention_with_a_scale_the_kernels_do_not_take_runs_in_torch(fake_gpu, scale):
+    """The kernels take a positive scale of at least 1e-30: a negative one became a kernel step that raised
+    at its first call on the GPU (found by review); it is NotFusable now, and torch runs it."""
     q, k, v = (torch.randn(1, 2, 64, 64) for _ in range(3))
-    compiled = stof_cc.compile(_NegativeScale().eval(), (q, k, v), dtype=torch.float32, tune=False, cuda_graphs=False)
+    compiled = stof_cc.compile(_Scaled(scale).eval(), (q, k, v), dtype=torch.float32, tune=False, cuda_graphs=False)
     (variant,) = compiled.variants.values()
     assert [s.kind for s in variant.steps if s.group.kind == "attention"] == ["torch"]
-    assert "scale -0.125" in compiled.explain()
-    torch.testing.assert_close(compiled(q, k, v), _NegativeScale()(q, k, v))
+    assert f"scale {scale}" in compiled.explain()
+    torch.testing.assert_close(compiled(q, k, v), _Scaled(scale)(q, k, v))
 
 
 class _AdditivePadding(torch.nn.Module):

@@ -18,7 +18,7 @@ from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_heads
 from stof_cc.backends.tile_schedule import tile_schedule
 from stof_cc.masks.block_mask import BlockMask
-from stof_cc.templates.attention import AttentionInputError, AttentionProblem
+from stof_cc.templates.attention import AttentionInputError, AttentionProblem, check_scale
 from stof_cc.templates.registry import KernelTemplate
 
 LOG2E = 1.4426950408889634
@@ -205,8 +205,7 @@ def launch_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Atte
     in one launch on the unsplit q, k, v, each residue's positions r, r + d, ... a sequence of its own."""
     residues = problem.residues
     scale = 1.0 / math.sqrt(problem.head_dim) if scale is None else float(scale)
-    if not 0 < scale < math.inf:
-        raise AttentionInputError(f"scale must be positive and finite, got {scale}")
+    check_scale(scale)
     grid, threads, shared = template.launch(problem, params)
     in_turn = template.takes_tiles_in_turn(problem, params)
     if template.walks_tile_schedule:  # grid (CTAs, 1, 1), the schedule in place of row_order

@@ -20,7 +20,6 @@ refused with `AttentionInputError` (no backward is registered).
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -28,7 +27,7 @@ from stof_cc.backends.row_windows import document_windows
 from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, parse_spec
 from stof_cc.runtime.attention import attention
-from stof_cc.templates.attention import AttentionInputError, check_layout
+from stof_cc.templates.attention import AttentionInputError, check_layout, check_scale
 
 
 @functools.lru_cache(maxsize=256)
@@ -52,8 +51,8 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | No
     """The torch reference, with the checks of the CUDA path that do not depend on the kernels (any
     dtype and head dim run here): a graph that runs here does not fail there on its shapes."""
     check_layout(q, k, v)
-    if scale is not None and not 0 < scale < math.inf:
-        raise AttentionInputError(f"scale must be positive and finite, got {scale}")
+    if scale is not None:
+        check_scale(scale)
     if key_padding is not None and tuple(key_padding.shape) != (q.shape[0], k.shape[2]):
         raise AttentionInputError(f"key_padding must be [{q.shape[0]}, {k.shape[2]}] (batch, keys; nonzero = attend), "
                                   f"got shape {tuple(key_padding.shape)}")

@@ -17,6 +17,7 @@ The kernel reads the mask as a `BlockMask` whose block shape equals the kernel's
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from itertools import product
@@ -85,6 +86,23 @@ class AttentionProblem:
 
 class AttentionInputError(ValueError):
     """q, k, v or the mask cannot be run by the attention kernels; names the argument."""
+
+
+# The smallest softmax scale the kernels take: a row's scores may pass its softmax reference by 2^8 before it
+# moves (attention_common.j2's softmax_scores), 8 / (scale * log2(e)) in raw-score units, a finite fp32 number.
+SMALLEST_SCALE = 1e-30
+
+
+def takes_scale(scale: float) -> bool:
+    """Whether the kernels take ``scale``: positive, finite and at least SMALLEST_SCALE."""
+    return SMALLEST_SCALE <= scale < math.inf
+
+
+def check_scale(scale: float) -> None:
+    """AttentionInputError naming ``scale`` where the kernels do not take it (`takes_scale`)."""
+    if not takes_scale(scale):
+        raise AttentionInputError(f"scale must be positive and finite, at least {SMALLEST_SCALE:g} (the kernels' "
+                                  f"softmax divides by it), got {scale}")
 
 
 def problem_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> AttentionProblem:

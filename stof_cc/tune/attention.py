@@ -30,12 +30,14 @@ from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.templates.attention import (
     ATTENTION_TEMPLATES,
     GRID_YZ_LIMIT,
+    SMALLEST_SCALE,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     WGMMA_WS,
     AttentionInputError,
     AttentionProblem,
     config_label,
+    takes_scale,
     validated_problem,
 )
 from stof_cc.templates.pricing import sm_count, target_capability
@@ -357,8 +359,9 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
         raise NotFusable(f"%{node.name}: softcapped scores (c * tanh(s / c), c = {given['softcap']}) are not in "
                          "stof-cc's attention kernels yet")
     scale = given.get("scale")
-    if isinstance(scale, (int, float)) and not scale > 0:  # the kernels take exp2 of scores scaled by a positive
-        raise NotFusable(f"%{node.name}: attention with scale {scale} (the kernels take a positive scale)")
+    if isinstance(scale, (int, float)) and not takes_scale(scale):
+        raise NotFusable(f"%{node.name}: attention with scale {scale} (the kernels take a positive scale of at least "
+                         f"{SMALLEST_SCALE:g})")
     if len(q.shape) != 4 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         raise NotFusable(f"%{node.name}: attention on {q} has no stof-cc kernel (4-d, head_dim {SUPPORTED_HEAD_DIMS})")
     # the kernels' contract (templates/attention.py's input checks): K and V as q's batch and head
