@@ -89,7 +89,8 @@ class AttentionInputError(ValueError):
 
 
 # The smallest softmax scale the kernels take: a row's scores may pass its softmax reference by 2^8 before it
-# moves (attention_common.j2's softmax_scores), 8 / (scale * log2(e)) in raw-score units, a finite fp32 number.
+# moves (attention_common.j2's softmax_scores), 8 / (scale * log2(e)) in raw-score units, which must stay a finite
+# fp32 number (it does down to about 1.6e-38; 1e-30 keeps a wide margin).
 SMALLEST_SCALE = 1e-30
 
 
