@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from stof_cc.masks.workloads import grid_mask  # noqa: E402
 from stof_cc.templates.attention import AttentionProblem, config_label  # noqa: E402
 from stof_cc.tune import cost_model  # noqa: E402
-from stof_cc.tune.attention import cached_block_mask, candidates  # noqa: E402
+from stof_cc.tune.attention import cached_block_mask, candidates, residue_problem  # noqa: E402
 
 CONSTANTS = ("TENSOR_FLOPS_PER_US", "WGMMA_FLOPS_PER_US", "FRAGMENT_OVERHEAD", "EXP_PER_US", "BIT_TESTS_PER_US", "TILE_BYTES_PER_US",
              "ITER_US", "WS_ITER_US", "EXPOSED_LOAD_US", "CTA_FIXED_US", "LAUNCH_US")
@@ -49,6 +49,8 @@ def load_cases(paths: list[str]) -> list[tuple[str, list[tuple]]]:
             heads, head_dim = row["heads"], row["head_dim"]
             dtype = getattr(torch, row["dtype"].removeprefix("torch."))
             problem = AttentionProblem(row["batch"], heads, row["seq"], row["seq"], head_dim, dtype)
+            if row.get("residues", 1) > 1:  # measured as the runtime launches it: the residues' strided attentions
+                problem, desc = residue_problem(problem, row["residues"]), desc.strided_split()[1]
             points = []
             for template, params in candidates(problem):
                 if config_label(params) not in measured:

@@ -63,7 +63,7 @@ from stof_cc.masks.workloads import (  # noqa: E402
 )
 from stof_cc.runtime.attention import attention  # noqa: E402
 from stof_cc.templates.attention import config_label, problem_of  # noqa: E402
-from stof_cc.tune.attention import choose  # noqa: E402
+from stof_cc.tune.attention import launched_choice  # noqa: E402
 from stof_cc.tune.tune_attention import tune_attention  # noqa: E402
 
 TOLERANCE = 1e-2  # relative error (Frobenius) for fp16
@@ -246,7 +246,7 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
         row["tune"] = {"candidates": report.candidates, "measured": report.measured, "seconds": report.seconds,
                        "winner_model_rank": report.winner_model_rank, "winner_us": report.winner_us,
                        "winner": config_label(report.winner.params)}
-    choice = choose(problem, desc)
+    launched, choice = launched_choice(problem, desc)  # what runs: a dilated window as strided attentions
     ours = lambda: attention(q, k, v, desc)  # noqa: E731
     row["stof_err"] = relative_error(ours()[:, :, rows], ref)
     row["kernel"] = config_label(choice.params)
@@ -288,6 +288,7 @@ def run_case(name: str, seq: int, sweep: bool, tune: bool = False, with_peers: b
         labels = [config_label(m["params"]) for m in by_time]
         model_order = [config_label(e.params) for e in choice.estimates]
         row["sweep"] = measured
+        row["residues"] = launched.residues  # the sweep measured the launched form: d strided attentions where > 1
         row["best_ms"] = by_time[0]["ms"]
         row["best_kernel"] = labels[0]
         row["choice_rank_measured"] = 1 + labels.index(model_order[0])

@@ -34,7 +34,7 @@ from mha import fa4_available, fa4_peer, under  # noqa: E402
 from stof_cc import attention  # noqa: E402
 from stof_cc.ir.reference import masked_attention, relative_error  # noqa: E402
 from stof_cc.templates.attention import config_label, problem_of  # noqa: E402
-from stof_cc.tune.attention import choose  # noqa: E402
+from stof_cc.tune.attention import launched_choice  # noqa: E402
 
 TOLERANCE = 1e-2
 
@@ -48,7 +48,7 @@ def main() -> int:
     args = parser.parse_args()
     name, seq, desc, (q, k, v) = case_inputs(args.case, args.batch)
     params = json.loads(args.params) if args.params else None
-    label = config_label(params or choose(problem_of(q, k, v), desc).params)
+    label = config_label(params or launched_choice(problem_of(q, k, v), desc)[1].params)  # a dilated window's: its residues'
     runs = {f"stof-cc {label}": lambda: attention(q, k, v, desc, params=params)}
     if not args.no_peer and name == "causal":
         from torch.nn.attention import SDPBackend

@@ -45,7 +45,12 @@ from stof_cc.templates.pricing import (
     target_capability,
     target_name,
 )
-from stof_cc.tune.attention import attention_kernel, explain_attention
+from stof_cc.tune.attention import (
+    as_description,
+    attention_kernel,
+    explain_attention,
+    launched_form,
+)
 from stof_cc.tune.database import (
     DamagedDatabaseError,
     NewerDatabaseError,
@@ -331,8 +336,8 @@ def _cmd_attention(args: argparse.Namespace) -> int:
     print(f"attention B={args.batch} H={args.heads} S={args.seq} D={args.head_dim} {args.dtype}, mask {mask!r}")
     print(choice.explain())
     problem = AttentionProblem(args.batch, args.heads, args.seq, args.seq, args.head_dim, _DTYPES[args.dtype])
-    if args.build_dir:
-        _write_and_compile(choice, problem, Path(args.build_dir))
+    if args.build_dir:  # the kernel that runs: a dilated window's is its residues' (`launched_form`)
+        _write_and_compile(choice, launched_form(problem, as_description(mask))[0], Path(args.build_dir))
     if args.check:
         return _check_attention(problem, mask, choice)
     return 0
@@ -362,7 +367,7 @@ def _check_attention(problem: AttentionProblem, mask, choice) -> int:
         return 2  # --check asked for a check: none ran
     q, k, v = (torch.randn(problem.batch, problem.heads, problem.seq_q, problem.head_dim,
                            device="cuda", dtype=problem.dtype) for _ in range(3))
-    out = attention(q, k, v, mask, params=choice.params)
+    out = attention(q, k, v, mask, params=None if choice.strided else choice.params)  # pinned points never split
     dense = mask.to_dense(problem.seq_q, problem.seq_k, batch=problem.batch, heads=problem.heads).cuda()
     ref = masked_attention(q, k, v, dense)
     err = relative_error(out, ref)
@@ -399,7 +404,7 @@ def _print_attention_choices(graph: Graph, mask: MaskDescription | None) -> None
         _say_assumed_gpu("choosing attention kernels")
     for node in nodes:
         try:
-            template, problem, params, _ = attention_kernel(graph, node, mask)
+            template, problem, params, _, _ = attention_kernel(graph, node, mask)
         except NotFusable as why:
             print(f"\n{why}")
             continue

@@ -351,8 +351,7 @@ def test_a_strided_split_runs_every_template_point_in_one_launch(head_dim):
     of its space, on packed-qkv views with key padding per slot: one launch matches the dilated
     mask's reference."""
     from stof_cc.backends.attention_launch import key_padding_on_device, launch_plan
-    from stof_cc.runtime.attention import _residue_problem
-    from stof_cc.tune.attention import cached_block_mask
+    from stof_cc.tune.attention import cached_block_mask, residue_problem
 
     batch, heads, seq, dilation = 2, 3, 1024, 4
     desc = masks.dilated(48, dilation)
@@ -364,7 +363,7 @@ def test_a_strided_split_runs_every_template_point_in_one_launch(head_dim):
     padding[0, :9] = 0
     per_slot = key_padding_on_device(padding.view(batch, -1, d).transpose(1, 2).reshape(batch * d, -1))
     ref = masked_attention(q, k, v, desc.to_dense(seq).cuda() & padding.bool()[:, None, None, :])
-    problem = _residue_problem(problem_of(q, k, v), d)
+    problem = residue_problem(problem_of(q, k, v), d)
     points = candidates(problem)
     assert points, "a strided split has no kernel"
     for template, params in points:

@@ -75,17 +75,19 @@ def test_a_bias_in_another_dtype_saturates_and_a_bias_needing_grad_a_list_of_pad
 def test_a_strided_split_is_taken_only_where_it_applies_and_pays():
     """A dilated window splits into d sliding windows where the cost model prices that lower
     (S = 8192 on the MHA grid); not where S is not a multiple of d, nor where B * d batch slots
-    would pass the grid's limit (the direct kernel still runs those)."""
+    would pass the grid's limit, nor beside a bias (the direct kernel still runs those)."""
     from stof_cc import masks
-    from stof_cc.runtime.attention import split_pays
+    from stof_cc.tune.attention import strided_split
     from stof_cc.templates.attention import AttentionProblem
 
     mask = masks.dilated(512, 4)
-    assert split_pays(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), mask) == mask.strided_split()
-    assert split_pays(AttentionProblem(1, 12, 8190, 8190, 64, torch.float16), mask) is None
+    assert strided_split(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), mask) == mask.strided_split()
+    assert strided_split(AttentionProblem(1, 12, 8190, 8190, 64, torch.float16), mask) is None
     wide = AttentionProblem(20000, 1, 256, 256, 64, torch.float16)  # 80000 slots
-    assert split_pays(wide, masks.dilated(8, 4)) is None
-    assert split_pays(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), masks.causal()) is None
+    assert strided_split(wide, masks.dilated(8, 4)) is None
+    assert strided_split(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), masks.causal()) is None
+    biased = AttentionProblem(1, 12, 8192, 8192, 64, torch.float16, bias=True)  # the runtime never splits a bias
+    assert strided_split(biased, mask) is None
 
 
 def test_cpu_tensors_are_sent_to_the_reference_for_any_mask_form():

@@ -165,3 +165,66 @@ def test_attention_the_kernels_do_not_take_is_refused_at_compile(case):
     (node,) = [n for n in graph.nodes() if n.op == "attention"]
     with pytest.raises(NotFusable, match="has no stof-cc kernel"):
         attention_kernel(graph, node)
+
+
+def test_a_dilated_window_is_explained_and_compiled_as_the_strided_attentions_that_run():
+    """Where a dilated window splits (S = 8192), `explain_attention`, a compiled model's attention kernel
+    and the tuner's candidates are the residues' (B * d slots of S / d positions, each residue's sliding
+    window), the strided kernel variant the runtime launches; they were the direct kernel's, which no
+    call ran (found by the thirty-fourth session's sweep: stage 2 timed 0.39 ms where the call took 0.12).
+    With key padding, which a compiled model passes converted and the runtime then never splits, the
+    direct kernel."""
+    from stof_cc.ir.frontend import trace
+    from stof_cc.passes import canonicalize, describe_key_padding, recognise_attention
+    from stof_cc.tune.attention import attention_kernel, launched_form, residue_problem
+
+    mask = masks.dilated(512, 4)
+    d, sub = mask.strided_split()
+    problem = AttentionProblem(1, 12, 8192, 8192, 64, torch.float16)
+    launched, launched_mask = launched_form(problem, mask)
+    assert (launched, launched_mask) == (residue_problem(problem, d), sub) and launched.residues == 4
+    assert launched_form(problem, mask, splits=False) == (problem, mask)
+    choice = explain_attention(1, 12, 8192, 8192, 64, mask)
+    assert choice.strided == (4, repr(sub)) and choice.params == choose(launched, sub, own=True).params
+    assert "runs as 4 strided attentions" in choice.explain()
+    assert explain_attention(1, 12, 8192, 8192, 64, masks.causal()).strided is None
+    assert [c.params for c in attention_candidates(launched, sub)][0] == choice.params
+    assert " strided x4 " in attention_signature(launched, sub)
+    assert attention_signature(launched, sub) != attention_signature(residue_problem(problem, 1), sub)
+
+    class Sdpa(torch.nn.Module):
+        def forward(self, q, k, v, padding=None):
+            keep = None if padding is None else padding[:, None, None, :].bool()
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    q = torch.randn(1, 12, 8192, 64)
+    for args, splits in (((q, q, q), True), ((q, q, q, torch.ones(1, 8192, dtype=torch.long)), False)):
+        graph = describe_key_padding(recognise_attention(canonicalize(trace(Sdpa(), args, {}))))
+        (node,) = [n for n in graph.nodes() if n.op == "attention"]
+        kernel = attention_kernel(graph, node, mask)
+        if splits:
+            assert (kernel.problem, kernel.mask, kernel.params) == (launched, sub, choice.params)
+            assert "_strided" in kernel.template.kernel_name(kernel.problem, kernel.params)
+        else:
+            assert kernel.problem.residues == 1 and kernel.mask is mask
+
+
+@pytest.mark.gpu
+def test_tuning_a_dilated_window_measures_and_adopts_what_runs():
+    """Stage 2 on a dilated window that splits measures the strided launch and adopts it for the residue
+    problem the runtime plans: the next call runs the winner, correctly."""
+    from stof_cc.ir.reference import masked_attention
+    from stof_cc.runtime import attention as runtime_attention
+    from stof_cc.tune.attention import launched_form
+
+    q, k, v = (torch.randn(1, 4, 8192, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = masks.dilated(256, 4)
+    launched, sub = launched_form(AttentionProblem(1, 4, 8192, 8192, 64, torch.float16), mask)
+    assert launched.residues == 4
+    report = tune_attention(q, k, v, mask, top_k=3, runs=5)
+    assert report.measured == 3 and report.winner_us > 0
+    assert choose(launched, sub).params == report.winner.params and choose(launched, sub).measured_us == report.winner_us
+    out = attention(q, k, v, mask)
+    (plan,) = runtime_attention._plans[sub].values()  # the one plan the call built: the residues', on the winner
+    assert plan.residues == 4 and plan.kernel.name == report.winner.template.kernel_name(launched, report.winner.params)
+    assert relative_error(out, masked_attention(q, k, v, mask.to_dense(8192).cuda())) < 1e-2

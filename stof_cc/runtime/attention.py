@@ -31,9 +31,7 @@ from stof_cc.backends.row_windows import document_windows, position_windows
 from stof_cc.masks import MaskDescription
 from stof_cc.masks.zoo import PACKED_GROUP, SEGMENTS_GROUP
 from stof_cc.templates.attention import (
-    GRID_YZ_LIMIT,
     AttentionInputError,
-    AttentionProblem,
     problem_of,
 )
 from stof_cc.tune.attention import (
@@ -42,6 +40,8 @@ from stof_cc.tune.attention import (
     choose,
     on_adopt,
     pinned_choice,
+    residue_problem,
+    strided_split,
 )
 
 _plans: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, LaunchPlan]] = weakref.WeakKeyDictionary()
@@ -197,19 +197,10 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDe
           scale: float | None, params: dict[str, Any] | None, bias: bool, residues: int,
           windows: bool = False) -> LaunchPlan:
     """Validate the inputs, choose the kernel, fetch the mask and build the launch plan."""
-    problem = _residue_problem(dataclasses.replace(problem_of(q, k, v), bias=bias, row_windows=windows), residues)
+    problem = residue_problem(dataclasses.replace(problem_of(q, k, v), bias=bias, row_windows=windows), residues)
     choice = choose(problem, description) if params is None else pinned_choice(problem, params)
     block_mask = cached_block_mask(description, problem, choice.params, q.device)
     return launch_plan(q, k, v, problem, choice.template, choice.params, block_mask, scale)
-
-
-def _residue_problem(problem: AttentionProblem, residues: int) -> AttentionProblem:
-    """The problem a strided split into ``residues`` poses: each residue of each batch element
-    is a batch slot of its own, its sequences 1 / residues as long."""
-    if residues == 1:
-        return problem
-    return dataclasses.replace(problem, batch=problem.batch * residues, seq_q=problem.seq_q // residues,
-                               seq_k=problem.seq_k // residues, residues=residues)
 
 
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor],
@@ -234,41 +225,22 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor],
 
 
 _splits: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, tuple | None]] = weakref.WeakKeyDictionary()
-# Taken only where the cost model expects the split to win by this margin: the model prices the
-# split's one launch (B * d slots of sequences S / d) and the direct one on the sparse mask alike,
-# but has no term for the direct kernel's d-fold sparser partial blocks.
-SPLIT_MARGIN = 0.8
 
 
 def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
                    key_padding: Any, bias: torch.Tensor | None,
                    params: dict[str, Any] | None) -> tuple[int, MaskDescription] | None:
-    """(d, sub-mask) when the mask splits into d strided attentions (`strided_split`: a
-    dilated window is d sliding windows over every d-th position) and the cost model expects
-    the split to take less than SPLIT_MARGIN of one call on the sparse mask; else None. Decided once per mask and
-    problem. Not with a bias, pinned parameters or pre-converted key padding."""
+    """(d, sub-mask) when the mask splits into d strided attentions and the split pays
+    (`tune.attention.strided_split`: a dilated window is d sliding windows over every d-th position);
+    else None. Decided once per mask and problem. Not with a bias, pinned parameters or pre-converted key
+    padding (`launched_form`'s ``splits``)."""
     if description is None or bias is not None or params is not None or isinstance(key_padding, KeyPadding):
         return None
     per_mask = _splits.setdefault(description, {})
     sizes = (q.shape, k.shape, v.shape, q.dtype, q.device)
     if sizes not in per_mask:
-        per_mask[sizes] = split_pays(problem_of(q, k, v), description)
+        per_mask[sizes] = strided_split(problem_of(q, k, v), description)
     return per_mask[sizes]
-
-
-def split_pays(problem: AttentionProblem, description: MaskDescription) -> tuple[int, MaskDescription] | None:
-    """`description.strided_split()` where it applies to ``problem`` (equal sequences that d
-    divides, B * d batch slots within the grid's limit) and the cost model prices the split
-    below SPLIT_MARGIN of the direct kernel; else None."""
-    found = description.strided_split()
-    if found is None:
-        return None
-    d, sub = found
-    if problem.seq_q != problem.seq_k or problem.seq_q % d or problem.batch * d > GRID_YZ_LIMIT:
-        return None
-    direct_us = choose(problem, description, own=True).estimates[0].micros
-    split_us = choose(_residue_problem(problem, d), sub, own=True).estimates[0].micros
-    return found if split_us < SPLIT_MARGIN * direct_us else None
 
 
 def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, MaskDescription],

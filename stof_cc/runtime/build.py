@@ -134,7 +134,7 @@ def _rotary_sources(graph: Graph, group: FusionGroup) -> tuple[list[str], list[s
 def _generate(graph: Graph, group: FusionGroup,
               mask: MaskDescription | None) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
     if group.kind == "attention":
-        template, problem, params, estimate_us = attention_kernel(graph, graph.node(group.anchor), mask)
+        template, problem, params, estimate_us, _ = attention_kernel(graph, graph.node(group.anchor), mask)
         header = group_header(graph, group, template.name, params)
         rotary, rotary_notes = _rotary_sources(graph, group)
         views = any(n != group.anchor and graph.node(n).op != "rotary" for n in group.nodes)

@@ -396,12 +396,12 @@ class CompiledModule:
             raise ValueError(f"stof_cc.compile: mask= cannot replace the mask of %{anchor.name}: its scores are "
                              "softcapped, which only the model's own attention computes")
         try:
-            _, problem, _, _ = attention_kernel(graph, anchor, mask=override)
+            kernel = attention_kernel(graph, anchor, mask=override)
         except NotFusable as why:  # the model's meaning is kept; its speed is not stof-cc's
             warnings.warn(f"stof_cc.compile: attention {why}; it runs in torch", stacklevel=4)
             return Step(group, "torch", str(why), mask=override)
-        if self.database is not None and not problem.bias:  # stage 2 tunes attention without a bias
-            failed = adopt_recorded(problem, node_mask(given, override), self.database)
+        if self.database is not None and not kernel.problem.bias:  # stage 2 tunes attention without a bias
+            failed = adopt_recorded(kernel.problem, kernel.mask, self.database)
             if failed is not None:
                 warnings.warn(f"stof_cc.compile: no attention kernel matched torch for %{anchor.name} when "
                               f"measured ({failed}); it runs in torch", stacklevel=4)

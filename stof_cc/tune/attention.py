@@ -16,7 +16,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +56,7 @@ class AttentionChoice:
     measured_us: float | None = None  # set when stage 2 of the search picked it
     document_tiles: int | None = None  # the pick's tiles per (batch, head) where they start at documents (row_origins)
     key_walks: int = 0  # of those, the tiles that walk their one document's keys from its start (document_keys)
+    strided: tuple[int, str] | None = None  # (d, each residue's mask) where the mask runs as d strided attentions
 
     def explain(self) -> str:
         """The pick (and its document tiles), STOF's rule beside it (and, where they differ, the
@@ -63,6 +64,11 @@ class AttentionChoice:
         how = (f"measured {self.measured_us:.1f} us (stage 2 of the search)" if self.measured_us is not None
                else "the cost model's first choice")
         lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}"]
+        if self.strided is not None:
+            d, residue_mask = self.strided
+            lines.append(f"  the mask runs as {d} strided attentions in one launch (positions r, r + {d}, ...; each "
+                         f"residue's mask {residue_mask}), priced and measured as such "
+                         "(docs/decisions.md#dilated-windows-as-strided-windows)")
         if self.document_tiles is not None:
             lines.append(f"  its {self.document_tiles} tiles per (batch, head) are laid out from the documents' starts, "
                          "a document's last overlapping the one before (docs/decisions.md#document-tiles)")
@@ -210,7 +216,59 @@ def explain_attention(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: 
     estimate; needs no GPU (the SM count defaults to the H100's 132 without one).
     ``choice.explain()`` formats it."""
     problem = validated_problem(AttentionProblem(batch, heads, seq_q, seq_k, head_dim, dtype))
-    return choose(problem, as_description(mask), own=True)
+    return launched_choice(problem, as_description(mask))[1]
+
+
+# A mask that splits into d strided attentions (`MaskDescription.strided_split`: a dilated window is d
+# sliding windows over every d-th position) runs as one launch of them where the cost model expects
+# that to take less than this share of one launch on the sparse mask: the model prices both alike but
+# has no term for the direct kernel's d-fold sparser partial blocks.
+SPLIT_MARGIN = 0.8
+
+
+def residue_problem(problem: AttentionProblem, residues: int) -> AttentionProblem:
+    """The problem a strided split into ``residues`` poses: each residue of each batch element
+    is a batch slot of its own, its sequences 1 / residues as long."""
+    if residues == 1:
+        return problem
+    return dataclasses.replace(problem, batch=problem.batch * residues, seq_q=problem.seq_q // residues,
+                               seq_k=problem.seq_k // residues, residues=residues)
+
+
+def strided_split(problem: AttentionProblem, description: MaskDescription) -> tuple[int, MaskDescription] | None:
+    """`description.strided_split()` where it applies to ``problem`` (equal sequences that d
+    divides, B * d batch slots within the grid's limit, no bias) and the cost model prices the
+    split below SPLIT_MARGIN of the direct kernel; else None."""
+    found = description.strided_split()
+    if found is None or problem.bias:
+        return None
+    d, sub = found
+    if problem.seq_q != problem.seq_k or problem.seq_q % d or problem.batch * d > GRID_YZ_LIMIT:
+        return None
+    direct_us = choose(problem, description, own=True).estimates[0].micros
+    split_us = choose(residue_problem(problem, d), sub, own=True).estimates[0].micros
+    return found if split_us < SPLIT_MARGIN * direct_us else None
+
+
+def launched_form(problem: AttentionProblem, description: MaskDescription, *,
+                  splits: bool = True) -> tuple[AttentionProblem, MaskDescription]:
+    """The problem and mask `attention` launches for (problem, description): each residue's mask over
+    the residue problem where the split pays (`strided_split`), else the two as they are. What the
+    tuner measures, `explain` shows and a compiled model writes out. ``splits`` False where the runtime
+    does not split (pinned parameters, key padding converted beforehand, as compiled models pass it)."""
+    split = strided_split(problem, description) if splits else None
+    return (problem, description) if split is None else (residue_problem(problem, split[0]), split[1])
+
+
+def launched_choice(problem: AttentionProblem, description: MaskDescription, *,
+                    splits: bool = True) -> tuple[AttentionProblem, AttentionChoice]:
+    """The problem `attention` launches (`launched_form`) and the pick for it: the mask's own,
+    measured where stage 2 adopted one, with the split named where there is one."""
+    launched, mask = launched_form(problem, description, splits=splits)
+    choice = choose(launched, mask, own=True)
+    if launched.residues > 1:
+        choice = dataclasses.replace(choice, strided=(launched.residues, repr(mask)))
+    return launched, choice
 
 
 def pinned_choice(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
@@ -336,8 +394,18 @@ def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDe
     return CAUSAL if given.get("window") is None else causal_window(given["window"])
 
 
-def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = None
-                     ) -> tuple[KernelTemplate, AttentionProblem, dict[str, Any], float]:
+class AttentionKernel(NamedTuple):
+    """What a compiled model launches for an attention node: the template and point, the problem
+    and mask as launched (`launched_form`: a dilated window's residues and their mask), the estimate."""
+
+    template: KernelTemplate
+    problem: AttentionProblem
+    params: dict[str, Any]
+    estimate_us: float
+    mask: MaskDescription
+
+
+def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = None) -> AttentionKernel:
     """The attention template, problem, parameters and estimate the cost model picks for an SDPA
     or recognised attention node under ``mask`` (`compile(mask=)`, replacing the node's own mask,
     a boolean tensor included), else its own static mask (causal, a causal window or none); key
@@ -372,7 +440,11 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
                          "(K and V broadcast over the batch, or another head dim or key count) has no stof-cc kernel")
     dtype = q.dtype if q.dtype in SUPPORTED_DTYPES else torch.float16
     b, h, s_q, d = q.shape
-    choice = explain_attention(b, h, s_q, k.shape[2], d, node_mask(given, mask), dtype=dtype)
     kv_heads = k.shape[1] if k.shape[1] != h else None  # grouped-query: the kernel reads K/V head h // group
-    return (choice.template, AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads, bias), choice.params,
-            choice.estimates[0].micros)
+    # the problem the runtime plans (`runtime.attention`: its bias and K/V heads), split as it splits:
+    # compiled models pass key padding converted beforehand, which the runtime never splits
+    problem = validated_problem(AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads, bias))
+    launched, launched_mask = launched_form(problem, as_description(node_mask(given, mask)),
+                                            splits=given.get("key_padding") is None)
+    choice = choose(launched, launched_mask, own=True)
+    return AttentionKernel(choice.template, launched, choice.params, choice.estimates[0].micros, launched_mask)

@@ -254,7 +254,8 @@ def _tune_attention_group(graph, group, values, database, top_k, progress, overr
         q, k, v = (t.half() for t in (q, k, v))  # stof-cc compiles models to fp16
     mask = node_mask(given, override)  # the same object the compiled step runs with (key padding: data, not tuned)
     try:
-        return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress)
+        return tune_attention(q, k, v, mask, given.get("scale"), database=database, top_k=top_k, progress=progress,
+                              splits=given.get("key_padding") is None)  # as `attention_kernel` and the runtime split
     except NoCorrectCandidate as failed:  # recorded: the compiled model runs the attention in torch
         progress(f"{group.name}: {failed}; it runs in torch")
         return None

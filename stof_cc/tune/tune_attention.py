@@ -19,7 +19,13 @@ from stof_cc.templates.attention import (
     config_label,
     problem_of,
 )
-from stof_cc.tune.attention import adopt_choice, as_description, cached_block_mask, choose
+from stof_cc.tune.attention import (
+    adopt_choice,
+    as_description,
+    cached_block_mask,
+    choose,
+    launched_form,
+)
 from stof_cc.tune.database import Device, TuningDatabase
 from stof_cc.tune.search import DEFAULT_TOP_K, MAX_SHARE, Candidate, SearchReport, search
 
@@ -45,24 +51,29 @@ def attention_signature(problem: AttentionProblem, description: MaskDescription)
     name = repr(description)
     name = name if len(name) <= 48 else name[:45] + "..."
     heads = f"H{problem.heads}" + (f"/{problem.kv_heads}" if problem.kv_heads else "")
+    strided = f" strided x{problem.residues}" if problem.residues > 1 else ""  # its own kernel variant
     return (f"attention {problem.dtype_name} B{problem.batch} {heads} Sq{problem.seq_q} "
-            f"Sk{problem.seq_k} D{problem.head_dim} {name} #{digest.hexdigest()[:16]}")
+            f"Sk{problem.seq_k} D{problem.head_dim}{strided} {name} #{digest.hexdigest()[:16]}")
 
 
 def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, scale: float | None = None, *,
                    database: TuningDatabase | None = None, top_k: int = DEFAULT_TOP_K, runs: int = 20,
-                   input_sets: int = 4, max_share: float = MAX_SHARE,
+                   input_sets: int = 4, max_share: float = MAX_SHARE, splits: bool = True,
                    progress: Callable[[str], None] | None = None) -> SearchReport:
     """Measure the model's best kernels (`search.select_survivors`: at most ``top_k`` and
     ``max_share`` of them) for these inputs' sizes and mask (on fresh random inputs of the same
     sizes, rotated over ``input_sets`` copies), check each against the torch reference, and adopt
-    the fastest for later `attention` calls with this mask."""
-    description = as_description(mask)
-    problem = problem_of(q, k, v)
+    the fastest for later `attention` calls with this mask.
+    What is measured and adopted is what `attention` launches (`launched_form`): a dilated window's
+    strided attentions where the split pays, not the direct kernel no call would run. ``splits``
+    False for calls the runtime does not split (a compiled model's, with key padding)."""
+    full_mask = as_description(mask)
+    problem, description = launched_form(problem_of(q, k, v), full_mask, splits=splits)
     # contiguous: the layout the kernels read without copies, and the one `out` must have
     sets = [tuple(torch.randn(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v)) for _ in range(input_sets)]
     outs = [torch.empty(q.shape, dtype=q.dtype, device=q.device) for _ in range(input_sets)]
-    dense = description.to_dense(problem.seq_q, problem.seq_k, batch=problem.batch, heads=problem.heads).to(q.device)
+    batch, heads, seq_q, _ = q.shape
+    dense = full_mask.to_dense(seq_q, k.shape[2], batch=batch, heads=heads).to(q.device)
     reference = masked_attention(*sets[0], dense, scale=scale)
 
     def build(candidate: Candidate) -> Callable[[int], torch.Tensor]:
@@ -85,8 +96,8 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
 
 
 def adopt_recorded(problem: AttentionProblem, mask: MaskDescription | None, database: TuningDatabase) -> str | None:
-    """Adopt the fastest winner ``database`` holds for (problem, mask) on this GPU, as `tune_attention`
-    adopts what it measures, so that a compile with ``tune=False`` runs what `stof-cc tune` or an
+    """Adopt the fastest winner ``database`` holds for (problem, mask) on this GPU, the two as launched
+    (`attention_kernel`'s: a dilated window's residues), as `tune_attention` adopts what it measures, so that a compile with ``tune=False`` runs what `stof-cc tune` or an
     earlier compile measured (the cost model's pick otherwise: found by review). Returns why the
     attention must run in torch instead, when every template recorded there failed stage 2's check,
     else None."""
