@@ -77,8 +77,8 @@ def test_a_strided_split_is_taken_only_where_it_applies_and_pays():
     (S = 8192 on the MHA grid); not where S is not a multiple of d, nor where B * d batch slots
     would pass the grid's limit, nor beside a bias (the direct kernel still runs those)."""
     from stof_cc import masks
-    from stof_cc.tune.attention import strided_split
     from stof_cc.templates.attention import AttentionProblem
+    from stof_cc.tune.attention import strided_split
 
     mask = masks.dilated(512, 4)
     assert strided_split(AttentionProblem(1, 12, 8192, 8192, 64, torch.float16), mask) == mask.strided_split()

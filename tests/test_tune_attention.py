@@ -228,3 +228,33 @@ def test_tuning_a_dilated_window_measures_and_adopts_what_runs():
     (plan,) = runtime_attention._plans[sub].values()  # the one plan the call built: the residues', on the winner
     assert plan.residues == 4 and plan.kernel.name == report.winner.template.kernel_name(launched, report.winner.params)
     assert relative_error(out, masked_attention(q, k, v, mask.to_dense(8192).cuda())) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_compiled_model_tunes_the_strided_attentions_it_runs_and_a_later_compile_adopts_them(tmp_path: Path):
+    """`stof_cc.compile(mask=dilated)` measures the residues' strided kernels (the record names the split),
+    writes the strided kernel out, matches the reference; a second compile with ``tune=False`` adopts the
+    record for the residue problem it launches."""
+    import stof_cc
+    from stof_cc.ir.reference import masked_attention
+    from stof_cc.tune.attention import _choices, launched_form
+
+    class Sdpa(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q, k, v = (torch.randn(1, 4, 8192, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    mask = masks.dilated(256, 4)
+    launched, sub = launched_form(AttentionProblem(1, 4, 8192, 8192, 64, torch.float16), mask)
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    compiled = stof_cc.compile(Sdpa(), (q, k, v), mask=mask, database=db, build_dir=tmp_path / "build")
+    assert relative_error(compiled(q, k, v), masked_attention(q, k, v, mask.to_dense(8192).cuda())) < 1e-2
+    assert any("_strided" in path.name for path in (tmp_path / "build").rglob("*.cu"))
+    signatures = [record.signature for record in db.records()]
+    assert signatures and all(" strided x4 " in signature for signature in signatures)
+    measured = choose(launched, sub).measured_us
+    assert measured is not None
+    _choices.pop(sub, None)  # forget the adoption: the next compile must take it from the database
+    assert choose(launched, sub).measured_us is None
+    stof_cc.compile(Sdpa(), (q, k, v), mask=mask, database=db, tune=False)
+    assert choose(launched, sub).measured_us == measured
