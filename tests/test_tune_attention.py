@@ -247,14 +247,38 @@ def test_a_compiled_model_tunes_the_strided_attentions_it_runs_and_a_later_compi
     mask = masks.dilated(256, 4)
     launched, sub = launched_form(AttentionProblem(1, 4, 8192, 8192, 64, torch.float16), mask)
     db = TuningDatabase(tmp_path / "t.sqlite")
-    compiled = stof_cc.compile(Sdpa(), (q, k, v), mask=mask, database=db, build_dir=tmp_path / "build")
+    compiled = stof_cc.compile(Sdpa().eval(), (q, k, v), mask=mask, database=db, build_dir=tmp_path / "build")
     assert relative_error(compiled(q, k, v), masked_attention(q, k, v, mask.to_dense(8192).cuda())) < 1e-2
-    assert any("_strided" in path.name for path in (tmp_path / "build").rglob("*.cu"))
+    assert any("_strided" in path.read_text() for path in (tmp_path / "build").rglob("*.cu"))  # the launched kernel
     signatures = [record.signature for record in db.records()]
     assert signatures and all(" strided x4 " in signature for signature in signatures)
     measured = choose(launched, sub).measured_us
     assert measured is not None
     _choices.pop(sub, None)  # forget the adoption: the next compile must take it from the database
     assert choose(launched, sub).measured_us is None
-    stof_cc.compile(Sdpa(), (q, k, v), mask=mask, database=db, tune=False)
+    stof_cc.compile(Sdpa().eval(), (q, k, v), mask=mask, database=db, tune=False)
     assert choose(launched, sub).measured_us == measured
+
+
+def test_compile_writes_out_the_kernel_of_the_mask_it_was_given(tmp_path: Path):
+    """`stof_cc.compile(build_dir=, mask=)` wrote each attention group's kernel for the node's own mask (none
+    here: the dense pick), not for ``mask=`` that the model runs (found with the dilated window's test); a
+    dilated window's is the residues' strided kernel. The inputs on the CPU: traced, fused and written."""
+    import stof_cc
+    from stof_cc.tune.attention import launched_choice
+
+    class Sdpa(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    q = torch.randn(1, 4, 8192, 64, dtype=torch.float16)
+    problem = AttentionProblem(1, 4, 8192, 8192, 64, torch.float16)
+    launched, dense = launched_choice(problem, masks.full())
+    unmasked = dense.template.kernel_name(launched, dense.params)
+    for label, mask in (("dilated", masks.dilated(256, 4)), ("sliding", masks.sliding_window(64))):
+        launched, choice = launched_choice(problem, mask)
+        name = choice.template.kernel_name(launched, choice.params)
+        assert name != unmasked and ("_strided" in name) == (label == "dilated")
+        stof_cc.compile(Sdpa().eval(), (q, q, q), mask=mask, build_dir=tmp_path / label, tune=False)
+        (source,) = (tmp_path / label).rglob("*.cu")
+        assert f"attention: {name}\n" in source.read_text()

@@ -326,7 +326,7 @@ class CompiledModule:
         else:
             plan = choose_scheme(graph, plan)
         if self.build_dir is not None:
-            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False)
+            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask)
         mutating = mutating_nodes(graph)
         steps = self.steps(graph, plan, gpu, why_not=NO_PYCUDA if on_gpu else "inputs on the CPU", mutating=mutating)
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
