@@ -196,6 +196,50 @@ def test_the_gpu_path_plumbing_with_fake_kernels(fake_gpu, example_path):
     assert len(paddings) == 2 and paddings[0] is paddings[1] and paddings[0].ranges.dtype == torch.int32
 
 
+@pytest.mark.nvcc
+def test_the_build_folder_holds_what_the_steps_run(fake_gpu, tmp_path):
+    """`compile(build_dir=)` wrote each group's default point before the steps were chosen: a tuned
+    winner ran while its file showed the default (found by review with the dilated window's fix).
+    Now each kernel step's file holds the point it runs, and a group the library GEMM runs has no file.
+    Nothing is measured: the records are stand-ins."""
+    import dataclasses
+
+    import stof_cc.runtime.compiled
+    from stof_cc.runtime.compiled import CompiledModule
+
+    chosen = CompiledModule._tuned_choice
+
+    def tuned_elsewhere(self, graph, group, found):  # every group "tuned" to a point other than its default
+        template, problem, record = chosen(self, graph, group, found)
+        default = template.default_params(problem)
+        params = next((p for p in template.space(problem) if p != default), default)
+        return template, problem, dataclasses.replace(record, params=params) if record else SimpleNamespace(
+            params=params, micros=1.0)
+
+    def library_records(self, template, graph, group):  # cuBLAS recorded faster for every lone linear
+        return SimpleNamespace(micros=0.5) if template is stof_cc.runtime.compiled.LIBRARY_GEMM else None
+
+    fake_gpu.setattr(CompiledModule, "_tuned_choice", tuned_elsewhere)
+    fake_gpu.setattr(CompiledModule, "_record", library_records)
+    fake_gpu.setattr(stof_cc.runtime.compiled, "spill_free_point", lambda *kernel: (kernel[:3], ""))
+    module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.LayerNorm(512),
+                                 torch.nn.Linear(512, 256)).eval()  # a GEMM + GELU, a norm, a lone linear
+    compiled = stof_cc.compile(module, (torch.randn(4, 128, 256),), dtype=torch.float16, tune=False,
+                               cuda_graphs=False, build_dir=tmp_path)
+    (variant,) = compiled.variants.values()
+    kernels = [step for step in variant.steps if step.kind == "kernel"]
+    library = [step for step in variant.steps if step.kind == "library"]
+    assert kernels and library
+    for step in library:
+        assert not (tmp_path / variant.graph.name / f"{step.group.name}.cu").exists()
+    for step in kernels:
+        template, problem, params = step.kernel
+        assert params != template.default_params(problem) or len(template.space(problem)) == 1
+        source = (tmp_path / variant.graph.name / f"{step.group.name}.cu").read_text()
+        assert f"// parameters: {', '.join(f'{k}={v}' for k, v in sorted(params.items()))}\n" in source
+        assert template.kernel_name(problem, params) in source
+
+
 def test_cuda_graphs_flag_is_harmless_without_a_gpu(example_path):
     module, args, _ = load_factory(example_path("gpt2_block"))
     compiled = stof_cc.compile(module, args, dtype=torch.float32, cuda_graphs=True)

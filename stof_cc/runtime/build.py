@@ -4,8 +4,10 @@ visible GPU (without one, the H100: sm_90), with a table of every group.
 
 Each group's file holds the kernel a compile would start from: attention groups the cost
 model's pick for their anchor (and the rotary kernel of their rotary nodes), other groups the first applicable template
-(`applicable_templates`) at its default point. Groups no template covers (and opaque ops)
-run through torch; the table says so, with the reason. File names are the names made path
+(`applicable_templates`) at its default point. `stof_cc.compile(build_dir=)` writes what its steps run
+instead (``running``): a tuned winner, the point that replaced a default that spilled, no file for a
+group the library GEMM runs; its attention picks are the adopted ones. Groups no template covers (and
+opaque ops) run through torch; the table says so, with the reason. File names are the names made path
 components (`ir/paths.py`), checked to stay inside the folder.
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,15 +61,22 @@ class _NoTemplate(NotFusable):
 
 def build_groups(graph: Graph, plan: FusionPlan, out_dir: Path, compile_kernels: bool = True,
                  measured: Callable[[KernelTemplate, FusionGroup], float | None] | None = None,
-                 mask: MaskDescription | None = None) -> list[GroupBuild]:
+                 mask: MaskDescription | None = None,
+                 running: Mapping[str, tuple[KernelTemplate, Any, dict[str, Any]] | str] | None = None) -> list[GroupBuild]:
     """Write (and compile) the kernel of every group a template covers; one entry per group.
     ``measured(template, group)``, if given, looks up a tuned time (the tuning database); ``mask``
-    replaces the attention nodes' own masks, as `stof_cc.compile(mask=)` does."""
+    replaces the attention nodes' own masks, as `stof_cc.compile(mask=)` does; ``running`` names, per
+    group name, the kernel a compiled model runs for it (template, problem, params) or why no generated
+    kernel runs (a library GEMM: no file), in place of the default point."""
     out_dir.mkdir(parents=True, exist_ok=True)
     builds = []
     for group in plan.scheme.groups:
+        runs = (running or {}).get(group.name)
+        if isinstance(runs, str):
+            builds.append(GroupBuild(group, None, None, None, runs))
+            continue
         try:
-            template, source, params, note, estimate_us = _generate(graph, group, mask)
+            template, source, params, note, estimate_us = _generate(graph, group, mask, runs)
         except NotFusable as why:
             refused = why.refused if isinstance(why, _NoTemplate) else (str(why),)
             builds.append(GroupBuild(group, None, None, None, f"torch: {why}", refused=refused))
@@ -131,8 +140,9 @@ def _rotary_sources(graph: Graph, group: FusionGroup) -> tuple[list[str], list[s
     return list(sources.values()), notes
 
 
-def _generate(graph: Graph, group: FusionGroup,
-              mask: MaskDescription | None) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
+def _generate(graph: Graph, group: FusionGroup, mask: MaskDescription | None,
+              runs: tuple[KernelTemplate, Any, dict[str, Any]] | None = None
+              ) -> tuple[KernelTemplate, str, dict[str, Any], str, float]:
     if group.kind == "attention":
         template, problem, params, estimate_us, _ = attention_kernel(graph, graph.node(group.anchor), mask)
         header = group_header(graph, group, template.name, params)
@@ -140,11 +150,14 @@ def _generate(graph: Graph, group: FusionGroup,
         views = any(n != group.anchor and graph.node(n).op != "rotary" for n in group.nodes)
         note = "; ".join([*rotary_notes, *(["the other fused ops stay torch views"] if views else [])])
         return template, "\n".join([header, template.render(problem, params), *rotary]), params, note, estimate_us
-    found, refused = applicable_templates(graph, group, target_capability())
-    if not found:
-        raise _NoTemplate(refused)
-    template, problem = found[0].template, found[0].problem
-    params = template.default_params(problem)
+    if runs is not None:
+        template, problem, params = runs
+    else:
+        found, refused = applicable_templates(graph, group, target_capability())
+        if not found:
+            raise _NoTemplate(refused)
+        template, problem = found[0].template, found[0].problem
+        params = template.default_params(problem)
     header = group_header(graph, group, template.name, params)
     return (template, f"{header}\n{template.render(problem, params)}", params, "",
             template.estimate(problem, params, sm_count()))

@@ -325,11 +325,12 @@ class CompiledModule:
                 plan = choose_scheme(graph, plan, measured=measured_times(graph, self.database, Device.current()))
         else:
             plan = choose_scheme(graph, plan)
-        if self.build_dir is not None:
-            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask)
         mutating = mutating_nodes(graph)
         steps = self.steps(graph, plan, gpu, why_not=NO_PYCUDA if on_gpu else "inputs on the CPU", mutating=mutating)
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
+        if self.build_dir is not None:  # what the steps run: tuned and spill-free points, the adopted attention picks
+            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask,
+                         running=_running_kernels(steps))
         dies_after = _lifetimes(graph, steps)
         fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
         for step, dying in zip(steps, dies_after, strict=True):
@@ -525,7 +526,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     """Compile ``model`` for inputs shaped like ``example_inputs`` / ``example_kwargs`` (more
     shapes compile on first use). The model and floating inputs run in ``dtype`` (with float32 the
     attention still runs in the fp16 kernels, said once with a warning); ``mask``
-    replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`.
+    replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`: the
+    kernel it runs (a tuned winner, an attention pick adopted from the database; none for the library GEMM).
     Group kernels run the tuning database's winners where it has them (``database``: a
     `TuningDatabase` or its path; default the user's); ``tune`` (the default) first measures, on
     the GPU, every group the database has no record for (`stof-cc tune` does the same from the
@@ -695,6 +697,19 @@ def _on_device_of(flat: list[Any]) -> contextlib.AbstractContextManager:
     if device is None or device.index == current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+def _running_kernels(steps: list[Step]) -> dict[str, tuple | str]:
+    """Per group name, the kernel its step runs (one that did not compile too: its source is what to
+    read), or why no generated kernel runs (the library GEMM); attention and torch steps are left to
+    the build's own choice."""
+    running: dict[str, tuple | str] = {}
+    for step in steps:
+        if step.kernel is not None:
+            running[step.group.name] = step.kernel
+        elif step.kind == "library":
+            running[step.group.name] = f"library: {step.note}"
+    return running
 
 
 def _load_kernels(steps: list[Step]) -> None:
