@@ -14,7 +14,9 @@ warm-up; stof-cc and sdpa, the bar's pair, take turns round by round, in either 
 the host's speed drifts within a run; Flex's generate() runs once, for its tokens). Every
 implementation's tokens are compared with sdpa's: the bar asks for identical greedy tokens, and
 random weights make near-ties, so the row reports the first position where they differ. stof-cc's
-decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`), or with ``--sdpa-decode`` in
+decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`) where a step's mask hides keys (B = 8:
+the left padding); a step that sees every key of its cache (B = 1) runs SDPA's flash kernel, which is faster
+there (stof_cc/hf.py, docs/decisions.md#decode-kernel). With ``--sdpa-decode`` every step runs in
 transformers' SDPA (as before the kernel; stof_cc/hf.py says so once).
 Needs an NVIDIA GPU, PyCUDA, nvcc and transformers.
 """
@@ -182,7 +184,7 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, "
           f"hidden {args.hidden}, {args.layers} layers, prompt {args.prompt}, {args.new} new tokens, "
-          f"decode steps in {'SDPA' if args.sdpa_decode else 'the decode kernel'}")
+          f"decode steps in {'SDPA' if args.sdpa_decode else 'the decode kernel where keys are hidden, else SDPA'}")
     print(table(rows))
 
 

@@ -240,6 +240,26 @@ def test_the_build_folder_holds_what_the_steps_run(fake_gpu, tmp_path):
         assert template.kernel_name(problem, params) in source
 
 
+@pytest.mark.nvcc
+def test_the_build_folder_has_no_kernel_that_stage_2_rejected(fake_gpu, example_path, tmp_path):
+    """Groups whose every point stage 2 recorded as wrong run in torch: the build folder held the very
+    kernels it rejected, the default points (found by review). Now they have no file; the CPU path
+    still writes every group's start point (test_compiled_module_equals_eager_on_the_cpu)."""
+    import stof_cc.runtime.compiled as compiled_module
+
+    fake_gpu.setattr(compiled_module.CompiledModule, "_tuned_choice", lambda self, graph, group, found: None)
+    fake_gpu.setattr(compiled_module, "adopt_recorded", lambda problem, mask, database: "attention_wgmma_ws: off by 0.5")
+    module, args, kwargs = load_factory(example_path("tiny_bert"))
+    with pytest.warns(UserWarning, match="stage 2 found no correct"):
+        compiled = stof_cc.compile(module, args, kwargs, dtype=torch.float16, tune=False, cuda_graphs=False,
+                                   build_dir=tmp_path)
+    (variant,) = compiled.variants.values()
+    rejected = [step for step in variant.steps if step.kind == "torch" and "stage 2" in step.note]
+    assert {step.group.kind for step in rejected} >= {"attention", "gemm"}
+    for step in rejected:
+        assert not (tmp_path / variant.graph.name / f"{step.group.name}.cu").exists(), step.group.name
+
+
 def test_cuda_graphs_flag_is_harmless_without_a_gpu(example_path):
     module, args, _ = load_factory(example_path("gpt2_block"))
     compiled = stof_cc.compile(module, args, dtype=torch.float32, cuda_graphs=True)

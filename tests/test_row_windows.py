@@ -432,3 +432,44 @@ def test_position_ids_give_each_batch_element_its_own_documents():
     # the padded rows count on from the last document (HF's padding), so they join it
     dense = torch.stack([_dense(sorted(set(bounds[:-1])) + [seq], seq, causal=True) for bounds in per_element])
     _check(out, masked_attention(q, k, v, dense[:, None].cuda()), "position ids per batch element")
+
+
+def test_a_plain_call_and_a_windows_call_on_one_mask_keep_their_own_block_masks():
+    """Documents alone give a plain call's tiles key walks (`row_keys`), which the row-window kernels
+    cannot read: a cu_seqlens call after a plain call on the same description took the plain call's
+    cached block mask and faulted on the H200 (found by review). Each keeps its own."""
+    from stof_cc.backends.tile_schedule import tile_schedule
+    from stof_cc.templates.attention import AttentionProblem
+    from stof_cc.tune.attention import cached_block_mask, choose
+
+    documents = masks.document([3475, 621])
+    plain = AttentionProblem(1, 8, 4096, 4096, 64, torch.float16)
+    windows = dataclasses.replace(plain, row_windows=True)
+    first = cached_block_mask(documents, plain, choose(plain, documents).params, torch.device("cpu"))
+    params = choose(windows, documents).params
+    second = cached_block_mask(documents, windows, params, torch.device("cpu"))
+    assert first.row_keys is not None and second.row_keys is None and first is not second
+    schedule = tile_schedule(second, 1, 8, 132, in_turn=True)
+    entries = schedule.table[schedule.ctas + 1:].view(-1, 5)
+    assert (entries[:, 3] >= 0).all()  # block-list ranges only, no key walks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first", ["plain", "cu_seqlens"])
+def test_one_document_mask_runs_plain_and_with_cu_seqlens_in_either_order(first):
+    """The same description, called plain and with per-call documents on top, in either order: both right
+    (the second call faulted with an illegal address when the plain call came first)."""
+    torch.manual_seed(0)
+    documents = masks.document([3475, 621])
+    q, k, v = (torch.randn(1, 8, 4096, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    cu = torch.tensor([0, 2000, 4096], dtype=torch.int32, device="cuda")
+    ids = torch.searchsorted(cu[1:], torch.arange(4096, device="cuda"), right=True)
+    plain_dense = documents.to_dense(4096, 4096).cuda()
+    windows_dense = plain_dense & (ids[:, None] == ids[None, :])
+    calls = {"plain": (lambda: attention(q, k, v, documents), plain_dense),
+             "cu_seqlens": (lambda: attention(q, k, v, documents, cu_seqlens=cu), windows_dense)}
+    for name in (first, *(n for n in calls if n != first)):
+        call, dense = calls[name]
+        out = call()
+        torch.cuda.synchronize()
+        assert relative_error(out, masked_attention(q, k, v, dense)) < 1e-2, name

@@ -282,3 +282,22 @@ def test_compile_writes_out_the_kernel_of_the_mask_it_was_given(tmp_path: Path):
         stof_cc.compile(Sdpa().eval(), (q, q, q), mask=mask, build_dir=tmp_path / label, tune=False)
         (source,) = (tmp_path / label).rglob("*.cu")
         assert f"attention: {name}\n" in source.read_text()
+
+
+def test_explain_names_the_kind_pick_that_runs_and_asking_changes_nothing():
+    """A document mask whose kind another mask priced first runs that mask's pick: `explain_attention`
+    said the mask's own pick, and by pricing it made later plans of the mask run that one (found by
+    review). Now it names the pick that runs, its own beside it, and the runtime's pick stays."""
+    problem = AttentionProblem(1, 14, 4096, 4096, 64, torch.float16)  # sizes no other test prices documents at
+    first, later = masks.document([3459, 637]), masks.document([2095, 1860, 141])
+    assert first.choice_group() == later.choice_group()
+    runs = choose(problem, first)
+    assert choose(problem, later) is runs  # the kind's pick
+    own = choose(problem, later, own=True)
+    assert own.params != runs.params  # these documents would pick another point alone
+    told = explain_attention(1, 14, 4096, 4096, 64, later)
+    assert told.params == runs.params and told.own_pick == own.params and told.estimates == own.estimates
+    assert "the pick of an earlier mask of the same kind" in told.explain()
+    assert choose(problem, later) is runs  # asking changed nothing that runs
+    alone = explain_attention(1, 14, 4096, 4096, 64, masks.causal())
+    assert alone.own_pick is None and "earlier mask" not in alone.explain()

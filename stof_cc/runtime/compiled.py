@@ -330,7 +330,7 @@ class CompiledModule:
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
         if self.build_dir is not None:  # what the steps run: tuned and spill-free points, the adopted attention picks
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask,
-                         running=_running_kernels(steps))
+                         running=_running_kernels(steps, gpu))
         dies_after = _lifetimes(graph, steps)
         fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
         for step, dying in zip(steps, dies_after, strict=True):
@@ -699,16 +699,18 @@ def _on_device_of(flat: list[Any]) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device)
 
 
-def _running_kernels(steps: list[Step]) -> dict[str, tuple | str]:
+def _running_kernels(steps: list[Step], gpu: bool) -> dict[str, tuple | str]:
     """Per group name, the kernel its step runs (one that did not compile too: its source is what to
-    read), or why no generated kernel runs (the library GEMM); attention and torch steps are left to
-    the build's own choice."""
+    read), or why no generated kernel runs (the library GEMM; with kernels on, torch: stage 2 found no
+    correct point, so the default would be the very kernel it rejected); attention steps are left to the
+    build's own choice (the adopted pick). Without kernels (CPU inputs) every group keeps the build's
+    choice: what a GPU would start from."""
     running: dict[str, tuple | str] = {}
     for step in steps:
         if step.kernel is not None:
             running[step.group.name] = step.kernel
-        elif step.kind == "library":
-            running[step.group.name] = f"library: {step.note}"
+        elif step.kind == "library" or (gpu and step.kind == "torch"):
+            running[step.group.name] = f"{step.kind}: {step.note}"
     return running
 
 

@@ -57,6 +57,7 @@ class AttentionChoice:
     document_tiles: int | None = None  # the pick's tiles per (batch, head) where they start at documents (row_origins)
     key_walks: int = 0  # of those, the tiles that walk their one document's keys from its start (document_keys)
     strided: tuple[int, str] | None = None  # (d, each residue's mask) where the mask runs as d strided attentions
+    own_pick: dict[str, Any] | None = None  # where the pick is its kind's (`choice_group`): this mask's own pick
 
     def explain(self) -> str:
         """The pick (and its document tiles), STOF's rule beside it (and, where they differ, the
@@ -64,6 +65,10 @@ class AttentionChoice:
         how = (f"measured {self.measured_us:.1f} us (stage 2 of the search)" if self.measured_us is not None
                else "the cost model's first choice")
         lines = [f"chosen: {self.template.name} {config_label(self.params)}, {how}"]
+        if self.own_pick is not None:
+            lines.append(f"  the pick of an earlier mask of the same kind, which masks of one kind share so that masks built "
+                         f"per call are not priced again (docs/decisions.md#one-kernel-choice-per-kind-of-per-call-mask); "
+                         f"this mask's own pricing, below, picks {config_label(self.own_pick)}")
         if self.strided is not None:
             d, residue_mask = self.strided
             lines.append(f"  the mask runs as {d} strided attentions in one launch (positions r, r + {d}, ...; each "
@@ -97,6 +102,8 @@ class AttentionChoice:
 # mask description -> {(seq_q, seq_k, bm, bn, batch, heads, device): BlockMask}
 _block_masks: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, BlockMask]] = weakref.WeakKeyDictionary()
 _choices: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, AttentionChoice]] = weakref.WeakKeyDictionary()
+# a mask's own pick where its group's runs (`choose(own=True)`): never read by the runtime
+_own_choices: weakref.WeakKeyDictionary[MaskDescription, dict[tuple, AttentionChoice]] = weakref.WeakKeyDictionary()
 _group_choices: collections.OrderedDict[tuple, AttentionChoice] = collections.OrderedDict()  # (choice group, key)
 GROUP_CHOICES_KEPT = 256
 _adopt_listeners: list[Callable[[MaskDescription], None]] = []
@@ -133,62 +140,75 @@ def candidates(problem: AttentionProblem,
 
 
 def choose(problem: AttentionProblem, description: MaskDescription, *, own: bool = False) -> AttentionChoice:
-    """The model's pick for this problem and mask (cached with the mask). Unless ``own``, a mask
-    of a `choice_group` already priced takes that group's pick, which carries the estimates of
-    the mask it was priced on (`explain_attention` and the tuner ask for the mask's own)."""
+    """The pick `attention` runs for this problem and mask (cached with the mask): the mask's own, or,
+    for a mask of a `choice_group` another mask of which was priced first, that group's pick, which
+    carries the estimates of the mask it was priced on. ``own`` asks for the mask's own pricing
+    (`explain_attention`, the tuner): kept apart where the group's pick runs, so that asking changes
+    nothing that runs (it did: found by review)."""
     key = (problem, sm_count())
     per_mask = _choices.setdefault(description, {})
+    if key in per_mask:  # its own pick, or a measured winner adopted for it
+        return per_mask[key]
     group = description.choice_group()
     shared = None if group is None else (group, key)
-    group_choice = None if key in per_mask or own else _group_choices.get(shared)
-    if group_choice is not None:  # a mask of the same kind chose already
-        with contextlib.suppress(KeyError):  # another thread may have evicted it since
-            _group_choices.move_to_end(shared)
-        return group_choice
-    if key not in per_mask:
-        scored = []
-        options = candidates(problem)
-        if not options:
-            raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
-                                      f"{target_capability()} (the templates need sm_80 or newer, a batch of at "
-                                      f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
-        # One 16 x 16 classification prices every candidate shape (`coarse_counts`): the mask is
-        # evaluated once, not once per shape (a user mask at S = 32768 took 7 s the other way), and
-        # no block mask is built for it (its CSR arrays and recounted classes were 60% of a first
-        # pick at S = 32768 on the H100). It is held as runs per block row, so its memory follows
-        # the runs (O(S) for causal), not the (S / 16)^2 blocks (4 GiB at S = 1M).
-        fine = description.block_runs(problem.seq_q, problem.seq_k, FINE_BLOCK, FINE_BLOCK,
-                                      batch=problem.batch, heads=problem.heads)
-        slices = fine.batch * fine.heads
-        heads_batches = problem.batch * problem.heads // slices
-        shapes = sorted({(params["block_m"], params["block_n"]) for _, params in options})
-        counts = {shape: (rows.tolist(), partial) for shape, (rows, partial) in
-                  coarse_counts(fine, FINE_BLOCK, FINE_BLOCK, problem.seq_q, problem.seq_k, shapes).items()}
-        for template, params in options:
-            row_blocks, partial = counts[(params["block_m"], params["block_n"])]
-            # A point whose CTAs take tiles in turn (per-call row windows) is priced as its one-CTA-per-tile
-            # twin, which counts the same blocks, and ranked before it: on an H200 (S = 32768, d = 64 and 128,
-            # 8-64 documents) it was 1.02-1.23x its twin once its consumers' wgmma descriptors stayed in
-            # uniform registers (history/38; 0.89-1.12x before, history/37).
-            in_turn = template.takes_tiles_in_turn(problem, params)
-            origins = row_origins(description, problem, params)
-            if origins is not None:  # tiles that start where documents start: their own blocks
-                row_blocks, partial = _window_counts(description, problem, params, origins)
-            priced = _priced(template, problem, params | {"persistent": False} if in_turn else params, params,
-                             heads_batches, row_blocks, partial)
-            scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn,
-                           origins))
-        scored.sort(key=lambda item: (item[0].micros, not item[2]))
-        best, template, _, origins = scored[0]
-        rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
-        tiles, walks = _tile_layout(description, problem, best.params, origins)
-        per_mask[key] = AttentionChoice(template, best.params, tuple(item[0] for item in scored), rule,
-                                        document_tiles=tiles, key_walks=walks)
-        if shared is not None and shared not in _group_choices:
-            _group_choices[shared] = per_mask[key]
-            while len(_group_choices) > GROUP_CHOICES_KEPT:
-                _group_choices.popitem(last=False)
+    group_choice = None if shared is None else _group_choices.get(shared)
+    if group_choice is not None:
+        if not own:  # a mask of the same kind chose already
+            with contextlib.suppress(KeyError):  # another thread may have evicted it since
+                _group_choices.move_to_end(shared)
+            return group_choice
+        apart = _own_choices.setdefault(description, {})
+        if key not in apart:
+            apart[key] = _scored_choice(problem, description)
+        return apart[key]
+    per_mask[key] = _scored_choice(problem, description)
+    if shared is not None and shared not in _group_choices:
+        _group_choices[shared] = per_mask[key]
+        while len(_group_choices) > GROUP_CHOICES_KEPT:
+            _group_choices.popitem(last=False)
     return per_mask[key]
+
+
+def _scored_choice(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
+    """The cost model's pick for this problem and mask, every candidate scored."""
+    scored = []
+    options = candidates(problem)
+    if not options:
+        raise AttentionInputError(f"no attention kernel runs {problem} on compute capability "
+                                  f"{target_capability()} (the templates need sm_80 or newer, a batch of at "
+                                  f"most {GRID_YZ_LIMIT} and at most {GRID_YZ_LIMIT} block rows)")
+    # One 16 x 16 classification prices every candidate shape (`coarse_counts`): the mask is
+    # evaluated once, not once per shape (a user mask at S = 32768 took 7 s the other way), and
+    # no block mask is built for it (its CSR arrays and recounted classes were 60% of a first
+    # pick at S = 32768 on the H100). It is held as runs per block row, so its memory follows
+    # the runs (O(S) for causal), not the (S / 16)^2 blocks (4 GiB at S = 1M).
+    fine = description.block_runs(problem.seq_q, problem.seq_k, FINE_BLOCK, FINE_BLOCK,
+                                  batch=problem.batch, heads=problem.heads)
+    slices = fine.batch * fine.heads
+    heads_batches = problem.batch * problem.heads // slices
+    shapes = sorted({(params["block_m"], params["block_n"]) for _, params in options})
+    counts = {shape: (rows.tolist(), partial) for shape, (rows, partial) in
+              coarse_counts(fine, FINE_BLOCK, FINE_BLOCK, problem.seq_q, problem.seq_k, shapes).items()}
+    for template, params in options:
+        row_blocks, partial = counts[(params["block_m"], params["block_n"])]
+        # A point whose CTAs take tiles in turn (per-call row windows) is priced as its one-CTA-per-tile
+        # twin, which counts the same blocks, and ranked before it: on an H200 (S = 32768, d = 64 and 128,
+        # 8-64 documents) it was 1.02-1.23x its twin once its consumers' wgmma descriptors stayed in
+        # uniform registers (history/38; 0.89-1.12x before, history/37).
+        in_turn = template.takes_tiles_in_turn(problem, params)
+        origins = row_origins(description, problem, params)
+        if origins is not None:  # tiles that start where documents start: their own blocks
+            row_blocks, partial = _window_counts(description, problem, params, origins)
+        priced = _priced(template, problem, params | {"persistent": False} if in_turn else params, params,
+                         heads_batches, row_blocks, partial)
+        scored.append((dataclasses.replace(priced, params=params) if in_turn else priced, template, in_turn,
+                       origins))
+    scored.sort(key=lambda item: (item[0].micros, not item[2]))
+    best, template, _, origins = scored[0]
+    rule = stof_rule(fine.total(PARTIAL, FULL) // slices, fine.n_rb * fine.n_cb)
+    tiles, walks = _tile_layout(description, problem, best.params, origins)
+    return AttentionChoice(template, best.params, tuple(item[0] for item in scored), rule,
+                           document_tiles=tiles, key_walks=walks)
 
 
 def adopt_choice(problem: AttentionProblem, description: MaskDescription, template: KernelTemplate,
@@ -262,13 +282,25 @@ def launched_form(problem: AttentionProblem, description: MaskDescription, *,
 
 def launched_choice(problem: AttentionProblem, description: MaskDescription, *,
                     splits: bool = True) -> tuple[AttentionProblem, AttentionChoice]:
-    """The problem `attention` launches (`launched_form`) and the pick for it: the mask's own,
-    measured where stage 2 adopted one, with the split named where there is one."""
+    """The problem `attention` launches (`launched_form`) and the pick it runs there (`running_choice`),
+    with the split named where there is one."""
     launched, mask = launched_form(problem, description, splits=splits)
-    choice = choose(launched, mask, own=True)
+    choice = running_choice(launched, mask)
     if launched.residues > 1:
         choice = dataclasses.replace(choice, strided=(launched.residues, repr(mask)))
     return launched, choice
+
+
+def running_choice(problem: AttentionProblem, description: MaskDescription) -> AttentionChoice:
+    """The pick `attention` runs for (problem, mask), as `choose` makes it, told with the mask's own
+    estimates: where the pick is its kind's (an earlier mask of the same `choice_group`), the mask's
+    own pick is named beside it."""
+    runs, own = choose(problem, description), choose(problem, description, own=True)
+    if runs is own:
+        return own
+    tiles, walks = _tile_layout(description, problem, runs.params, row_origins(description, problem, runs.params))
+    return dataclasses.replace(own, template=runs.template, params=runs.params, measured_us=runs.measured_us,
+                               document_tiles=tiles, key_walks=walks, own_pick=own.params)
 
 
 def pinned_choice(problem: AttentionProblem, params: dict[str, Any]) -> AttentionChoice:
@@ -360,11 +392,14 @@ def _window_counts(description: MaskDescription, problem: AttentionProblem, para
 def cached_block_mask(description: MaskDescription, problem: AttentionProblem,
                       params: dict[str, Any], device: torch.device, origins: object = ...) -> BlockMask:
     """The block mask a point runs ``description`` with, on ``device``, kept per mask (and its
-    `row_origins`, worked out here unless given)."""
+    `row_origins`, worked out here unless given). Per-call row windows are part of the key: their
+    kernels read the block lists, never the document key walks (`document_keys`) a plain call's
+    mask carries (shared, a cu_seqlens call after a plain one read a walk's key start as a block
+    index and faulted: found by review)."""
     if origins is ...:
         origins = row_origins(description, problem, params)
     key = (problem.seq_q, problem.seq_k, params["block_m"], params["block_n"],
-           problem.batch, problem.heads, str(device), origins)
+           problem.batch, problem.heads, str(device), origins, problem.row_windows)
     per_mask = _block_masks.setdefault(description, {})
     if key not in per_mask:
         if device.type == "cpu" or description.evaluates_on(device):  # built where its tiles are evaluated
@@ -401,7 +436,7 @@ class AttentionKernel(NamedTuple):
     template: KernelTemplate
     problem: AttentionProblem
     params: dict[str, Any]
-    estimate_us: float
+    estimate_us: float  # the model's estimate of this point (an adopted winner's too)
     mask: MaskDescription
 
 
@@ -446,5 +481,6 @@ def attention_kernel(graph: Graph, node: Node, mask: MaskDescription | None = No
     problem = validated_problem(AttentionProblem(b, h, s_q, k.shape[2], d, dtype, kv_heads, bias))
     launched, launched_mask = launched_form(problem, as_description(node_mask(given, mask)),
                                             splits=given.get("key_padding") is None)
-    choice = choose(launched, launched_mask, own=True)
-    return AttentionKernel(choice.template, launched, choice.params, choice.estimates[0].micros, launched_mask)
+    choice = running_choice(launched, launched_mask)
+    estimate = next((e.micros for e in choice.estimates if e.params == choice.params), choice.estimates[0].micros)
+    return AttentionKernel(choice.template, launched, choice.params, estimate, launched_mask)
