@@ -260,6 +260,19 @@ def test_the_build_folder_has_no_kernel_that_stage_2_rejected(fake_gpu, example_
         assert not (tmp_path / variant.graph.name / f"{step.group.name}.cu").exists(), step.group.name
 
 
+def test_explain_names_the_second_launch_for_rows_whose_keys_are_all_padding(fake_gpu):
+    """A finite fill (T5 in fp16) gives a row whose every key is padding the unmasked attention: the compiled
+    model launches a second, unmasked attention for those rows every call, which explain() did not say
+    (found by review)."""
+    from test_key_padding import ModelsOwnTest
+
+    q, k, v = (torch.randn(3, 2, 128, 64) for _ in range(3))
+    padding = torch.tensor([[1] * 128, [1] * 100 + [0] * 28, [0] * 128])
+    compiled = stof_cc.compile(ModelsOwnTest("!= 0", "shifting").eval(), (q, k, v, padding), dtype=torch.float16,
+                               tune=False, cuda_graphs=False)
+    assert "a second launch with no mask for the rows whose every key is padding" in compiled.explain()
+
+
 def test_cuda_graphs_flag_is_harmless_without_a_gpu(example_path):
     module, args, _ = load_factory(example_path("gpt2_block"))
     compiled = stof_cc.compile(module, args, dtype=torch.float32, cuda_graphs=True)

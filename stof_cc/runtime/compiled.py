@@ -417,6 +417,11 @@ class CompiledModule:
         # a query whose keys are all padding gets what the model's own attention gave it (the
         # kernels write 0); under mask= the mask is the user's, and such a query gets 0
         empty_rows = given.get("empty_rows") if override is None and given.get("key_padding") is not None else None
+        if empty_rows == "unmasked":  # a second launch that runs every call: explain() names it (found by review)
+            note += (", and a second launch with no mask for the rows whose every key is padding (the model's finite "
+                     "fill gives them the unmasked attention)")
+        elif empty_rows is not None:
+            note += f", the rows whose every key is padding given the model's {empty_rows}"
         if self.dtype not in (torch.float16, torch.bfloat16):  # `_attention` converts: say so, once per model
             note += f", in fp16 (the kernels' dtype; the model runs in {self.dtype})"
             if not self._said_fp16:
