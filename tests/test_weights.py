@@ -1,6 +1,6 @@
 """A compiled module never answers with weights the model no longer has: it shares the model's
-tensors where it can, and compiles again when PyTorch's own bookkeeping (version counters, data
-pointers, identities) says a parameter, buffer or submodule changed (runtime/weights.py)."""
+tensors where it can, and compiles again when PyTorch's own bookkeeping (version counters, storage
+views, identities) says a parameter, buffer or submodule changed (runtime/weights.py)."""
 
 from __future__ import annotations
 
@@ -40,13 +40,16 @@ def _changes():
     def data_assignment(m):
         m.ln_1.weight.data = torch.randn_like(m.ln_1.weight)
 
+    def data_view_from_the_first_element(m):  # same address, version and dtype: other strides (found by review)
+        m.attn.proj.weight.data = m.attn.proj.weight.data.t()
+
     def buffer_in_place(m):
         m.attn.causal.logical_not_().logical_not_()  # written in place, same values: still noticed
         with torch.no_grad():
             m.ln_2.bias.add_(1.0)
 
     return {f.__name__: f for f in (in_place, load_state_dict, new_parameter, new_submodule, data_assignment,
-                                     buffer_in_place)}
+                                     data_view_from_the_first_element, buffer_in_place)}
 
 
 @pytest.mark.parametrize("change", sorted(_changes()))
@@ -284,3 +287,15 @@ def test_floating_inputs_cast_for_a_model_without_weights_are_said():
     with pytest.warns(UserWarning, match=r"example inputs are torch.float32; the compiled model casts"):
         compiled = stof_cc.compile(Trig(), (torch.randn(8),))
     assert compiled(torch.randn(8)).dtype == torch.float16
+
+
+def test_a_view_from_the_first_element_is_a_change():
+    """``p.data = p.data[:n]`` (a trimmed vocabulary) keeps the object, address, version and dtype the watch
+    compared: the compiled module went on with the old shape, no warning (found by review)."""
+    from stof_cc.runtime.weights import WeightWatch
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False))
+    watch = WeightWatch(model)
+    assert watch.changed() is None
+    model[0].weight.data = model[0].weight.data[:24]
+    assert watch.changed() == "'0.weight'"
