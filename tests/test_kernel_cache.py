@@ -263,6 +263,28 @@ def test_nvcc_flags_from_the_environment_are_part_of_the_key(cache, nvcc_runs, m
     assert len(nvcc_runs) == 2
 
 
+@pytest.mark.nvcc
+def test_the_key_names_the_nvcc_that_compiles(cache, tmp_path, monkeypatch):
+    """A process that met another nvcc first on PATH after its first compile filed that nvcc's cubins
+    under the first one's key, served to every later process (found by review). The key and the command
+    name the same nvcc: here a stand-in that reports another build and writes a cubin of another kernel."""
+    real = nvcc.nvcc_path()
+    kernel_cubin = compile_cubin(KERNEL).cubin  # the real nvcc's build, remembered
+    (tmp_path / "k.cubin").write_bytes(kernel_cubin)
+    (report,) = cache.glob("*.ptxas.txt")  # ptxas's lines, which the stand-in prints as nvcc -Xptxas -v does
+    (tmp_path / "k.ptxas").write_text(report.read_text().partition("\n")[2])
+    fake = tmp_path / "bin" / "nvcc"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'Cuda compilation tools, release 99.9, fake'; "
+                    "exit 0; fi\nwhile [ $# -gt 1 ]; do [ \"$1\" = -o ] && out=$2; shift; done\n"
+                    f"cp {tmp_path / 'k.cubin'} \"$out\"\ncat {tmp_path / 'k.ptxas'} >&2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    assert compile_cubin(OTHER).cubin == kernel_cubin  # the stand-in compiled it
+    monkeypatch.setenv("PATH", f"{Path(real).parent}{os.pathsep}{os.environ['PATH']}")
+    assert compile_cubin(OTHER).cubin != kernel_cubin  # the real nvcc's own entry, not the stand-in's
+
+
 @pytest.mark.parametrize("xdg", ["", "relative/folder"], ids=["empty", "relative"])
 def test_an_empty_or_relative_xdg_cache_home_means_the_home_cache(tmp_path, monkeypatch, xdg):
     """The XDG spec: an empty or relative XDG_CACHE_HOME is ignored. Taken as given, the kernel

@@ -87,11 +87,18 @@ def nvcc_path() -> str | None:
     )
 
 
-@functools.cache
 def nvcc_build() -> str:
-    """nvcc's whole ``--version`` text (its exact build, not only the release): part of each cache
-    key, so a toolkit updated in place (13.0.48 -> 13.0.88) never serves the old one's cubins."""
-    exe = _require_nvcc()
+    """The whole ``--version`` text of the nvcc found now (its exact build, not only the release):
+    part of each cache key, so a toolkit updated in place (13.0.48 -> 13.0.88) never serves the old
+    one's cubins."""
+    return _build_of(_require_nvcc())
+
+
+@functools.cache
+def _build_of(exe: str) -> str:
+    """``exe --version``, once per nvcc path: the key and the command of one compile name the same
+    nvcc (a process that found another nvcc later filed its cubins under the first one's key:
+    found by review)."""
     try:
         return subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:  # a CUDA_HOME with no nvcc in it, say
@@ -144,7 +151,8 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
     returned uncached, with a KernelCacheWarning (once per folder).
     """
     environment = [f"{name}={os.environ.get(name, '')}" for name in NVCC_ENVIRONMENT]
-    key = hashlib.sha256("\0".join([source, arch, *flags, nvcc_build(), *environment]).encode()).hexdigest()[:24]
+    nvcc = _require_nvcc()
+    key = hashlib.sha256("\0".join([source, arch, *flags, _build_of(nvcc), *environment]).encode()).hexdigest()[:24]
     folder = cache_dir()
     cubin_path, report_path = folder / f"{key}.cubin", folder / f"{key}.ptxas.txt"
     if source_path is not None:
@@ -166,7 +174,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
         # by review). The #line directive keeps nvcc's messages naming the file the user can open.
         private, out = Path(tmp) / "kernel.cu", Path(tmp) / "kernel.cubin"
         private.write_text(f"#line 1 {json.dumps(str(source_path))}\n{source}")
-        cmd = [_require_nvcc(), *flags, f"-arch={arch}", "-cubin", "-Xptxas", "-v",
+        cmd = [nvcc, *flags, f"-arch={arch}", "-cubin", "-Xptxas", "-v",
                "-o", str(out), str(private)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
