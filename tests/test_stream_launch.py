@@ -116,3 +116,39 @@ def test_launches_of_one_kernel_from_several_threads_each_pass_their_own_paramet
     assert len(seen) == 60
     assert all(stream == values[0] for _, stream, values in seen), "a launch read another thread's parameters"
     assert sorted(values[1] for _, stream, values in seen if stream == 1) == list(range(20))
+
+
+def test_a_device_of_another_architecture_gets_the_source_compiled_for_it(monkeypatch):
+    """The launchers keep one kernel per source, compiled for the device that loaded it first: on a machine
+    with two GPU generations the other device got that cubin, which its driver cannot load (found by a
+    review of cache keys). A device of another architecture gets the source compiled for its own, and PDL
+    only where it has it."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    import stof_cc.backends.pycuda_backend as backend
+
+    made, compiled = [], []
+
+    class Recorded:
+        def __init__(self, cubin, name, arg_format, waits_for_producers=False):
+            made.append((cubin, waits_for_producers))
+
+        def launch(self, *args):
+            pass
+
+    capability = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(backend, "DriverKernel", Recorded)
+    monkeypatch.setattr(backend, "current_raw_stream", lambda device: 7)
+    monkeypatch.setattr(backend, "device_arch", lambda device: "sm_{}{}".format(*capability[device.index]))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[device])
+    monkeypatch.setattr(backend, "compile_cubin", lambda source, arch: compiled.append(arch) or SimpleNamespace(
+        cubin=f"{arch} cubin".encode()))
+    kernel = backend.Kernel("k", Path("k.cu"), None, None, cubin=b"sm_90 cubin", arg_format="P", loaded_on=-1,
+                            arch="sm_90", source="__global__ void k(float*) {}", source_waits=True)
+    for device in (0, 1, 0):
+        monkeypatch.setattr(backend, "current_device", lambda device=device: device)
+        kernel.launch((1, 1, 1), 32, 0, 123)
+    assert made == [(b"sm_90 cubin", True), (b"sm_80 cubin", False)] and compiled == ["sm_80"]

@@ -109,6 +109,11 @@ class Kernel:
     # by-value blobs, or on a device other than loaded_on
     _on_devices: dict[int, DriverKernel] = field(default_factory=dict)
     waits_for_producers: bool = False  # may be launched with PDL (see `stream_launch`)
+    # what `_driver_kernel_on` needs for a device of another architecture than the cubin's
+    arch: str = ""  # the cubin's target (``sm_90a``)
+    arch_features: str = ""  # the suffix the source asks for (``a``: wgmma)
+    source: str = ""
+    source_waits: bool = False  # the source waits for producer grids (PDL where the device has it)
 
     @property
     def by_value_structs(self) -> bool:
@@ -123,8 +128,7 @@ class Kernel:
         if stream != 0 or self.by_value_structs or device != self.loaded_on or threading.get_ident() != self.loaded_thread:
             on_device = self._on_devices.get(device)
             if on_device is None:  # cuModuleLoadData into the current context: this device's primary one
-                on_device = self._on_devices[device] = DriverKernel(self.cubin, self.name, self.arg_format,
-                                                                    waits_for_producers=self.waits_for_producers)
+                on_device = self._on_devices[device] = self._driver_kernel_on(device)
             on_device.launch(grid, threads, shared_bytes, stream, *args)
             return
         if shared_bytes > self._max_dynamic_smem:
@@ -132,6 +136,17 @@ class Kernel:
             self._function.set_attribute(drv.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_bytes)
             self._max_dynamic_smem = shared_bytes
         self._function.prepared_call(grid, (threads, 1, 1), *args, shared_size=shared_bytes)
+
+
+    def _driver_kernel_on(self, device: int) -> DriverKernel:
+        """This kernel in ``device``'s primary context: its cubin, or on a device of another architecture
+        (a machine with two GPU generations: the launchers' caches hold one kernel per source) the
+        source compiled for that one, with PDL only where the device has it. The first device's cubin
+        loaded there failed in the driver (found by a review of cache keys)."""
+        arch = device_arch(torch.device("cuda", device)) + self.arch_features
+        cubin = self.cubin if arch == self.arch or not self.source else compile_cubin(self.source, arch=arch).cubin
+        waits = self.source_waits and torch.cuda.get_device_capability(device) >= (9, 0)
+        return DriverKernel(cubin, self.name, self.arg_format, waits_for_producers=waits)
 
 
 def load_kernel(source: str, name: str, arg_format: str, source_path: Path | None = None,
@@ -154,6 +169,7 @@ def load_kernel(source: str, name: str, arg_format: str, source_path: Path | Non
     else:  # PyCUDA's context is another device's, or another thread's: the driver-API launcher serves this one
         kernel = Kernel(name, compiled.source_path, compiled.resources.get(name), None, loaded_on=-1)
     kernel.cubin, kernel.arg_format = compiled.cubin, arg_format
+    kernel.arch, kernel.arch_features, kernel.source, kernel.source_waits = arch, arch_features, source, waits_for_producers
     kernel.waits_for_producers = waits_for_producers and torch.cuda.get_device_capability() >= (9, 0)
     if kernel._function is not None and not kernel.by_value_structs:
         kernel._function.prepare(arg_format)
