@@ -143,8 +143,9 @@ class Kernel:
         (a machine with two GPU generations: the launchers' caches hold one kernel per source) the
         source compiled for that one, with PDL only where the device has it. The first device's cubin
         loaded there failed in the driver (found by a review of cache keys)."""
-        arch = device_arch(torch.device("cuda", device)) + self.arch_features
-        cubin = self.cubin if arch == self.arch or not self.source else compile_cubin(self.source, arch=arch).cubin
+        cubin = self.cubin
+        if self.source and (arch := device_arch(torch.device("cuda", device)) + self.arch_features) != self.arch:
+            cubin = compile_cubin(self.source, arch=arch).cubin
         waits = self.source_waits and torch.cuda.get_device_capability(device) >= (9, 0)
         return DriverKernel(cubin, self.name, self.arg_format, waits_for_producers=waits)
 
