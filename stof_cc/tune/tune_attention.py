@@ -97,10 +97,10 @@ def tune_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
 
 def adopt_recorded(problem: AttentionProblem, mask: MaskDescription | None, database: TuningDatabase) -> str | None:
     """Adopt the fastest winner ``database`` holds for (problem, mask) on this GPU, the two as launched
-    (`attention_kernel`'s: a dilated window's residues), as `tune_attention` adopts what it measures, so that a compile with ``tune=False`` runs what `stof-cc tune` or an
-    earlier compile measured (the cost model's pick otherwise: found by review). Returns why the
-    attention must run in torch instead, when every template recorded there failed stage 2's check,
-    else None."""
+    (`attention_kernel`'s: a dilated window's residues), as `tune_attention` adopts what it measures, so
+    that a compile with ``tune=False`` runs what `stof-cc tune` or an earlier compile measured (the cost
+    model's pick otherwise: found by review). Returns why the attention must run in torch instead, when
+    every template recorded there failed stage 2's check, else None."""
     description = as_description(mask)
     signature = attention_signature(problem, description)
     device = Device.current()
