@@ -251,6 +251,9 @@ def own_attention_code(config_class: type) -> bool:
         return False
 
 
+_MADE_WITH = ("use_vmap", "allow_is_causal_skip", "local_size")  # the arguments `_traced_mask` reads from extra
+
+
 def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                    device: torch.device | str = "cpu", **extra: Any) -> HFMask | torch.Tensor:
@@ -258,8 +261,15 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
     for a model whose attention is its own code (`own_attention_code`), eager's mask tensor."""
     from transformers.masking_utils import causal_mask_function, eager_mask
 
+    config = extra.get("config")
     if isinstance(attention_mask, HFMask):  # made ahead of the forward by this function (`HFMask.ndim`)
-        return attention_mask
+        if not torch.compiler.is_compiling():
+            return attention_mask
+        # generate() with a static cache on CUDA compiles the forward it hands this mask to: there the
+        # traced description of the mask as it was made, so the attention is a node of the graph (the
+        # eager path broke the graph at its host reads and launched the kernels between the pieces)
+        made = attention_mask.arguments
+        return _traced_mask(made, config, extra | {key: made[key] for key in _MADE_WITH})
     mask_function = mask_function or causal_mask_function
     if isinstance(q_offset, torch.Tensor):  # a static cache's own counter, which its update() advances in
         q_offset = q_offset.clone()  # place before the attention reads the mask: the mask keeps its value now
@@ -270,7 +280,6 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
                  "allow_is_causal_skip": extra.get("allow_is_causal_skip", False),
                  "allow_is_bidirectional_skip": extra.get("allow_is_bidirectional_skip", False),
                  "local_size": extra.get("local_size")}
-    config = extra.get("config")
     if torch.compiler.is_compiling():  # dynamo traces this call: no host reads, no closure introspection
         return _traced_mask(arguments, config, extra)
     if config is not None and own_attention_code(type(config)):
@@ -615,6 +624,8 @@ def _why_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     ``decode_refusal`` is why the decode kernel did not take it."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         return "autograd is on (the kernels are inference-only: call the model under torch.no_grad())"
+    if query.shape[0] != key.shape[0]:  # learned queries of batch 1 over a batch of keys: SDPA broadcasts them
+        return f"queries of batch {query.shape[0]} over keys of batch {key.shape[0]} (the kernels take one batch)"
     if not query.is_cuda:
         return "its tensors are on the CPU (the kernels run on CUDA devices)"
     if query.dtype not in (torch.float16, torch.bfloat16):

@@ -131,3 +131,22 @@ def test_documents_described_anew_every_call_point_to_cu_seqlens_once(monkeypatc
     assert plan_each(lambda n: masks.document([50 + n, 206 - n]), 12, bias=True) == []  # cu_seqlens takes no bias
     assert plan_each(lambda n: masks.document([40 + n, 216 - n]), 12, windows=True) == []  # on the device already
     assert plan_each(lambda n: masks.sliding_window(16 + n), 12) == []  # not documents
+
+
+def test_an_out_that_overlaps_itself_or_the_inputs_is_refused_before_the_launch(monkeypatch):
+    """out= expanded over the batch (every CTA writing one row), or lying where q, k or v lie (a tile
+    reading q rows another tile already overwrote): refused, naming out (a review found both taken)."""
+    from stof_cc.backends.attention_launch import LaunchPlan
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch has no CUDA
+    batch, heads, seq, dim = 2, 3, 16, 64
+    q, k, v = (torch.randn(batch, heads, seq, dim, dtype=torch.float16) for _ in range(3))
+    plan = LaunchPlan(kernel=None, grid=(1, 1, 1), threads=128, shared_bytes=0, shape=tuple(q.shape), dtype=q.dtype,
+                      device=q.device, copy_inputs=False, mask_args=(), size_args=(seq, seq), end_args=(),
+                      mask_tensors=(), bias_to_raw=1.0, reads_bias=False, reads_windows=False)
+    expanded = torch.empty(1, heads, seq, dim, dtype=q.dtype).expand(batch, heads, seq, dim)
+    packed = torch.empty(batch, seq, 4, heads, dim, dtype=q.dtype)  # q, k, v and out of one buffer, interleaved
+    for out, inputs in ((expanded, (q, k, v)), (q, (q, k, v)), (v[:, :, :], (q, k, v)),
+                        (packed[:, :, 3].transpose(1, 2), tuple(packed[:, :, i].transpose(1, 2) for i in range(3)))):
+        with pytest.raises(AttentionInputError, match="out must not overlap"):
+            plan.launch(*inputs, out=out)

@@ -134,3 +134,15 @@ def test_decode_matches_the_reference(dtype, head_dim):
         assert error < 1e-2, (batch, heads, kv_heads, tokens, keys, mask, padded, error)
         if padded:
             assert not got[-1].any()  # no key allowed: zeros
+
+
+@pytest.mark.gpu
+def test_a_scale_the_softmax_cannot_take_and_another_batch_of_keys_are_refused():
+    """A negative, zero or NaN scale went straight into the kernel (a review), as did keys of another batch;
+    both are refused naming the culprit, as stof_cc.attention refuses them."""
+    q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.float16)
+    for scale in (-0.125, 0.0, float("nan"), float("inf")):
+        with pytest.raises(DecodeInputError, match="scale must be positive"):
+            decode_attention(q, k, k, masks.causal(), scale=scale, q_position=99)
+    assert decode_unsupported(q[:1], k, None) == "q's batch 1 is not k's 2"

@@ -10,6 +10,7 @@ import copy
 import itertools
 import pickle
 import warnings
+from typing import Any
 
 import numpy
 import pytest
@@ -171,6 +172,19 @@ def test_autograd_on_runs_in_sdpa_and_says_why(monkeypatch):
     with pytest.warns(UserWarning, match="autograd is on"):
         out, _ = stof_cc.hf.attention_forward(torch.nn.Module().eval(), q, q, q, None)
     assert out.requires_grad and out.shape == (1, 8, 2, 32)
+
+
+def test_learned_queries_over_a_batch_of_keys_run_in_sdpa_and_say_why(monkeypatch):
+    """Queries of batch 1 over keys of batch B (learned queries: SDPA broadcasts them, and transformers'
+    SDPA path says models do it) ran into the kernels' layout check, an error (a helper's review)."""
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
+    q, k, v = torch.randn(1, 2, 4, 32), torch.randn(3, 2, 8, 32), torch.randn(3, 2, 8, 32)
+    module = torch.nn.Module().eval()
+    module.is_causal = False  # cross-attention
+    with pytest.warns(UserWarning, match="queries of batch 1 over keys of batch 3"):
+        out, _ = stof_cc.hf.attention_forward(module, q, k, v, None)
+    want = torch.nn.functional.scaled_dot_product_attention(q.expand(3, -1, -1, -1), k, v).transpose(1, 2)
+    torch.testing.assert_close(out, want)
 
 
 def test_what_is_refused_is_named():
@@ -419,6 +433,63 @@ def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
             attention_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
     decode_fallbacks = [str(w.message) for w in caught if "decode" in str(w.message)]
     assert not decode_fallbacks, decode_fallbacks
+
+
+def _traced_calls(monkeypatch) -> list:
+    """`stof_cc.hf._traced_attention` counted: the list grows by one per call dynamo traces."""
+    calls, traced = [], stof_cc.hf._traced_attention
+    monkeypatch.setattr(stof_cc.hf, "_traced_attention", lambda *args, **kwargs: calls.append(1) or traced(*args, **kwargs))
+    return calls
+
+
+def _generate_both(config, device: str, dtype: torch.dtype, **settings) -> tuple[Any, Any]:
+    """Greedy generate() of `_twins` (on ``device`` in ``dtype``) with a static cache, each step's logits kept;
+    the second of two prompts left-padded."""
+    ours, theirs = (model.to(device, dtype) for model in _twins(config))
+    prompt = torch.randint(1, 100, (2, 12), device=device)
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :3] = 0
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static",
+                "output_logits": True, "return_dict_in_generate": True} | settings
+    with torch.no_grad():
+        return (ours.generate(prompt, attention_mask=attention_mask, **settings),
+                theirs.generate(prompt, attention_mask=attention_mask, **settings))
+
+
+def _assert_same_steps(got, want, tolerance: float) -> None:
+    """Each step's logits within ``tolerance`` (relative) of sdpa's while both runs had the same tokens
+    before it (random weights leave near-ties, where a last-bit difference picks another token)."""
+    for step, (ours, theirs) in enumerate(zip(got.logits, want.logits, strict=True)):
+        error = float((ours.float() - theirs.float()).norm() / theirs.float().norm())
+        assert error < tolerance, (step, error)
+        if not torch.equal(ours.argmax(-1), theirs.argmax(-1)):
+            break
+
+
+def test_a_compiled_generate_with_a_static_cache_traces_the_attention(monkeypatch):
+    """generate() with a static cache compiles the forward on CUDA (transformers' own choice; here forced
+    on the CPU) and hands it masks made ahead: the attention inside is traced, a node of the graph, not
+    the eager path (a helper's review: its host reads broke the graph, and on CUDA the kernels launched
+    between the pieces), and every step's logits are sdpa's."""
+    calls = _traced_calls(monkeypatch)
+    compile_config = T.CompileConfig(mode="default")
+    compile_config._compile_all_devices = True
+    got, want = _generate_both(T.LlamaConfig(**SMALL), "cpu", torch.float32, compile_config=compile_config)
+    assert calls, "the compiled forward's attention was not traced"
+    _assert_same_steps(got, want, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [T.LlamaConfig(**DECODE_SHAPES), T.MistralConfig(sliding_window=8, **DECODE_SHAPES)])
+def test_on_the_gpu_generate_with_a_static_cache_compiles_and_gives_sdpas_logits(config, monkeypatch):
+    """On CUDA, generate() with a static cache runs its decode steps in a forward transformers compiles
+    (reduce-overhead: CUDA graphs): the attention traced inside it, every step's logits within 1e-2 of
+    sdpa's (fp16), past Mistral's window."""
+    calls = _traced_calls(monkeypatch)
+    torch.manual_seed(0)
+    got, want = _generate_both(config, "cuda", torch.float16, max_new_tokens=10)
+    assert calls, "the compiled forward's attention was not traced"
+    _assert_same_steps(got, want, 1e-2)
 
 
 def test_a_layer_on_another_device_gets_the_padding_and_dense_mask_there():

@@ -13,7 +13,7 @@ import torch
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.masks import MaskDescription
 from stof_cc.masks.zoo import band_of
-from stof_cc.templates.attention import SUPPORTED_DTYPES
+from stof_cc.templates.attention import SMALLEST_SCALE, SUPPORTED_DTYPES, takes_scale
 from stof_cc.templates.decode_attention import DECODE_ATTENTION, HEAD_DIMS, MAX_ROWS, DecodeProblem
 
 UNBOUNDED = 1 << 40  # a band side with no limit
@@ -31,6 +31,8 @@ def decode_unsupported(q: torch.Tensor, k: torch.Tensor, mask: MaskDescription |
         return f"the decode kernel is CUDA fp16/bf16; q is {q.dtype} on {q.device}"
     if q.dim() != 4 or k.dim() != 4 or 0 in (*q.shape, *k.shape):
         return f"q [B, H, T, D] and k [B, H_kv, S_k, D] with no empty dim; got {tuple(q.shape)} and {tuple(k.shape)}"
+    if q.shape[0] != k.shape[0]:
+        return f"q's batch {q.shape[0]} is not k's {k.shape[0]}"
     if max(q.shape[0], k.shape[1]) > GRID_LIMIT:
         return f"batch {q.shape[0]} or {k.shape[1]} KV heads: the decode kernel's grid takes at most {GRID_LIMIT}"
     if q.shape[-1] not in HEAD_DIMS:
@@ -80,6 +82,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
         if t.data_ptr() % 16 or any(stride % 8 for stride in t.stride()[:3]):
             raise DecodeInputError(f"{name}'s key rows must start on 16 bytes (address {t.data_ptr()}, strides "
                                    f"{t.stride()})")
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    if not takes_scale(scale):  # as stof_cc.attention refuses it: a negative, zero or NaN scale is no softmax
+        raise DecodeInputError(f"scale must be positive and finite, at least {SMALLEST_SCALE:g}; got {scale}")
     kv_heads, seq_k = k.shape[1], k.shape[2]
     valid = None
     if key_padding is not None:
@@ -94,7 +99,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
 
 
 def _launch(problem: DecodeProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-            scale: float | None, q_position: int, k_position: int, lo: int, hi: int | None) -> torch.Tensor:
+            scale: float, q_position: int, k_position: int, lo: int, hi: int | None) -> torch.Tensor:
     batch, heads, tokens, dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     params = DECODE_ATTENTION.space(problem)[0]
@@ -102,7 +107,6 @@ def _launch(problem: DecodeProblem, q: torch.Tensor, k: torch.Tensor, v: torch.T
     rows = problem.rows
     part_acc = torch.empty(batch, kv_heads, params["splits"], rows, dim, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(batch, kv_heads, params["splits"], rows, 2, dtype=torch.float32, device=q.device)
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
     grid, threads, shared = DECODE_ATTENTION.launch(problem, params)
     split_kernel.launch(grid, threads, shared, q.data_ptr(), k.data_ptr(), v.data_ptr(),
                         0 if valid is None else valid.data_ptr(), part_acc.data_ptr(), part_ml.data_ptr(),

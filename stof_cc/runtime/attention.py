@@ -71,7 +71,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (``{"strategy": "blockwise", "block_m": 64, ...}``) instead of the model's choice.
     ``out``, if given, receives the result: shaped and typed like q, unit stride in head_dim,
     16-byte aligned rows (contiguous, or e.g. a [B, S, H, D] buffer transposed to [B, H, S, D],
-    the layout SDPA returns, which lets a following transpose + view cost nothing).
+    the layout SDPA returns, which lets a following transpose + view cost nothing), neither expanded
+    nor lying where q, k or v lie (tiles read their inputs while others write).
     ``return_lse``: also return each query row's log-sum-exp of its scaled scores, fp32
     [B, H, S_q] (natural log; -inf where no key is allowed), as FlashAttention does: partial
     results over disjoint key sets merge with it (`merge_partials`).
