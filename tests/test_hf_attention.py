@@ -435,11 +435,18 @@ def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
     assert not decode_fallbacks, decode_fallbacks
 
 
-def _traced_calls(monkeypatch) -> list:
-    """`stof_cc.hf._traced_attention` counted: the list grows by one per call dynamo traces."""
-    calls, traced = [], stof_cc.hf._traced_attention
-    monkeypatch.setattr(stof_cc.hf, "_traced_attention", lambda *args, **kwargs: calls.append(1) or traced(*args, **kwargs))
-    return calls
+def _generate_compiled(monkeypatch, config, device: str, dtype: torch.dtype, **settings) -> tuple[Any, Any]:
+    """`_generate_both` in a fresh dynamo (transformers' forward wrappers are code shared by every model, and
+    their recompiles count against one limit), asserting that the attention of the forward transformers
+    compiled was traced: `_traced_attention` says once that SDPA runs the decode steps in the graph (the
+    eager path says it without "in the compiled graph", or runs the decode kernel)."""
+    monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        both = _generate_both(config, device, dtype, **settings)
+    assert any("in the compiled graph" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    return both
 
 
 def _generate_both(config, device: str, dtype: torch.dtype, **settings) -> tuple[Any, Any]:
@@ -471,11 +478,9 @@ def test_a_compiled_generate_with_a_static_cache_traces_the_attention(monkeypatc
     on the CPU) and hands it masks made ahead: the attention inside is traced, a node of the graph, not
     the eager path (a helper's review: its host reads broke the graph, and on CUDA the kernels launched
     between the pieces), and every step's logits are sdpa's."""
-    calls = _traced_calls(monkeypatch)
     compile_config = T.CompileConfig(mode="default")
     compile_config._compile_all_devices = True
-    got, want = _generate_both(T.LlamaConfig(**SMALL), "cpu", torch.float32, compile_config=compile_config)
-    assert calls, "the compiled forward's attention was not traced"
+    got, want = _generate_compiled(monkeypatch, T.LlamaConfig(**SMALL), "cpu", torch.float32, compile_config=compile_config)
     _assert_same_steps(got, want, 1e-4)
 
 
@@ -485,10 +490,7 @@ def test_on_the_gpu_generate_with_a_static_cache_compiles_and_gives_sdpas_logits
     """On CUDA, generate() with a static cache runs its decode steps in a forward transformers compiles
     (reduce-overhead: CUDA graphs): the attention traced inside it, every step's logits within 1e-2 of
     sdpa's (fp16), past Mistral's window."""
-    calls = _traced_calls(monkeypatch)
-    torch.manual_seed(0)
-    got, want = _generate_both(config, "cuda", torch.float16, max_new_tokens=10)
-    assert calls, "the compiled forward's attention was not traced"
+    got, want = _generate_compiled(monkeypatch, config, "cuda", torch.float16, max_new_tokens=10)
     _assert_same_steps(got, want, 1e-2)
 
 
