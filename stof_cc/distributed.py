@@ -251,7 +251,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     on the first call with each shape, dtype, mask and plan the ranks compare them (one all-reduce
     of a fingerprint on the host): where a rank differs, every rank gets a ValueError (unchecked,
     it aborted gloo or hung). ``check_every_call`` compares them on every call (a host round trip,
-    about 0.35 ms): without it, a rank that changes its mask alone after an agreed call hangs.
+    about 0.35 ms): without it, a rank that changes its call alone after an agreed call (its mask, or
+    inputs its own checks refuse) hangs. It must be the same on every rank (it decides whether a rank
+    takes part in the comparison).
     """
     if not isinstance(mask, MaskDescription):
         raise TypeError(f"context_parallel_attention: mask must be a stof_cc.masks description, got "
@@ -267,8 +269,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if rank < 0:  # torch answers -1 for a rank outside the group; it crashed deep in the fingerprint
         raise ValueError(f"context_parallel_attention: this rank (global rank {dist.get_rank()}) is not a member "
                          "of group; call it on the group's ranks only")
-    _check_inputs(q, k, v)
-    plan = _check_ranks_agree(group, q, k, v, mask, balanced, check_every_call)
+    plan = _check_ranks_agree(group, q, k, v, mask, scale, balanced, check_every_call)
     mine = rank_chunks(rank, world, balanced)
     length = plan.chunk
     pieces = {c: (k[..., i * length:(i + 1) * length, :], v[..., i * length:(i + 1) * length, :])
@@ -323,23 +324,31 @@ _agreed: weakref.WeakKeyDictionary[dist.ProcessGroup, set[int]] = weakref.WeakKe
 
 
 def _check_ranks_agree(group: dist.ProcessGroup | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       mask: MaskDescription, balanced: bool, every_call: bool) -> ContextParallelPlan:
-    """Every rank's shapes, dtype, mask and plan (what each rank sends and receives: `repr` alone
-    does not tell two dense masks apart, found by review), compared through a fingerprint, one
-    all-reduce of two int64 on the host (`_host_group`); where they differ, a ValueError on every
-    rank naming those that differ from rank 0. Unchecked, a rank that differs aborted gloo or hung.
+                       mask: MaskDescription, scale: float | None, balanced: bool,
+                       every_call: bool) -> ContextParallelPlan:
+    """Every rank's inputs (`_check_inputs`), shapes, dtype, mask, scale and plan (what each rank sends and
+    receives: `repr` alone does not tell two dense masks apart, found by review), compared through a
+    fingerprint, one all-reduce of two int64 on the host (`_host_group`); where they differ, a ValueError
+    on every rank naming those that differ from rank 0 (with the error of a rank whose own check or plan
+    failed); where they agree on a failure, that error. Unchecked, a rank that differs aborted gloo or
+    hung; a rank whose check failed before the fingerprint left the others waiting in it (a review: one
+    rank's dtype, a mask_mod indexing past its table).
     Compared on the first call of each fingerprint, or with ``every_call`` on every call: a rank
     that repeats an agreed call skips the check, so if another rank changes its call alone, that
     rank waits in the check while the first waits in the exchange (a hang). The check costs a host
     round trip, 0.35 ms a call on two H100s' host (16 documents at S = 32768: 0.44 -> 0.82 ms a call),
     which is why it is not made on every call by default. Returns the call's plan."""
-    seq = q.shape[-2] * dist.get_world_size(group)
+    failed = None
     try:
+        _check_inputs(q, k, v)
+        seq = q.shape[-2] * dist.get_world_size(group)
         plan = context_parallel_plan(mask, seq, dist.get_world_size(group), balanced, q.shape[0], q.shape[1])
         layout = plan.layout
-    except ValueError as exc:  # raised on every rank below, once they agree that it is the same call
-        plan, layout = None, str(exc)
-    mine = (tuple(q.shape), tuple(k.shape), tuple(v.shape), str(q.dtype), repr(mask), balanced)
+    except Exception as exc:  # raised below, once every rank has compared fingerprints
+        failed, plan, layout = exc, None, ""
+    shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (q, k, v))
+    error = None if failed is None else f"{type(failed).__name__}: {failed}"
+    mine = (*shapes, str(getattr(q, "dtype", None)), repr(mask), balanced, scale, error)
     digest = int.from_bytes(hashlib.blake2b(repr((mine, layout)).encode(), digest_size=7).digest(), "little")
     agreed = _agreed.setdefault(group if group is not None else dist.group.WORLD, set())
     if digest in agreed and not every_call:
@@ -350,15 +359,17 @@ def _check_ranks_agree(group: dist.ProcessGroup | None, q: torch.Tensor, k: torc
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (*mine, layout), group=_host_group(group))
         differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
-        fields = ("q", "k", "v", "dtype", "mask", "balanced", "plan of the mask")
-        said = "; ".join(f"rank {rank}: " + ", ".join(
-            f"{name} {everyone[rank][i] if name != 'plan of the mask' else '(another)'}"
-            for i, name in enumerate(fields) if everyone[rank][i] != everyone[0][i]) for rank in differ)
-        raise ValueError(f"context_parallel_attention: every rank must pass shards of one shape, one dtype and "
-                         f"the same mask; rank 0 has q {everyone[0][0]}, k {everyone[0][1]}, v {everyone[0][2]}, "
-                         f"{everyone[0][3]}, mask {everyone[0][4]}, balanced={everyone[0][5]}; {said}")
-    if plan is None:
-        raise ValueError(layout)
+        fields = ("q", "k", "v", "dtype", "mask", "balanced", "scale", "error", "plan of the mask")
+        shown = [[value if name != "plan of the mask" else "(another)" for name, value in zip(fields, theirs, strict=True)]
+                 for theirs in everyone]
+        said = "; ".join(f"rank {rank}: " + ", ".join(f"{name} {shown[rank][i]}" for i, name in enumerate(fields)
+                                                      if everyone[rank][i] != everyone[0][i]) for rank in differ)
+        raise ValueError(f"context_parallel_attention: every rank must pass valid shards of one shape and dtype, the "
+                         f"same mask and scale; rank 0 has q {shown[0][0]}, k {shown[0][1]}, v {shown[0][2]}, "
+                         f"{shown[0][3]}, mask {shown[0][4]}, balanced={shown[0][5]}, scale={shown[0][6]}"
+                         f"{'' if shown[0][7] is None else ', error ' + shown[0][7]}; {said}") from failed
+    if failed is not None:  # the same error on every rank
+        raise failed
     agreed.add(digest)
     return plan
 

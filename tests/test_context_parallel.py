@@ -250,6 +250,11 @@ MISTAKES = textwrap.dedent('''
     attempt("dense masks differ", q, k, v, masks.from_dense(dense))
     attempt("integer inputs", q.long(), k.long(), v.long(), masks.causal(), balanced=False)
     attempt("balanced not a bool", q, k, v, masks.causal(), balanced="no")
+    attempt("one rank's dtype", q if rank == 0 else q.double(), k if rank == 0 else k.double(),
+            v if rank == 0 else v.double(), masks.causal(), check_every_call=True)  # rank 0's call was agreed
+    table = torch.arange(512 if rank == 0 else 256) // 100  # rank 1: its own shard's table, too short
+    attempt("one rank's mask_mod fails", q, k, v, masks.from_mask_mod(lambda b, h, i, j: table[i] == table[j]))
+    attempt("scales differ", q, k, v, masks.causal(), scale=0.25 if rank == 0 else 0.5)
     alone = dist.new_group([0])  # every rank makes the group; rank 1 is not in it
     if rank == 1:
         attempt("not a member", q, k, v, masks.causal(), alone)
@@ -265,7 +270,8 @@ def test_mistakes_are_refused_on_every_rank_before_anything_is_sent(tmp_path):
     """Found by a helper's hunt: autograd on gave wrong dK and dV without a word (keys sent to another
     rank carry no gradient back), V of head dim 1 was broadcast into a q-shaped output, and ranks
     passing different masks or shard lengths aborted gloo or hung, also with dense masks of one shape,
-    or after a first agreed call (with check_every_call). Each is now an error on every rank."""
+    or after a first agreed call (with check_every_call), or where one rank's own check failed. Each is
+    now an error on every rank."""
     script = tmp_path / "mistakes.py"
     script.write_text(MISTAKES)
     run = torchrun(str(script), str(tmp_path))
@@ -288,6 +294,13 @@ def test_mistakes_are_refused_on_every_rank_before_anything_is_sent(tmp_path):
         assert said["integer inputs"].startswith("AttentionInputError") and "got torch.int64" in said["integer inputs"]
         assert said["balanced not a bool"].startswith("TypeError") and "balanced must be a bool" in \
             said["balanced not a bool"], said
+        # a review: a rank whose own check or mask failed raised before the fingerprint, and the other waited in
+        # it until the group's timeout; ranks passing different scales ran, 2.5 off
+        assert said["scales differ"].startswith("ValueError") and "rank 1: scale 0.5" in said["scales differ"], said
+        assert said["one rank's dtype"].startswith("ValueError") and "rank 1: dtype torch.float64" in \
+            said["one rank's dtype"] and "AttentionInputError" in said["one rank's dtype"], said
+        assert said["one rank's mask_mod fails"].startswith("ValueError") and "rank 1:" in \
+            said["one rank's mask_mod fails"] and "IndexError" in said["one rank's mask_mod fails"], said
     assert "not a member of group" in eval((tmp_path / "rank1.txt").read_text())["not a member"]  # noqa: S307
 
 

@@ -92,6 +92,19 @@ def test_data_dependent_control_flow_names_the_line():
     assert "inputs: float32[4]" in message  # the call it could not trace
 
 
+def test_a_value_read_into_a_python_number_is_named():
+    """x / x.abs().max().item() failed deep in the shape rules ("shape rule failed:
+    aten._local_scalar_dense.default"; a review): the error now says what the op does and what to try."""
+    import stof_cc
+
+    class Normalised(nn.Module):
+        def forward(self, x):
+            return x / x.abs().max().item()
+
+    with pytest.raises(GraphError, match=r"reads a tensor's value into a Python number .* keep the value a tensor"):
+        stof_cc.compile(Normalised(), (torch.randn(3),), dtype=torch.float32, tune=False)
+
+
 def test_a_failure_outside_the_models_code_names_no_other_code_as_its_line():
     """A Linear given the wrong width, or a keyword-only argument left out, named a line of
     generated code (``<string>:1``) or of the standard library's ``inspect`` (a helper's audit)."""

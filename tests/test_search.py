@@ -183,3 +183,38 @@ def test_a_template_that_failed_gives_way_to_one_that_worked(tmp_path: Path):
     warm = search(candidates, None, check, signature="g10", top_k=8, max_share=1.0, timer=timer, database=db,
                   device=H100)
     assert warm.from_database and warm.winner.template is ROW_REDUCE
+
+
+@pytest.mark.nvcc
+def test_a_run_short_of_memory_or_of_nvcc_stores_no_failure_and_keeps_a_winner(tmp_path: Path, monkeypatch):
+    """Another process holding the GPU's memory, or nvcc missing from PATH for one run, was stored as the
+    template's lasting failure: later runs never measured it again, and a re-search replaced a winner's
+    record with the failure (a review). Now nothing is stored for them, and a winner is never replaced."""
+    import torch
+
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    build, check, timer = _fake()
+
+    def short_of_memory(candidate):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def search_with(builder, signature):
+        return search(_candidates(), builder, check, signature=signature, top_k=8, max_share=1.0, timer=timer,
+                      database=db, device=H100)
+
+    with pytest.raises(NoCorrectCandidate):
+        search_with(short_of_memory, "oom")
+    assert not db.records()
+    assert search_with(build, "oom").winner_us == 10.0  # measured again, once the memory is free
+    # a re-search (another template has no record) in which every candidate fails keeps the winner's record
+    both = _candidates(ELEMENTWISE, 2) + [Candidate(ROW_REDUCE, {"i": 9}, 9.0, GOOD.format(i=9))]
+    wrong, _, _ = _fake(wrong={0, 1, 9})
+    with pytest.raises(NoCorrectCandidate):
+        search(both, wrong, check, signature="oom", top_k=8, max_share=1.0, timer=timer, database=db, device=H100)
+    assert not db.lookup(ELEMENTWISE, "oom", H100).failed and db.lookup(ROW_REDUCE, "oom", H100).failed
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    with pytest.raises(NoCorrectCandidate, match="nvcc not found"):
+        search(_candidates(), build, check, signature="no nvcc", top_k=8, max_share=1.0, timer=timer,
+               database=db, device=H100)
+    assert [r.signature for r in db.records()] == ["oom", "oom"]

@@ -227,6 +227,17 @@ def _foreign(path: Path) -> None:
     raw.close()
 
 
+def _another_tools(path: Path) -> None:
+    """Replace the table with another tool's tables, none named ``records`` (a writer created its table
+    inside such a file and switched its journal to WAL: a review)."""
+    raw = sqlite3.connect(path, isolation_level=None)
+    raw.execute("DROP TABLE records")
+    raw.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    raw.execute("INSERT INTO users (name) VALUES ('theirs')")
+    raw.execute("PRAGMA journal_mode=DELETE")
+    raw.close()
+
+
 def _filled(path: Path) -> None:
     """A closed database of 100 records: several pages."""
     db = TuningDatabase(path)
@@ -237,7 +248,8 @@ def _filled(path: Path) -> None:
 
 @pytest.mark.parametrize(("operation", "damage"), [  # a malformed page is only met when read, not at open
     *[(operation, _malform) for operation in ["lookup", "store", "records", "clear"]],
-    *[(operation, _foreign) for operation in ["open", "lookup", "store", "records", "clear"]]])
+    *[(operation, _foreign) for operation in ["open", "lookup", "store", "records", "clear"]],
+    ("open", _another_tools)])
 def test_a_malformed_or_foreign_file_is_moved_aside_at_any_operation(tmp_path: Path, operation: str, damage):
     path = tmp_path / "t.sqlite"
     _filled(path)
@@ -256,9 +268,13 @@ def test_a_malformed_or_foreign_file_is_moved_aside_at_any_operation(tmp_path: P
         else:
             assert db.clear() == 0
     assert len(_corrupt_files(tmp_path)) == 1
-    if damage is _foreign:  # their data is kept, aside
+    if damage is not _malform:  # their data is kept, aside, as it was
         aside = sqlite3.connect(_corrupt_files(tmp_path)[0])
-        assert aside.execute("SELECT name FROM records").fetchall() == [("theirs",)]
+        table = "records" if damage is _foreign else "users"
+        assert aside.execute(f"SELECT name FROM {table}").fetchall() == [("theirs",)]
+        if damage is _another_tools:
+            assert aside.execute("PRAGMA journal_mode").fetchone() == ("delete",)
+            assert [row[0] for row in aside.execute("SELECT name FROM sqlite_master")] == ["users"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the fresh file works quietly
         db.store(ELEMENTWISE, "new", H100, {"threads": 256, "vec": 2}, 3.0)

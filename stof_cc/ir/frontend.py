@@ -48,8 +48,8 @@ def trace(
 
     The module is traced in eval mode (dropout off) and restored to its previous mode.
     ``example_inputs`` is a tuple of positional arguments (a lone tensor is accepted);
-    ``kwargs`` holds keyword arguments. Leaves must be tensors (or None): shapes and
-    dtypes are fixed by the example, as in every later stage.
+    ``kwargs`` holds keyword arguments. Leaves must be tensors (leave out an argument that is
+    None): shapes and dtypes are fixed by the example, as in every later stage.
     """
     if not isinstance(module, torch.nn.Module):
         raise TraceError(f"trace() needs a torch.nn.Module, got {type(module).__name__}")

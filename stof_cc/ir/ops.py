@@ -172,8 +172,15 @@ def infer_spec(graph: Graph, node: Node) -> Spec:
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:  # report which node's rule failed, whatever torch raised
+            if node.target in _READS_A_NUMBER:
+                raise GraphError(f"node %{node.name} ({node.target}) reads a tensor's value into a Python number "
+                                 "(.item(), int(t), float(t)); stof-cc compiles graphs of tensors: keep the value a "
+                                 "tensor (x / x.abs().max() rather than x / x.abs().max().item())") from exc
             raise GraphError(f"node %{node.name} ({node.op}, {node.target}): shape rule failed: {exc}") from exc
     return spec_of_value(result)
+
+
+_READS_A_NUMBER = ("aten.item.default", "aten._local_scalar_dense.default")  # no static value to reason about
 
 
 # Ops whose outputs after the first are statistics kept in the accumulation type on CUDA (float32

@@ -313,14 +313,24 @@ def _is_identity(graph: Graph, node: Node) -> bool:
     if node.op == "dropout":
         train = node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True)
         return train is False
-    if node.op == "clone":  # values, not storage: a kernel copies what it must read contiguously;
+    if node.op in ("clone", "cast"):  # values, not storage: a kernel copies what it must read contiguously;
         source = graph.node(node.args[0].name) if node.args and isinstance(node.args[0], Ref) else None
-        # kept where it copies an input or a weight (a result must never share their storage)
-        return source is not None and source.op not in (INPUT, CONSTANT) and not graph.is_output(node.name)
-    if node.op == "cast" and node.args and isinstance(node.args[0], Ref):
-        source = graph.node(node.args[0].name).spec
-        return isinstance(source, TensorSpec) and source == node.spec
+        if source is None or (node.op == "cast" and not (isinstance(source.spec, TensorSpec) and source.spec == node.spec)):
+            return False
+        if node.op == "cast" and not _copies(node):  # `w.to(dtype)` of a w in that dtype is w itself, as in eager
+            return True
+        # kept where it copies an input or a weight (a result must never share their storage; a review found
+        # `x.to(dtype, copy=True)` handing back the caller's x)
+        return source.op not in (INPUT, CONSTANT) and not graph.is_output(node.name)
     return False
+
+
+def _copies(cast: Node) -> bool:
+    """Whether a cast makes a copy: `aten._to_copy`, or `aten.to.dtype(x, dtype, non_blocking, copy)` with copy
+    true (`aten.to` and `type_as` of a tensor already in the dtype return it)."""
+    if cast.target is not None and cast.target.startswith("aten._to_copy"):
+        return True
+    return bool(cast.kwargs.get("copy", cast.args[3] if cast.target == "aten.to.dtype" and len(cast.args) > 3 else False))
 
 
 def _fold(out: Graph, node: Node, args: Any, kwargs: Any, fold_limit: int) -> torch.Tensor | None:

@@ -163,8 +163,18 @@ def _model_dtypes(module: torch.nn.Module) -> set[torch.dtype]:
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched)."""
-    return pytree.tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched). A tensor that
+    appears twice is cast once: a model writing into one argument reads the write through the other, as
+    in eager (a review found two copies)."""
+    copies: dict[int, torch.Tensor] = {}
+
+    def cast(t: Any) -> Any:
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            return t
+        if id(t) not in copies:
+            copies[id(t)] = t.to(dtype)
+        return copies[id(t)]
+    return pytree.tree_map(cast, tree)
 
 
 def dump_to(folder: str | Path) -> Instrument:

@@ -240,7 +240,11 @@ class CompiledModule:
             self._run(variant.graph, step, env, device)
             for name in dead:
                 env.pop(name, None)
-        return [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
+        # an output that is a constant (folded at compile time: position ids, a mask) is a new tensor per call
+        # in eager: handing out the one kept would let a caller's in-place edit reach every later call
+        constants = variant.graph.constants
+        return [(env[r.name].clone() if r.name in constants else env[r.name]) if isinstance(r, Ref) else r
+                for r in variant.graph.outputs]
 
     def _replayed(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         """`_replay`'s outputs, cloned, one thread at a time. A call on another stream than the last

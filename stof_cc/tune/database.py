@@ -360,8 +360,12 @@ class TuningDatabase:
     def _prepare(self) -> None:
         """WAL journaling and the table (when writable), and `_columns`' check that a ``records``
         table is ours. Runs before every write too, since opening a busy file may have left it
-        unprepared."""
+        unprepared. Another tool's file (tables, none of them ``records``) is foreign too: the table was
+        created inside it, and its journal switched to WAL for good (a review)."""
         if not self.read_only:
+            tables = [row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            if tables and "records" not in tables:
+                raise sqlite3.DatabaseError(f"another tool's file (tables {', '.join(tables)}; no records table)")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(_CREATE)
         self._columns()

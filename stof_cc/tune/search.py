@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stof_cc.backends.nvcc import compile_many
+from stof_cc.backends.nvcc import NVCC_MISSING, compile_many
 from stof_cc.templates.registry import KernelTemplate
 from stof_cc.tune.database import Device, TuningDatabase
 
@@ -62,6 +62,8 @@ class Outcome:
     candidate: Candidate
     micros: float = math.inf
     failure: str = ""
+    lasting: bool = True  # a failure of the candidate itself (another run would fail again), not of the run's
+    # surroundings (no nvcc on PATH, memory another process holds): only a lasting one is remembered
 
 
 @dataclass
@@ -155,7 +157,8 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
     errors = compile_many([(c.cuda_source(), arch + c.template.arch_features) for c in survivors], workers)
     outcomes = []
     for index, (candidate, error) in enumerate(zip(survivors, errors, strict=True), start=1):
-        outcome = Outcome(candidate, failure=f"compile: {error.splitlines()[0]}" if error else "")
+        outcome = Outcome(candidate, failure=f"compile: {error.splitlines()[0]}" if error else "",
+                          lasting=NVCC_MISSING not in error)
         if not error:
             _measure(outcome, build, check, timer, runs)
         outcomes.append(outcome)
@@ -167,7 +170,8 @@ def search(candidates: Sequence[Candidate], build: Callable[[Candidate], Callabl
             mine = [o for o in outcomes if o.candidate.template is template]
             fastest = min(mine, key=lambda o: o.micros)
             if math.isinf(fastest.micros):
-                database.store_failure(template, signature, device, _failures(mine))
+                if all(o.lasting for o in mine) and _no_winner_recorded(database, template, signature, device):
+                    database.store_failure(template, signature, device, _failures(mine))
             else:
                 database.store(template, signature, device, fastest.candidate.params, fastest.micros)
     if math.isinf(best.micros):
@@ -205,6 +209,19 @@ def _measure(outcome: Outcome, build, check, timer, runs: int) -> None:
         outcome.micros = timer(run, runs)
     except Exception as exc:  # a launch failure disqualifies this candidate, not the search
         outcome.failure = f"{type(exc).__name__}: {exc}"
+        outcome.lasting = not _passing(exc)
+
+
+def _passing(exc: Exception) -> bool:
+    """Whether ``exc`` says more about the run than the candidate: memory (torch's or PyCUDA's MemoryError,
+    which another process may hold) or the file system; stage 2 then stores no failure for it."""
+    return isinstance(exc, MemoryError | OSError) or type(exc).__name__ in ("OutOfMemoryError", "MemoryError")
+
+
+def _no_winner_recorded(database: TuningDatabase, template: KernelTemplate, signature: str, device: Device) -> bool:
+    """Whether no record of a measured winner would be lost by storing a failure in its place."""
+    record = database.lookup(template, signature, device)
+    return record is None or record.failed
 
 
 def _failures(outcomes: list[Outcome]) -> str:
