@@ -1,6 +1,6 @@
 """What a review of the compiled runtime found about storage (CPU): an output folded to a constant handed
 out as the same tensor every call, a cast that copies (`x.to(dtype, copy=True)`) taken for the identity, and
-one tensor passed twice cast into two copies. Each compiled model now leaves the caller's tensors, the
+one tensor passed twice (or two overlapping views of one) cast into two copies. Each compiled model now leaves the caller's tensors, the
 model's buffers and later calls as eager does."""
 
 from __future__ import annotations
@@ -69,3 +69,25 @@ def test_one_tensor_passed_twice_and_cast_stays_one_tensor():
     y = torch.zeros(4)
     out = compiled(y, y)
     assert out.tolist() == [2.0] * 4 and y.tolist() == [1.0] * 4
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, a, b):
+        a.mul_(2)
+        return b + 0
+
+
+def test_overlapping_views_cast_stay_overlapping_and_apart_views_stay_apart():
+    """y and y[:2] into a model writing into the first: eager's b sees the write (2, 2), the two casts did
+    not (1, 1). Views whose bytes meet become views of one cast, laid out as given; apart ones are cast
+    apart."""
+    compiled = _compiled(_Doubled().eval(), (torch.ones(4), torch.ones(2)), dtype=torch.float16)
+    y = torch.ones(4)
+    assert compiled(y, y[:2]).tolist() == [2.0, 2.0] and y.tolist() == [2.0] * 4
+    fused = torch.randn(2, 3, 8)
+    interleaved = fused.unbind(1)
+    cast = stof_cc.passes.cast_floating(interleaved, torch.float16)
+    assert len({t.untyped_storage().data_ptr() for t in cast}) == 1
+    assert all(t.stride() == u.stride() and torch.equal(t, u.half()) for t, u in zip(cast, interleaved, strict=True))
+    apart = stof_cc.passes.cast_floating(fused.unbind(0), torch.float16)
+    assert len({t.untyped_storage().data_ptr() for t in apart}) == 2

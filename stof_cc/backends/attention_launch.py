@@ -17,6 +17,7 @@ import torch
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_heads
 from stof_cc.backends.tile_schedule import tile_schedule
+from stof_cc.ir.memory import bytes_spanned, overlaps_itself, spans_meet
 from stof_cc.masks.block_mask import BlockMask
 from stof_cc.templates.attention import AttentionInputError, AttentionProblem, check_scale
 from stof_cc.templates.registry import KernelTemplate
@@ -99,7 +100,7 @@ class LaunchPlan:
                                       f"{self.shape} on {self.device} with unit stride in head_dim and row "
                                       f"strides a multiple of 8; got {out.dtype} {tuple(out.shape)} on "
                                       f"{out.device}, strides {out.stride()}, address {out.data_ptr():#x}")
-        elif _overlaps_itself(out) or _lies_where(out, (q, k, v)):
+        elif overlaps_itself(out) or _lies_where(out, (q, k, v)):
             # every CTA writes its rows while others still read q, k and v: one element written twice, or
             # an input overwritten before a tile (document tiles overlap, L2 sections reorder) reads it
             raise AttentionInputError(f"out must not overlap itself (strides {out.stride()} for shape "
@@ -148,35 +149,10 @@ class LaunchPlan:
         return out
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes [first, past the last) that ``t``'s elements span (strides are never negative)."""
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
 def _lies_where(out: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> bool:
-    """Whether ``out`` may hold some of the inputs' bytes: its extent meets one of theirs (on one device,
-    two allocations never do)."""
-    if out.numel() == 0:
-        return False
-    first, end = _extent(out)
-    for t in inputs:
-        if t.numel():
-            t_first, t_end = _extent(t)
-            if first < t_end and t_first < end:
-                return True
-    return False
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two of ``t``'s elements may be one (a zero stride, an expanded tensor, rows that overlap):
-    false where each dim's stride, smallest first, steps past everything the smaller dims span."""
-    spanned = 0
-    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
-        if st <= spanned:
-            return True
-        spanned += (n - 1) * st
-    return False
+    """Whether ``out`` may hold some of the inputs' bytes."""
+    span = bytes_spanned(out)
+    return any(spans_meet(span, bytes_spanned(t)) for t in inputs)
 
 
 def bias_view(bias: torch.Tensor, q: torch.Tensor, seq_k: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from stof_cc.ir.frontend import trace
 from stof_cc.ir.graph import Graph
+from stof_cc.ir.memory import bytes_spanned, spans_meet
 from stof_cc.passes.attention import AttentionReport, recognise_attention
 from stof_cc.passes.canonicalize import CanonicalizeReport, canonicalize
 from stof_cc.passes.fusion import FusionPlan, partition
@@ -163,16 +164,30 @@ def _model_dtypes(module: torch.nn.Module) -> set[torch.dtype]:
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
-    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched). A tensor that
-    appears twice is cast once: a model writing into one argument reads the write through the other, as
-    in eager (a review found two copies)."""
+    """Every floating tensor of a pytree in ``dtype`` (integer and bool tensors untouched). Tensors that
+    may overlap stay overlapping: one tensor given twice is cast once, and views whose bytes meet (``y``
+    and ``y[:2]``; also q, k and v interleaved in one fused tensor, which the test cannot tell apart)
+    become views of one cast of their storage, laid out as given, so a model writing into one argument
+    reads the write through the other, as in eager (a review found two copies)."""
+    leaves = {id(t): t for t in pytree.tree_leaves(tree)
+              if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype}
+    spans = {i: bytes_spanned(t) for i, t in leaves.items()}
+    overlapping = {i for i in leaves for j in leaves if i != j and spans_meet(spans[i], spans[j])}
+    whole: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # per storage that overlapping tensors share, its cast
     copies: dict[int, torch.Tensor] = {}
 
     def cast(t: Any) -> Any:
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+        if id(t) not in leaves:
             return t
         if id(t) not in copies:
-            copies[id(t)] = t.to(dtype)
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+            if id(t) in overlapping:
+                if key not in whole:
+                    storage = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())
+                    whole[key] = storage.to(dtype)
+                copies[id(t)] = whole[key].as_strided(t.shape, t.stride(), t.storage_offset())
+            else:
+                copies[id(t)] = t.to(dtype)
         return copies[id(t)]
     return pytree.tree_map(cast, tree)
 
