@@ -251,7 +251,7 @@ def own_attention_code(config_class: type) -> bool:
         return False
 
 
-_MADE_WITH = ("use_vmap", "allow_is_causal_skip", "local_size")  # the arguments `_traced_mask` reads from extra
+_MADE_WITH = ("use_vmap", "allow_is_causal_skip", "local_size")  # what `_traced_mask` reads from extra, as made
 
 
 def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
@@ -261,15 +261,8 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
     for a model whose attention is its own code (`own_attention_code`), eager's mask tensor."""
     from transformers.masking_utils import causal_mask_function, eager_mask
 
-    config = extra.get("config")
     if isinstance(attention_mask, HFMask):  # made ahead of the forward by this function (`HFMask.ndim`)
-        if not torch.compiler.is_compiling():
-            return attention_mask
-        # generate() with a static cache on CUDA compiles the forward it hands this mask to: there the
-        # traced description of the mask as it was made, so the attention is a node of the graph (the
-        # eager path broke the graph at its host reads and launched the kernels between the pieces)
-        made = attention_mask.arguments
-        return _traced_mask(made, config, extra | {key: made[key] for key in _MADE_WITH})
+        return attention_mask
     mask_function = mask_function or causal_mask_function
     if isinstance(q_offset, torch.Tensor):  # a static cache's own counter, which its update() advances in
         q_offset = q_offset.clone()  # place before the attention reads the mask: the mask keeps its value now
@@ -280,6 +273,7 @@ def mask_for_layer(batch_size: int, q_length: int, kv_length: int, q_offset: int
                  "allow_is_causal_skip": extra.get("allow_is_causal_skip", False),
                  "allow_is_bidirectional_skip": extra.get("allow_is_bidirectional_skip", False),
                  "local_size": extra.get("local_size")}
+    config = extra.get("config")
     if torch.compiler.is_compiling():  # dynamo traces this call: no host reads, no closure introspection
         return _traced_mask(arguments, config, extra)
     if config is not None and own_attention_code(type(config)):
@@ -415,6 +409,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if selected is not None:  # MiniMax-M3's block_indices: dropped, its sparse attention ran dense (found by review)
         raise ValueError(f"attn_implementation='{NAME}' does not read {selected} ({type(module).__name__} passes the "
                          "keys its sparse attention selects): use attn_implementation='sdpa' for this model")
+    if isinstance(attention_mask, HFMask) and torch.compiler.is_compiling():
+        # a mask made ahead of a forward that is compiled: generate() with a static cache on CUDA compiles it
+        # and hands it the masks (one, or per layer type: Gemma3's); traced there, so the attention is a node
+        # of the graph (the eager path broke the graph at its host reads and launched kernels between pieces)
+        made = attention_mask.arguments
+        attention_mask = _traced_mask(made, None, {key: made[key] for key in _MADE_WITH})
     if isinstance(attention_mask, TracedMask) or (torch.compiler.is_compiling() and attention_mask is None):
         return _traced_attention(module, query, key, value, attention_mask, scaling, **kwargs)
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores

@@ -473,23 +473,28 @@ def _assert_same_steps(got, want, tolerance: float) -> None:
             break
 
 
-def test_a_compiled_generate_with_a_static_cache_traces_the_attention(monkeypatch):
+@pytest.mark.parametrize("config", [T.LlamaConfig(**SMALL), GEMMA3], ids=["llama", "gemma3"])
+def test_a_compiled_generate_with_a_static_cache_traces_the_attention(config, monkeypatch):
     """generate() with a static cache compiles the forward on CUDA (transformers' own choice; here forced
     on the CPU) and hands it masks made ahead: the attention inside is traced, a node of the graph, not
     the eager path (a helper's review: its host reads broke the graph, and on CUDA the kernels launched
-    between the pieces), and every step's logits are sdpa's."""
+    between the pieces), and every step's logits are sdpa's. Gemma3 gets a mask per layer type and builds
+    none in its forward: the first fix, in the mask function, missed it; the attention function converts."""
     compile_config = T.CompileConfig(mode="default")
     compile_config._compile_all_devices = True
-    got, want = _generate_compiled(monkeypatch, T.LlamaConfig(**SMALL), "cpu", torch.float32, compile_config=compile_config)
+    got, want = _generate_compiled(monkeypatch, config, "cpu", torch.float32, compile_config=compile_config)
     _assert_same_steps(got, want, 1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [T.LlamaConfig(**DECODE_SHAPES), T.MistralConfig(sliding_window=8, **DECODE_SHAPES)])
+@pytest.mark.parametrize("config", [
+    T.LlamaConfig(**DECODE_SHAPES), T.MistralConfig(sliding_window=8, **DECODE_SHAPES),
+    T.Gemma3TextConfig(sliding_window=8, layer_types=["sliding_attention", "full_attention"], head_dim=64,
+                       **DECODE_SHAPES)], ids=["llama", "mistral", "gemma3"])
 def test_on_the_gpu_generate_with_a_static_cache_compiles_and_gives_sdpas_logits(config, monkeypatch):
     """On CUDA, generate() with a static cache runs its decode steps in a forward transformers compiles
     (reduce-overhead: CUDA graphs): the attention traced inside it, every step's logits within 1e-2 of
-    sdpa's (fp16), past Mistral's window."""
+    sdpa's (fp16), past Mistral's window, and Gemma3's masks handed over per layer type."""
     got, want = _generate_compiled(monkeypatch, config, "cuda", torch.float16, max_new_tokens=10)
     _assert_same_steps(got, want, 1e-2)
 

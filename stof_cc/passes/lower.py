@@ -171,6 +171,8 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     reads the write through the other, as in eager (a review found two copies)."""
     leaves = {id(t): t for t in pytree.tree_leaves(tree)
               if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype}
+    if not leaves:  # inputs already in the compile dtype (every call of a model fed so): nothing to rebuild
+        return tree
     spans = {i: bytes_spanned(t) for i, t in leaves.items()}
     overlapping = {i for i in leaves for j in leaves if i != j and spans_meet(spans[i], spans[j])}
     whole: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # per storage that overlapping tensors share, its cast
