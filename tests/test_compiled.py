@@ -933,6 +933,33 @@ def test_a_row_padded_everywhere_gets_eagers_answer_on_the_gpu_path(fake_gpu):
     torch.testing.assert_close(compiled(*args), want, rtol=2e-2, atol=2e-2)
 
 
+class _UpcastPadding(torch.nn.Module):
+    """fp16 q and k upcast, the fp16 padding mask added to the fp32 scores (GPT-J's chain): the sum keeps
+    the scores' differences, so a row padded everywhere is the unmasked attention, not the mean of V."""
+
+    def forward(self, q, k, v, padding):
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * 0.125
+        scores = scores + (1.0 - padding[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+        return torch.matmul(torch.softmax(scores, -1).to(v.dtype), v)
+
+
+@pytest.mark.nvcc
+def test_a_row_padded_everywhere_over_fp32_scores_keeps_their_differences(fake_gpu):
+    """The step filled that row with the mean of V by fp16's swamping (the upcasts dropped, the node said
+    its scores were fp16; found by review)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 64, dtype=torch.float16) for _ in range(3))
+    padding = torch.ones(2, 16, dtype=torch.long)
+    padding[0] = 0
+    padding[1, 9:] = 0
+    module = _UpcastPadding()
+    compiled = stof_cc.compile(module, (q, k, v, padding), dtype=torch.float16, tune=False, cuda_graphs=False)
+    with torch.no_grad():
+        want = module(q, k, v, padding)
+    assert (want[0] - v[0].float().mean(1, keepdim=True).half()).abs().max() > 0.1  # not the mean of V
+    torch.testing.assert_close(compiled(q, k, v, padding), want, rtol=2e-2, atol=2e-2)
+
+
 class _TakesAFlag(torch.nn.Module):
     def forward(self, x, causal=None):
         return x * 2

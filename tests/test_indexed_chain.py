@@ -198,6 +198,35 @@ class CompareHalf(torch.nn.Module):  # fp16 compared with a number: in fp16, as 
         return torch.where(x.transpose(-1, -2) >= 0.1, 1.0, -1.0) + (x.transpose(-1, -2) == 0.1).half()
 
 
+class LogicalOfHalf(torch.nn.Module):  # a logical op tests x != 0 of the value eager holds: fp16's 1e-8 is 0
+    def forward(self, x, y):
+        return torch.logical_not(x * x) | torch.logical_and(x * x, y)
+
+
+class ComparePromoted(torch.nn.Module):  # torch compares in the promoted dtype: a 0-d fp32 threshold and an
+    def __init__(self) -> None:          # int64 tensor beside fp16 values are compared in fp16
+        super().__init__()
+        self.register_buffer("threshold", torch.tensor(0.1))
+
+    def forward(self, x, counts):
+        return (x >= self.threshold) | (x * 20000 == counts) | (torch.remainder(x, self.threshold) == 0)
+
+
+class NarrowIntegers(torch.nn.Module):  # numbers converted to uint8 as torch converts them: -1 is 255, 300 is 44
+    def forward(self, u):
+        return (u > -1) | (u == -1) | (torch.remainder(u, 300) == 44) | (torch.div(u, -1, rounding_mode="trunc") == 1)
+
+
+class ToUint8(torch.nn.Module):  # torch converts through int64: -3.0 is 253 (the GPU's direct conversion saturates)
+    def forward(self, x):
+        return (x * 3.0).to(torch.uint8)
+
+
+class SqueezedScalar(torch.nn.Module):  # squeeze of a 0-d tensor is itself
+    def forward(self, x, s):
+        return x * (s * 2).squeeze(0)
+
+
 def _thousandths():  # every value -0.128 .. 0.127 in fp16, fp16's 0.1 among them
     return ((torch.arange(B * S * D) % 256 - 128).half() / 1000).view(B, S, D)
 
@@ -222,6 +251,15 @@ CASES = {
     "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
     "a cast that rounds": (RoundingError(), lambda: (torch.randn(B, S, D),)),
     "fp16 compared with a number": (CompareHalf(), lambda: (_thousandths(),)),
+    "logical ops of fp16 values": (LogicalOfHalf(), lambda: (
+        torch.tensor([1e-4, 1.0, -1e-4, 0.0, 2e-3, -3.0, 1e-4, 5.0] * (B * S * D // 8), dtype=torch.float16).view(B, S, D),
+        torch.rand(B, S, D) < 0.5)),
+    "comparisons in the promoted dtype": (ComparePromoted(), lambda: (
+        _thousandths(), (_thousandths() * 20000).round().long() + 1)),
+    "numbers wrapped to uint8": (NarrowIntegers(), lambda: (torch.arange(B * S * D, dtype=torch.uint8).view(B, S, D),)),
+    "float to uint8": (ToUint8(), lambda: (torch.tensor([-1.0, -0.5, -0.2, 0.3, 85.2, 100.0] * (B * S * D // 6 + 1))[
+        :B * S * D].view(B, S, D),)),
+    "squeezed scalar": (SqueezedScalar(), lambda: (torch.randn(B, S, D), torch.tensor(2.0))),
     "repeat_interleave": (RepeatInterleave(), lambda: (torch.randn(B, S, D), torch.randn(S, D // 2))),
     "rotary": (Rotary(), lambda: (torch.randn(B, H, S, D, dtype=torch.float16),
                                  torch.randn(1, 1, S, D, dtype=torch.float16),
@@ -331,7 +369,7 @@ POINTWISE = {  # the ATen core set's pointwise ops transformer models use, as us
     "sigmoid": torch.sigmoid, "softplus": torch.nn.functional.softplus,
     "softplus beta 2": lambda x: torch.nn.functional.softplus(x, beta=2.0, threshold=10.0),
     "reciprocal": torch.reciprocal, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "pow 3": lambda x: x ** 3,
-    "pow 0.5": lambda x: torch.pow(x, 0.5), "square": torch.square, "clamp": lambda x: x.clamp(-1.5, 2.0),
+    "pow 0.5": lambda x: torch.pow(x, 0.5), "pow 1.5": lambda x: x ** 1.5, "pow -0.5": lambda x: x ** -0.5, "square": torch.square, "clamp": lambda x: x.clamp(-1.5, 2.0),
     "clamp_min": lambda x: x.clamp_min(0.5), "clamp_max": lambda x: x.clamp_max(0.5),
     "minimum": lambda x: torch.minimum(x, x * 0.5 + 1), "maximum": lambda x: torch.maximum(x, x * 0.5 + 1),
     "where": lambda x: torch.where(x > 0, x, x * 0.1), "gelu": torch.nn.functional.gelu,

@@ -184,6 +184,23 @@ def test_from_padding_uses_lengths_for_right_padding():
             assert torch.equal(got, keep[:, None, None, :].expand(2, 1, seq_q, 3)), (padding, seq_q)
 
 
+@pytest.mark.gpu
+def test_from_padding_with_gaps_runs_on_a_gpu():
+    """Its table stays on the CPU; on a machine with a GPU it was evaluated there, indexing the CPU table
+    with GPU positions (a review's reading: `to_dense` and the block masks raised)."""
+    from stof_cc import attention
+    from stof_cc.ir.reference import masked_attention
+
+    padding = torch.ones(2, 300, dtype=torch.long)
+    padding[0, :40] = 0
+    padding[1, 100:120] = 0
+    description = masks.from_padding(padding.cuda())
+    dense = description.to_dense(300, 300, batch=2, heads=1)
+    q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    want = masked_attention(q, k, v, dense.cuda())
+    assert (attention(q, k, v, description) - want).abs().max() < 1e-2
+
+
 def test_from_padding_fits_its_own_batch_and_keys_in_either_form():
     """Right padding became `key_padding` with its lengths and forgot how many keys the padding
     covered: seq_k = 5 hid keys 3 and 4 of a 3-key padding with no error, and one row applied to no

@@ -355,15 +355,26 @@ def test_to_returns_the_mask_itself_only_where_every_tensor_is_there():
     assert moved is not mixed and moved.any_cols.device.type == "meta"
 
 
+@pytest.mark.parametrize("combined", ["alone", "and causal", "or bigbird", "not not", "region"])
 @pytest.mark.parametrize("stated", [{}, {"batch": 2}, {"heads": 2}, {"batch": 2, "heads": 2}])
-def test_mask_mod_for_answers_every_batch_and_head_of_a_user_mask(stated):
+def test_mask_mod_for_answers_every_batch_and_head_of_a_user_mask(stated, combined):
     """A mask_mod over per-sequence / per-head tables through mask_mod_for: without the batch and
-    heads stated, the kept bits held slice 0 and answered every b and h from it (found by review)."""
+    heads stated, the kept bits held slice 0 and answered every b and h from it (found by review),
+    alone and, after that fix, still in combinations (found by the next review)."""
     lengths, widths = torch.tensor([3, 8]), torch.tensor([0, 4])
-    description = masks.from_mask_mod(lambda b, h, q, k: (k < lengths[b]) & ((q - k).abs() <= widths[h]))
-    bound = description.mask_mod_for(8, **stated)
-    for b, h, q, k in itertools.product(range(2), range(2), range(8), range(8)):
+    user = masks.from_mask_mod(lambda b, h, q, k: (k < lengths[b]) & ((q - k).abs() <= widths[h]))
+    bigbird = masks.bigbird(1, 0, 1, block=4, seed=0)
+    description, seq = {"alone": (user, 8), "and causal": (user & masks.causal(), 8),
+                        "or bigbird": (user | bigbird, 8), "not not": (~~user, 8),
+                        "region": (masks.region(user, 8, 0, 8, [(0, 8)]), 8)}[combined]
+    other = {"and causal": lambda q, k: q >= k, "or bigbird": lambda q, k: bool(bigbird.to_dense(8)[0, 0, q, k])}
+    bound = description.mask_mod_for(seq, **stated)
+    for b, h, q, k in itertools.product(range(2), range(2), range(seq), range(seq)):
         want = bool(k < lengths[b] and abs(q - k) <= widths[h])
+        if combined == "and causal":
+            want = want and other[combined](q, k)
+        elif combined == "or bigbird":
+            want = want or other[combined](q, k)
         assert bool(bound(*(torch.tensor(i) for i in (b, h, q, k)))) == want, (b, h, q, k)
 
 

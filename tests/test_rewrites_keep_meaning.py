@@ -115,6 +115,56 @@ def test_q_and_k_upcast_to_fp32_are_one_attention(module):
     assert ops.count("attention") == 1 and "cast" not in ops and "matmul" not in ops, ops
 
 
+class _UpcastMasked(torch.nn.Module):
+    """q and k upcast, a float mask added to the fp32 scores (GPT-J with a mask)."""
+
+    def forward(self, q, k, v, mask):
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * 0.3
+        return torch.matmul(torch.softmax(scores + mask, -1).to(v.dtype), v)
+
+
+def test_q_and_k_upcast_under_a_mask_keep_fp32_scores():
+    """With the upcasts dropped, the node said its scores were held in q's fp16 (found by review): the
+    reference rounded scores 1024-1025.5 to whole numbers, and a row hidden everywhere by fp16's -65504
+    became the mean of V where the model's fp32 sum keeps the scores' differences."""
+    q = torch.full((1, 1, 1, 2), 32.0, dtype=torch.float16)
+    k = torch.tensor([[16.0, 16.0 + i / 64] for i in range(4)], dtype=torch.float16).view(1, 1, 4, 2)
+    v = torch.arange(8.0, dtype=torch.float16).view(1, 1, 4, 2)
+    graph = _same(_UpcastMasked(), q, k, v, torch.zeros(1, 1, 1, 4), atol=1e-3)
+    (node,) = [n for n in graph.nodes() if n.op == "attention"]
+    assert node.kwargs["scores_dtype"] == torch.float32
+    q, k, v = _qkv(torch.float16)
+    mask = torch.zeros(B, 1, S, S, dtype=torch.float16)
+    mask[0, 0, 1, :] = -65504.0
+    _same(_UpcastMasked(), q, k, v + 1, mask, atol=1e-2)
+
+
+class _DoubledScores(torch.nn.Module):
+    def forward(self, q, k, v):
+        scores = q @ k.transpose(-1, -2)
+        return torch.softmax(scores + scores, -1) @ v
+
+
+class _HeadsFirst(torch.nn.Module):
+    """3-d q, k and v ([H, S, D]) under a [B, 1, 1, S] padding mask: the mask widens the output to 4-d."""
+
+    def forward(self, q, k, v, padding):
+        keep = padding.bool()[:, None, None, :]
+        return torch.softmax((q @ k.transpose(-1, -2) * 0.3).masked_fill(~keep, float("-inf")), -1) @ v
+
+
+def test_chains_whose_mask_is_the_scores_or_widens_the_output_stay_plain():
+    """softmax(s + s) took the product for its own mask and left a graph reading a removed node; a mask
+    broadcasting 3-d q, k, v to a 4-d output became key padding of the wrong batch (both crashed
+    inside `lower` or the interpreter; found by review)."""
+    graph = _same(_DoubledScores(), *_qkv())
+    assert not any(n.op == "attention" for n in graph.nodes())
+    q, k, v = (t[0] for t in _qkv())
+    padding = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    graph = _same(_HeadsFirst(), q, k, v, padding)
+    assert not any(n.op == "attention" for n in graph.nodes())
+
+
 def test_q_k_and_v_upcast_keep_their_casts():
     graph = _same(_AllUpcast(), *_qkv(), dtype=torch.float16, atol=1e-2)
     ops = [n.op for n in graph.nodes()]

@@ -390,3 +390,26 @@ def test_a_softmax_reads_its_prologue_as_eager_holds_it_on_the_host(tmp_path: Pa
     for params in (ROW_REDUCE.space(problem)[0], ROW_REDUCE.space(problem)[-1]):  # a warp and a CTA layout
         got = _run_on_host(tmp_path, problem, params, values)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-3, msg=str(params))
+
+
+class LargeCorrection(torch.nn.Module):
+    """A variance whose correction exceeds the row: torch divides by max(0, N - correction), so inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).var(-1, correction=3)
+
+
+@pytest.mark.nvcc
+def test_a_variance_with_a_correction_beyond_the_row_is_inf_on_the_host(tmp_path: Path):
+    """It was negative: the kernel divided by N - correction (found by review)."""
+    torch.manual_seed(0)
+    module, x = LargeCorrection(), torch.randn(4, 2)
+    graph = canonicalize(trace(module, (x,), {}))
+    (group,) = [g for g in choose_scheme(graph, partition(graph), H100).scheme.groups if g.kind == "reduction"]
+    problem = ROW_REDUCE.match(graph, group)
+    values = {n.name: t for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x,), strict=True)}
+    want = module(x)
+    assert torch.isinf(want).all()
+    for params in (ROW_REDUCE.space(problem)[0], ROW_REDUCE.space(problem)[-1]):
+        got = _run_on_host(tmp_path, problem, params, values)
+        torch.testing.assert_close(got.reshape(want.shape), want, msg=str(params))

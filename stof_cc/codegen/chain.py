@@ -77,9 +77,14 @@ def _pow(node: Node, a: list[str]) -> str:
             return f"({product})" if n >= 0 else f"(1.f / ({product}))"
         magnitude = f"powf(fabsf({a[0]}), {_float(n)})"
         return f"copysignf({magnitude}, {a[0]})" if n % 2 else magnitude
+    if exponent == 0.5:  # torch takes sqrt and rsqrt here: sqrt(-inf) is NaN, rsqrt(-0) is -inf
+        return f"(float)sqrt((double)({a[0]}))"
+    if exponent == -0.5:
+        return f"(float)(1.0 / sqrt((double)({a[0]})))"
     if isinstance(exponent, (int, float)) and not isinstance(exponent, bool):
-        # torch: a negative base to a fractional power is NaN, -inf too (C's pow gives +inf there)
-        return f"({a[0]} < 0.f ? NAN : (float)pow((double)({a[0]}), {_float(exponent)}))"
+        # a finite negative base to a fractional power is NaN; -inf to one is C's pow's (+inf or +0), as
+        # torch gives it (found by review: NaN before)
+        return f"({a[0]} < 0.f && {a[0]} != -INFINITY ? NAN : (float)pow((double)({a[0]}), {_float(exponent)}))"
     return f"(float)pow((double)({a[0]}), (double)({a[1]}))"  # a tensor exponent: C's pow, per element
 
 
@@ -163,13 +168,24 @@ def rounded_to(expr: str, dtype: Any) -> str:
     return expr if rounding is None else rounding.format(expr)
 
 
+def held(expr: str, dtype: Any, node: Node) -> str:
+    """An fp32 input value ``expr`` of ``dtype`` as ``node``, whose result jumps (`steps_at_integers`),
+    takes it: rounded to ``dtype`` (as eager holds it), then, for an op that computes in its result's
+    dtype (remainder, a rounding division), to that (``x_fp16 % t`` with a 0-d fp32 ``t`` divides by
+    fp16's ``t``: found by review)."""
+    expr = rounded_to(expr, dtype)
+    if node.op in ("remainder", "div") and isinstance(node.spec, TensorSpec) and node.spec.dtype != dtype:
+        expr = rounded_to(expr, node.spec.dtype)
+    return expr
+
+
 def steps_at_integers(node: Node) -> bool:
     """Whether ``node``'s result jumps where its input crosses a value (a comparison, a cast to an
     integer or bool, floor or trunc division, remainder): there an fp32 input that eager holds in
     fp16 / bf16 must be rounded to it first. Unrounded, ``(x * 10.7).long()`` differed from eager by
     one in 90 of 4096 fp16 elements (found by review); elsewhere one rounding, at the store, is
     within the dtype's own error."""
-    if node.op in ("compare", "remainder"):
+    if node.op in ("compare", "remainder", "logical", "logical_not"):  # a logical op tests x != 0
         return True
     if node.op == "div":
         return node.kwargs.get("rounding_mode") is not None
@@ -287,7 +303,7 @@ class Chain:
             raise NotFusable(f"%{node.name}: shape {tuple(spec.shape)} is neither the output's {self.shape} nor a row")
         args = [self._value(node, a) for a in node.args[:count]]
         if steps_at_integers(node):  # each input as eager holds it
-            args = [rounded_to(v, self.graph.node(a.name).spec.dtype) if isinstance(a, Ref) else v
+            args = [held(v, self.graph.node(a.name).spec.dtype, node) if isinstance(a, Ref) else v
                     for v, a in zip(args, node.args[:count], strict=True)]
         # positional (prefixed: a kernel may hold two chains), not the node's name, so that identical groups
         # render identical code

@@ -34,6 +34,7 @@ from stof_cc.codegen.chain import (
     Operand,
     _cast,
     _float,
+    held,
     in_dtype,
     rounded_to,
     steps_at_integers,
@@ -73,6 +74,8 @@ def convert(expr: str, source: str, target: str) -> str:
             return expr
     if target == "bool":
         return f"(({expr}) != 0)"
+    if source == "float" and target == "unsigned char":  # torch goes through int64 (-3.0 is 253); the GPU's
+        return f"((unsigned char)(long long)({expr}))"  # direct conversion saturates (found by review)
     return f"(({target})({expr}))"
 
 
@@ -171,13 +174,14 @@ class IndexedChain:
                 return "true" if arg else "false"
             if not float(arg).is_integer():
                 raise NotFusable(f"%{node.name}: the number {arg} in an integer op")
-            return f"{int(arg)}LL"
+            # in the op's own type, wrapped as torch converts it: a uint8 tensor's -1 is 255 (found by review)
+            return f"{int(arg)}LL" if ctype == "long long" else f"(({ctype})({int(arg)}LL))"
         if not isinstance(arg, Ref):
             raise NotFusable(f"%{node.name}: argument {arg!r} is neither a tensor nor a number")
         spec = self.graph.node(arg.name).spec
         expr, source = self._value(arg.name, self._broadcast(coords, spec.shape))
         if source == "float" and steps_at_integers(node):  # as eager holds it (chain.steps_at_integers)
-            expr = rounded_to(expr, spec.dtype)
+            expr = held(expr, spec.dtype, node)
         return convert(expr, source, ctype)
 
     def _compute(self, node: Node, coords: Coords) -> tuple[str, str]:
@@ -218,10 +222,10 @@ class IndexedChain:
             return f"({self._arg(node, args[0], coords, 'bool')} ? {arg(args[1])} : {arg(args[2])})"
         if op == "masked_fill":
             return f"({self._arg(node, args[1], coords, 'bool')} ? {arg(args[2])} : {arg(args[0])})"
-        if op == "compare":
+        if op == "compare":  # in torch's promoted dtype, both sides converted to it
             kind = (node.target or "").split(".")[1]
-            common = "float" if any(self._is_floating(a) for a in args[:2]) else "long long"
-            lhs, rhs = (self._arg(node, self._as_compared(a, args), coords, common) for a in args[:2])
+            common = self._promoted(args[:2])
+            lhs, rhs = (self._compared(node, a, coords, common) for a in args[:2])
             return f"({lhs} {COMPARE[kind]} {rhs})"
         if op == "logical":
             kind = (node.target or "").split(".")[1].strip("_")
@@ -252,24 +256,29 @@ class IndexedChain:
             return f"({value} > {arg(high)} ? {arg(high)} : {value})" if high is not None else value
         raise NotFusable(f"%{node.name}: {op} on {node.spec} ({node.target}) has no code generator here")
 
-    def _as_compared(self, arg: Any, args: Sequence[Any]) -> Any:
-        """A number compared with an fp16 or bf16 tensor, rounded to that dtype as torch's promotion
-        does (``x_fp16 == 0.1`` compares with fp16's 0.1: in fp32, 9 of 256 elements differed, found
-        by review; an int too: fp16's 2049 is 2048); anything else as it is."""
-        if isinstance(arg, bool) or not isinstance(arg, (int, float)):
-            return arg
-        for other in args[:2]:
-            if isinstance(other, Ref):
-                spec = self.graph.node(other.name).spec
-                if isinstance(spec, TensorSpec) and spec.dtype in (torch.float16, torch.bfloat16):
-                    return in_dtype(arg, spec.dtype)
-        return arg
+    def _promoted(self, args: Sequence[Any]) -> torch.dtype:
+        """The dtype torch compares ``args`` in (`torch.result_type`: a 0-d tensor or a number beside a
+        tensor of the same kind takes that tensor's dtype)."""
+        probes = []
+        for arg in args:
+            if isinstance(arg, Ref):
+                spec = self.graph.node(arg.name).spec
+                probes.append(torch.empty((1,) * min(len(spec.shape), 1), dtype=spec.dtype))
+            else:
+                probes.append(arg)
+        if not any(isinstance(p, torch.Tensor) for p in probes):
+            raise NotFusable(f"comparison of two numbers {args!r}")
+        return torch.result_type(*probes)
 
-    def _is_floating(self, arg: Any) -> bool:
-        if isinstance(arg, Ref):
-            spec = self.graph.node(arg.name).spec
-            return isinstance(spec, TensorSpec) and spec.dtype.is_floating_point
-        return isinstance(arg, float)
+    def _compared(self, node: Node, arg: Any, coords: Coords, common: torch.dtype) -> str:
+        """One side of a comparison converted to ``common`` as torch converts it: a number or a value
+        rounded to fp16 / bf16 (``x_fp16 == 0.1`` compares with fp16's 0.1, and a 0-d fp32 threshold or an
+        int64 tensor's 2049 too: found by review), an integer wrapped to a narrower type (uint8's -1 is 255)."""
+        if not common.is_floating_point:
+            return self._arg(node, arg, coords, C_TYPES[common])
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            return _float(in_dtype(arg, common))
+        return rounded_to(self._arg(node, arg, coords, "float"), common)
 
     # -- layout --------------------------------------------------------------------------------
     def _layout(self, node: Node, coords: Coords) -> tuple[str, str]:
@@ -319,6 +328,8 @@ class IndexedChain:
         elif op == "unsqueeze":
             dim = args[1] % (rank + 1)
             mapped = coords[:dim] + coords[dim + 1:]
+        elif op == "squeeze" and rank == 0:  # a 0-d tensor squeezes to itself
+            mapped = ()
         elif op == "squeeze":
             dims = args[1] if len(args) > 1 else [d for d, s in enumerate(shape) if s == 1]
             dims = {d % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims]) if shape[d % rank] == 1}

@@ -246,7 +246,7 @@ def split_piece(split: Node, shape: tuple[int, ...], index: int) -> tuple[int, i
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                         *, scale: float, is_causal: bool = False, window: int | None = None,
                         key_padding: torch.Tensor | None = None, empty_rows: str | None = None,
-                        bias: torch.Tensor | None = None, rounded: bool = False,
+                        bias: torch.Tensor | None = None, scores_dtype: torch.dtype | None = None,
                         softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [+ bias] [causal]) v:
     what the recognised `attention` node computes, with SDPA's conventions for ``mask``;
@@ -258,12 +258,14 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     `passes/key_padding.py` records it when it replaces the model's mask): 0 when unset under
     key padding or a window, as stof-cc's kernels give; with neither and unset, SDPA's own. K
     and V may have fewer heads than q (grouped-query attention: query head h reads key/value
-    head h // (H / H_kv)). ``rounded``: the node is a hand-written chain that adds a float mask to
-    scores rounded to q's dtype (eager Llama, BLOOM): a finite -65504 mask then swamps every
-    score and a fully masked row is the mean of V, which fp32 arithmetic would not give.
+    head h // (H / H_kv)). ``scores_dtype``: the node is a hand-written chain that adds a float mask to
+    scores it holds in that dtype (its q k^T product's: q's in eager Llama and BLOOM, fp32 where q and k
+    were upcast, as GPT-J's): in fp16 a finite -65504 mask then swamps every score and a fully masked
+    row is the mean of V, which fp32 arithmetic would not give.
     ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2)."""
-    if rounded and mask is not None and mask.is_floating_point() and key_padding is None and window is None:
-        return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, in_dtype=True,
+    if scores_dtype is not None and mask is not None and mask.is_floating_point() and key_padding is None \
+            and window is None:
+        return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, dtype=scores_dtype,
                             softcap=softcap)
     additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
     added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
@@ -305,12 +307,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 
 
 def _written_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                 is_causal: bool, *, in_dtype: bool = False, softcap: float | None = None) -> torch.Tensor:
-    """Attention as the eager chain writes it: the scores materialised (in q's dtype with
-    ``in_dtype``, else fp32), capped, masked (boolean: attend; floating: added), softmax in fp32."""
+                 is_causal: bool, *, dtype: torch.dtype = torch.float32, softcap: float | None = None) -> torch.Tensor:
+    """Attention as the eager chain writes it: the scores materialised in ``dtype``, capped, masked
+    (boolean: attend; floating: added), softmax in fp32."""
     if k.shape[-3] != q.shape[-3]:
         k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
-    dtype = q.dtype if in_dtype else torch.float32
     scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-2, -1)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

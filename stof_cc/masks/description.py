@@ -10,6 +10,7 @@ elements evaluated, and no step holds a class per block of the grid.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from collections.abc import Callable
@@ -208,8 +209,13 @@ class MaskDescription:
         batch: int | None = None,
         heads: int | None = None,
     ) -> MaskMod:
-        """A mask_mod bound to these sizes: works for every description, BigBird included."""
+        """A mask_mod bound to these sizes: works for every description, BigBird included. Without
+        ``batch`` and ``heads`` (and none the description fixes) it answers any b and h, as FlexAttention's
+        `create_block_mask` asks (`Extent.open`)."""
         ext, _ = self._extent("mask_mod_for", seq_q, seq_k, batch, heads)
+        fixed_batch, fixed_heads = self._fixed()
+        if (batch is None and fixed_batch is None) or (heads is None and fixed_heads is None):
+            ext = dataclasses.replace(ext, open=True)
         index = torch.zeros(1, dtype=torch.long)  # build lookup tables (and evaluate a user mask)
         self._eval(ext, index, index, index, index)  # now: FlexAttention calls us under vmap
         return self._bound_mask_mod(ext)

@@ -40,6 +40,9 @@ class Extent:
     seq_k: int
     batch: int = 1
     heads: int = 1
+    #: a mask_mod bound to it (`mask_mod_for` given no batch or heads) is called with any b and h, past
+    #: ``batch`` and ``heads``: a user mask evaluates there instead of reading bits kept for slice 0
+    open: bool = False
 
 
 @dataclass(frozen=True)

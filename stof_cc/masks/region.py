@@ -44,7 +44,7 @@ class _Region(MaskDescription):
                 f"keys {' '.join(f'{start}+{length}' for start, length in self.key_ranges)})")
 
     def _parent_extent(self, ext: Extent) -> Extent:
-        return Extent(self.seq, self.seq, ext.batch, ext.heads)
+        return Extent(self.seq, self.seq, ext.batch, ext.heads, ext.open)
 
     def _dims(self, ext: Extent) -> tuple[int, int]:
         if (ext.seq_q, ext.seq_k) != (self.q_len, self.keys):

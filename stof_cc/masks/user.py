@@ -319,21 +319,12 @@ class _MaskMod(_Evaluated):
         return compiled.grid(self.fn, self.name, self._evaluation_device(), grid.ext.seq_q, grid.ext.seq_k,
                              grid.block_m, grid.block_n, batch, heads)
 
-    def _bound_mask_mod(self, ext: Extent | None) -> MaskMod:
-        """`mask_mod_for`'s function: the kept evaluation only where the extent names the batch and
-        heads (its bits then cover every b and h a caller may pass); otherwise the mask_mod itself,
-        since bits kept for one slice answered every b and h with slice 0 (a mask over per-sequence
-        tables came out wrong for b > 0 in FlexAttention's create_block_mask: found by review)."""
-        if ext is not None and ext.batch > 1 and ext.heads > 1:
-            return super()._bound_mask_mod(ext)
-
-        def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-            return self._evaluate(ext, b, h, q, k)
-
-        return mask_mod
-
     def _eval(self, ext: Extent | None, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        bits = None if ext is None else self.packed_bits(ext)
+        """The kept bits where the extent names every b and h it is asked; the mask_mod itself for an open
+        one (`mask_mod_for` with no batch or heads), since bits kept for slice 0 answered every b and h
+        with it (FlexAttention's create_block_mask got b = 0's mask for every b, alone and, through
+        `&`, `|`, `~` and regions, in combinations: found by reviews)."""
+        bits = None if ext is None or ext.open else self.packed_bits(ext)
         if bits is None:
             return self._evaluate(ext, b, h, q, k)
         return bit_at(bits, (b * int(bits.shape[0] > 1), h * int(bits.shape[1] > 1), q), k).to(q.device)
@@ -535,8 +526,8 @@ class _KeptKeys(_MaskMod):
     first when no batch was given, and indexed past its table with another batch or seq_k (found by
     review); one row applied to any batch while the right-padding form refused (found by review)."""
 
-    def __init__(self, keep: Tensor) -> None:
-        super().__init__(lambda b, h, q, k: keep[b, k], "padding", None)
+    def __init__(self, keep: Tensor) -> None:  # evaluated where its table is (a GPU's indices into the CPU
+        super().__init__(lambda b, h, q, k: keep[b, k], "padding", keep.device)  # table raised: found by review)
         self.keep = keep
 
     def _fixed(self) -> tuple[int | None, int | None]:

@@ -58,6 +58,7 @@ class AttentionMatch:
     bias: AddedBias | None = None  # a term the chain adds to the scores besides its mask (ALiBi)
     empty_rows: str | None = None  # what a fully hidden row gives: "nan" (-inf fill), "mean" (a finite one)
     softcap: float | None = None  # scores capped as c * tanh(s / c) before the mask (Gemma 2)
+    scores_dtype: torch.dtype | None = None  # a chain's: its q k^T product's (fp32 where q and k were upcast)
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,10 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
             # masked_fill then softmax: a row with every key hidden is NaN (-inf) or the mean of V
             empty = {"empty_rows": m.empty_rows} if m.mask_hides and mask is not None else {}
             bias = {"bias": _bias_operand(graph, out, m)} if m.bias is not None else {}
-            rounded = {"rounded": True} if m.covered and not m.mask_hides and mask is not None else {}
+            written = {"scores_dtype": m.scores_dtype} if m.covered and not m.mask_hides and mask is not None else {}
             softcap = {"softcap": m.softcap} if m.softcap is not None else {}
             return Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
-                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | rounded | softcap, node.spec)
+                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | written | softcap, node.spec)
         return None if node.name in covered else node
 
     return remove_dead_nodes(graph.rebuild(rewrite))  # e.g. a hidden-positions constant replaced by its negation
@@ -154,6 +155,15 @@ def _operands_refused(graph: Graph, match: AttentionMatch) -> str | None:
     if heads[1] != heads[2] or heads[0] % heads[1]:
         return (f"{heads[0]} query heads over {heads[1]} key and {heads[2]} value heads (the node takes K/V "
                 "heads that divide the query heads)")
+    q, k, v = (tuple(spec.shape) for spec in specs)
+    try:
+        batch = tuple(torch.broadcast_shapes(q[:-3], k[:-3], v[:-3]))
+    except RuntimeError:
+        return "q, k and v have batch dimensions that do not broadcast"
+    out = graph.node(match.root).spec
+    if isinstance(out, TensorSpec) and tuple(out.shape) != (*batch, q[-3], q[-2], v[-1]):
+        return (f"the mask widens the output to {list(out.shape)} beyond q, k and v's "
+                f"{[*batch, q[-3], q[-2], v[-1]]} (the node's output is theirs)")
     return None
 
 
@@ -307,8 +317,10 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
     dtypes = {graph.node(r.name).spec.dtype for r in (q, k, v)}
     if len(dtypes) > 1:  # e.g. q and k upcast to fp32, the probabilities cast to v's fp16
         return refuse(f"q, k and v have different dtypes ({', '.join(sorted(map(str, dtypes)))})")
+    if {r.name for r in (mask, bias.source if bias else None) if r is not None} & set(chain):
+        return refuse("the added term is the scores themselves (softmax(s + s))")
     return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
-                          softcap)
+                          softcap, scores.spec.dtype)
 
 
 def _exact_upcast(graph: Graph, node: Node) -> bool:

@@ -273,7 +273,7 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
     q = torch.randn(1, 1, rows, head_dim, generator=generator).to(device, dtype)
     k = torch.randn(1, 1, seq_k, head_dim, generator=generator).to(device, dtype)
     v = (torch.randn(1, 1, seq_k, head_dim, generator=generator) + 1).to(device, dtype)  # mean far from 0
-    kwargs = {name: given[name] for name in ("scale", "is_causal", "empty_rows", "rounded", "softcap") if name in given}
+    kwargs = {name: given[name] for name in ("scale", "is_causal", "empty_rows", "scores_dtype", "softcap") if name in given}
     try:
         out = attention_reference(q, k, v, value[:1, :1, :rows], **kwargs).float()
     except Exception:  # noqa: BLE001 - a probe the op refuses: keep the mask as it is

@@ -86,7 +86,7 @@ class Step:
     rotary: tuple[str, ...] = ()  # attention and torch steps: the group's rotary nodes, run by the rotary kernel
     bias: tuple[str, ...] = ()  # attention steps: the values the kernel adds to the scores (float mask, ALiBi)
     empty_rows: str | None = None  # attention steps: what a query with no allowed key gives, if not 0
-    swamped: bool = False  # attention steps: rows whose every added score is -huge give eager's mean of V
+    swamped: torch.dtype | None = None  # attention steps: the chain's scores' dtype, where -huge added scores swamp a row
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
     in_place: tuple[str, ...] = ()  # torch steps: all-reduces run in place on their dying input (collectives.py)
 
@@ -437,10 +437,10 @@ class CompiledModule:
                               "ALiBi's does at long range). "
                               "Pass dtype=torch.float16 or torch.bfloat16 to run the whole model in the kernels' "
                               "dtype", stacklevel=4)
-        # a hand-written chain adding a finite -huge mask to scores in the model's dtype (`rounded`):
-        # a row masked everywhere rounds to one value, so eager gives it the mean of V; the fp32
+        # a hand-written chain adding a finite -huge mask to scores it holds in `scores_dtype` (fp16 in eager
+        # Llama): a row masked everywhere rounds to one value, so eager gives it the mean of V; the fp32
         # kernels keep the scores' differences and gave it the unmasked attention (found by review)
-        swamped = bool(given.get("rounded")) and override is None and given.get("key_padding") is None and bool(bias)
+        swamped = given.get("scores_dtype") if override is None and given.get("key_padding") is None and bias else None
         return Step(group, "attention", note, mask=node_mask(given, override), rotary=rotary,
                     bias=tuple(r.name for r in bias), empty_rows=empty_rows, swamped=swamped)
 
@@ -506,8 +506,9 @@ class CompiledModule:
                                      given.get("window"))
             unmasked = None if step.empty_rows != "unmasked" else attention(q, k, v, None, given.get("scale"))
             out = fill_empty_rows(out, v, empty, step.empty_rows, unmasked)
-        if step.swamped:  # every added score at most half the dtype's lowest: eager's rounding swamps the row
-            out = fill_empty_rows(out, v, (bias <= torch.finfo(dtype).min / 2).all(-1, keepdim=True), "mean")
+        if step.swamped is not None:  # every added score at most half the sum's lowest: eager's sum swamps the row
+            lowest = torch.finfo(torch.promote_types(step.swamped, bias.dtype)).min
+            out = fill_empty_rows(out, v, (bias <= lowest / 2).all(-1, keepdim=True), "mean")
         return out.to(dtype)
 
     def _reference_attention(self, node, env: dict[str, Any]) -> torch.Tensor:
