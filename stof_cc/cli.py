@@ -218,6 +218,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.dump_ir:
         print(f"wrote the graph after each stage to {args.dump_ir}/")
     if args.check:
+        if mask is not None:  # no eager module computes the replaced mask: say what the check covers
+            print("--check: the graph as traced, with the model's own masks (--mask is not applied to it: the "
+                  "attention kernels' GPU tests check masks against torch)")
         return _check_against_module(graph, module, example_args, example_kwargs)
     return 0
 

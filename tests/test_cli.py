@@ -89,13 +89,22 @@ def test_inspect_canonicalize_reports_and_checks(example_path, tmp_path, capsys)
     assert "dropout" not in out.split("opaque ops")[0]
 
 
+def test_inspect_check_says_a_mask_given_is_not_what_it_checks(example_path, tmp_path, capsys):
+    """--check compares the graph as traced; with --mask it read OK as if the mask were checked (a
+    newcomer's reading)."""
+    code = main(["inspect", example_path("tiny_bert"), "--quiet-graph", "--check", "--mask", "sliding:w=2",
+                 "--build-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0 and "--mask is not applied to it" in out and "-> OK" in out
+
+
 @pytest.mark.nvcc
 def test_compile_writes_and_compiles_group_kernels(example_path, tmp_path, capsys):
     assert main(["compile", example_path("encoder_layer"), "--build-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "gemm_epilogue" in out and "row_reduce" in out and "2 alternative(s)" in out
     # stage 1 weighs the one-kernel GEMM + LayerNorm against the two kernels; at this size apart wins
-    assert re.search(r"linear_3 \+ layer_norm \(row 128\): kept apart \([\d.]+ us estimated against [\d.]+\)", out)
+    assert re.search(r"linear_3 \+ layer_norm \(row 128\): kept apart \(merged [\d.]+ us estimated against [\d.]+ us apart\)", out)
     assert "a boolean mask tensor that is not key padding" in out  # the attention group says why torch runs it
     assert "6 of 7 groups generated, all compiled with nvcc for sm_90" in out  # Q, K, V: one GEMM
     build = tmp_path / "encoder_layer"

@@ -360,3 +360,25 @@ def test_on_the_gpu_each_graph_runs_stof_cc_kernels_and_matches_eager(dtype):
     steps = [line.split()[:3] for g in made for line in g.compiled.explain().splitlines() if line.startswith("  g")]
     assert ["attention", "attention"] in [step[1:] for step in steps], steps  # stof_cc.attention's kernel
     assert sum(step[2] == "kernel" for step in steps) >= 3, steps  # the GEMM and norm groups
+
+
+class _BreakThenAttend(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        torch._dynamo.graph_break()  # a print() or a host read does the same
+        return torch.nn.functional.scaled_dot_product_attention(y, y, y)
+
+
+def test_a_mask_given_to_the_backend_applies_past_a_graph_break_and_says_so():
+    """The graph before the break has no attention: the warning named an internal class ('_FrozenWeights')
+    and said the mask changed nothing, while the next graph ran under it (a newcomer's reading)."""
+    from stof_cc import masks
+    from stof_cc.ir.reference import masked_attention
+
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 16, 8)
+    window = masks.sliding_window(2)
+    with pytest.warns(UserWarning, match=r"graph 'dynamo_graph_\d+' has no attention node.*graph break"):
+        got = torch.compile(_BreakThenAttend(), backend=stof_cc.backend(mask=window), dynamic=False)(x)
+    want = masked_attention(x * 2, x * 2, x * 2, window.to_dense(16))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -140,6 +140,8 @@ def test_bad_example_inputs_are_named():
         trace(nn.ReLU(), {"x": torch.randn(2)})
     with pytest.raises(TraceError, match=r"input args\[1\] is a int"):
         trace(nn.ReLU(), (torch.randn(2), 3))
+    with pytest.raises(TraceError, match=r"kwargs\['attention_mask'\] is a NoneType; .* Leave it out"):
+        trace(nn.ReLU(), (torch.randn(2),), {"attention_mask": None})  # once advised functools.partial
 
 
 def test_interpret_checks_inputs():
@@ -148,6 +150,8 @@ def test_interpret_checks_inputs():
         interpret(graph, torch.randn(3, 5))
     with pytest.raises(GraphError, match="do not match the signature"):
         interpret(graph, torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(GraphError, match=r"pass them unpacked.*interpret\(graph, \*example_inputs\)"):
+        interpret(graph, (torch.randn(3, 4),))  # trace's tuple handed on as it was (a newcomer's first try)
 
 
 @pytest.mark.gpu

@@ -118,7 +118,7 @@ def test_measured_times_decide_a_merge_where_both_sides_were_measured():
     assert all(": merged (5.0 us measured against 20.0 us apart)" in line for line in plan.choices)
     assert len(plan.scheme.groups) == len(plan.default.groups) - 2
     plan = choose_scheme(half, plan, H100, measured=times(25.0))
-    assert all("kept apart (25.0 us measured against 20.0)" in line for line in plan.choices)
+    assert all("kept apart (merged 25.0 us measured against 20.0 us apart)" in line for line in plan.choices)
     assert plan.scheme.groups == plan.default.groups
     plan = choose_scheme(half, plan, H100, measured=lambda group: 1.0 if group in merged else None)
     assert all(" us estimated against " in line for line in plan.choices)  # the groups apart were never measured

@@ -344,6 +344,7 @@ BAD_ARGUMENTS = [
         "from_dense: the mask has batch dim 3, but batch=2",
     ),
     (lambda: masks.from_mask_mod(3), "from_mask_mod: fn must be callable, got 3"),
+    (lambda: masks.from_mask_mod(lambda q, k: q >= k), r"from_mask_mod: <lambda> must take \(b, h, q_idx, kv_idx\)"),
     (
         lambda: masks.from_mask_mod(lambda b, h, q, k: q - k).to_dense(8),
         "from_mask_mod: <lambda> returned dtype torch.int64; it must return torch.bool",

@@ -96,6 +96,9 @@ def test_registration_errors_name_the_problem(tmp_path: Path):
         stof_cc.register_template(_user_template(tmp_path, name=None))
     with pytest.raises(stof_cc.TemplateRegistrationError, match="context.. redefines out_type"):
         stof_cc.register_template(_user_template(tmp_path, context=lambda self, problem, params: {"out_type": "float"}))
+    with pytest.raises(stof_cc.TemplateRegistrationError, match=r"context\(\) gives \.\.\. for rows: fill in"):
+        stof_cc.register_template(_user_template(tmp_path, context=lambda self, problem, params: {
+            **SwiGLUSplitTemplate.context(self, problem, params), "rows": ...}))
     import numpy as np  # a point the tuning database cannot store, or reads back unequal (found by review)
     with pytest.raises(stof_cc.TemplateRegistrationError, match="dict of int, float, str or bool values.*threads: int64"):
         stof_cc.register_template(_user_template(tmp_path, space=lambda self, problem: [{"threads": np.int64(128)}],

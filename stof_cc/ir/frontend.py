@@ -70,7 +70,7 @@ def trace(
         raise TraceError(_explain_export_failure(module, exc) + f"\n  inputs: {_describe(tuple(args), kwargs)}") from exc
     finally:
         module.train(was_training)
-    return from_exported(exported, name or type(module).__name__)
+    return from_exported(exported, name or getattr(module, "graph_name", None) or type(module).__name__)
 
 
 @contextlib.contextmanager
@@ -117,10 +117,10 @@ def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             where = _describe_path(path)
-            raise TraceError(
-                f"input {where} is a {type(leaf).__name__}; stof-cc traces tensor inputs only. "
-                "Bind non-tensor arguments inside the module (a small wrapper or functools.partial)."
-            )
+            fix = ("Leave it out where it is the argument's default (an omitted keyword), or bind it inside "
+                   "the module" if leaf is None else "Bind non-tensor arguments inside the module")
+            raise TraceError(f"input {where} is a {type(leaf).__name__}; stof-cc traces tensor inputs only. {fix} "
+                             "(a small nn.Module wrapper whose forward passes it on).")
 
 
 def _describe_path(path: tuple[Any, ...]) -> str:

@@ -136,9 +136,14 @@ def _evaluate(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any], devic
 def _flatten_inputs(graph: Graph, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     flat, spec = pytree.tree_flatten((args, kwargs))
     if graph.in_spec is not None and spec != graph.in_spec:
+        hint = ""
+        if len(args) == 1 and isinstance(args[0], (tuple, list)) \
+                and pytree.tree_flatten(((*args[0],), kwargs))[1] == graph.in_spec:
+            hint = ("\n  the inputs came as one tuple: pass them unpacked, as the module takes them: "
+                    "interpret(graph, *example_inputs)")
         raise GraphError(
             f"inputs do not match the signature graph {graph.name!r} was traced with:\n"
-            f"  expected {graph.in_spec}\n  got      {spec}"
+            f"  expected {graph.in_spec}\n  got      {spec}{hint}"
         )
     return flat
 

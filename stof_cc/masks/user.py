@@ -15,6 +15,7 @@ EVALUATION_BUDGET.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -433,12 +434,25 @@ def from_mask_mod(
                             "sizes come when the mask is used (FlexAttention's create_block_mask takes them here: "
                             "stof-cc reads them from q and k)")
     name = name or getattr(fn, "__name__", type(fn).__name__)
+    _check_takes_four(fn, name)
     if device is None:
         device = captured_device(fn)
     if device is not None and torch.device(device).type == "meta":
         raise MaskError(f"from_mask_mod: {name} would run on the meta device (the tensors it captures, or "
                         "device=, are meta tensors, which hold no values); give it CPU or CUDA tensors")
     return _MaskMod(fn, name, None if device is None else torch.device(device))
+
+
+def _check_takes_four(fn: Callable, name: str) -> None:
+    """Refuse, when the mask is made, a function that cannot take (b, h, q_idx, kv_idx): it failed at
+    its first evaluation, five frames deep, with Python's bare TypeError (a newcomer's ``lambda q, k``)."""
+    try:
+        inspect.signature(fn).bind(0, 0, 0, 0)
+    except TypeError as why:
+        raise MaskTypeError(f"from_mask_mod: {name} must take (b, h, q_idx, kv_idx), as FlexAttention's "
+                            f"mask_mod does: {why}") from None
+    except ValueError:  # no signature to read (some builtins): its first evaluation says
+        pass
 
 
 def captured_device(fn: Callable) -> torch.device | None:

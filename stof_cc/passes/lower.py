@@ -218,4 +218,5 @@ def _warn_if_mask_applies_nowhere(graph: Graph) -> None:
                       "(stof-cc inspect --passes says why)", stacklevel=4)
     elif not recognised:
         warnings.warn(f"stof_cc.compile: mask= was given, but graph {graph.name!r} has no attention node: "
-                      "the mask changes nothing", stacklevel=4)
+                      "the mask changes nothing there (under torch.compile a graph break splits a model into "
+                      "graphs: the mask applies to those that hold its attention)", stacklevel=4)

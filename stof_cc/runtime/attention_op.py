@@ -48,8 +48,9 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | 
 @attention_op.register_kernel("cpu")
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
                key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference, with the checks of the CUDA path that do not depend on the kernels (any
-    dtype and head dim run here): a graph that runs here does not fail there on its shapes."""
+    """The torch reference, with the checks of the CUDA path that do not depend on the kernels: its
+    layout, scale, padding and packing. Any dtype and head dim run here, where the CUDA path takes fp16 and
+    bf16 at head dims 32, 64 and 128 (docs/attention.md says so)."""
     check_layout(q, k, v)
     if scale is not None:
         check_scale(scale)

@@ -69,8 +69,9 @@ from stof_cc.tune.scheme import choose_scheme
 from stof_cc.tune.search import SearchReport
 from stof_cc.tune.tune_attention import adopt_recorded
 
-NO_GPU = ("no GPU kernels here ({why}): every group runs in torch; "
-          "`stof-cc compile --why` says what would be generated, and why not")
+NO_GPU = ("no GPU kernels here ({why}): every group runs in torch; `build_dir=` receives the kernels a GPU "
+          "would start from (none of them runs here), and `stof-cc compile FILE.py:FACTORY --why` says what would "
+          "be generated, and why not")
 NO_PYCUDA = "PyCUDA is not installed: pip install 'stof-cc[gpu]'"
 
 
@@ -537,7 +538,8 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     shapes compile on first use). The model and floating inputs run in ``dtype`` (with float32 the
     attention still runs in the fp16 kernels, said once with a warning); ``mask``
     replaces the masks of the model's attention nodes; ``build_dir`` receives each group's `.cu`: the
-    kernel it runs (a tuned winner, an attention pick adopted from the database; none for the library GEMM).
+    kernel it runs (a tuned winner, an attention pick adopted from the database; none for the library GEMM;
+    with inputs on the CPU, where every group runs in torch, the kernels a GPU would start from).
     Group kernels run the tuning database's winners where it has them (``database``: a
     `TuningDatabase` or its path; default the user's); ``tune`` (the default) first measures, on
     the GPU, every group the database has no record for (`stof-cc tune` does the same from the

@@ -60,9 +60,11 @@ class _FrozenWeights(torch.nn.Module):
     tensors (they are in the compile dtype) and watches them: an in-place update compiles the
     graph again."""
 
-    def __init__(self, graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int]) -> None:
+    def __init__(self, graph_module: torch.fx.GraphModule, inputs: Sequence[Any], slots: list[int],
+                 name: str = "dynamo graph") -> None:
         super().__init__()
         self.graph_module, self.slots, self.arity = graph_module, set(slots), len(inputs)
+        self.graph_name = name.replace(" ", "_")  # the traced graph's name: warnings and build_dir's folder say it
         self.bound = {i: x for i, x in enumerate(inputs) if not isinstance(x, torch.Tensor)}
         self.eval()  # dynamo traced the model in its own mode already: this wrapper's mode means nothing
         for i in slots:
@@ -160,7 +162,7 @@ class _CompiledGraph:
 
     def __init__(self, graph_module: torch.fx.GraphModule, inputs: list[Any], options: dict[str, Any],
                  slots: list[int] | None = None, name: str | None = None) -> None:
-        self.name = name or f"graph {next(_CompiledGraph.names)}"
+        self.name = name or f"dynamo graph {next(_CompiledGraph.names)}"
         self.graph_module, self.options = graph_module, options
         self.compiled_for: dict[tuple[int, ...], CompiledModule] = {}
         self.delegate: Callable[..., Any] | None = None  # runs the graph instead: the fallback, or AOTAutograd's route
@@ -190,7 +192,7 @@ class _CompiledGraph:
 
     def _compile(self, inputs: Sequence[Any]) -> str | None:
         """Compile for these inputs' weights; on failure, the fallback and the reason."""
-        frozen = _FrozenWeights(self.graph_module, inputs, self.slots)
+        frozen = _FrozenWeights(self.graph_module, inputs, self.slots, self.name)
         dtype = _compile_dtype(inputs, self.slots)
         args = _given(inputs, self.slots)
         try:

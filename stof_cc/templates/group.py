@@ -186,10 +186,15 @@ class GroupTemplate(KernelTemplate[GroupProblem[D]], Generic[D]):
                 f"(the tuning database stores them as JSON); got {params!r}"
                 + (f" ({', '.join(f'{n}: {t}' for n, t in odd.items())})" if odd else ""))
         try:
+            context = self.context(problem, params)
             source = self.render(problem, params)
         except Exception as exc:
             raise TemplateRegistrationError(f"template {self.name!r} does not render for {params}{_render_place(exc)}: "
                                             f"{type(exc).__name__}: {exc}") from exc
+        unfilled = [key for key, value in context.items() if value is Ellipsis]
+        if unfilled:  # a placeholder copied from the walkthrough renders as "Ellipsis" (found by a newcomer)
+            raise TemplateRegistrationError(f"template {self.name!r}: context() gives ... for {', '.join(unfilled)}: "
+                                            "fill in a value")
         if f"{self.kernel_name(problem, params)}(" not in source:
             raise TemplateRegistrationError(f"template {self.name!r}: the rendered source does not define "
                                             f"{self.kernel_name(problem, params)}")

@@ -74,7 +74,8 @@ def choose_scheme(graph: Graph, plan: FusionPlan, capability: tuple[int, int] | 
             groups.insert(at, merged)
             choices.append(f"{label}: merged ({fused_us:.1f} us {how} against {apart_us:.1f} us apart)")
         else:
-            why = "no template generates it" if math.isinf(fused_us) else f"{fused_us:.1f} us {how} against {apart_us:.1f}"
+            why = "no template generates it" if math.isinf(fused_us) \
+                else f"merged {fused_us:.1f} us {how} against {apart_us:.1f} us apart"
             choices.append(f"{label}: kept apart ({why})")
     if measured is not None:  # cuBLAS and a generated epilogue, where measured faster than the fused GEMM
         groups, apart = library_split(graph, groups, measured)
