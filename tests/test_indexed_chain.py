@@ -437,6 +437,9 @@ STEPS = {
     "trunc division": lambda x: torch.div(x * 3.3, 0.7, rounding_mode="trunc"),
     "floor division": lambda x: torch.div(x * 3.3, 0.7, rounding_mode="floor"),
     "remainder": lambda x: torch.remainder(x * 3.3, 0.7),  # eager's remainder reads 0.7 as fp16's 0.7002
+    # a cast to fp32 keeps the fp16 value eager held (it passed the extra precision on: found by review)
+    "long after float": lambda x: (x * 10.7).float().long(),
+    "float keeps the fp16 value": lambda x: (lambda h: (h - h.half().float()) * 1e4)((x * 3.1).float()),
 }
 # eager's CUDA kernel divides two fp16 tensors in fp16 before it truncates (2192 / 129 is 17 there); its
 # CPU kernel divides in fp32 (16): the generated kernels follow CUDA's, so this one is checked on the GPU

@@ -371,13 +371,22 @@ class FinfoMinMaskedSoftmax(torch.nn.Module):
         return torch.softmax(x + (r > 0).to(x.dtype) * torch.finfo(x.dtype).min, dim=-1)
 
 
+class FinfoMinMaskedSoftmaxInFp32(torch.nn.Module):
+    """The same sum cast to fp32 before the softmax (a common HF form): the cast keeps eager's fp16 sum."""
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return torch.softmax((x + (r > 0).to(x.dtype) * torch.finfo(x.dtype).min).float(), dim=-1)
+
+
 @pytest.mark.nvcc
-def test_a_softmax_reads_its_prologue_as_eager_holds_it_on_the_host(tmp_path: Path):
+@pytest.mark.parametrize("module_type", [FinfoMinMaskedSoftmax, FinfoMinMaskedSoftmaxInFp32])
+def test_a_softmax_reads_its_prologue_as_eager_holds_it_on_the_host(tmp_path: Path, module_type):
     """The prologue's sum rounded to fp16 before the softmax, as eager holds it: a row whose every
     key is hidden at finfo.min is then uniform, as in eager (in fp32 the scores survived the add
-    and the row came out softmax(x): found by review); every row equal to eager fp16's."""
+    and the row came out softmax(x): found by review; again through a cast to fp32, found by the next);
+    every row equal to eager's."""
     torch.manual_seed(0)
-    module = FinfoMinMaskedSoftmax()
+    module = module_type()
     x, r = torch.randn(4, 6, 128, dtype=torch.float16), torch.randn(4, 6, 128, dtype=torch.float16)
     r[1, 2] = 1.0  # every key hidden
     graph = canonicalize(trace(module, (x, r), {}))
@@ -386,7 +395,7 @@ def test_a_softmax_reads_its_prologue_as_eager_holds_it_on_the_host(tmp_path: Pa
     values = {n.name: t for n, t in zip((n for n in graph.nodes() if n.op == INPUT), (x, r), strict=True)}
     values |= {name: t.detach() for name, t in graph.constants.items()}
     want = module(x, r)
-    assert torch.equal(want[1, 2], torch.full((128,), 1 / 128, dtype=torch.float16))
+    assert torch.equal(want[1, 2], torch.full((128,), 1 / 128, dtype=want.dtype))
     for params in (ROW_REDUCE.space(problem)[0], ROW_REDUCE.space(problem)[-1]):  # a warp and a CTA layout
         got = _run_on_host(tmp_path, problem, params, values)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-3, msg=str(params))

@@ -16,7 +16,8 @@ column), so one generator serves all of them.
 Anything else (other broadcasts, boolean ops, integer math, layout changes) raises
 `NotFusable` with the node and the reason (`indexed.IndexedChain` takes most of it), and the
 group runs through torch instead. Values are computed in fp32 and rounded once, at the store,
-but for the inputs of an op whose result jumps (`steps_at_integers`), rounded as eager holds them.
+but for the inputs of an op whose result jumps or that keeps them (`rounds_its_inputs`), rounded as eager
+holds them.
 """
 
 from __future__ import annotations
@@ -169,8 +170,7 @@ def rounded_to(expr: str, dtype: Any) -> str:
 
 
 def held(expr: str, dtype: Any, node: Node) -> str:
-    """An fp32 input value ``expr`` of ``dtype`` as ``node``, whose result jumps (`steps_at_integers`),
-    takes it: rounded to ``dtype`` (as eager holds it), then, for an op that computes in its result's
+    """An fp32 input value ``expr`` of ``dtype`` as ``node`` (`rounds_its_inputs`) takes it: rounded to ``dtype`` (as eager holds it), then, for an op that computes in its result's
     dtype (remainder, a rounding division), to that (``x_fp16 % t`` with a 0-d fp32 ``t`` divides by
     fp16's ``t``: found by review)."""
     expr = rounded_to(expr, dtype)
@@ -179,17 +179,17 @@ def held(expr: str, dtype: Any, node: Node) -> str:
     return expr
 
 
-def steps_at_integers(node: Node) -> bool:
-    """Whether ``node``'s result jumps where its input crosses a value (a comparison, a cast to an
-    integer or bool, floor or trunc division, remainder): there an fp32 input that eager holds in
-    fp16 / bf16 must be rounded to it first. Unrounded, ``(x * 10.7).long()`` differed from eager by
-    one in 90 of 4096 fp16 elements (found by review); elsewhere one rounding, at the store, is
-    within the dtype's own error."""
-    if node.op in ("compare", "remainder", "logical", "logical_not"):  # a logical op tests x != 0
+def rounds_its_inputs(node: Node) -> bool:
+    """Whether ``node`` reads each fp32 input that eager holds in fp16 / bf16 rounded to it first: an op
+    whose result jumps where its input crosses a value (a comparison, a logical op, floor or trunc
+    division, remainder) and every cast (to an integer or bool it jumps; to fp32 it keeps the value, so
+    ``(x + m).float()`` must keep eager's fp16 sum: unrounded, a softmax row hidden at finfo.min came out
+    softmax(x), found by review). Unrounded, ``(x * 10.7).long()`` differed from eager by one in 90 of
+    4096 fp16 elements (found by review); elsewhere one rounding, at the store, is within the dtype's
+    own error."""
+    if node.op in ("compare", "remainder", "logical", "logical_not", "cast"):
         return True
-    if node.op == "div":
-        return node.kwargs.get("rounding_mode") is not None
-    return node.op == "cast" and isinstance(node.spec, TensorSpec) and not node.spec.dtype.is_floating_point
+    return node.op == "div" and node.kwargs.get("rounding_mode") is not None
 
 
 def _call(function: str) -> tuple[int, Callable[[Node, list[str]], str]]:
@@ -302,7 +302,7 @@ class Chain:
         if tuple(spec.shape) != self.shape and not self._broadcasts_to_row(spec):
             raise NotFusable(f"%{node.name}: shape {tuple(spec.shape)} is neither the output's {self.shape} nor a row")
         args = [self._value(node, a) for a in node.args[:count]]
-        if steps_at_integers(node):  # each input as eager holds it
+        if rounds_its_inputs(node):  # each input as eager holds it
             args = [held(v, self.graph.node(a.name).spec.dtype, node) if isinstance(a, Ref) else v
                     for v, a in zip(args, node.args[:count], strict=True)]
         # positional (prefixed: a kernel may hold two chains), not the node's name, so that identical groups

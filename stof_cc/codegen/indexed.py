@@ -37,7 +37,7 @@ from stof_cc.codegen.chain import (
     held,
     in_dtype,
     rounded_to,
-    steps_at_integers,
+    rounds_its_inputs,
 )
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
 from stof_cc.ir.ops import split_piece
@@ -180,7 +180,7 @@ class IndexedChain:
             raise NotFusable(f"%{node.name}: argument {arg!r} is neither a tensor nor a number")
         spec = self.graph.node(arg.name).spec
         expr, source = self._value(arg.name, self._broadcast(coords, spec.shape))
-        if source == "float" and steps_at_integers(node):  # as eager holds it (chain.steps_at_integers)
+        if source == "float" and rounds_its_inputs(node):  # as eager holds it (chain.rounds_its_inputs)
             expr = held(expr, spec.dtype, node)
         return convert(expr, source, ctype)
 
