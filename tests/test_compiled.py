@@ -973,3 +973,99 @@ def test_a_call_whose_inputs_cannot_be_traced_names_the_call_not_the_examples():
     compiled = stof_cc.compile(_TakesAFlag().eval(), (torch.randn(2, 4),), dtype=torch.float32, tune=False)
     with pytest.raises(TraceError, match=r"this call's inputs differ .* input kwargs\['causal'\] is a bool"):
         compiled(torch.randn(2, 4), causal=True)
+
+
+def test_an_input_to_cast_under_inference_mode_runs():
+    """The README's inference_mode: reading the cast copy's version counter raised (an inference tensor has
+    none: found by review)."""
+    lin = torch.nn.Linear(4, 4).eval()
+    compiled = stof_cc.compile(lin, (torch.randn(2, 4),), dtype=torch.float16, tune=False)
+    x = torch.randn(2, 4)
+    with torch.inference_mode():
+        got = compiled(x)
+    torch.testing.assert_close(got.float(), lin.half()(x.half()).float(), rtol=1e-3, atol=1e-3)
+
+
+class _Shift(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", None)
+
+    def forward(self, x):
+        return x * 2 if self.shift is None else x * 2 + self.shift
+
+
+@pytest.mark.parametrize("change", ["a bias set where there was None", "a buffer set where there was None",
+                                    "a layer appended"])
+def test_weights_and_layers_added_after_compile_compile_again(change):
+    """The watch saw only the tensors there at compile time: a bias set on Linear(bias=False), a None buffer
+    set, a layer appended ran the old model silently (found by review)."""
+    x = torch.randn(2, 4)
+    model = _Shift().eval() if "buffer" in change else \
+        torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.ReLU()).eval()
+    compiled = stof_cc.compile(model, (x,), dtype=torch.float32, tune=False)
+    if "bias" in change:
+        model[0].bias = torch.nn.Parameter(torch.full((4,), 10.0))
+    elif "buffer" in change:
+        model.shift = torch.full((4,), 100.0)
+    else:
+        model.append(torch.nn.Linear(4, 2))
+    with torch.no_grad():
+        want = model(x)
+    with pytest.warns(UserWarning, match="compiling it again"):
+        torch.testing.assert_close(compiled(x), want)
+
+
+def test_a_parameter_the_forward_writes_reaches_the_users_module_where_written():
+    """nn.Embedding(max_norm=) renormalises the rows it reads in place: under a converted copy the user's
+    weight was never written (found by review); only the rows written come back (the whole fp16 copy
+    would round every other row)."""
+    torch.manual_seed(0)
+    eager = torch.nn.Embedding(10, 4, max_norm=1.0).eval()
+    source = copy.deepcopy(eager)
+    ids = torch.tensor([[1, 2, 3]])
+    compiled = stof_cc.compile(source, (ids,), dtype=torch.float16, tune=False)
+    with torch.no_grad():
+        eager(ids)
+        compiled(ids)
+    torch.testing.assert_close(source.weight[1:4], eager.weight[1:4], rtol=1e-3, atol=1e-3)
+    assert torch.equal(source.weight[4:], eager.weight[4:]) and torch.equal(source.weight[0], eager.weight[0])
+
+
+class _ClonedView(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        return y.clone().view(-1), y
+
+
+class _OnePieceCat(torch.nn.Module):
+    def forward(self, x):
+        return torch.cat([x], dim=0)
+
+
+def test_outputs_that_eager_copies_share_no_storage():
+    """A clone read through a view, and a cat of one piece, were dropped as identities: two outputs shared
+    storage, and the cat handed back the caller's input (found by review)."""
+    x = torch.randn(2, 4)
+    a, b = stof_cc.compile(_ClonedView(), (x,), dtype=torch.float32, tune=False)(x)
+    a.zero_()
+    torch.testing.assert_close(b, x * 2)
+    keep = x.clone()
+    stof_cc.compile(_OnePieceCat(), (x,), dtype=torch.float32, tune=False)(x).mul_(0)
+    torch.testing.assert_close(x, keep)
+
+
+class _WritesAColumn(torch.nn.Module):
+    def forward(self, cache, x):
+        cache[:, :1].copy_(x)
+        return cache.sum()
+
+
+def test_a_cast_input_the_model_writes_gets_only_what_it_wrote():
+    """Copying the whole fp16 copy back into the caller's fp32 cache rounded the columns the model never
+    wrote (found by review)."""
+    cache, x = torch.full((2, 4), 1.0001), torch.randn(2, 1)
+    compiled = stof_cc.compile(_WritesAColumn(), (cache.half(), x.half()), dtype=torch.float16, tune=False)
+    compiled(cache, x)
+    assert torch.equal(cache[:, 1:], torch.full((2, 3), 1.0001))
+    torch.testing.assert_close(cache[:, :1], x.half().float())

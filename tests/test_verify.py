@@ -51,3 +51,25 @@ def test_every_kernel_step_of_a_gpu_model_is_close_to_torch(half_on_gpu):
     checks = verify_steps(compiled, *args)
     assert any(c.kind in ("kernel", "attention") for c in checks), compiled.explain()
     assert worst(checks, 1e-2) == [], checks
+
+
+class _Ema(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(4))
+
+    def forward(self, x):
+        self.avg.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return x - self.avg
+
+
+def test_a_model_that_writes_its_buffers_is_refused():
+    """Each of verify_steps' runs wrote the buffer again (three times per check) and compared a step with its
+    own written value (found by review): refused, after the one call that compiles it."""
+    x = torch.randn(2, 4)
+    model = _Ema()
+    compiled = stof_cc.compile(model, (x,), dtype=torch.float32, tune=False)
+    before = model.avg.clone()
+    with pytest.raises(ValueError, match="verify_steps: the model writes into its inputs or buffers"):
+        verify_steps(compiled, x)
+    torch.testing.assert_close(model.avg, before)  # compiled already: refused before any run

@@ -43,6 +43,9 @@ from stof_cc.ir.graph import (
 from stof_cc.ir.node import iter_refs, map_refs
 from stof_cc.ir.ops import OPAQUE, reference_of, resolve_target
 
+#: Ops whose result torch makes as a view of their input (no copy).
+VIEW_OPS = frozenset({"view", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select", "split", "getitem"})
+
 FOLD_LIMIT = 1 << 20  # elements: larger constant results stay computed at run time
 _UNINITIALISED_TARGETS = ("aten.empty", "aten.new_empty")
 
@@ -103,7 +106,7 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
             out.add_constant(node.name, torch.empty(node.spec.shape, dtype=node.spec.dtype))
             report.folded.append(node.name)
         elif node.op == "cat" and len(args[0]) == 1 and isinstance(args[0][0], Ref) \
-                and out.node(args[0][0].name).spec == node.spec:
+                and out.node(args[0][0].name).spec == node.spec and not _keeps_its_copy(graph, node, args[0][0]):
             renamed[node.name] = args[0][0]
             report.identities.append(node.name)
         elif _is_identity(graph, node):
@@ -319,9 +322,28 @@ def _is_identity(graph: Graph, node: Node) -> bool:
             return False
         if node.op == "cast" and not _copies(node):  # `w.to(dtype)` of a w in that dtype is w itself, as in eager
             return True
-        # kept where it copies an input or a weight (a result must never share their storage; a review found
-        # `x.to(dtype, copy=True)` handing back the caller's x)
-        return source.op not in (INPUT, CONSTANT) and not graph.is_output(node.name)
+        return not _keeps_its_copy(graph, node, node.args[0])
+    return False
+
+
+def _keeps_its_copy(graph: Graph, copy: Node, source: Ref) -> bool:
+    """Whether a copy (a clone, a copying cast, a one-piece cat) must stay one: where it copies an input or
+    a weight, or a view of one (a result must never share their storage: a review found `x.to(dtype,
+    copy=True)` handing back the caller's x, and `torch.cat([x])` too), or where the copy, or a view of it,
+    is a graph output (`y.clone().view(-1), y` made the two outputs share storage: found by review)."""
+    if source.name not in graph:  # a piece the rewrite made (an emptied cat's): keep the copy, the safe side
+        return True
+    node = graph.node(source.name)
+    while node.op in VIEW_OPS and node.args and isinstance(node.args[0], Ref):
+        node = graph.node(node.args[0].name)
+    if node.op in (INPUT, CONSTANT):
+        return True
+    pending = [copy.name]
+    while pending:
+        name = pending.pop()
+        if graph.is_output(name):
+            return True
+        pending += [user.name for user in graph.users(name) if user.op in VIEW_OPS]
     return False
 
 

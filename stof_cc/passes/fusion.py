@@ -33,12 +33,11 @@ import networkx as nx
 
 from stof_cc.ir.graph import CONSTANT, INPUT, Graph, GraphError, Node, TensorSpec
 from stof_cc.ir.ops import pattern_kind
-from stof_cc.passes.canonicalize import mutating_nodes
+from stof_cc.passes.canonicalize import VIEW_OPS, mutating_nodes
 
 ANCHOR_KINDS = ("gemm", "attention", "reduction")
 # layout ops torch makes as views of their input (no kernel, no copy): a group of nothing else
 # needs no kernel of its own
-VIEW_OPS = frozenset({"view", "transpose", "expand", "unsqueeze", "squeeze", "slice", "select", "split", "getitem"})
 FOLDABLE_KINDS = ("elementwise", "broadcast", "injective")
 MAX_EPILOGUE = 32  # nodes an epilogue region may grow through before it must have closed
 

@@ -144,7 +144,7 @@ class CompiledModule:
         self.database, self.tune = database, tune
         self.module = weights_to_compile(source, dtype)  # the user's module itself, or a converted copy
         self._watch = WeightWatch(source)
-        self._buffer_versions = _buffer_versions(self.module)
+        self._state_versions = _state_versions(self.module)
         self.variants: dict[tuple, Variant] = {}
         self._dense_masks: dict[tuple, torch.Tensor] = {}  # mask= as a bool tensor, per shape and device
         self._said_fp16 = False  # an fp32 model's attention in the fp16 kernels: said once
@@ -168,16 +168,16 @@ class CompiledModule:
                              "so the output would carry no gradient): call it under torch.no_grad() or pass "
                              "inputs that do not require grad")
         flat = cast_floating(given, self.dtype)
-        cast = [(original, now, now._version) for original, now in zip(given, flat, strict=True)
+        cast = [(original, now) for original, now in zip(given, flat, strict=True)
                 if isinstance(now, torch.Tensor) and now is not original]
         if cast:
             args, kwargs = pytree.tree_unflatten(flat, spec)
+        key = _signature(flat, spec)
         with _on_device_of(flat):
-            result = self._call(args, kwargs, _signature(flat, spec))
-        with torch.no_grad():
-            for original, now, version in cast:  # the model wrote into a cast input: the caller's tensor gets it
-                if now._version != version:
-                    original.copy_(now)
+            result = self._call(args, kwargs, key)
+        variant = self.variants.get(key)
+        if cast and (variant is None or variant.mutates):  # the model may have written into a cast input
+            _written_back(cast)
         return result
 
     def refresh(self) -> None:
@@ -188,7 +188,7 @@ class CompiledModule:
         lock: a variant another thread is compiling from the module before is not kept after it."""
         with self._compile_lock:
             self.module = weights_to_compile(self.source, self.dtype)
-            self._buffer_versions = _buffer_versions(self.module)
+            self._state_versions = _state_versions(self.module)
             self.variants.clear()
             self._dense_masks.clear()
             self._watch.reset()
@@ -217,22 +217,22 @@ class CompiledModule:
             if outputs is None:
                 outputs = self._execute(variant, inputs)
             if variant.mutates:
-                self._kept_written_buffers()
+                self._kept_written_state()
         if variant.graph.out_spec is not None:
             return pytree.tree_unflatten(outputs, variant.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _kept_written_buffers(self) -> None:
-        """After a run that wrote into buffers in place (a step counter, running statistics): a
-        converted copy's written buffers copied into the user's module, as eager would leave them,
-        and the watch told that those writes were the model's own (else every call compiled again)."""
+    def _kept_written_state(self) -> None:
+        """After a run that wrote into buffers or parameters in place (a step counter, running statistics,
+        `nn.Embedding(max_norm=)` renormalising its rows): a converted copy's written tensors copied into the
+        user's module, as eager would leave them (parameters were left out: found by review), and the watch
+        told that those writes were the model's own (else every call compiled again)."""
         if self.module is not self.source:
-            mine, theirs = dict(self.module.named_buffers()), dict(self.source.named_buffers())
-            for name, buffer in mine.items():
-                if name in self._buffer_versions and name in theirs and buffer._version != self._buffer_versions[name]:
-                    theirs[name].copy_(buffer)
+            mine, theirs = _state(self.module), _state(self.source)
+            _written_back([(theirs[name], tensor) for name, tensor in mine.items() if name in self._state_versions
+                           and name in theirs and tensor._version != self._state_versions[name]])
         self._watch.reset()
-        self._buffer_versions = _buffer_versions(self.module)
+        self._state_versions = _state_versions(self.module)
 
     def _execute(self, variant: Variant, inputs: dict[str, torch.Tensor]) -> list[Any]:
         device = next((t.device for t in inputs.values()), torch.device("cpu"))
@@ -619,9 +619,27 @@ def _report_measured(item: Any) -> None:
         print("stof_cc.compile: tuned " + "\n   ".join(str(item).splitlines()[:2]), file=sys.stderr, flush=True)
 
 
-def _buffer_versions(module: torch.nn.Module) -> dict[str, int]:
-    """Each buffer's version counter: which ones a run wrote in place (`_kept_written_buffers`)."""
-    return {name: buffer._version for name, buffer in module.named_buffers() if not buffer.is_inference()}
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers by qualified name."""
+    return dict(module.named_parameters()) | dict(module.named_buffers())
+
+
+def _state_versions(module: torch.nn.Module) -> dict[str, int]:
+    """Each parameter's and buffer's version counter: which ones a run wrote in place (`_kept_written_state`)."""
+    return {name: tensor._version for name, tensor in _state(module).items() if not tensor.is_inference()}
+
+
+def _written_back(cast: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The elements a run wrote into cast copies (of the caller's inputs, of the model's parameters and
+    buffers), written into the originals: found by comparing each copy with its original cast again (an
+    inference tensor has no version counter to say whether it was written: under `torch.inference_mode()`
+    reading one raised, found by review), and only those elements (copying the whole copy back rounded every
+    element of an fp32 cache, or of an embedding table, that the model never wrote: found by review)."""
+    with torch.no_grad():
+        for original, now in cast:
+            written = now != original.to(now.dtype)
+            if written.any():
+                original[written] = now[written].to(original.dtype)
 
 
 def _gpu_kernels_available() -> bool:

@@ -5,7 +5,9 @@ leaves for later steps. The compiled values go on to the next step, so each erro
 own, not the sum of those before it: a wrong kernel shows as one large row. Slow (every node runs
 twice, uncaptured); for debugging, never on a hot path. A step holding a collective (the
 all-reduce of a tensor-parallel graph) runs once and is not compared: running it again would
-be another collective, and its value is not complete before its wait."""
+be another collective, and its value is not complete before its wait. A model that writes into its
+inputs or buffers (a cache, a step counter) is refused: every run writes again (found by review: its
+buffers advanced three times per check, and each step was compared with its own written value)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,16 @@ class StepCheck:
 def verify_steps(compiled: CompiledModule, *args: Any, **kwargs: Any) -> list[StepCheck]:
     """One `StepCheck` per value each step of ``compiled`` leaves for later steps, for these
     inputs (compiled for them first where they are a new shape)."""
-    compiled(*args, **kwargs)  # compiles the variant where it is new
-    args, kwargs = cast_floating((args, kwargs), compiled.dtype)
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    variant = compiled.variants[_signature(flat, spec)]
+    cast, cast_kwargs = cast_floating((args, kwargs), compiled.dtype)
+    flat, spec = pytree.tree_flatten((cast, cast_kwargs))
+    variant = compiled.variants.get(_signature(flat, spec))
+    if variant is None:  # compile it first: a model that writes in place is refused before it runs again
+        compiled(*args, **kwargs)
+        variant = compiled.variants[_signature(flat, spec)]
+    if variant.mutates:
+        raise ValueError("verify_steps: the model writes into its inputs or buffers in place, and every run of a "
+                         "step would write again; verify a copy of it that does not (e.g. without the cache)")
+    args, kwargs = cast, cast_kwargs
     inputs = bind_inputs(variant.graph, args, kwargs)
     device = next((t.device for t in inputs.values()), torch.device("cpu"))
     env: dict[str, Any] = {**variant.constants_on(device), **inputs}

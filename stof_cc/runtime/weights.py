@@ -5,7 +5,8 @@ compiled: shared, not copied, when they are already in the compile dtype (consta
 them, such as the merged Q/K/V weight, are computed then), a converted copy otherwise. Before
 every call, `WeightWatch.changed` checks that they are still those tensors: the same parameter
 and buffer objects under the same submodules, the same data (storage, offset, shape, strides),
-dtypes and version counters. PyTorch bumps a tensor's version counter on every in-place write through it
+dtypes and version counters, and no parameter, buffer or submodule added (a bias set on a
+`Linear(bias=False)`, a layer appended to a `Sequential`: found by review). PyTorch bumps a tensor's version counter on every in-place write through it
 (`load_state_dict`, ``param.copy_()``, an optimizer step, ``with torch.no_grad(): p.mul_(2)``),
 and ``.to()``, ``.half()`` or ``p.data = ...`` change its storage, offset, shape or strides. On a change the compiled
 module warns, naming the first changed tensor, and compiles again from the module as it is now
@@ -55,14 +56,18 @@ class WeightWatch:
         tensors: list[tuple[dict, str, str]] = []  # (owner._parameters or _buffers, name, path)
         hooks: list[tuple[torch.nn.Module, str, tuple, bool]] = []  # (module, path, its hooks' ids, any hooks)
         held: list[tuple[dict, str, Any, Any, str]] = []  # (owner.__dict__, attribute, its dict or list, key, path)
-        self._walk(self.module, "", modules, tensors, hooks, held)
+        tables: list[tuple[dict, int, frozenset, str]] = []  # (a _parameters, _buffers or _modules, its size, its Nones)
+        self._walk(self.module, "", modules, tensors, hooks, held, tables)
         self._state = (modules, tensors, [_identity(store[name]) for store, name, _ in tensors], hooks,
-                       held, [_identity(box[key]) for _, _, box, key, _ in held])
+                       held, [_identity(box[key]) for _, _, box, key, _ in held], tables)
 
     def _walk(self, module: torch.nn.Module, prefix: str, modules: list, tensors: list, hooks: list,
-              held: list) -> None:
+              held: list, tables: list) -> None:
         ids = _hook_ids(module)
         hooks.append((module, prefix.rstrip(".") or "the model", ids, any(ids)))
+        where = prefix.rstrip(".") or "the model"
+        for store in (module._parameters, module._buffers, module._modules):  # an entry added, or a None one set
+            tables.append((store, len(store), frozenset(name for name, t in store.items() if t is None), where))
         for store in (module._parameters, module._buffers):
             tensors += [(store, name, prefix + name) for name, t in store.items() if t is not None]
         # tensors kept as plain attributes (``self.c = torch.tensor(...)``), or in a dict, list or tuple
@@ -77,21 +82,24 @@ class WeightWatch:
         for name, child in module._modules.items():
             modules.append((module._modules, name, child, prefix + name))
             if child is not None:
-                self._walk(child, f"{prefix}{name}.", modules, tensors, hooks, held)
+                self._walk(child, f"{prefix}{name}.", modules, tensors, hooks, held, tables)
 
     def watched(self) -> list[torch.Tensor]:
         """Every tensor the watch compares (parameters, buffers, tensor attributes, tensors in dict,
         list and tuple attributes)."""
-        _, tensors, seen_tensors, _, _, seen_held = self._state
+        _, tensors, seen_tensors, _, _, seen_held, _ = self._state
         return [seen[0] for seen in (*seen_tensors, *seen_held)]
 
     def changed(self) -> str | None:
         """The qualified name of the first submodule or tensor that is not the one compiled
         (replaced, moved, cast or written in place), or None when all are."""
-        modules, tensors, seen_tensors, hooks, held, seen_held = self._state
+        modules, tensors, seen_tensors, hooks, held, seen_held, tables = self._state
         for parent, name, child, path in modules:
             if parent.get(name) is not child:
                 return f"submodule {path!r}"
+        for store, size, nones, where in tables:  # a bias set where there was None, a layer appended (found by review)
+            if len(store) != size or any(store.get(name) is not None for name in nones):
+                return f"the parameters, buffers or submodules of {where if where == 'the model' else repr(where)}"
         for (owner, name, box, key, path), seen in zip(held, seen_held, strict=True):
             if owner.get(name) is not box or _changed(_item(box, key), seen):
                 return repr(path)
