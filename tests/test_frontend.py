@@ -198,3 +198,16 @@ def test_a_prepared_node_reads_env_and_keeps_constants_where_they_are():
         env[node.name] = got
     (out,) = (env[r.name] for r in graph.outputs if isinstance(r, Ref))
     assert torch.equal(out, interpret(graph, x)) and any(n.op == "cat" for n in graph.nodes())
+
+
+class _Branches(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x
+
+
+def test_a_failed_trace_prints_no_partial_graph(capsys):
+    """torch.export printed the partial graph of a failed trace to stderr twice before the TraceError (a
+    newcomer's reading): the TraceError says where the trace stopped, alone."""
+    with pytest.raises(TraceError, match="could not trace _Branches"):
+        trace(_Branches(), (torch.randn(4),))
+    assert "def forward" not in capsys.readouterr().err

@@ -10,9 +10,11 @@ an ATen op with no registry entry becomes an ``opaque`` node that runs through t
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import operator
 import os
+import sys
 import sysconfig
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -63,14 +65,27 @@ def trace(
 
     was_training = module.training
     module.eval()
+    printed = io.StringIO()  # what export writes to stderr, passed on after it (`_passed_on`)
     try:
-        with _caches_off(module), _quiet_fake_tensor_errors():
+        with _caches_off(module), _quiet_fake_tensor_errors(), contextlib.redirect_stderr(printed):
             exported = torch.export.export(module, tuple(args), kwargs=kwargs)
     except Exception as exc:  # export raises many types; all mean "could not trace"
+        _passed_on(printed.getvalue(), getattr(exc, "partial_fx_graph", None))
         raise TraceError(_explain_export_failure(module, exc) + f"\n  inputs: {_describe(tuple(args), kwargs)}") from exc
     finally:
         module.train(was_training)
+    _passed_on(printed.getvalue(), None)
     return from_exported(exported, name or getattr(module, "graph_name", None) or type(module).__name__)
+
+
+def _passed_on(printed: str, partial_graph: Any) -> None:
+    """What torch.export wrote to stderr, written there now, but the partial graph of a failed trace: each of
+    export's wrappers prints it (twice, about 20 lines each, before the TraceError that says where the trace
+    stopped: found by a newcomer)."""
+    if partial_graph is not None:
+        printed = printed.replace(f"{partial_graph}\n", "")
+    if printed.strip():
+        sys.stderr.write(printed)
 
 
 @contextlib.contextmanager
