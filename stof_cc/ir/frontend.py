@@ -17,6 +17,7 @@ import os
 import sys
 import sysconfig
 import traceback
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -67,7 +68,7 @@ def trace(
     module.eval()
     printed = io.StringIO()  # what export writes to stderr, passed on after it (`_passed_on`)
     try:
-        with _caches_off(module), _quiet_fake_tensor_errors(), contextlib.redirect_stderr(printed):
+        with _caches_off(module, kwargs), _quiet_fake_tensor_errors(), contextlib.redirect_stderr(printed):
             exported = torch.export.export(module, tuple(args), kwargs=kwargs)
     except Exception as exc:  # export raises many types; all mean "could not trace"
         _passed_on(printed.getvalue(), getattr(exc, "partial_fx_graph", None))
@@ -111,13 +112,22 @@ def _describe(args: tuple, kwargs: dict) -> str:
 
 
 @contextlib.contextmanager
-def _caches_off(module: torch.nn.Module) -> Iterator[None]:
+def _caches_off(module: torch.nn.Module, kwargs: Mapping[str, Any]) -> Iterator[None]:
     """A forward-only compile keeps no KV cache: HuggingFace models read ``config.use_cache``
     when the call does not say, and would return a cache object torch.export cannot hold.
-    Set to False on every config of the module while tracing, then restored."""
+    Set to False on every config of the module while tracing, then restored. Said where it changes
+    the answer: transformers reads packed sequences from ``position_ids`` without an
+    ``attention_mask`` only when no cache is on (found by review: the compiled model attended within
+    each sequence, eager with its cache across them)."""
     configs = {id(c): c for m in module.modules() if (c := getattr(m, "config", None)) is not None
                and isinstance(getattr(c, "use_cache", None), bool)}
     saved = {key: config.use_cache for key, config in configs.items()}
+    if any(saved.values()) and "attention_mask" not in kwargs and _restarts(kwargs.get("position_ids")):
+        warnings.warn("stof_cc: the trace switches the model's KV cache off, and without a cache transformers reads "
+                      "position_ids that restart at 0 as packed sequences (each attends only to itself), which it "
+                      "does not with its cache on: the compiled model follows the model called with "
+                      "use_cache=False (set config.use_cache = False to make eager agree, or pass attention_mask)",
+                      stacklevel=4)
     try:
         for config in configs.values():
             config.use_cache = False
@@ -125,6 +135,13 @@ def _caches_off(module: torch.nn.Module) -> Iterator[None]:
     finally:
         for key, config in configs.items():
             config.use_cache = saved[key]
+
+
+def _restarts(position_ids: Any) -> bool:
+    """Whether ``position_ids`` restart somewhere (steps other than +1): packed sequences to transformers."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] < 2 or position_ids.is_meta:
+        return False
+    return bool((position_ids[..., 1:] - position_ids[..., :-1] != 1).any())
 
 
 def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
