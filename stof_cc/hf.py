@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from stof_cc.backends.decode_launch import decode_attention, decode_unsupported, every_key_counts
-from stof_cc.masks import MaskDescription, document, from_mask_mod
+from stof_cc.masks import MaskDescription, document, from_mask_mod, sliding_window
 from stof_cc.masks.kept import keep
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS
@@ -310,7 +310,13 @@ def describe(mask_function: Callable) -> MaskDescription | None:
         if any(_segments(f) is not None for f in functions):
             functions = [_within_documents(f) for f in functions]
         return _described_together(functions)
+    window = captured.get("sliding_window") if _made_by(mask_function, "sliding_window_bidirectional_overlay") else None
+    if isinstance(window, int) and not isinstance(window, bool) and window >= 1:  # |q - k| <= window (ModernBERT's
+        return _both_ways(window)  # local layers: a mask_mod rebuilt on the host every call before, found by review)
     return from_mask_mod(mask_function, name=getattr(mask_function, "__qualname__", "transformers mask"))
+
+
+_both_ways = functools.cache(lambda window: sliding_window(window))  # one object per window, as CAUSAL
 
 
 def without_packing(mask_function: Callable) -> tuple[MaskDescription | None, torch.Tensor | None]:
@@ -529,8 +535,12 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
     if cu_q is None and cu_k is None:
         return None
     if cu_q is None or cu_k is None:
-        raise ValueError(f"attn_implementation='{NAME}' packs self-attention only: cu_seq_lens_q and cu_seq_lens_k "
-                         "must both be given and equal")
+        raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_{'q' if cu_q is None else 'k'} is missing: packed "
+                         "self-attention takes cu_seq_lens_q and cu_seq_lens_k, both given and equal")
+    for name, given in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):  # a list or floats failed deep inside
+        if not isinstance(given, torch.Tensor) or given.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"attn_implementation='{NAME}': {name} must be an int32 or int64 tensor of cumulative "
+                             f"sequence lengths, got {getattr(given, 'dtype', type(given).__name__)}")
     if cu_q.dim() != 1 or cu_k.dim() != 1:
         raise ValueError(f"attn_implementation='{NAME}': cu_seq_lens_q and cu_seq_lens_k must be 1-D cumulative "
                          f"sequence lengths, got shapes {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
@@ -549,7 +559,10 @@ def packed_documents(query: torch.Tensor, key: torch.Tensor, cu_q: torch.Tensor 
         last = _Packing((weakref.ref(cu_q), weakref.ref(cu_k)), stamp,
                         PackedDocuments(bounds, document([b - a for a, b in zip(bounds, bounds[1:], strict=False)])))
         _last_packing.packing = last
-    if query.shape[0] != 1 or last.found.total != query.shape[2] or key.shape[2] != query.shape[2]:
+    if query.shape[0] != 1:
+        raise ValueError(f"attn_implementation='{NAME}': packed sequences (cu_seq_lens_q) fill a batch of one row, "
+                         f"got a batch of {query.shape[0]}")
+    if last.found.total != query.shape[2] or key.shape[2] != query.shape[2]:
         raise ValueError(f"attn_implementation='{NAME}': packed sequences of cu_seq_lens_q (ending at {last.found.total}) "
                          f"must fill one row: query {tuple(query.shape)}, key {tuple(key.shape)} ([B, H, S, D], B = 1)")
     return last
@@ -825,7 +838,9 @@ def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if head_dims is not None:
         return head_dims
     if mask is not None and not mask.described:
-        return "a mask stof-cc describes only outside a compiled graph (packed sequences, chunked, image blocks, custom)"
+        return ("a mask stof-cc describes only outside a compiled graph (packed sequences, chunked, image blocks, "
+                "custom; a decoder called with no cache and no attention_mask gets transformers' packed-sequence "
+                "mask too: pass attention_mask=torch.ones_like(input_ids) to run stof-cc there)")
     offsets = () if mask is None else (mask.arguments["q_offset"], mask.arguments["kv_offset"])
     if any(not isinstance(offset, int) or offset != 0 for offset in offsets) \
             or (query.shape[2] != key.shape[2] and mask is not None and mask.spec is not None):

@@ -66,6 +66,10 @@ def test_registering_makes_the_implementation_available():
     ("causal", mu.causal_mask_function, "causal()"),
     ("bidirectional", mu.bidirectional_mask_function, None),
     ("sliding window", mu.sliding_window_causal_mask_function(8), "sliding_window(w=7, causal=True)"),
+    # ModernBERT's local layers, |q - k| <= 4: a mask_mod rebuilt on the host every call before (found by review)
+    ("bidirectional window", mu.sliding_window_bidirectional_overlay(4), "sliding_window(w=4)"),
+    ("bidirectional window under and_masks",
+     mu.and_masks(mu.bidirectional_mask_function, mu.sliding_window_bidirectional_overlay(4)), "sliding_window(w=4)"),
 ])
 def test_known_masks_become_zoo_descriptions(name, mask_function, label):
     description = stof_cc.hf.describe(mask_function)
@@ -756,18 +760,23 @@ def test_packed_decoders_attend_causally_within_each_sequence(family, packing):
     torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize(("cu_q", "cu_k", "message"), [
-    ([0, 9, 48], None, "must both be given and equal"),
-    ([0, 9, 48], [0, 10, 48], "must both be given and equal"),
-    ([0, 30, 9, 48], [0, 30, 9, 48], "must rise from 0"),
-    ([0, 9, 40], [0, 9, 40], "must fill one row"),
+@pytest.mark.parametrize(("cu_q", "cu_k", "message", "batch"), [
+    ([0, 9, 48], None, "cu_seq_lens_k is missing", 1),
+    ([0, 9, 48], [0, 10, 48], "must both be given and equal", 1),
+    ([0, 30, 9, 48], [0, 30, 9, 48], "must rise from 0", 1),
+    ([0, 9, 40], [0, 9, 40], "must fill one row", 1),
+    # a newcomer's: float lengths named an internal constructor, a list failed deep inside, a batch of two
+    # was told its sequences did not reach S
+    ([0.0, 9.0, 48.0], [0.0, 9.0, 48.0], "cu_seq_lens_q must be an int32 or int64 tensor", 1),
+    ([0, 24, 48], [0, 24, 48], "fill a batch of one row, got a batch of 2", 2),
 ])
-def test_packed_sequences_that_do_not_fit_are_named(cu_q, cu_k, message):
+def test_packed_sequences_that_do_not_fit_are_named(cu_q, cu_k, message, batch):
     stof_cc.hf.register()
     model = _packed_encoder("bert")
-    as_tensor = lambda v: None if v is None else torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    as_tensor = lambda v: None if v is None else torch.tensor(v)  # noqa: E731
     with torch.no_grad(), pytest.raises(ValueError, match=message):
-        model(input_ids=torch.randint(1, 100, (1, SEQ)), cu_seq_lens_q=as_tensor(cu_q), cu_seq_lens_k=as_tensor(cu_k))
+        model(input_ids=torch.randint(1, 100, (batch, SEQ)), cu_seq_lens_q=as_tensor(cu_q),
+              cu_seq_lens_k=as_tensor(cu_k))
 
 
 def test_an_empty_packed_sequence_holds_no_position():
