@@ -260,6 +260,15 @@ def test_flex_attention_create_block_mask_agrees_with_block_counts():
         assert partial == (ours.part_ptr[1:] - ours.part_ptr[:-1]).tolist(), repr(desc)
 
 
+_TABLE = torch.arange(50)  # a per-position table shorter than the sequence it is used at
+
+
+def _branches(b, h, q, k):  # a Python branch on index tensors, as a newcomer first writes a mask_mod
+    if q >= k:
+        return torch.ones_like(q, dtype=torch.bool)
+    return torch.zeros_like(q, dtype=torch.bool)
+
+
 BAD_ARGUMENTS = [
     (lambda: masks.sliding_window(0), "sliding_window: w must be a positive int, got 0"),
     (lambda: masks.sliding_window(2.5), "sliding_window: w must be a positive int, got 2.5"),
@@ -345,6 +354,9 @@ BAD_ARGUMENTS = [
     ),
     (lambda: masks.from_mask_mod(3), "from_mask_mod: fn must be callable, got 3"),
     (lambda: masks.from_mask_mod(lambda q, k: q >= k), r"from_mask_mod: <lambda> must take \(b, h, q_idx, kv_idx\)"),
+    (lambda: masks.from_mask_mod(_branches).to_dense(8), "from_mask_mod: _branches branches in Python on a tensor"),
+    (lambda: masks.from_mask_mod(lambda b, h, q, k: _TABLE[q] == _TABLE[k]).to_dense(64),
+     "from_mask_mod: <lambda> indexed past a table it reads at 64 queries and 64 keys"),
     (
         lambda: masks.from_mask_mod(lambda b, h, q, k: q - k).to_dense(8),
         "from_mask_mod: <lambda> returned dtype torch.int64; it must return torch.bool",

@@ -351,15 +351,23 @@ class _MaskMod(_Evaluated):
         try:
             out = self.fn(b, h, q, k)
         except RuntimeError as exc:
+            if "ambiguous" in str(exc):  # `if q >= k:` on many positions (a newcomer's: Python's error alone)
+                raise MaskError(f"from_mask_mod: {self.name} branches in Python on a tensor ({exc}); write it with "
+                                "tensor ops (torch.where, &, |), as FlexAttention's mask_mod is") from None
             if "same device" not in str(exc):
                 raise
             raise MaskError(
                 f"from_mask_mod: {self.name} mixes devices ({exc}); pass "
                 "from_mask_mod(fn, device=...) naming the device of the tensors it captures"
             ) from None
+        except IndexError as exc:  # a table shorter than the sequence (a newcomer's: Python's error alone)
+            where = "" if ext is None else f" at {ext.seq_q} queries and {ext.seq_k} keys"
+            raise MaskError(f"from_mask_mod: {self.name} indexed past a table it reads{where}: {exc}") from None
         if not isinstance(out, Tensor):
             raise MaskTypeError(
                 f"from_mask_mod: {self.name} returned {type(out).__name__}, not a bool tensor"
+                + (" (a Python branch on the indices, `if q >= k:`, answers one position: use tensor ops)"
+                   if isinstance(out, bool) else "")
             )
         if out.dtype != torch.bool:
             raise MaskTypeError(
