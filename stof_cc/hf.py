@@ -56,11 +56,11 @@ from typing import Any
 import torch
 
 from stof_cc.backends.decode_launch import decode_attention, decode_unsupported, every_key_counts
-from stof_cc.masks import MaskDescription, document, from_mask_mod, sliding_window
+from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.masks.kept import keep
 from stof_cc.runtime.attention import attention
 from stof_cc.templates.attention import SUPPORTED_HEAD_DIMS
-from stof_cc.tune.attention import CAUSAL, causal_window
+from stof_cc.tune.attention import CAUSAL, causal_window, two_sided_window
 
 NAME = "stof_cc"
 
@@ -310,13 +310,11 @@ def describe(mask_function: Callable) -> MaskDescription | None:
         if any(_segments(f) is not None for f in functions):
             functions = [_within_documents(f) for f in functions]
         return _described_together(functions)
+    # |q - k| <= window, ModernBERT's local layers (a mask_mod rebuilt on the host every call before: found by review)
     window = captured.get("sliding_window") if _made_by(mask_function, "sliding_window_bidirectional_overlay") else None
-    if isinstance(window, int) and not isinstance(window, bool) and window >= 1:  # |q - k| <= window (ModernBERT's
-        return _both_ways(window)  # local layers: a mask_mod rebuilt on the host every call before, found by review)
+    if isinstance(window, int) and not isinstance(window, bool) and window >= 1:
+        return two_sided_window(window)
     return from_mask_mod(mask_function, name=getattr(mask_function, "__qualname__", "transformers mask"))
-
-
-_both_ways = functools.cache(lambda window: sliding_window(window))  # one object per window, as CAUSAL
 
 
 def without_packing(mask_function: Callable) -> tuple[MaskDescription | None, torch.Tensor | None]:

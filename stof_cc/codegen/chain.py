@@ -170,9 +170,10 @@ def rounded_to(expr: str, dtype: Any) -> str:
 
 
 def held(expr: str, dtype: Any, node: Node) -> str:
-    """An fp32 input value ``expr`` of ``dtype`` as ``node`` (`rounds_its_inputs`) takes it: rounded to ``dtype`` (as eager holds it), then, for an op that computes in its result's
-    dtype (remainder, a rounding division), to that (``x_fp16 % t`` with a 0-d fp32 ``t`` divides by
-    fp16's ``t``: found by review)."""
+    """An fp32 input value ``expr`` of ``dtype`` as ``node`` (`rounds_its_inputs`) takes it: rounded to
+    ``dtype`` (as eager holds it), then, for an op that computes in its result's dtype (remainder, a
+    rounding division), to that (``x_fp16 % t`` with a 0-d fp32 ``t`` divides by fp16's ``t``: found by
+    review)."""
     expr = rounded_to(expr, dtype)
     if node.op in ("remainder", "div") and isinstance(node.spec, TensorSpec) and node.spec.dtype != dtype:
         expr = rounded_to(expr, node.spec.dtype)

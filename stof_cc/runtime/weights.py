@@ -6,8 +6,8 @@ them, such as the merged Q/K/V weight, are computed then), a converted copy othe
 every call, `WeightWatch.changed` checks that they are still those tensors: the same parameter
 and buffer objects under the same submodules, the same data (storage, offset, shape, strides),
 dtypes and version counters, and no parameter, buffer or submodule added (a bias set on a
-`Linear(bias=False)`, a layer appended to a `Sequential`: found by review). PyTorch bumps a tensor's version counter on every in-place write through it
-(`load_state_dict`, ``param.copy_()``, an optimizer step, ``with torch.no_grad(): p.mul_(2)``),
+`Linear(bias=False)`, a layer appended to a `Sequential`: found by review). PyTorch bumps a
+tensor's version counter on every in-place write through it (`load_state_dict`, ``param.copy_()``, an optimizer step, ``with torch.no_grad(): p.mul_(2)``),
 and ``.to()``, ``.half()`` or ``p.data = ...`` change its storage, offset, shape or strides. On a change the compiled
 module warns, naming the first changed tensor, and compiles again from the module as it is now
 (kernels and tuning records are cached, so this costs a trace, not a tuning).
@@ -63,9 +63,8 @@ class WeightWatch:
 
     def _walk(self, module: torch.nn.Module, prefix: str, modules: list, tensors: list, hooks: list,
               held: list, tables: list) -> None:
-        ids = _hook_ids(module)
-        hooks.append((module, prefix.rstrip(".") or "the model", ids, any(ids)))
-        where = prefix.rstrip(".") or "the model"
+        ids, where = _hook_ids(module), prefix.rstrip(".") or "the model"
+        hooks.append((module, where, ids, any(ids)))
         for store in (module._parameters, module._buffers, module._modules):  # an entry added, or a None one set
             tables.append((store, len(store), frozenset(name for name, t in store.items() if t is None), where))
         for store in (module._parameters, module._buffers):

@@ -416,6 +416,7 @@ CAUSAL = causal()  # one object: attention's choices (and tuned winners) are cac
 
 
 causal_window = functools.cache(lambda window: sliding_window(window, causal=True))  # one object per window, as CAUSAL
+two_sided_window = functools.cache(lambda window: sliding_window(window))  # |q - k| <= window, one object each
 
 
 def node_mask(given: dict[str, Any], override: MaskDescription | None) -> MaskDescription | None:
