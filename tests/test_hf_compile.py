@@ -205,15 +205,17 @@ def test_the_ops_fake_kernel_gives_the_values_head_dim():
     assert out.shape == (1, 2, 8, 8)
 
 
-def test_packed_position_ids_without_a_mask_are_said_to_follow_the_model_without_its_cache():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_packed_position_ids_without_a_mask_are_said_to_follow_the_model_without_its_cache(family):
     """Without a cache, transformers reads position_ids that restart as packed sequences; with its cache on (the
     default) it does not. The trace switches the cache off, so the compiled model attends within each
     sequence where eager attended across them, silently (found by review): it is said."""
     import transformers as T
 
     torch.manual_seed(0)
-    model = T.LlamaModel(T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=100)).eval()
+    shapes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 100}
+    model = (T.LlamaModel(T.LlamaConfig(**shapes)) if family == "llama" else T.Qwen2Model(T.Qwen2Config(**shapes))).eval()
     ids = torch.randint(1, 100, (1, 12))
     packed = {"input_ids": ids, "position_ids": torch.cat([torch.arange(5), torch.arange(7)])[None]}
     with pytest.warns(UserWarning, match="follows the model called with use_cache=False"):
