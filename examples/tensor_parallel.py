@@ -11,7 +11,8 @@ shards it Megatron-style over a 1-D `DeviceMesh` of all ranks (q/k/v and gate/up
 o and down row-wise: one all-reduce after the attention and one after the MLP), and compiles it
 with the stof_cc backend: dynamo hands over each rank's graph, AOTAutograd turns its DTensors into
 local shards and functional collectives, and stof-cc fuses and generates the kernels around the
-collectives, which run in NCCL through torch (docs/torch_compile.md, "Tensor parallelism"). Rank 0
+collectives, which run in NCCL through torch, or, at two ranks, by the GEMM's mirrored stores into the
+other rank's symmetric memory (`STOF_CC_PEER_EXCHANGE=0`: NCCL; docs/torch_compile.md, "Tensor parallelism"). Rank 0
 checks the output against the unsharded model run eagerly on its GPU in the same dtype, and prints
 that model's own distance from fp32 (at the bar shape the sharded model run eagerly in fp16 is
 0.14 from fp32 with these random weights: that is fp16's, not stof-cc's). Every rank times stof-cc

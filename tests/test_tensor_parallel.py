@@ -2,7 +2,8 @@
 torch.compile(backend="stof_cc"): AOTAutograd turns each rank's graph into plain ATen on its local
 shards, and stof-cc compiles that graph, the all-reduce as a torch step between fused groups
 (issue 37). On two gloo ranks on the CPU every group runs through torch (the plan and the answer
-are checked); on two GPUs (NCCL, fp16) the GEMM groups run stof-cc's kernels."""
+are checked); on two GPUs (NCCL, fp16) the GEMM groups run stof-cc's kernels, and the all-reduce after
+the row-parallel GEMM takes the GEMM's mirrored stores (runtime/peer_exchange.py) instead of NCCL."""
 
 from __future__ import annotations
 
@@ -71,9 +72,12 @@ SCRIPT = textwrap.dedent('''
                 for step in variant.steps for name in step.group.nodes
                 if "all_reduce" in named(variant.graph.node(name))]
     weights = [n.name for n in variant.graph.nodes() if n.op == "constant"]
+    exchanged = [name for step in variant.steps for name in step.exchanged]  # by mirrored GEMM stores, not NCCL
+    mirrors = [step.group.name for step in variant.steps if step.mirror is not None]
     with open(f"{sys.argv[1]}/rank{dist.get_rank()}.txt", "w") as out:  # one file a rank: prints interleave
         out.write(repr({"errors": errors, "said": said, "kinds": kinds, "weights": len(weights), "in_place": in_place,
-                        "inputs": [str(n.spec) for n in variant.graph.inputs], "explain": local.explain()}))
+                        "inputs": [str(n.spec) for n in variant.graph.inputs], "explain": local.explain(),
+                        "exchanged": exchanged, "mirrors": mirrors}))
     dist.barrier()  # as above
     dist.destroy_process_group()
 ''')
@@ -105,6 +109,7 @@ def test_a_tensor_parallel_model_compiles_its_local_graph_with_the_all_reduce_as
     for found in _run_two_ranks(tmp_path, "cpu"):
         assert max(found["errors"]) < 1e-5, found
         _check_plan(found)
+        assert found["exchanged"] == [] and found["mirrors"] == [], found  # gloo, torch steps: NCCL's road
 
 
 @pytest.mark.gpu
@@ -115,6 +120,9 @@ def test_on_two_gpus_the_local_graphs_gemms_run_stof_cc_kernels(tmp_path):
         assert max(found["errors"]) < 1e-2, found
         _check_plan(found)
         assert all(step != "torch" for kind, step, _ in found["kinds"] if kind == "gemm"), found["explain"]
+        # the all-reduce after the row-parallel GEMM: its partial stored into the other rank's slot by the GEMM
+        assert len(found["exchanged"]) == 1 and len(found["mirrors"]) == 1, found["explain"]
+        assert "by peer stores" in found["explain"], found["explain"]
 
 
 @pytest.mark.slow

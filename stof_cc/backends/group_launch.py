@@ -11,7 +11,7 @@ import torch
 from stof_cc.backends.nvcc import compile_many
 from stof_cc.backends.pycuda_backend import Kernel, device_arch, load_kernel
 from stof_cc.backends.tensor_map import TENSOR_MAP_FORMAT, encode_2d
-from stof_cc.templates.group import OUTPUT_MAP, GroupProblem, GroupTemplate
+from stof_cc.templates.group import MIRROR_MAP, OUTPUT_MAP, GroupProblem, GroupTemplate
 
 _kernels: dict[tuple[str, str], Kernel] = {}
 MAX_CACHED_MAPS = 16  # per launch; a key is an operand's address (shapes and strides are fixed per launch)
@@ -38,8 +38,10 @@ class GroupLaunch:
         self.aligned = set(template.aligned_operands(problem, params))
         self._encoded: dict[tuple, bytes] = {}  # (operand, address) -> tensor map: weights and reused buffers
 
-    def __call__(self, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Read ``values`` (IR value name -> tensor); return the group's output, a new tensor."""
+    def __call__(self, values: dict[str, torch.Tensor], mirror: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``values`` (IR value name -> tensor); return the group's output, a new tensor. A mirrored
+        GEMM (gemm_epilogue's `mirrored`) also stores it into ``mirror``: a tensor of the output's shape and
+        dtype, contiguous, which may live on another GPU (a peer's buffer mapped here)."""
         operands = self.problem.operands
         tensors = [_checked(self.problem, op.ref, values) for op in operands]
         # a contiguous view at an odd offset (``buf[1:].view(...)``) is read from an aligned copy, as
@@ -47,17 +49,22 @@ class GroupLaunch:
         tensors = [t.clone() if op.ref in self.aligned and t.data_ptr() % 16 else t
                    for op, t in zip(operands, tensors, strict=True)]
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
+        if any(index == MIRROR_MAP for index, _, _ in self.maps):
+            _check_mirror(self.problem, mirror)
+        elif mirror is not None:
+            raise GroupInputError(f"group {self.problem.group.name}: a mirror tensor for a kernel that stores its output once")
         grid, threads, shared = self.geometry
-        self.kernel.launch(grid, threads, shared, *self.tensor_map_args(tensors, out),
+        self.kernel.launch(grid, threads, shared, *self.tensor_map_args(tensors, out, mirror),
                            *(t.data_ptr() for t in tensors), out.data_ptr())
         return out
 
-    def tensor_map_args(self, tensors: list[torch.Tensor], out: torch.Tensor) -> list[bytes]:
-        """The tensor maps the kernel takes first, for these operand tensors and output (encoded
-        once per tensor address)."""
+    def tensor_map_args(self, tensors: list[torch.Tensor], out: torch.Tensor,
+                        mirror: torch.Tensor | None = None) -> list[bytes]:
+        """The tensor maps the kernel takes first, for these operand tensors, output and mirror
+        (encoded once per tensor address)."""
         maps = []
         for index, box_rows, box_cols in self.maps:
-            tensor = out if index == OUTPUT_MAP else tensors[index]
+            tensor = out if index == OUTPUT_MAP else mirror if index == MIRROR_MAP else tensors[index]
             key = (index, tensor.data_ptr())
             encoded = self._encoded.get(key)  # one lookup: another thread may clear the cache meanwhile
             if encoded is None:
@@ -66,6 +73,19 @@ class GroupLaunch:
                 encoded = self._encoded[key] = encode_2d(tensor, box_rows, box_cols)
             maps.append(encoded)
         return maps
+
+
+def _check_mirror(problem: GroupProblem, mirror: torch.Tensor | None) -> None:
+    """A mirrored kernel's second destination: the output's shape and dtype, contiguous (TMA reads
+    its rows at the output's pitch), 16-byte aligned."""
+    name = problem.group.name
+    if mirror is None:
+        raise GroupInputError(f"group {name}: the kernel mirrors its output, and no mirror tensor was given")
+    if tuple(mirror.shape) != tuple(problem.shape) or mirror.dtype != problem.dtype:
+        raise GroupInputError(f"group {name}: mirror {tuple(mirror.shape)} {mirror.dtype}, the output is "
+                              f"{tuple(problem.shape)} {problem.dtype}")
+    if not mirror.is_contiguous() or mirror.data_ptr() % 16:
+        raise GroupInputError(f"group {name}: the mirror tensor must be contiguous and 16-byte aligned")
 
 
 def precompile(template: GroupTemplate, problem: GroupProblem, points: list[dict[str, Any]]) -> None:

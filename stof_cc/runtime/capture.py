@@ -1,7 +1,8 @@
 """A compiled variant as CUDA graphs: captured once, replayed every call, in pieces around the
 steps a graph must not hold.
 
-Those steps are collectives (the all-reduce of a tensor-parallel rank's graph). NCCL can run
+Those steps are NCCL's collectives (the all-reduce of a tensor-parallel rank's graph; one taken by
+mirrored GEMM stores, runtime/peer_exchange.py, is a barrier and an add, captured). NCCL can run
 inside a captured graph, but a communicator that a live graph captured cannot be destroyed:
 `torch.distributed.destroy_process_group()` then hangs for ever (pytorch/pytorch#115388; it hung
 here on two H100s). So the steps between collectives are captured as graphs that share one

@@ -54,6 +54,7 @@ from stof_cc.passes.attention import added_biases, attention_arguments, is_bias
 from stof_cc.passes.canonicalize import mutating_nodes
 from stof_cc.passes.fusion import FusionGroup, FusionPlan
 from stof_cc.passes.lower import converted_dtypes
+from stof_cc.runtime import peer_exchange
 from stof_cc.runtime.attention import attention
 from stof_cc.runtime.build import build_groups, check_build_dir
 from stof_cc.runtime.capture import capture
@@ -90,6 +91,8 @@ class Step:
     swamped: torch.dtype | None = None  # attention steps: the chain's scores' dtype, where -huge added scores swamp a row
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
     in_place: tuple[str, ...] = ()  # torch steps: all-reduces run in place on their dying input (collectives.py)
+    mirror: tuple[Any, int] | None = None  # kernel steps: (PeerExchange, slot) the GEMM also stores into (peer_exchange.py)
+    exchanged: dict[str, tuple[Any, int]] = field(default_factory=dict)  # torch steps: all-reduces by peer stores
 
     def writes(self) -> set[str]:
         """The values this step leaves for later steps: a kernel its one output, any other
@@ -284,7 +287,7 @@ class CompiledModule:
                     for name in variant.dies_after[index]:
                         values.pop(name, None)
 
-                eager = [any(is_collective(variant.graph.node(n)) for n in step.group.nodes) for step in variant.steps]
+                eager = [_outside_graphs(variant.graph, step) for step in variant.steps]
                 run = capture(eager, run_step, env, side)
                 torch.cuda.current_stream().wait_stream(side)
                 outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
@@ -340,6 +343,8 @@ class CompiledModule:
         fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
         for step, dying in zip(steps, dies_after, strict=True):
             step.in_place = in_place_all_reduces(graph, step.group.nodes, dying, fresh)
+        if gpu and peer_exchange.all_reduce_nodes(graph):  # a tensor-parallel rank's, agreed with the other rank
+            peer_exchange.attach(graph, steps, _first_device((args, kwargs)))
         return Variant(graph, plan, steps, dies_after, gpu=gpu, mutates=bool(mutating))
 
     def steps(self, graph: Graph, plan: FusionPlan, gpu: bool, why_not: str = "inputs on the CPU",
@@ -472,7 +477,12 @@ class CompiledModule:
     # -- running ----------------------------------------------------------------------------------
     def _run(self, graph: Graph, step: Step, env: dict[str, Any], device: torch.device) -> None:
         if step.kind == "kernel":
-            env[step.kernel[1].output] = step.launch(env)  # the problem's output: found once, at compile
+            problem = step.kernel[1]
+            if step.mirror is None:
+                env[problem.output] = step.launch(env)  # the problem's output: found once, at compile
+            else:  # a GEMM before an all-reduce by peer stores also stores its output into the peer's slot
+                exchange, slot = step.mirror
+                env[problem.output] = step.launch(env, exchange.peer_slot(slot, problem.shape, problem.dtype))
             return
         for name in step.group.nodes:
             if step.kind == "attention" and name == step.group.anchor:
@@ -480,6 +490,10 @@ class CompiledModule:
                 continue
             if name in step.rotary:
                 env[name] = rotary(*(env[r.name] for r in graph.node(name).args))
+                continue
+            if name in step.exchanged:  # its GEMM stored this rank's partial into the peer's slot too
+                exchange, slot = step.exchanged[name]
+                env[name] = exchange.finish(slot, env[graph.node(name).args[0].name])
                 continue
             if name in step.in_place:
                 env[name] = all_reduce_in_place(graph, name, env)
@@ -692,6 +706,10 @@ def _on_gpu(tree: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.is_cuda for t in pytree.tree_leaves(tree))
 
 
+def _first_device(tree: Any) -> torch.device:
+    return next(t.device for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
 def _devices(tree: Any) -> str:
     return ", ".join(sorted({str(t.device) for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)}))
 
@@ -742,6 +760,19 @@ def _running_kernels(steps: list[Step], gpu: bool) -> dict[str, tuple | str]:
         elif step.kind == "library" or (gpu and step.kind == "torch"):
             running[step.group.name] = f"{step.kind}: {step.note}"
     return running
+
+
+def _outside_graphs(graph: Graph, step: Step) -> bool:
+    """Whether ``step`` runs between the CUDA graphs: it holds a collective that NCCL runs (an
+    all-reduce by peer stores, and the wait on its value, run inside them)."""
+    for name in step.group.nodes:
+        node = graph.node(name)
+        if not is_collective(node) or name in step.exchanged:
+            continue
+        if "wait_tensor" in str(node.target) and isinstance(node.args[0], Ref) and node.args[0].name in step.exchanged:
+            continue
+        return True
+    return False
 
 
 def _load_kernels(steps: list[Step]) -> None:

@@ -33,6 +33,7 @@ from stof_cc.codegen import Chain, NotFusable, NotItsPattern
 from stof_cc.ir.graph import Graph, Node, Ref
 from stof_cc.passes.fusion import FusionGroup
 from stof_cc.templates.group import (
+    MIRROR_MAP,
     OUTPUT_MAP,
     GroupProblem,
     GroupTemplate,
@@ -76,6 +77,7 @@ class GemmDetails:
     paired_store: bool  # columns (c, c + 1), c even, adjacent and pair-aligned in the output
     store_index: str = ROW_MAJOR_STORE  # C++ computing ``out_index`` of element (row, col)
     tma_store: bool = False  # the output leaves through staging tiles and TMA stores
+    mirror: bool = False  # each box also stored into a peer GPU's buffer (`mirrored`; runtime/peer_exchange.py)
 
 
 Problem = GroupProblem[GemmDetails]
@@ -144,12 +146,14 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
         maps = [(0, params["block_m"], 64), (1, params["block_n"] // _multicast(params), 64)]
         if problem.details.tma_store:
             maps.append((OUTPUT_MAP, _rows_per_warpgroup(params), 64))
+        if problem.details.mirror:
+            maps.append((MIRROR_MAP, _rows_per_warpgroup(params), 64))
         if problem.details.staged is not None:
             maps.append((problem.details.staged, _rows_per_warpgroup(params), 64))
         return maps
 
     def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
-        return f"stof_gemm_{point_tag(params)}"
+        return f"stof_gemm_{point_tag(params)}" + ("_mirror" if problem.details.mirror else "")
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         """The details' fields, the register split, the consumer warpgroups per CTA and the
@@ -170,6 +174,16 @@ class GemmEpilogueTemplate(GroupTemplate[GemmDetails]):
     @staticmethod
     def shared_bytes(problem: Problem, params: dict[str, Any]) -> int:
         return _shared_bytes(params, staging_boxes(problem.details, params) if problem.details.tma_store else 0)
+
+
+def mirrored(problem: Problem) -> Problem:
+    """``problem`` with every output box stored twice: into the output, and through a second tensor map
+    (`MIRROR_MAP`, the launcher's ``mirror`` tensor) into another GPU's buffer of the output's shape. The
+    all-reduce of two tensor-parallel ranks then moves nothing after the GEMM (runtime/peer_exchange.py).
+    Only outputs that leave through TMA stores can (row-major, fp16 or bf16)."""
+    if not problem.details.tma_store:
+        raise NotFusable("only a GEMM whose output leaves through TMA stores (row-major fp16 or bf16) mirrors it")
+    return problem.with_operands(problem.operands, replace(problem.details, mirror=True))
 
 
 def _stage_counts(problem: Problem, schedule: str, block_m: int, block_n: int) -> list[int]:
@@ -233,10 +247,12 @@ def staging_boxes(details: GemmDetails, params: dict[str, Any]) -> int:
     128 x 256 tile gets four instead of three: docs/decisions.md#staging-ring). A staged operand
     takes the whole tile where that fits beside the point's stages (all its boxes requested under
     the products), else the ring too (later boxes requested as the stores free their slots:
-    docs/decisions.md#staged-residual-ring); stage 2 measures both forms, as 3 and 4 stages."""
+    docs/decisions.md#staged-residual-ring); stage 2 measures both forms, as 3 and 4 stages. A mirrored
+    output (`mirrored`) takes the whole tile where it fits too: its second stores cross NVLink, slower to
+    read a box than the local ones, and a ring of two held the epilogue on them."""
     ring = min(2, params["block_n"] // 64)
     whole = params["block_n"] // 64
-    if details.staged is not None and _shared_bytes(params, whole) <= SMEM_LIMIT:
+    if (details.staged is not None or details.mirror) and _shared_bytes(params, whole) <= SMEM_LIMIT:
         return whole
     return ring
 

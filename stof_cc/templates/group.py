@@ -243,6 +243,7 @@ def _check_launch(template: GroupTemplate, launch: Launch, params: dict[str, Any
 
 
 OUTPUT_MAP = -1  # `tensor_maps` index of the group's output tensor
+MIRROR_MAP = -2  # `tensor_maps` index of a peer GPU's copy of the output (gemm_epilogue's `mirrored`)
 
 
 def kernel_operand(graph: Graph, ref: str, name: str, access: Access, any_dtype: bool = False) -> KernelOperand:
