@@ -86,6 +86,49 @@ def test_consecutive_exchanges_never_share_a_slot_within_a_call_or_across_calls(
         assert all(a != b for a, b in zip(order[:-1], order[1:], strict=True)), order
 
 
+def test_exchanges_whose_gemms_run_before_the_all_reduce_before_them_keep_nccl():
+    from stof_cc.runtime.peer_exchange import Candidate, in_turn
+
+    # steps: GEMM a (0), GEMM b (1), all-reduce a (2), all-reduce b (3), GEMM c (4), all-reduce c (5)
+    a, b, c = Candidate("a", "0", 0, 2), Candidate("b", "0", 1, 3), Candidate("c", "0", 4, 5)
+    assert [x.node for x in in_turn([c, b, a])] == ["a", "c"]  # b's GEMM would write a slot a's add still reads
+
+
+def test_the_wait_on_an_exchanged_all_reduce_runs_inside_the_graphs_even_in_a_step_of_its_own():
+    from types import SimpleNamespace
+
+    from stof_cc.ir.graph import Ref
+    from stof_cc.runtime.collectives import ALL_REDUCE
+    from stof_cc.runtime.compiled import _outside_graphs
+
+    nodes = {"ar": SimpleNamespace(op="opaque", target=ALL_REDUCE, args=(Ref("y"), "sum", "0")),
+             "wait": SimpleNamespace(op="opaque", target="_c10d_functional.wait_tensor.default", args=(Ref("ar"),)),
+             "ar2": SimpleNamespace(op="opaque", target=ALL_REDUCE, args=(Ref("z"), "sum", "0")),
+             "wait2": SimpleNamespace(op="opaque", target="_c10d_functional.wait_tensor.default", args=(Ref("ar2"),))}
+    graph = SimpleNamespace(node=nodes.__getitem__)
+    steps = [SimpleNamespace(group=SimpleNamespace(nodes=[name])) for name in nodes]
+    assert [_outside_graphs(graph, step, {"ar"}) for step in steps] == [False, False, True, True]
+
+
+def test_a_graph_compiled_again_on_one_rank_takes_its_first_plan_or_says_why_it_cannot(monkeypatch):
+    from types import SimpleNamespace
+
+    from stof_cc.runtime import peer_exchange
+    from stof_cc.runtime.collectives import ALL_REDUCE
+
+    node = SimpleNamespace(name="ar", op="opaque", target=ALL_REDUCE, args=(None, "sum", "g"), spec="f16[8, 8]")
+    graph = SimpleNamespace(name="dynamo_graph_7", nodes=lambda: [node], node=lambda name: node)
+    monkeypatch.setattr(peer_exchange, "_group_size", lambda group_name: 2)
+    monkeypatch.setattr(peer_exchange, "_mirrored_here", lambda *args: {})  # its GEMM is cuBLAS's now
+    monkeypatch.setattr(peer_exchange, "agreed", lambda *args: pytest.fail("asked the other rank again"))
+    key = ("dynamo_graph_7", "g", (("ar", "f16[8, 8]"),))
+    monkeypatch.setitem(peer_exchange._PLANS, key, (("ar",), None))
+    with pytest.raises(RuntimeError, match="compiled again on this rank.*STOF_CC_PEER_EXCHANGE=0"):
+        peer_exchange.attach(graph, [], torch.device("cpu"))
+    monkeypatch.setitem(peer_exchange._PLANS, key, ((), None))  # nothing was taken: nothing to ask
+    assert peer_exchange.attach(graph, [], torch.device("cpu")) is None
+
+
 AGREEMENT = textwrap.dedent('''
     import sys
     import torch, torch.distributed as dist
@@ -99,9 +142,8 @@ AGREEMENT = textwrap.dedent('''
     nodes = {n: SimpleNamespace(name=n, op="opaque", target=ALL_REDUCE, args=(None, "sum", group)) for n in names}
     graph = SimpleNamespace(nodes=lambda: list(nodes.values()), node=nodes.__getitem__)
     mine = {"ar_a", "ar_b", "ar_c"} if rank == 0 else {"ar_a", "ar_c"}  # rank 1's ar_b: a cuBLAS GEMM, say
-    peer_exchange.candidate = lambda graph, name, steps: (
-        peer_exchange.Candidate(name, group, 0, 1) if name in mine else None)
-    found = [c.node for c in peer_exchange.agreed(graph, [], torch.device("cpu"))]
+    candidates = {n: peer_exchange.Candidate(n, group, 0, 1) if n in mine else None for n in names}
+    found = peer_exchange.agreed(peer_exchange.all_reduce_nodes(graph), candidates, group, torch.device("cpu"))
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as out:
         out.write(repr(found))
     dist.barrier()

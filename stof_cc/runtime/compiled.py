@@ -287,7 +287,8 @@ class CompiledModule:
                     for name in variant.dies_after[index]:
                         values.pop(name, None)
 
-                eager = [_outside_graphs(variant.graph, step) for step in variant.steps]
+                exchanged = {name for step in variant.steps for name in step.exchanged}
+                eager = [_outside_graphs(variant.graph, step, exchanged) for step in variant.steps]
                 run = capture(eager, run_step, env, side)
                 torch.cuda.current_stream().wait_stream(side)
                 outputs = [env[r.name] if isinstance(r, Ref) else r for r in variant.graph.outputs]
@@ -336,15 +337,15 @@ class CompiledModule:
         mutating = mutating_nodes(graph)
         steps = self.steps(graph, plan, gpu, why_not=NO_PYCUDA if on_gpu else "inputs on the CPU", mutating=mutating)
         _load_kernels(steps)  # a kernel that does not compile becomes a torch step, which reads otherwise
-        if self.build_dir is not None:  # what the steps run: tuned and spill-free points, the adopted attention picks
-            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask,
-                         running=_running_kernels(steps, gpu))
         dies_after = _lifetimes(graph, steps)
         fresh = {step.kernel[1].output for step in steps if step.kind == "kernel"}
         for step, dying in zip(steps, dies_after, strict=True):
             step.in_place = in_place_all_reduces(graph, step.group.nodes, dying, fresh)
         if gpu and peer_exchange.all_reduce_nodes(graph):  # a tensor-parallel rank's, agreed with the other rank
             peer_exchange.attach(graph, steps, _first_device((args, kwargs)))
+        if self.build_dir is not None:  # what the steps run: tuned and spill-free points, the adopted attention
+            build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask,
+                         running=_running_kernels(steps, gpu))  # picks, the mirrored GEMMs
         return Variant(graph, plan, steps, dies_after, gpu=gpu, mutates=bool(mutating))
 
     def steps(self, graph: Graph, plan: FusionPlan, gpu: bool, why_not: str = "inputs on the CPU",
@@ -707,7 +708,9 @@ def _on_gpu(tree: Any) -> bool:
 
 
 def _first_device(tree: Any) -> torch.device:
-    return next(t.device for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor))
+    """The first CUDA tensor's device, else the first tensor's."""
+    tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return next((t.device for t in tensors if t.is_cuda), tensors[0].device)
 
 
 def _devices(tree: Any) -> str:
@@ -762,14 +765,15 @@ def _running_kernels(steps: list[Step], gpu: bool) -> dict[str, tuple | str]:
     return running
 
 
-def _outside_graphs(graph: Graph, step: Step) -> bool:
-    """Whether ``step`` runs between the CUDA graphs: it holds a collective that NCCL runs (an
-    all-reduce by peer stores, and the wait on its value, run inside them)."""
+def _outside_graphs(graph: Graph, step: Step, exchanged: set[str]) -> bool:
+    """Whether ``step`` runs between the CUDA graphs: it holds a collective that NCCL runs. The
+    variant's all-reduces by peer stores (``exchanged``), and the waits on their values (a step of
+    their own in a tensor-parallel plan: found by review), run inside them."""
     for name in step.group.nodes:
         node = graph.node(name)
-        if not is_collective(node) or name in step.exchanged:
+        if not is_collective(node) or name in exchanged:
             continue
-        if "wait_tensor" in str(node.target) and isinstance(node.args[0], Ref) and node.args[0].name in step.exchanged:
+        if "wait_tensor" in str(node.target) and isinstance(node.args[0], Ref) and node.args[0].name in exchanged:
             continue
         return True
     return False

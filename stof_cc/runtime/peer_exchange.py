@@ -10,10 +10,14 @@ that 64 MB output took 250-290 us after the GEMM (docs/decisions.md#mirrored-gem
 steps hold no NCCL call, so CUDA graphs capture them with the rest (runtime/capture.py).
 
 Every rank must take the same road at every all-reduce, or one waits for ever: the plan is agreed
-over the all-reduce's own group (a MIN all-reduce of every rank's flags, at compile time) before
-any buffer is made. Taken only where every rank can: a group of two ranks (at W ranks the GEMM
-would store W times), a sum in fp16 or bf16, an all-reduce that runs in place on a generated
-GEMM's output stored by TMA, and ``STOF_CC_PEER_EXCHANGE`` not "0". Anything else keeps NCCL.
+over the group of the graph's all-reduces (the first one's; all-reduces over another group keep
+NCCL) by a MIN all-reduce of every rank's flags at the graph's first compile, after the mirrored
+kernels compiled and loaded, before any buffer is made; a compile of the same graph again takes
+that plan without asking (`attach`). Taken only where every rank can: a group of two ranks (at W
+ranks the GEMM would store W - 1 times), a sum in fp16 or bf16, an all-reduce that runs in place on
+a generated GEMM's output stored by TMA, and ``STOF_CC_PEER_EXCHANGE`` not "0". Anything else
+keeps NCCL. Each graph holds two or three slots of its largest all-reduced output in symmetric
+memory (128 MB at Llama-70B's TP = 2 layer, S = 4096).
 
 The receive slots alternate (two, or three for an odd count so that a call's last and the next
 call's first differ): the peer writes slot s during its GEMM, which starts after the barrier of
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,20 +132,14 @@ def _group_size(group_name: str) -> int:
         return 0
 
 
-def agreed(graph: Graph, steps: list[Any], device: torch.device) -> list[Candidate]:
-    """The all-reduces every rank of their group runs by peer stores: this rank's candidates, kept
-    where every rank has the same one (a MIN all-reduce of flags over the group, on ``device``: the
-    group's backend must take it; the graphs' all-reduce counts are compared first). A collective call
-    on every rank, at compile time."""
+def agreed(names: list[str], found: dict[str, Candidate | None], group_name: str,
+           device: torch.device) -> list[str]:
+    """The all-reduces of ``names`` (the graph's, in order) that every rank of ``group_name`` runs by
+    peer stores: those where every rank has a candidate in ``found`` (a MIN all-reduce of flags over the
+    group, on ``device``: the group's backend must take it; the graphs' all-reduce counts are compared
+    first). A collective call on every rank, at compile time."""
     import torch.distributed as dist
 
-    names = all_reduce_nodes(graph)
-    if not names:
-        return []
-    group_name = graph.node(names[0]).args[2]  # the same on every rank: the agreement's group
-    if not isinstance(group_name, str) or _group_size(group_name) != 2:
-        return []  # not a two-rank group: every rank sees the same, so none asks the others
-    found = {name: candidate(graph, name, steps) for name in names}
     process_group = dist.distributed_c10d._resolve_process_group(group_name)
 
     def everyone(values: list[int]) -> list[int]:
@@ -152,8 +151,8 @@ def agreed(graph: Graph, steps: list[Any], device: torch.device) -> list[Candida
     if count != -minus_count:  # another rank's graph holds other all-reduces: every rank sees it
         return []
     switched_on = os.environ.get(SWITCH, "1") != "0" and _symmetric_memory_here()
-    flags = everyone([int(switched_on and found[n] is not None and found[n].group_name == group_name) for n in names])
-    return [found[name] for name, flag in zip(names, flags, strict=True) if flag]
+    flags = everyone([int(switched_on and found.get(name) is not None) for name in names])
+    return [name for name, flag in zip(names, flags, strict=True) if flag]
 
 
 def _symmetric_memory_here() -> bool:
@@ -165,31 +164,84 @@ def _symmetric_memory_here() -> bool:
 
 
 def attach(graph: Graph, steps: list[Any], device: torch.device) -> PeerExchange | None:
-    """Run the `agreed` all-reduces by peer stores: each one's GEMM step mirrored (compiled again) and
-    told its slot (``step.mirror``), each all-reduce step given it (``step.exchanged``); None where no
-    all-reduce is taken. A collective call on every rank of the group, at compile time."""
+    """Run the all-reduces that every rank can by peer stores: each one's GEMM step mirrored and told its
+    slot (``step.mirror``), each all-reduce step given it (``step.exchanged``); None where none is taken.
+    The mirrored kernels are compiled and loaded before the ranks agree, so a failure here keeps NCCL on
+    every rank. The first compile of a graph asks every rank of the group (collective calls); a graph
+    compiled again (new weights, a hook, ``refresh()``) on one rank only takes its first plan and slots
+    without asking, and raises where that plan no longer fits its steps: asking would pair with the
+    other rank's next all-reduce, or wait for ever."""
+    names = all_reduce_nodes(graph)
+    group_name = graph.node(names[0]).args[2] if names else None  # the same on every rank: the agreement's
+    if not isinstance(group_name, str) or _group_size(group_name) != 2:
+        return None  # not a two-rank group: every rank sees the same, so none asks the others
+    ready = _mirrored_here(graph, names, group_name, steps)
+    key = (graph.name, group_name, tuple((name, str(graph.node(name).spec)) for name in names))
+    if key in _PLANS:
+        taken, exchange = _PLANS[key]
+        missing = [name for name in taken if name not in ready]
+        if missing:
+            raise RuntimeError(f"stof_cc: graph {graph.name} compiled again on this rank, and the all-reduce(s) "
+                               f"{', '.join('%' + n for n in missing)} that every rank agreed to run by peer stores "
+                               "can no longer (their GEMM is not a generated kernel now); recompile on every rank "
+                               f"together in a new process, or set {SWITCH}=0")
+    else:
+        taken = tuple(agreed(names, {name: entry[0] for name, entry in ready.items()}, group_name, device))
+        exchange = None
+        if taken:
+            outputs = [steps[ready[name][0].kernel_step].kernel[1] for name in taken]
+            exchange = PeerExchange.create(group_name, len(taken),
+                                           max(math.prod(p.shape) * p.dtype.itemsize for p in outputs), device)
+        _PLANS[key] = (taken, exchange)
+    for index, name in enumerate(taken):
+        (c, kernel, launch), slot = ready[name], exchange.slot_of(index, len(taken))
+        kernel_step, reduce_step = steps[c.kernel_step], steps[c.reduce_step]
+        kernel_step.kernel, kernel_step.launch, kernel_step.mirror = kernel, launch, (exchange, slot)
+        kernel_step.note += f"; also stores its output into the other rank's slot {slot} (%{name} by peer stores)"
+        reduce_step.exchanged[name] = (exchange, slot)
+        reduce_step.note += f"; %{name}: the peer's partial, stored by its GEMM, added (slot {slot}), no NCCL"
+    return exchange
+
+
+def in_turn(found: list[Candidate]) -> list[Candidate]:
+    """``found`` in step order, each kept where its GEMM comes after the step of the all-reduce kept
+    before it: the slots' alternation rests on a barrier between one exchange's add and the peer's
+    next mirrored GEMM, which two GEMMs before their all-reduces would not have (found by review)."""
+    kept, last_reduce = [], -1
+    for c in sorted(found, key=lambda c: c.reduce_step):
+        if c.kernel_step > last_reduce:
+            kept.append(c)
+            last_reduce = c.reduce_step
+    return kept
+
+
+# The plan each graph's first compile agreed (`attach`), by graph name, group and all-reduces
+_PLANS: dict[tuple, tuple[tuple[str, ...], PeerExchange | None]] = {}
+
+
+def _mirrored_here(graph: Graph, names: list[str], group_name: str, steps: list[Any]) -> dict[str, tuple]:
+    """This rank's candidates over ``group_name`` whose mirrored GEMM compiled and loaded: name ->
+    (`Candidate`, the mirrored kernel (template, problem, params), its `GroupLaunch`). In step order, each GEMM after the step of the all-reduce before
+    (the slots' alternation rests on it: two GEMMs before their all-reduces would let the peer write a
+    slot this rank still reads)."""
     from stof_cc.backends.group_launch import GroupLaunch
     from stof_cc.backends.nvcc import compile_many
     from stof_cc.backends.pycuda_backend import device_arch
     from stof_cc.templates.gemm_epilogue import mirrored
 
-    taken = sorted(agreed(graph, steps, device), key=lambda c: c.reduce_step)
-    if not taken:
-        return None
-    outputs = [steps[c.kernel_step].kernel[1] for c in taken]
-    exchange = PeerExchange.create(taken[0].group_name, len(taken), max(math.prod(p.shape) * p.dtype.itemsize for p in outputs),
-                                   device)
+    found = [c for c in (candidate(graph, name, steps) for name in names) if c is not None and c.group_name == group_name]
+    ordered = in_turn(found)
     kernels = [(template, mirrored(problem), params)
-               for template, problem, params in (steps[c.kernel_step].kernel for c in taken)]
+               for template, problem, params in (steps[c.kernel_step].kernel for c in ordered)]
     arch = device_arch()
     errors = compile_many([(t.render(p, params), arch + t.arch_features) for t, p, params in kernels])
-    if any(errors):  # every rank compiles the same sources: none takes a road the others do not
-        raise RuntimeError(f"stof_cc: a mirrored GEMM did not compile: {next(e for e in errors if e).splitlines()[0]}")
-    for index, (c, kernel) in enumerate(zip(taken, kernels, strict=True)):
-        slot = exchange.slot_of(index, len(taken))
-        kernel_step, reduce_step = steps[c.kernel_step], steps[c.reduce_step]
-        kernel_step.kernel, kernel_step.launch, kernel_step.mirror = kernel, GroupLaunch(*kernel), (exchange, slot)
-        kernel_step.note += f"; also stores its output into the other rank's slot {slot} (%{c.node} by peer stores)"
-        reduce_step.exchanged[c.node] = (exchange, slot)
-        reduce_step.note += f"; %{c.node}: the peer's partial, stored by its GEMM, added (slot {slot}), no NCCL"
-    return exchange
+    ready = {}
+    for c, kernel, error in zip(ordered, kernels, errors, strict=True):
+        try:
+            if error:
+                raise RuntimeError(error.splitlines()[0])
+            ready[c.node] = (c, kernel, GroupLaunch(*kernel))
+        except Exception as why:  # noqa: BLE001 (NCCL keeps this all-reduce, on every rank: `attach` agrees after)
+            warnings.warn(f"stof_cc: the mirrored GEMM before %{c.node} did not compile or load ({why}); that "
+                          "all-reduce runs in NCCL", stacklevel=2)
+    return ready
