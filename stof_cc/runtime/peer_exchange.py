@@ -43,7 +43,8 @@ SLOT_ALIGN = 1024  # bytes: every slot starts at a TMA-aligned address
 
 @dataclass
 class PeerExchange:
-    """One variant's receive slots in symmetric memory, rendezvoused over a group of two ranks."""
+    """One graph's receive slots in symmetric memory, rendezvoused over a group of two ranks (kept for
+    the process: a compile of the graph again takes them, `attach`)."""
 
     group_name: str
     slots: int
