@@ -299,7 +299,10 @@ def _cmd_cache(args: argparse.Namespace) -> int:
                                      "never writes into: clear it with that version, or name another file")
     if args.action == "clear":
         db = TuningDatabase(path)  # a damaged file is moved aside first, and the warning says where
-        print(f"{db.path}: removed {db.clear()} record(s)")
+        removed = db.clear()
+        if removed is None:  # read-only or locked: it said "removed 0" and exited 0 (found by review)
+            raise TuningDatabaseError(f"{db.path} ({origin}): nothing was cleared (the warning above says why)")
+        print(f"{db.path}: removed {removed} record(s)")
         return 0
     if damaged is None:
         db = TuningDatabase(path, read_only=True)  # a listing creates, moves and writes nothing

@@ -23,6 +23,7 @@ from stof_cc.backends.nvcc import (
     compile_cubin,
     compile_many,
 )
+from stof_cc.ir import paths
 
 KERNEL = 'extern "C" __global__ void k(float* x) { x[threadIdx.x] += 1.0f; }\n'
 OTHER = 'extern "C" __global__ void k2(float* x) { x[threadIdx.x] *= 2.0f; }\n'
@@ -165,7 +166,7 @@ def test_a_file_system_that_refuses_locks_still_compiles_and_serves(cache, nvcc_
     def no_locks(handle, mode):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(nvcc.fcntl, "flock", no_locks)
+    monkeypatch.setattr(paths.fcntl, "flock", no_locks)  # the folder lock's (ir/paths.py)
     assert compile_cubin(KERNEL).cubin.startswith(b"\x7fELF") and len(nvcc_runs) == 1  # served from the cache
     assert compile_many([(OTHER, "sm_90")]) == [""] and len(nvcc_runs) == 2
 

@@ -366,7 +366,7 @@ def test_a_read_only_database_is_read_and_never_written(tmp_path: Path, monkeypa
     assert [str(w.message) for w in caught] == [
         f"tuning database {path} is read-only; the record was not saved (it will be measured again next time)"]
     with pytest.warns(TuningDatabaseWarning, match="is read-only; nothing was cleared"):
-        assert db.clear() == 0
+        assert db.clear() is None  # not "0 removed": the CLI then says nothing was cleared
     assert db.lookup(ELEMENTWISE, "other", H100) is None and db.lookup(ELEMENTWISE, "sig", H100).micros == 2.0
     if what == "folder":  # nothing created in it: no -shm, no -wal, nothing moved aside
         assert sorted(p.name for p in folder.iterdir()) == before
@@ -556,3 +556,67 @@ def test_cache_clear_touches_only_a_tuning_database(tmp_path: Path, capsys, case
     else:
         assert code == 2 and captured.err.startswith(f"stof-cc: error: {message}; ") and "move it aside" in captured.err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_cache_clear_of_a_read_only_database_fails_and_says_so(tmp_path: Path, monkeypatch, capsys):
+    """It printed "removed 0 record(s)" and exited 0, the record still there (found by review)."""
+    from stof_cc.cli import main
+
+    path = tmp_path / "t.sqlite"
+    db = TuningDatabase(path)
+    db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    db.close()
+    _make_read_only(monkeypatch, path)
+    with pytest.warns(TuningDatabaseWarning, match="read-only; nothing was cleared"):
+        assert main(["cache", "clear", "--db", str(path)]) == 2
+    assert "nothing was cleared" in capsys.readouterr().err
+    assert TuningDatabase(path, read_only=True).lookup(ELEMENTWISE, "sig", H100).micros == 2.0
+
+
+def test_a_corrupt_row_read_earlier_never_removes_the_good_record_stored_under_its_key_since(tmp_path: Path):
+    """A rank read a corrupt row, another stored a good record under the same key, then the first removed
+    every row of the key: the good record was lost (found by review)."""
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    (good,) = db._db.execute("SELECT * FROM records").fetchall()
+    read_before = (good[0], good[1], good[2], good[3], "{not json", good[5], good[6], good[7])
+    with pytest.warns(TuningDatabaseWarning, match="is corrupt"):
+        assert db._trusted(read_before) is None
+    assert db.lookup(ELEMENTWISE, "sig", H100).micros == 2.0
+
+
+def test_a_record_whose_parameters_nest_too_deeply_is_skipped_not_a_crash(tmp_path: Path):
+    db = TuningDatabase(tmp_path / "t.sqlite")
+    db.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    db._db.execute("UPDATE records SET params = ?", ("[" * 100000 + "]" * 100000,))
+    with pytest.warns(TuningDatabaseWarning, match="nest too deeply"):
+        assert db.lookup(ELEMENTWISE, "sig", H100) is None
+
+
+def test_a_file_moved_aside_while_this_process_opened_it_is_not_taken_for_the_fresh_one(tmp_path: Path, monkeypatch):
+    """A rank opened the damaged file, another moved it aside and started a fresh one before the first
+    took the file's identity: the first then moved the fresh, good file aside (found by review)."""
+    import stof_cc.tune.database as database
+
+    path = tmp_path / "t.sqlite"
+    path.write_bytes(b"not a database at all" * 100)
+    fresh = tmp_path / "fresh.sqlite"
+    seed = TuningDatabase(fresh)
+    seed.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    seed.close()  # the last connection: its -wal and -shm are gone, and the file moves alone
+    real, calls = sqlite3.connect, []
+
+    def connect_then_swap(*args, **kwargs):  # the other rank acts between this open and its stat
+        connection = real(*args, **kwargs)
+        if not calls:
+            os.replace(path, tmp_path / "t.sqlite.corrupt-0-1")
+            os.replace(fresh, path)
+        calls.append(1)
+        return connection
+
+    monkeypatch.setattr(database.sqlite3, "connect", connect_then_swap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is unreadable, nothing moved
+        db = TuningDatabase(path)
+        assert db.lookup(ELEMENTWISE, "sig", H100).micros == 2.0
+    assert len(calls) == 2 and _corrupt_files(tmp_path) == [tmp_path / "t.sqlite.corrupt-0-1"]

@@ -31,12 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from stof_cc.ir.paths import blocking_file, user_cache_root
-
-try:
-    import fcntl
-except ImportError:  # not on Linux: entries are written without the cross-process lock
-    fcntl = None
+from stof_cc.ir.paths import blocking_file, folder_lock, user_cache_root
 
 DEFAULT_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo")
 
@@ -162,7 +157,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
             source_path = _write_source(folder / f"{key}.cu", source)
         except OSError:
             source_path = _write_source(_scratch_dir() / f"{key}.cu", source)
-    with _entry_lock(folder, fcntl.LOCK_SH if fcntl else 0):
+    with folder_lock(folder, exclusive=False):
         entry = _read_entry(cubin_path, report_path)
     if entry is not None:
         return Compiled(entry[0], arch, entry[1], source_path)
@@ -181,7 +176,7 @@ def compile_cubin(source: str, arch: str = "sm_90", source_path: Path | None = N
             raise CompileError(_format_errors(source_path, source, proc.stderr))
         cubin = out.read_bytes()
     try:
-        with _entry_lock(folder, fcntl.LOCK_EX if fcntl else 0):  # another process may write this entry too
+        with folder_lock(folder, exclusive=True):  # another process may write this entry too
             _atomic_write(cubin_path, cubin)
             _atomic_write(report_path, f"{_DIGEST_LINE}{hashlib.sha256(cubin).hexdigest()}\n{proc.stderr}".encode())
     except OSError as exc:
@@ -256,28 +251,6 @@ def _write_source(path: Path, source: str) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _entry_lock(folder: Path, mode: int):
-    """A lock on the cache folder itself (no lock file), shared for reading an entry's two files
-    and exclusive for writing them, so that processes compiling the same kernel at once
-    (parallel test workers, ranks) never pair one's cubin with the other's report. No lock where
-    fcntl is missing, the folder cannot be opened or its file system refuses locks (NFS without its lock
-    daemon: ENOLCK), where the sha256 check of each entry still catches a torn pair."""
-    try:
-        handle = os.open(folder, os.O_RDONLY) if mode else None
-    except OSError:
-        handle = None
-    if handle is None:
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(handle, mode)
-        except OSError:
-            pass  # no lock here: go on without it, as where the folder cannot be opened
-        yield
-    finally:
-        os.close(handle)  # closing releases the lock
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -10,10 +10,17 @@ names its build folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Linux: no cross-process lock (`folder_lock`)
+    fcntl = None
 
 MAX_COMPONENT_BYTES = 96  # well under NAME_MAX (255), leaving room for suffixes such as ".cu"
 _UNSAFE = re.compile(r"[^\w.-]")
@@ -59,3 +66,26 @@ def user_cache_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(xdg).expanduser() if xdg else Path("~/.cache").expanduser()
     return root if root.is_absolute() else Path("~/.cache").expanduser()
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path, exclusive: bool) -> Iterator[None]:
+    """A lock on a folder itself (no lock file), shared or ``exclusive``, across processes: the
+    kernel cache's entries (read shared, written exclusive: processes compiling the same kernel at
+    once never pair one's cubin with the other's report) and a tuning database moved aside (one
+    process at a time checks and renames the file). No lock where fcntl is missing, the folder cannot
+    be opened or its file system refuses locks (NFS without its lock daemon: ENOLCK); each user
+    still checks what it reads (the cubin's sha256, the database's file identity)."""
+    try:
+        handle = os.open(folder, os.O_RDONLY) if fcntl is not None else None
+    except OSError:
+        handle = None
+    if handle is None:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # no lock here: go on without it, as where the folder cannot be opened
+            fcntl.flock(handle, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(handle)  # closing releases the lock

@@ -61,13 +61,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stof_cc.ir.paths import blocking_file, user_cache_root
+from stof_cc.ir.paths import blocking_file, folder_lock, user_cache_root
 from stof_cc.templates.registry import KernelTemplate, template_file_text
 
 if TYPE_CHECKING:
     from stof_cc.tune.library import LibraryGemm
 
 SCHEMA_VERSION = 1
+IDENTITY_TRIES = 5  # opens of a path replaced while opening it, before the last one stands (`_connect`)
 BUSY_TIMEOUT = 60.0  # seconds a write waits for another process's lock before it is skipped
 _IMPORT = re.compile(r"""\{%-?\s*(?:import|from|include|extends)\s+["']([^"']+)["']""")
 _COLUMNS = ("key", "template", "signature", "device", "params", "micros", "created", "schema")
@@ -75,6 +76,7 @@ _CREATE = ("CREATE TABLE IF NOT EXISTS records (key TEXT PRIMARY KEY, template T
            "signature TEXT NOT NULL, device TEXT NOT NULL, params TEXT NOT NULL, micros REAL NOT NULL, "
            "created REAL NOT NULL, schema INTEGER NOT NULL)")
 _SELECT = f"SELECT {', '.join(_COLUMNS)} FROM records"
+_DELETE_ROW = "DELETE FROM records WHERE " + " AND ".join(f"{column} IS ?" for column in _COLUMNS)  # one row, as read
 _INSERT = f"INSERT OR REPLACE INTO records ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 _HOW = "give a file path (`stof-cc cache --db` / `stof-cc tune --db`, or the database argument), or set STOF_CC_TUNING_DB"
 _T = TypeVar("_T")
@@ -272,6 +274,14 @@ def _trouble(exc: sqlite3.Error) -> str:
     return "other"
 
 
+def _identity(path: Path) -> os.stat_result | None:
+    """The file at ``path`` (None: none yet, SQLite creates it)."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
 def _damaged(exc: sqlite3.Error) -> bool:
     """SQLite's word for a database file whose pages do not hold together (one cut short, a
     flipped byte): not another tool's file."""
@@ -299,7 +309,10 @@ def _record(row: tuple) -> Record:
     failure = isinstance(micros, float) and micros == math.inf  # `Record.failed`
     if not ((failure or (_finite(micros) and micros > 0)) and _finite(created)):
         raise ValueError(f"time {micros!r} us, created {created!r}: not numbers")
-    parsed = json.loads(params)
+    try:
+        parsed = json.loads(params)
+    except RecursionError:  # not a ValueError: it crashed lookups (found by review)
+        raise ValueError("the parameters nest too deeply") from None
     if not isinstance(parsed, dict):
         raise ValueError("the parameters are not a dictionary")
     scalars = (str, int, float, bool, type(None))
@@ -345,17 +358,26 @@ class TuningDatabase:
             writer_open = all(os.path.exists(f"{self.path}{suffix}") for suffix in ("-wal", "-shm"))
             shared = os.access(self.path.parent, os.W_OK) and (writer_open or not self._only_reading)
             uri += "?mode=ro" if shared else "?mode=ro&immutable=1"
-        try:
-            # any thread: a compiled module called from a server's workers looks records up from them
-            # (refused with "SQLite objects created in a thread can only be used in that same thread"
-            # before); `_safely` takes turns on it
-            self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None,
-                                       check_same_thread=False)
-        except sqlite3.Error as exc:
-            raise TuningDatabaseError(f"tuning database {self.path} cannot be opened ({exc}); {_HOW}") from None
         # the file's identity: `_move_aside` moves this file only, never one put in its place, and
-        # `_reopen_if_replaced` notices when the path leads elsewhere
-        self._opened = os.stat(self.path)
+        # `_reopen_if_replaced` notices when the path leads elsewhere. Taken before and after opening,
+        # until both agree: a rank that moved a damaged file aside between this one's open and its stat
+        # gave it the fresh file's identity, and this one then moved the fresh, good file (found by review)
+        for _ in range(IDENTITY_TRIES):
+            before = _identity(self.path)
+            try:
+                # any thread: a compiled module called from a server's workers looks records up from them
+                # (refused with "SQLite objects created in a thread can only be used in that same thread"
+                # before); `_safely` takes turns on it
+                self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None,
+                                           check_same_thread=False)
+            except sqlite3.Error as exc:
+                raise TuningDatabaseError(f"tuning database {self.path} cannot be opened ({exc}); {_HOW}") from None
+            self._opened = os.stat(self.path)
+            if before is not None and os.path.samestat(before, self._opened):
+                return
+            self._db.close()
+        self._db = sqlite3.connect(uri, uri=True, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+        self._opened = os.stat(self.path)  # a path replaced under every try: the last open stands
 
     def _prepare(self) -> None:
         """WAL journaling and the table (when writable), and `_columns`' check that a ``records``
@@ -450,14 +472,17 @@ class TuningDatabase:
         be renamed, this just reopens the path."""
         self._db.close()
         aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}-{os.getpid()}")
-        with contextlib.suppress(OSError):
-            if os.path.samestat(os.stat(self.path), self._opened):
-                for suffix in ("", "-wal", "-shm"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
-                warnings.warn(f"tuning database {self.path} is unreadable ({exc}); moved to {aside}, starting empty",
-                              TuningDatabaseWarning, stacklevel=4)
-        self._connect()
+        # one process at a time checks, renames and opens the fresh file: between another's check and its
+        # rename, this one's fresh file could otherwise be what it moves
+        with folder_lock(self.path.parent, exclusive=True):
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.stat(self.path), self._opened):
+                    for suffix in ("", "-wal", "-shm"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+                    warnings.warn(f"tuning database {self.path} is unreadable ({exc}); moved to {aside}, starting "
+                                  "empty", TuningDatabaseWarning, stacklevel=4)
+            self._connect()
 
     def close(self) -> None:
         self._db.close()
@@ -491,7 +516,8 @@ class TuningDatabase:
             warnings.warn(f"tuning record {row[1]} / {row[2]} in {self.path} is corrupt ({exc}); ignored, it "
                           "will be measured again", TuningDatabaseWarning, stacklevel=2)
             with contextlib.suppress(sqlite3.Error):  # read-only or busy: it stays, and is ignored again
-                self._db.execute("DELETE FROM records WHERE key = ?", (row[0],))
+                # that very row: another process may have stored a good record under the key since (found by review)
+                self._db.execute(_DELETE_ROW, row)
             return None
 
     def store(self, template: KernelTemplate | LibraryGemm, signature: str, device: Device, params: dict[str, Any],
@@ -535,9 +561,10 @@ class TuningDatabase:
         rows = self._db.execute(f"{_SELECT} ORDER BY template, signature").fetchall()
         return [record for record in map(self._trusted, rows) if record is not None]
 
-    def clear(self) -> int:
-        """Forget every record; returns how many there were."""
-        return self._safely(self._delete_all, 0, "nothing was cleared")
+    def clear(self) -> int | None:
+        """Forget every record; returns how many there were, or None where nothing could be cleared
+        (read-only, locked: a warning says which)."""
+        return self._safely(self._delete_all, None, "nothing was cleared")
 
     def _delete_all(self) -> int:
         self._prepare()
