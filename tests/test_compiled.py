@@ -1069,3 +1069,11 @@ def test_a_cast_input_the_model_writes_gets_only_what_it_wrote():
     compiled(cache, x)
     assert torch.equal(cache[:, 1:], torch.full((2, 3), 1.0001))
     torch.testing.assert_close(cache[:, :1], x.half().float())
+
+
+@pytest.mark.parametrize("switch", ["tune", "cuda_graphs"])
+def test_compile_refuses_a_switch_that_is_not_a_bool(switch):
+    """tune="no" is true in Python: it turned on what it asked to turn off, where stof_cc.backend refused it
+    (found by a newcomer review)."""
+    with pytest.raises(TypeError, match=f"stof_cc.compile: {switch} must be True or False, got 'no'"):
+        stof_cc.compile(torch.nn.Linear(4, 4), (torch.randn(2, 4),), **{switch: "no"})

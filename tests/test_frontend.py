@@ -211,3 +211,27 @@ def test_a_failed_trace_prints_no_partial_graph(capsys):
     with pytest.raises(TraceError, match="could not trace _Branches"):
         trace(_Branches(), (torch.randn(4),))
     assert "def forward" not in capsys.readouterr().err
+
+
+def test_use_cache_false_is_told_to_be_left_out_not_wrapped():
+    """The most natural keyword for a HuggingFace decoder: the message sent users off to write a wrapper
+    (found by a newcomer review)."""
+    import stof_cc
+
+    with pytest.raises(TraceError, match=r"kwargs\['use_cache'\] is False: leave it out.*switched off already"):
+        stof_cc.compile(torch.nn.Linear(4, 4), (torch.randn(2, 4),), {"use_cache": False})
+
+
+def test_a_transformer_encoder_probing_its_mask_names_torchs_line_and_what_to_pass():
+    """nn.TransformerEncoder checks a mask's values for causality inside torch: the error named no place and
+    said to make the branch static, which the user cannot (found by a newcomer review)."""
+    import stof_cc
+
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(16)
+    with pytest.raises(TraceError) as caught:
+        stof_cc.compile(encoder, (torch.randn(2, 16, 32),), {"mask": causal}, dtype=torch.float32)
+    message = str(caught.value)
+    assert "torch/nn/modules/transformer.py" in message and "(torch's own code)" in message, message
+    assert "is_causal=True" in message and "mask=stof_cc.masks.causal()" in message, message

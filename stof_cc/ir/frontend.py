@@ -149,6 +149,10 @@ def _check_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for path, leaf in leaves:
         if not isinstance(leaf, torch.Tensor):
             where = _describe_path(path)
+            if where == "kwargs['use_cache']" and leaf is False:  # the most natural keyword (found by a newcomer review)
+                raise TraceError("input kwargs['use_cache'] is False: leave it out. stof-cc traces a HuggingFace "
+                                 "model with its KV cache switched off already (docs/huggingface.md), and traces "
+                                 "tensor inputs only.")
             fix = ("Leave it out where it is the argument's default (an omitted keyword), or bind it inside "
                    "the module" if leaf is None else "Bind non-tensor arguments inside the module")
             raise TraceError(f"input {where} is a {type(leaf).__name__}; stof-cc traces tensor inputs only. {fix} "
@@ -171,13 +175,25 @@ def _explain_export_failure(module: torch.nn.Module, exc: Exception) -> str:
     """Name the failing construct (the deepest frame outside torch) and what to try."""
     message = str(exc).strip().splitlines()
     first = message[0] if message else type(exc).__name__
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _model_frame(f.filename)]
-    where = f" at {frames[-1].filename}:{frames[-1].lineno}" + (f" ({frames[-1].line})" if frames[-1].line else "") \
-        if frames else ""
+    every = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in every if _model_frame(f.filename)]
     lowered = str(exc).lower()
-    if "data-dependent" in lowered or "guardondatadependent" in lowered or "could not guard" in lowered:
+    data_dependent = "data-dependent" in lowered or "guardondatadependent" in lowered or "could not guard" in lowered
+    # a branch on values with no frame of the model's own is torch's (nn.TransformerEncoder probing whether a
+    # mask is causal): its torch.nn line is named (nothing was: found by a newcomer review)
+    inside_torch = [f for f in every if f.filename.startswith(os.path.join(_TORCH_DIR, "nn"))] \
+        if data_dependent and not frames else []
+    shown = frames[-1] if frames else inside_torch[-1] if inside_torch else None
+    where = f" at {shown.filename}:{shown.lineno}" + (f" ({shown.line})" if shown.line else "") if shown else ""
+    if inside_torch:
+        where += " (torch's own code)"
+    if data_dependent:
         hint = ("control flow or a shape depends on tensor values; make the branch static, "
                 "or express it with torch.where / torch.cond")
+        if "_detect_is_causal_mask" in "".join(f.name for f in every):  # nn.Transformer* inspects the mask
+            hint = ("nn.TransformerEncoder / nn.Transformer check whether the mask is causal by its values: pass "
+                    "is_causal=True beside a causal mask (a small nn.Module wrapper whose forward does), or give "
+                    "stof_cc.compile mask=stof_cc.masks.causal() and no mask argument")
     elif "unsupported" in lowered:
         hint = "a Python construct torch.export cannot capture; move it out of forward()"
     elif "inference tensor" in lowered:

@@ -565,6 +565,7 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     replaces a node's own static mask (causal, window, a boolean tensor), never its key padding.
     The compiled module reads ``model``'s weights (shared when already in ``dtype``) and compiles
     again when they change (runtime/weights.py says what it notices)."""
+    check_switches("stof_cc.compile", tune=tune, cuda_graphs=cuda_graphs)  # "no" is true (found by review)
     mask = _check_compile_arguments(model, example_inputs, example_kwargs, mask, dtype, build_dir, database)
     _say_what_changes(model, dtype, (example_inputs, example_kwargs))
     gpu = _gpu_kernels_available()
@@ -578,6 +579,14 @@ def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tens
     with _on_device_of(flat):
         compiled.variants[_signature(flat, spec)] = compiled._compile(args, kwargs)  # the example's, now
     return compiled
+
+
+def check_switches(where: str, **switches: Any) -> None:
+    """Each of ``switches`` True or False: a string such as "no" is true, and would turn on what it
+    asked to turn off."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
 
 
 def _check_compile_arguments(model: Any, example_inputs: Any, example_kwargs: Any, mask: Any,

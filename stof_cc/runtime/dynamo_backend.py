@@ -38,7 +38,7 @@ import torch
 
 from stof_cc.masks import MaskDescription
 from stof_cc.runtime.build import check_build_dir
-from stof_cc.runtime.compiled import CompiledModule
+from stof_cc.runtime.compiled import CompiledModule, check_switches
 from stof_cc.runtime.compiled import compile as compile_module
 from stof_cc.tune.database import check_database_argument
 
@@ -352,9 +352,7 @@ def backend(mask: MaskDescription | torch.Tensor | None = None, tune: bool = Tru
     ``fallback`` ("inductor" or "eager") runs the graphs stof-cc cannot take."""
     if fallback not in FALLBACKS:
         raise ValueError(f"stof_cc.backend: fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
-    for name, value in (("tune", tune), ("cuda_graphs", cuda_graphs)):  # a string was taken as true
-        if not isinstance(value, bool):
-            raise TypeError(f"stof_cc.backend: {name} must be True or False, got {value!r}")
+    check_switches("stof_cc.backend", tune=tune, cuda_graphs=cuda_graphs)  # a string was taken as true
     if mask is not None and not isinstance(mask, (MaskDescription, torch.Tensor)):
         raise TypeError(f"stof_cc.backend: mask must be a stof_cc.masks description, a bool tensor or None, "
                         f"got {type(mask).__name__}")
