@@ -620,3 +620,24 @@ def test_a_file_moved_aside_while_this_process_opened_it_is_not_taken_for_the_fr
         db = TuningDatabase(path)
         assert db.lookup(ELEMENTWISE, "sig", H100).micros == 2.0
     assert len(calls) == 2 and _corrupt_files(tmp_path) == [tmp_path / "t.sqlite.corrupt-0-1"]
+
+
+def test_a_listing_opened_before_a_writer_changed_the_file_reads_it_again_not_damaged(tmp_path: Path):
+    """A listing opens a file no writer has open immutable; a rank then wrote and checkpointed, the listing read
+    pages of two versions, called the healthy file damaged and advised `cache clear` (found by review)."""
+    from stof_cc.tune.database import DamagedDatabaseError
+
+    path = tmp_path / "t.sqlite"
+    first = TuningDatabase(path)
+    first.store(ELEMENTWISE, "sig", H100, {"threads": 128, "vec": 1}, 2.0)
+    first.close()  # no writer has it open: a listing opens it immutable
+    listing = TuningDatabase(path, read_only=True)
+    writer = TuningDatabase(path)
+    for index in range(3000):
+        writer.store(ELEMENTWISE, f"sig{index}", H100, {"threads": 128, "vec": 1}, 2.0)
+    writer.close()
+    try:
+        records = listing.records(strict=True)
+    except DamagedDatabaseError as exc:
+        pytest.fail(f"a healthy file called damaged: {exc}")
+    assert len(records) == 3001

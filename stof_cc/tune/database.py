@@ -419,6 +419,14 @@ class TuningDatabase:
         if not ours:
             raise TuningDatabaseError(f"{self.path} is not a tuning database (it has no records table)")
 
+    def _written_since_opened(self) -> bool:
+        """Whether the file at the path changed (size or time) since this connection opened it."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return False
+        return (now.st_size, now.st_mtime_ns) != (self._opened.st_size, self._opened.st_mtime_ns)
+
     def _reopen_if_replaced(self) -> None:
         """Reopen the path, with a warning, when the file there is no longer the one opened
         (deleted, replaced, or moved aside by another process): records written into a file no
@@ -548,13 +556,21 @@ class TuningDatabase:
         writer moves a damaged one aside first); ``strict``: `DamagedDatabaseError` for a damaged
         file instead, as a listing says."""
         if strict:
-            try:
-                with self._turns:
-                    self._reopen_if_replaced()
-                    return self._all()
-            except sqlite3.Error as exc:
-                if _damaged(exc):
-                    raise DamagedDatabaseError(f"{self.path} is damaged ({exc})") from None
+            for _ in range(IDENTITY_TRIES):
+                try:
+                    with self._turns:
+                        self._reopen_if_replaced()
+                        return self._all()
+                except sqlite3.Error as exc:
+                    if not _damaged(exc):
+                        break
+                    if not self._written_since_opened():
+                        raise DamagedDatabaseError(f"{self.path} is damaged ({exc})") from None
+                    # opened immutable (no writer had it open), then a writer changed it: the pages read
+                    # were another version's, not damage (the listing told a healthy file to be cleared:
+                    # found by review); open it again
+                    self._db.close()
+                    self._connect()
         return self._safely(self._all, [], "no records were listed")
 
     def _all(self) -> list[Record]:
