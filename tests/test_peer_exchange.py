@@ -129,6 +129,24 @@ def test_a_graph_compiled_again_on_one_rank_takes_its_first_plan_or_says_why_it_
     assert peer_exchange.attach(graph, [], torch.device("cpu")) is None
 
 
+def test_switched_off_a_rank_compiles_no_mirrored_gemm_and_offers_none(monkeypatch):
+    from types import SimpleNamespace
+
+    from stof_cc.runtime import peer_exchange
+    from stof_cc.runtime.collectives import ALL_REDUCE
+
+    node = SimpleNamespace(name="ar", op="opaque", target=ALL_REDUCE, args=(None, "sum", "g"), spec="f16[8, 8]")
+    graph = SimpleNamespace(name="switched_off_graph", nodes=lambda: [node], node=lambda name: node)
+    offered = []
+    monkeypatch.setenv("STOF_CC_PEER_EXCHANGE", "0")
+    monkeypatch.setattr(peer_exchange, "_group_size", lambda group_name: 2)
+    monkeypatch.setattr(peer_exchange, "_mirrored_here", lambda *args: pytest.fail("compiled mirrored GEMMs"))
+    monkeypatch.setattr(peer_exchange, "agreed", lambda names, found, *args: offered.append(found) or [])
+    monkeypatch.setattr(peer_exchange, "_PLANS", {})
+    assert peer_exchange.attach(graph, [], torch.device("cpu")) is None
+    assert offered == [{}]  # it still takes part in the agreement, offering nothing: the other rank keeps NCCL too
+
+
 AGREEMENT = textwrap.dedent('''
     import sys
     import torch, torch.distributed as dist

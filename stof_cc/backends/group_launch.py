@@ -36,6 +36,7 @@ class GroupLaunch:
         self.kernel = _kernels[(name, source)]
         self.geometry = template.launch(problem, params)
         self.aligned = set(template.aligned_operands(problem, params))
+        self.mirrors = any(index == MIRROR_MAP for index, _, _ in self.maps)  # gemm_epilogue's `mirrored`
         self._encoded: dict[tuple, bytes] = {}  # (operand, address) -> tensor map: weights and reused buffers
 
     def __call__(self, values: dict[str, torch.Tensor], mirror: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,7 +50,7 @@ class GroupLaunch:
         tensors = [t.clone() if op.ref in self.aligned and t.data_ptr() % 16 else t
                    for op, t in zip(operands, tensors, strict=True)]
         out = torch.empty(self.problem.shape, dtype=self.problem.dtype, device=tensors[0].device)
-        if any(index == MIRROR_MAP for index, _, _ in self.maps):
+        if self.mirrors:
             _check_mirror(self.problem, mirror)
         elif mirror is not None:
             raise GroupInputError(f"group {self.problem.group.name}: a mirror tensor for a kernel that stores its output once")

@@ -151,8 +151,7 @@ def agreed(names: list[str], found: dict[str, Candidate | None], group_name: str
     count, minus_count = everyone([len(names), -len(names)])  # one size on every rank: the flags' length next
     if count != -minus_count:  # another rank's graph holds other all-reduces: every rank sees it
         return []
-    switched_on = os.environ.get(SWITCH, "1") != "0" and _symmetric_memory_here()
-    flags = everyone([int(switched_on and found.get(name) is not None) for name in names])
+    flags = everyone([int(found.get(name) is not None) for name in names])
     return [name for name, flag in zip(names, flags, strict=True) if flag]
 
 
@@ -176,7 +175,8 @@ def attach(graph: Graph, steps: list[Any], device: torch.device) -> PeerExchange
     group_name = graph.node(names[0]).args[2] if names else None  # the same on every rank: the agreement's
     if not isinstance(group_name, str) or _group_size(group_name) != 2:
         return None  # not a two-rank group: every rank sees the same, so none asks the others
-    ready = _mirrored_here(graph, names, group_name, steps)
+    switched_on = os.environ.get(SWITCH, "1") != "0" and _symmetric_memory_here()  # off here: none agreed
+    ready = _mirrored_here(graph, names, group_name, steps) if switched_on else {}
     key = (graph.name, group_name, tuple((name, str(graph.node(name).spec)) for name in names))
     if key in _PLANS:
         taken, exchange = _PLANS[key]
@@ -221,10 +221,8 @@ _PLANS: dict[tuple, tuple[tuple[str, ...], PeerExchange | None]] = {}
 
 
 def _mirrored_here(graph: Graph, names: list[str], group_name: str, steps: list[Any]) -> dict[str, tuple]:
-    """This rank's candidates over ``group_name`` whose mirrored GEMM compiled and loaded: name ->
-    (`Candidate`, the mirrored kernel (template, problem, params), its `GroupLaunch`). In step order, each GEMM after the step of the all-reduce before
-    (the slots' alternation rests on it: two GEMMs before their all-reduces would let the peer write a
-    slot this rank still reads)."""
+    """This rank's candidates over ``group_name``, taken `in_turn`, whose mirrored GEMM compiled and
+    loaded: name -> (`Candidate`, the mirrored kernel (template, problem, params), its `GroupLaunch`)."""
     from stof_cc.backends.group_launch import GroupLaunch
     from stof_cc.backends.nvcc import compile_many
     from stof_cc.backends.pycuda_backend import device_arch
