@@ -81,8 +81,10 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
 
 def host_ms(fn, device: torch.device, repeats: int = 10) -> tuple[float, float]:
     """(median host time of one call from an idle GPU: how long ``fn`` takes to return, which is
-    the launch work; time per call of ``repeats`` calls back to back, one synchronize at the
-    end: the host's entry hidden under the previous call's kernels, as in a serving loop)."""
+    the launch work; GPU time per call of ``2 x repeats`` calls back to back, between CUDA events
+    recorded once three calls ahead of them are queued: the host's entry hidden under the previous
+    call's kernels, as in a serving loop, and neither the first call's entry nor the ranks' skew
+    leaving the barrier counted, which a wall clock around the calls from an idle GPU did)."""
     entry = []
     for _ in range(repeats):
         dist.barrier()
@@ -93,11 +95,15 @@ def host_ms(fn, device: torch.device, repeats: int = 10) -> tuple[float, float]:
         torch.cuda.synchronize(device)
     dist.barrier()
     torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    for _ in range(repeats):
+    for _ in range(3):  # queued ahead: the GPU is busy from here on
         fn()
-    torch.cuda.synchronize(device)
-    return sorted(entry)[len(entry) // 2], (time.perf_counter() - started) * 1e3 / repeats
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(2 * repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return sorted(entry)[len(entry) // 2], start.elapsed_time(end) / (2 * repeats)
 
 
 def host_profile(fn, device: torch.device, path: str, calls: int = 10) -> None:

@@ -147,6 +147,77 @@ def test_switched_off_a_rank_compiles_no_mirrored_gemm_and_offers_none(monkeypat
     assert offered == [{}]  # it still takes part in the agreement, offering nothing: the other rank keeps NCCL too
 
 
+def _exchanged_graph(second_reader: bool = False):
+    """y (a GEMM's output, this rank's partial) all-reduced, then h = r + y and a LayerNorm of h: the
+    residual add and the norm after a row-parallel GEMM, as a tensor-parallel graph holds them. With
+    ``second_reader`` the all-reduced value is also a graph output (read outside the norm's group)."""
+    from stof_cc.ir.graph import Graph, Ref
+    from stof_cc.ir.node import Node, TensorSpec
+    from stof_cc.runtime.collectives import ALL_REDUCE
+
+    spec = TensorSpec((64, 256), torch.float16)
+    graph = Graph("tp")
+    for name in ("y", "r"):
+        graph.add_input(name, spec)
+    graph.add_constant("w", torch.randn(256).half())
+    graph.add_constant("b", torch.randn(256).half())
+    graph.add_node(Node("ar", "opaque", target=ALL_REDUCE, args=(Ref("y"), "sum", "g"), spec=spec))
+    graph.add_node(Node("wait", "opaque", target="_c10d_functional.wait_tensor.default", args=(Ref("ar"),), spec=spec))
+    graph.add_node(Node("h", "add", args=(Ref("r"), Ref("wait")), spec=spec))
+    graph.add_node(Node("out", "layer_norm", args=(Ref("h"), [256], Ref("w"), Ref("b"), 1e-5), spec=spec))
+    graph.outputs = [Ref("out")] + ([Ref("wait")] if second_reader else [])
+    return graph
+
+
+def _steps(graph):
+    """Each group of the graph as a step: a kernel (its default point) where a template takes it."""
+    from types import SimpleNamespace
+
+    from stof_cc.passes import partition
+
+    steps = []
+    for group in partition(graph).default.groups:
+        found, _ = applicable_templates(graph, group, (9, 0))
+        kernel = (found[0].template, found[0].problem, found[0].template.default_params(found[0].problem)) \
+            if found and group.kind != "opaque" else None
+        steps.append(SimpleNamespace(group=group, kind="kernel" if kernel else "torch", kernel=kernel, mirror=None))
+    return steps
+
+
+def test_the_kernel_that_reads_an_exchanged_value_adds_the_received_partial_itself():
+    from stof_cc.runtime.peer_exchange import Candidate, consumer_adding
+
+    graph = _exchanged_graph()
+    steps = _steps(graph)
+    index, (template, problem, params), received = consumer_adding(graph, steps, Candidate("ar", "g", 0, 1))
+    assert steps[index].group.anchor == "out" and received == "ar_received"
+    assert {o.ref for o in problem.operands} >= {"ar", "ar_received", "r"} and "wait" not in {o.ref for o in problem.operands}
+    assert problem.output == steps[index].kernel[1].output and params == steps[index].kernel[2]
+    assert "ar_received" not in graph  # the model's graph is left as it was
+
+
+def test_a_value_read_elsewhere_too_keeps_the_add_after_the_barrier():
+    from stof_cc.runtime.peer_exchange import Candidate, consumer_adding
+
+    graph = _exchanged_graph(second_reader=True)
+    assert consumer_adding(graph, _steps(graph), Candidate("ar", "g", 0, 1)) is None
+    graph = _exchanged_graph()
+    steps = _steps(graph)
+    for step in steps:
+        step.kind = "torch"  # no generated kernel reads it
+    assert consumer_adding(graph, steps, Candidate("ar", "g", 0, 1)) is None
+
+
+@pytest.mark.nvcc
+def test_the_kernel_that_adds_the_received_partial_compiles():
+    from stof_cc.backends.nvcc import compile_many
+    from stof_cc.runtime.peer_exchange import Candidate, consumer_adding
+
+    graph = _exchanged_graph()
+    _, (template, problem, params), _ = consumer_adding(graph, _steps(graph), Candidate("ar", "g", 0, 1))
+    assert compile_many([(template.render(problem, params), "sm_90a" + template.arch_features)]) == [""]
+
+
 AGREEMENT = textwrap.dedent('''
     import sys
     import torch, torch.distributed as dist

@@ -92,19 +92,25 @@ class Step:
     runners: dict[tuple[str, torch.device], Any] = field(default_factory=dict)  # torch nodes' prepared evaluations
     in_place: tuple[str, ...] = ()  # torch steps: all-reduces run in place on their dying input (collectives.py)
     mirror: tuple[Any, int] | None = None  # kernel steps: (PeerExchange, slot) the GEMM also stores into (peer_exchange.py)
-    exchanged: dict[str, tuple[Any, int]] = field(default_factory=dict)  # torch steps: all-reduces by peer stores
+    # torch steps: all-reduces by peer stores, each (PeerExchange, slot, the received partial's value name where
+    # a later kernel adds it, else None: added here)
+    exchanged: dict[str, tuple[Any, int, str | None]] = field(default_factory=dict)
+    # kernel steps that add an exchanged all-reduce's received partial as they read it: wait -> (all-reduce, received)
+    adds_received: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def writes(self) -> set[str]:
         """The values this step leaves for later steps: a kernel its one output, any other
-        step every node it runs."""
-        return {self.kernel[1].output} if self.kind == "kernel" else set(self.group.nodes)
+        step every node it runs (and the received partials that a later kernel adds)."""
+        if self.kind == "kernel":
+            return {self.kernel[1].output}
+        return set(self.group.nodes) | {received for _, _, received in self.exchanged.values() if received}
 
     def reads(self, graph: Graph) -> set[str]:
         """The values this step reads: a kernel its operands (which may lie behind views the
         group's own nodes name, e.g. the merged GEMM under a `split`), any other step what its
         nodes' arguments name."""
-        if self.kind == "kernel":
-            return {operand.ref for operand in self.kernel[1].operands}
+        if self.kind == "kernel":  # one that adds a received partial stands for the all-reduced value's reader
+            return {operand.ref for operand in self.kernel[1].operands} | set(self.adds_received)
         return {ref.name for name in self.group.nodes for ref in graph.node(name).refs()}
 
 
@@ -342,7 +348,8 @@ class CompiledModule:
         for step, dying in zip(steps, dies_after, strict=True):
             step.in_place = in_place_all_reduces(graph, step.group.nodes, dying, fresh)
         if gpu and peer_exchange.all_reduce_nodes(graph):  # a tensor-parallel rank's, agreed with the other rank
-            peer_exchange.attach(graph, steps, _first_device((args, kwargs)))
+            if peer_exchange.attach(graph, steps, _first_device((args, kwargs))) is not None:
+                dies_after = _lifetimes(graph, steps)  # kernels that add a received partial read other values
         if self.build_dir is not None:  # what the steps run: tuned and spill-free points, the adopted attention
             build_groups(graph, plan, Path(self.build_dir) / graph.name, compile_kernels=False, mask=self.mask,
                          running=_running_kernels(steps, gpu))  # picks, the mirrored GEMMs
@@ -493,8 +500,12 @@ class CompiledModule:
                 env[name] = rotary(*(env[r.name] for r in graph.node(name).args))
                 continue
             if name in step.exchanged:  # its GEMM stored this rank's partial into the peer's slot too
-                exchange, slot = step.exchanged[name]
-                env[name] = exchange.finish(slot, env[graph.node(name).args[0].name])
+                exchange, slot, received = step.exchanged[name]
+                value = env[graph.node(name).args[0].name]
+                if received is None:
+                    env[name] = exchange.finish(slot, value)
+                else:  # the kernel that reads the value adds the received partial (peer_exchange.consumer_adding)
+                    env[received], env[name] = exchange.received(slot, value), value
                 continue
             if name in step.in_place:
                 env[name] = all_reduce_in_place(graph, name, env)

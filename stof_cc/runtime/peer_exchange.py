@@ -5,9 +5,12 @@ projection) stores each output box twice (gemm_epilogue's `mirrored`): into its 
 through a second tensor map, into the other rank's receive buffer, a tensor in torch's symmetric
 memory (`torch.distributed._symmetric_memory`, mapped over NVLink). The boxes cross while the
 GEMM's later tiles compute, so the all-reduce is then a barrier (both ranks' GEMMs done, its
-stores landed) and the add of the received partial, in place. On two H200s NCCL's all-reduce of
-that 64 MB output took 250-290 us after the GEMM (docs/decisions.md#mirrored-gemm-stores). The
-steps hold no NCCL call, so CUDA graphs capture them with the rest (runtime/capture.py).
+stores landed) and the add of the received partial: in the one generated kernel that reads the
+all-reduced value, rebuilt to add it as it loads the value (`consumer_adding`: a residual add, a
+norm's prologue), else in place after the barrier. On two H200s NCCL's all-reduce of
+that 64 MB output took 250-290 us after the GEMM, and the separate add 45 us
+(docs/decisions.md#mirrored-gemm-stores). The steps hold no NCCL call, so CUDA graphs capture
+them with the rest (runtime/capture.py).
 
 Every rank must take the same road at every all-reduce, or one waits for ever: the plan is agreed
 over the group of the graph's all-reduces (the first one's; all-reduces over another group keep
@@ -22,19 +25,22 @@ memory (128 MB at Llama-70B's TP = 2 layer, S = 4096).
 The receive slots alternate (two, or three for an odd count so that a call's last and the next
 call's first differ): the peer writes slot s during its GEMM, which starts after the barrier of
 the exchange before, and this rank reaches that barrier only after reading the slot's previous
-contents (one exchange a call: a barrier before its GEMM too)."""
+contents (one exchange a call: a barrier before its GEMM too). A consumer that adds the received
+partial reads the slot later than the barrier, so it is taken only where it runs before the next
+exchange's barrier."""
 
 from __future__ import annotations
 
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from stof_cc.ir.graph import Graph, Ref
+from stof_cc.ir.node import Node
 from stof_cc.runtime.collectives import ALL_REDUCE
 
 SWITCH = "STOF_CC_PEER_EXCHANGE"  # "0": every all-reduce through NCCL
@@ -78,11 +84,15 @@ class PeerExchange:
             self.handle.barrier(channel=1)
         return self._view(1 - self.handle.rank, slot, like, dtype)
 
-    def finish(self, slot: int, value: torch.Tensor) -> torch.Tensor:
-        """The all-reduce of ``value`` (this rank's partial, which the GEMM also stored into the peer's
-        slot): once both ranks' GEMMs are done, ``value`` plus the peer's partial, in place."""
+    def received(self, slot: int, value: torch.Tensor) -> torch.Tensor:
+        """The other rank's partial of ``value``'s all-reduce (this rank's partial, which the GEMM also
+        stored into the peer's slot), in this rank's slot, once both ranks' GEMMs are done (a barrier)."""
         self.handle.barrier(channel=0)
-        return value.add_(self._view(self.handle.rank, slot, value.shape, value.dtype))
+        return self._view(self.handle.rank, slot, value.shape, value.dtype)
+
+    def finish(self, slot: int, value: torch.Tensor) -> torch.Tensor:
+        """The all-reduce of ``value``: ``value`` plus the received partial, in place."""
+        return value.add_(self.received(slot, value))
 
 
 @dataclass(frozen=True)
@@ -199,9 +209,88 @@ def attach(graph: Graph, steps: list[Any], device: torch.device) -> PeerExchange
         kernel_step, reduce_step = steps[c.kernel_step], steps[c.reduce_step]
         kernel_step.kernel, kernel_step.launch, kernel_step.mirror = kernel, launch, (exchange, slot)
         kernel_step.note += f"; also stores its output into the other rank's slot {slot} (%{name} by peer stores)"
-        reduce_step.exchanged[name] = (exchange, slot)
+        reduce_step.exchanged[name] = (exchange, slot, None)
         reduce_step.note += f"; %{name}: the peer's partial, stored by its GEMM, added (slot {slot}), no NCCL"
+    for name, (index, kernel, launch, received) in _consumers_adding(graph, steps, [ready[n][0] for n in taken]).items():
+        consumer, reduce_step = steps[index], steps[ready[name][0].reduce_step]
+        exchange, slot, _ = reduce_step.exchanged[name]
+        consumer.kernel, consumer.launch = kernel, launch
+        consumer.adds_received[graph.users(name)[0].name] = (name, received)
+        consumer.note += f"; adds the other rank's partial of %{name} as it reads it (no separate add)"
+        reduce_step.exchanged[name] = (exchange, slot, received)
+        reduce_step.note = reduce_step.note.replace(f"added (slot {slot})", f"added by group {consumer.group.name} "
+                                                    f"as it reads it (slot {slot})")
     return exchange
+
+
+def consumer_adding(graph: Graph, steps: list[Any], c: Candidate) -> tuple[int, tuple, str] | None:
+    """The kernel step that reads ``c``'s all-reduced value (through its wait), rebuilt to add the
+    received partial itself as it loads the value: (step index, its kernel (template, problem,
+    params), the received partial's value name), or None where no one generated kernel reads the
+    value alone or its template does not take the rebuilt group at the step's point. The rebuilt
+    group reads this rank's partial (%all_reduce: the GEMM's output) and the received one, and
+    sums them in the dtype, as the all-reduce does; the separate add's 64 MB read-modify-write at
+    Llama-70B's TP = 2 layer (45 us on an H200) becomes one more 64 MB read in that kernel."""
+    users = graph.users(c.node)
+    if len(users) != 1 or "wait_tensor" not in str(users[0].target) or graph.is_output(c.node):
+        return None
+    wait = users[0]
+    readers = graph.users(wait.name)
+    index = next((i for i, step in enumerate(steps) if readers and readers[0].name in step.group.nodes), None)
+    if index is None or graph.is_output(wait.name):
+        return None
+    step = steps[index]
+    if step.kind != "kernel" or step.mirror is not None or any(r.name not in step.group.nodes for r in readers):
+        return None
+    received = graph.fresh_name(f"{c.node}_received")
+
+    def add_received(node: Node, rebuilt: Graph) -> Node:
+        if node.name != wait.name:
+            return node
+        rebuilt.add_input(received, node.spec)
+        return Node(wait.name, "add", args=(Ref(c.node), Ref(received)), spec=node.spec)
+
+    from stof_cc.templates.group import applicable_templates
+    from stof_cc.templates.pricing import target_capability
+
+    rebuilt = graph.rebuild(add_received)
+    template, _, params = step.kernel
+    group = replace(step.group, nodes=(wait.name, *step.group.nodes))
+    found, _ = applicable_templates(rebuilt, group, target_capability())
+    same = next((a for a in found if type(a.template) is type(template)), None)
+    if same is None or params not in same.space:
+        return None
+    return index, (same.template, same.problem, params), received
+
+
+def _consumers_adding(graph: Graph, steps: list[Any], taken: list[Candidate]) -> dict[str, tuple]:
+    """Per taken all-reduce whose `consumer_adding` kernel compiled and loaded, and runs before the
+    next exchange's barrier (after it the other rank may write the slot again): (step index, kernel,
+    its `GroupLaunch`, received name). This rank's choice alone: both ranks meet at the same barriers
+    whichever adds; a kernel that fails keeps the add after the barrier, with a warning."""
+    from stof_cc.backends.group_launch import GroupLaunch
+    from stof_cc.backends.nvcc import compile_many
+    from stof_cc.backends.pycuda_backend import device_arch
+
+    found = {}
+    for i, c in enumerate(taken):
+        rebuilt = consumer_adding(graph, steps, c)
+        if rebuilt is not None and (i + 1 == len(taken) or rebuilt[0] < taken[i + 1].reduce_step):
+            found[c.node] = rebuilt
+    if not found:
+        return {}
+    arch = device_arch()
+    errors = compile_many([(t.render(p, params), arch + t.arch_features) for _, (t, p, params), _ in found.values()])
+    adding = {}
+    for (name, (index, kernel, received)), error in zip(found.items(), errors, strict=True):
+        try:
+            if error:
+                raise RuntimeError(error.splitlines()[0])
+            adding[name] = (index, kernel, GroupLaunch(*kernel), received)
+        except Exception as why:  # noqa: BLE001 (the add after the barrier keeps the answer)
+            warnings.warn(f"stof_cc: the kernel that would add the other rank's partial of %{name} did not compile "
+                          f"or load ({why}); that partial is added after the barrier", stacklevel=2)
+    return adding
 
 
 def in_turn(found: list[Candidate]) -> list[Candidate]:

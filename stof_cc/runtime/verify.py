@@ -70,6 +70,8 @@ def _in_torch(compiled: CompiledModule, graph, step, env: dict[str, Any], device
     interpreter computes. An attention anchor under ``compile(mask=...)`` takes that mask, as the
     kernel does."""
     env = dict(env)
+    for wait, (reduced, received) in step.adds_received.items():  # the all-reduced value the kernel sums as it reads
+        env[wait] = env[reduced] + env[received]
     for name in step.group.nodes:
         node = graph.node(name)
         if step.mask is not None and name == step.group.anchor and compiled.mask is not None:
