@@ -194,6 +194,34 @@ def test_the_kernel_that_reads_an_exchanged_value_adds_the_received_partial_itse
     assert {o.ref for o in problem.operands} >= {"ar", "ar_received", "r"} and "wait" not in {o.ref for o in problem.operands}
     assert problem.output == steps[index].kernel[1].output and params == steps[index].kernel[2]
     assert "ar_received" not in graph  # the model's graph is left as it was
+    # the sum rounded to fp16 before the residual add, as the add after the barrier and NCCL round it: the same bits
+    assert "__float2half_rn(in_v0)" in template.render(problem, params)
+
+
+def test_a_kernel_adds_the_received_partial_only_before_the_next_exchanges_barrier(monkeypatch):
+    """After the next exchange's barrier the other rank may write the slot again: a consumer at or after it
+    keeps the add after its own barrier; so does a consumer that cannot be rebuilt, and a second all-reduce
+    read by the same kernel."""
+    from stof_cc.runtime import peer_exchange
+    from stof_cc.runtime.peer_exchange import Candidate
+
+    taken = [Candidate("ar3", "g", 9, 10), Candidate("ar1", "g", 0, 1), Candidate("ar2", "g", 4, 5)]  # not in order
+    readers = {"ar1": 3, "ar2": 11, "ar3": 12}  # ar2's reader runs after ar3's barrier (step 10)
+
+    def rebuilt(graph, steps, c):
+        return (readers[c.node], None, f"{c.node}_received")
+
+    monkeypatch.setattr(peer_exchange, "consumer_adding", rebuilt)
+    assert sorted(peer_exchange.in_time(None, [], taken)) == ["ar1", "ar3"]
+    readers["ar3"] = 3  # the kernel that adds ar1's partial: one all-reduce per consumer
+    assert sorted(peer_exchange.in_time(None, [], taken)) == ["ar1"]
+
+    def broken(graph, steps, c):
+        raise KeyError(c.node)
+
+    monkeypatch.setattr(peer_exchange, "consumer_adding", broken)
+    with pytest.warns(UserWarning, match="added after the barrier"):
+        assert peer_exchange.in_time(None, [], taken) == {}
 
 
 def test_a_value_read_elsewhere_too_keeps_the_add_after_the_barrier():

@@ -6,8 +6,8 @@ through a second tensor map, into the other rank's receive buffer, a tensor in t
 memory (`torch.distributed._symmetric_memory`, mapped over NVLink). The boxes cross while the
 GEMM's later tiles compute, so the all-reduce is then a barrier (both ranks' GEMMs done, its
 stores landed) and the add of the received partial: in the one generated kernel that reads the
-all-reduced value, rebuilt to add it as it loads the value (`consumer_adding`: a residual add, a
-norm's prologue), else in place after the barrier. On two H200s NCCL's all-reduce of
+all-reduced value, rebuilt to add it as it loads the value and round the sum as the add would
+(`consumer_adding`: a residual add, a norm's prologue), else in place after the barrier. On two H200s NCCL's all-reduce of
 that 64 MB output took 250-290 us after the GEMM, and the separate add 45 us
 (docs/decisions.md#mirrored-gemm-stores). The steps hold no NCCL call, so CUDA graphs capture
 them with the rest (runtime/capture.py).
@@ -228,9 +228,10 @@ def consumer_adding(graph: Graph, steps: list[Any], c: Candidate) -> tuple[int, 
     received partial itself as it loads the value: (step index, its kernel (template, problem,
     params), the received partial's value name), or None where no one generated kernel reads the
     value alone or its template does not take the rebuilt group at the step's point. The rebuilt
-    group reads this rank's partial (%all_reduce: the GEMM's output) and the received one, and
-    sums them in the dtype, as the all-reduce does; the separate add's 64 MB read-modify-write at
-    Llama-70B's TP = 2 layer (45 us on an H200) becomes one more 64 MB read in that kernel."""
+    group reads this rank's partial (%all_reduce: the GEMM's output) and the received one and rounds
+    their sum to the dtype, as the add after the barrier and NCCL do: the two roads give the same
+    bits, so each rank may take either. At Llama-70B's TP = 2 layer the separate add's 64 MB
+    read-modify-write (45 us on an H200) becomes one more 64 MB read in that kernel."""
     users = graph.users(c.node)
     if len(users) != 1 or "wait_tensor" not in str(users[0].target) or graph.is_output(c.node):
         return None
@@ -242,20 +243,22 @@ def consumer_adding(graph: Graph, steps: list[Any], c: Candidate) -> tuple[int, 
     step = steps[index]
     if step.kind != "kernel" or step.mirror is not None or any(r.name not in step.group.nodes for r in readers):
         return None
-    received = graph.fresh_name(f"{c.node}_received")
+    received, summed = graph.fresh_name(f"{c.node}_received"), graph.fresh_name(f"{c.node}_summed")
 
-    def add_received(node: Node, rebuilt: Graph) -> Node:
+    def add_received(node: Node, rebuilt: Graph) -> Node:  # the wait becomes the rounded sum of the two partials
         if node.name != wait.name:
             return node
         rebuilt.add_input(received, node.spec)
-        return Node(wait.name, "add", args=(Ref(c.node), Ref(received)), spec=node.spec)
+        rebuilt.add_node(Node(summed, "add", args=(Ref(c.node), Ref(received)), spec=node.spec))
+        return Node(wait.name, "cast", target="aten._to_copy.default", args=(Ref(summed),),
+                    kwargs={"dtype": node.spec.dtype}, spec=node.spec)
 
     from stof_cc.templates.group import applicable_templates
     from stof_cc.templates.pricing import target_capability
 
     rebuilt = graph.rebuild(add_received)
     template, _, params = step.kernel
-    group = replace(step.group, nodes=(wait.name, *step.group.nodes))
+    group = replace(step.group, nodes=(summed, wait.name, *step.group.nodes))
     found, _ = applicable_templates(rebuilt, group, target_capability())
     same = next((a for a in found if type(a.template) is type(template)), None)
     if same is None or params not in same.space:
@@ -263,25 +266,44 @@ def consumer_adding(graph: Graph, steps: list[Any], c: Candidate) -> tuple[int, 
     return index, (same.template, same.problem, params), received
 
 
+def in_time(graph: Graph, steps: list[Any], taken: list[Candidate]) -> dict[str, tuple[int, tuple, str]]:
+    """`consumer_adding` of each taken all-reduce whose consumer runs before the next exchange's barrier
+    (in step order: after that barrier the other rank may write the slot again), one all-reduce per
+    consumer. A consumer that cannot be rebuilt (any error) keeps the add after the barrier, with a
+    warning: the agreement is made, so this rank must not fail now while the other waits."""
+    found: dict[str, tuple[int, tuple, str]] = {}
+    ordered = sorted(taken, key=lambda c: c.reduce_step)
+    for i, c in enumerate(ordered):
+        try:
+            rebuilt = consumer_adding(graph, steps, c)
+        except Exception as why:  # noqa: BLE001 (the add after the barrier keeps the answer, to the bit)
+            warnings.warn(f"stof_cc: the kernel after %{c.node} could not be rebuilt to add the other rank's partial "
+                          f"({type(why).__name__}: {why}); that partial is added after the barrier", stacklevel=2)
+            continue
+        if rebuilt is None or (i + 1 < len(ordered) and rebuilt[0] >= ordered[i + 1].reduce_step):
+            continue
+        if all(rebuilt[0] != index for index, _, _ in found.values()):
+            found[c.node] = rebuilt
+    return found
+
+
 def _consumers_adding(graph: Graph, steps: list[Any], taken: list[Candidate]) -> dict[str, tuple]:
-    """Per taken all-reduce whose `consumer_adding` kernel compiled and loaded, and runs before the
-    next exchange's barrier (after it the other rank may write the slot again): (step index, kernel,
-    its `GroupLaunch`, received name). This rank's choice alone: both ranks meet at the same barriers
-    whichever adds; a kernel that fails keeps the add after the barrier, with a warning."""
+    """Per `in_time` consumer whose kernel compiled and loaded: (step index, kernel, its `GroupLaunch`,
+    received name). This rank's choice alone: both ranks meet at the same barriers and hold the
+    same bits whichever adds; a kernel that fails keeps the add after the barrier, with a warning."""
     from stof_cc.backends.group_launch import GroupLaunch
     from stof_cc.backends.nvcc import compile_many
     from stof_cc.backends.pycuda_backend import device_arch
 
-    found = {}
-    for i, c in enumerate(taken):
-        rebuilt = consumer_adding(graph, steps, c)
-        if rebuilt is not None and (i + 1 == len(taken) or rebuilt[0] < taken[i + 1].reduce_step):
-            found[c.node] = rebuilt
+    found = in_time(graph, steps, taken)
     if not found:
         return {}
-    arch = device_arch()
-    errors = compile_many([(t.render(p, params), arch + t.arch_features) for _, (t, p, params), _ in found.values()])
     adding = {}
+    try:
+        arch = device_arch()
+        errors = compile_many([(t.render(p, params), arch + t.arch_features) for _, (t, p, params), _ in found.values()])
+    except Exception as why:  # noqa: BLE001 (e.g. an unusable kernel cache: as for a failed kernel)
+        errors = [f"{type(why).__name__}: {why}"] * len(found)
     for (name, (index, kernel, received)), error in zip(found.items(), errors, strict=True):
         try:
             if error:
