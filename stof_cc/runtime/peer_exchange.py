@@ -204,22 +204,24 @@ def attach(graph: Graph, steps: list[Any], device: torch.device) -> PeerExchange
             exchange = PeerExchange.create(group_name, len(taken),
                                            max(math.prod(p.shape) * p.dtype.itemsize for p in outputs), device)
         _PLANS[key] = (taken, exchange)
-    for index, name in enumerate(taken):
-        (c, kernel, launch), slot = ready[name], exchange.slot_of(index, len(taken))
-        kernel_step, reduce_step = steps[c.kernel_step], steps[c.reduce_step]
+    slots = {name: exchange.slot_of(index, len(taken)) for index, name in enumerate(taken)}
+    for name in taken:
+        (c, kernel, launch), slot = ready[name], slots[name]
+        kernel_step = steps[c.kernel_step]
         kernel_step.kernel, kernel_step.launch, kernel_step.mirror = kernel, launch, (exchange, slot)
         kernel_step.note += f"; also stores its output into the other rank's slot {slot} (%{name} by peer stores)"
-        reduce_step.exchanged[name] = (exchange, slot, None)
-        reduce_step.note += f"; %{name}: the peer's partial, stored by its GEMM, added (slot {slot}), no NCCL"
-    for name, (index, kernel, launch, received) in _consumers_adding(graph, steps, [ready[n][0] for n in taken]).items():
-        consumer, reduce_step = steps[index], steps[ready[name][0].reduce_step]
-        exchange, slot, _ = reduce_step.exchanged[name]
-        consumer.kernel, consumer.launch = kernel, launch
-        consumer.adds_received[graph.users(name)[0].name] = (name, received)
-        consumer.note += f"; adds the other rank's partial of %{name} as it reads it (no separate add)"
+    adding = _consumers_adding(graph, steps, [ready[name][0] for name in taken])  # after the mirrors: it skips them
+    for name in taken:
+        reduce_step, slot, received, where = steps[ready[name][0].reduce_step], slots[name], None, ""
+        if name in adding:
+            index, kernel, launch, received = adding[name]
+            consumer = steps[index]
+            consumer.kernel, consumer.launch = kernel, launch
+            consumer.adds_received[graph.users(name)[0].name] = (name, received)
+            consumer.note += f"; adds the other rank's partial of %{name} as it reads it (no separate add)"
+            where = f" by group {consumer.group.name} as it reads it"
         reduce_step.exchanged[name] = (exchange, slot, received)
-        reduce_step.note = reduce_step.note.replace(f"added (slot {slot})", f"added by group {consumer.group.name} "
-                                                    f"as it reads it (slot {slot})")
+        reduce_step.note += f"; %{name}: the peer's partial, stored by its GEMM, added{where} (slot {slot}), no NCCL"
     return exchange
 
 
@@ -291,28 +293,39 @@ def _consumers_adding(graph: Graph, steps: list[Any], taken: list[Candidate]) ->
     """Per `in_time` consumer whose kernel compiled and loaded: (step index, kernel, its `GroupLaunch`,
     received name). This rank's choice alone: both ranks meet at the same barriers and hold the
     same bits whichever adds; a kernel that fails keeps the add after the barrier, with a warning."""
+    found = in_time(graph, steps, taken)
+    launches = _loaded({name: kernel for name, (_, kernel, _) in found.items()},
+                       "the kernel that would add the other rank's partial of %{name} did not compile or load "
+                       "({why}); that partial is added after the barrier")
+    return {name: (index, kernel, launches[name], received)
+            for name, (index, kernel, received) in found.items() if name in launches}
+
+
+def _loaded(kernels: dict[str, tuple], failure: str) -> dict[str, Any]:
+    """name -> the `GroupLaunch` of each of ``kernels`` (name -> (template, problem, params)) that
+    compiled (nvcc, in parallel) and loaded; each other one is warned about (``failure``, formatted
+    with the name and why) and left out, also when the compile itself raises (an unusable kernel
+    cache): a rank must not fail alone here while the other waits for it in a collective."""
     from stof_cc.backends.group_launch import GroupLaunch
     from stof_cc.backends.nvcc import compile_many
     from stof_cc.backends.pycuda_backend import device_arch
 
-    found = in_time(graph, steps, taken)
-    if not found:
+    if not kernels:
         return {}
-    adding = {}
     try:
         arch = device_arch()
-        errors = compile_many([(t.render(p, params), arch + t.arch_features) for _, (t, p, params), _ in found.values()])
-    except Exception as why:  # noqa: BLE001 (e.g. an unusable kernel cache: as for a failed kernel)
-        errors = [f"{type(why).__name__}: {why}"] * len(found)
-    for (name, (index, kernel, received)), error in zip(found.items(), errors, strict=True):
+        errors = compile_many([(t.render(p, params), arch + t.arch_features) for t, p, params in kernels.values()])
+    except Exception as why:  # noqa: BLE001 (as for a kernel that failed)
+        errors = [f"{type(why).__name__}: {why}"] * len(kernels)
+    launches = {}
+    for (name, kernel), error in zip(kernels.items(), errors, strict=True):
         try:
             if error:
                 raise RuntimeError(error.splitlines()[0])
-            adding[name] = (index, kernel, GroupLaunch(*kernel), received)
-        except Exception as why:  # noqa: BLE001 (the add after the barrier keeps the answer)
-            warnings.warn(f"stof_cc: the kernel that would add the other rank's partial of %{name} did not compile "
-                          f"or load ({why}); that partial is added after the barrier", stacklevel=2)
-    return adding
+            launches[name] = GroupLaunch(*kernel)
+        except Exception as why:  # noqa: BLE001 (the caller's fallback keeps the answer)
+            warnings.warn("stof_cc: " + failure.format(name=name, why=why), stacklevel=3)
+    return launches
 
 
 def in_turn(found: list[Candidate]) -> list[Candidate]:
@@ -333,25 +346,14 @@ _PLANS: dict[tuple, tuple[tuple[str, ...], PeerExchange | None]] = {}
 
 def _mirrored_here(graph: Graph, names: list[str], group_name: str, steps: list[Any]) -> dict[str, tuple]:
     """This rank's candidates over ``group_name``, taken `in_turn`, whose mirrored GEMM compiled and
-    loaded: name -> (`Candidate`, the mirrored kernel (template, problem, params), its `GroupLaunch`)."""
-    from stof_cc.backends.group_launch import GroupLaunch
-    from stof_cc.backends.nvcc import compile_many
-    from stof_cc.backends.pycuda_backend import device_arch
+    loaded: name -> (`Candidate`, the mirrored kernel (template, problem, params), its `GroupLaunch`).
+    One that fails keeps NCCL on every rank: `attach` agrees after."""
     from stof_cc.templates.gemm_epilogue import mirrored
 
     found = [c for c in (candidate(graph, name, steps) for name in names) if c is not None and c.group_name == group_name]
-    ordered = in_turn(found)
-    kernels = [(template, mirrored(problem), params)
-               for template, problem, params in (steps[c.kernel_step].kernel for c in ordered)]
-    arch = device_arch()
-    errors = compile_many([(t.render(p, params), arch + t.arch_features) for t, p, params in kernels])
-    ready = {}
-    for c, kernel, error in zip(ordered, kernels, errors, strict=True):
-        try:
-            if error:
-                raise RuntimeError(error.splitlines()[0])
-            ready[c.node] = (c, kernel, GroupLaunch(*kernel))
-        except Exception as why:  # noqa: BLE001 (NCCL keeps this all-reduce, on every rank: `attach` agrees after)
-            warnings.warn(f"stof_cc: the mirrored GEMM before %{c.node} did not compile or load ({why}); that "
-                          "all-reduce runs in NCCL", stacklevel=2)
-    return ready
+    ordered = {c.node: c for c in in_turn(found)}
+    kernels = {name: (template, mirrored(problem), params)
+               for name, (template, problem, params) in ((n, steps[c.kernel_step].kernel) for n, c in ordered.items())}
+    launches = _loaded(kernels, "the mirrored GEMM before %{name} did not compile or load ({why}); that all-reduce "
+                                "runs in NCCL")
+    return {name: (ordered[name], kernels[name], launches[name]) for name in kernels if name in launches}
