@@ -236,6 +236,24 @@ def test_a_value_read_elsewhere_too_keeps_the_add_after_the_barrier():
     assert consumer_adding(graph, steps, Candidate("ar", "g", 0, 1)) is None
 
 
+def test_a_compile_that_raises_leaves_its_kernels_out_with_a_warning(monkeypatch):
+    """An unusable kernel cache raises from compile_many: the rank keeps NCCL (before the agreement) or the add
+    after the barrier (after it) instead of failing alone while the other rank waits for it."""
+    from stof_cc.backends import nvcc, pycuda_backend
+    from stof_cc.runtime import peer_exchange
+
+    def unusable(jobs, workers=None):
+        raise nvcc.KernelCacheError("the kernel cache folder is not writable")
+
+    monkeypatch.setattr(pycuda_backend, "device_arch", lambda: "sm_90")
+    monkeypatch.setattr(nvcc, "compile_many", unusable)
+    template, problem = _gemm_problem(torch.nn.Linear(512, 1024, bias=False).half(), torch.randn(256, 512).half())
+    kernel = (template, mirrored(problem), template.default_params(problem))
+    with pytest.warns(UserWarning, match="before %ar did not compile or load .*not writable.*runs in NCCL"):
+        assert peer_exchange._loaded({"ar": kernel}, "the mirrored GEMM before %{name} did not compile or load "
+                                                     "({why}); that all-reduce runs in NCCL") == {}
+
+
 @pytest.mark.nvcc
 def test_the_kernel_that_adds_the_received_partial_compiles():
     from stof_cc.backends.nvcc import compile_many
