@@ -172,3 +172,41 @@ def test_a_reduction_over_a_middle_dim_is_one_over_the_last_dim_of_a_permuted_vi
     fresh = (torch.randn(2, 6, 4), (torch.rand(2, 6) > 0.3).float())
     for got, want in zip(interpret(graph, *fresh), _Pooling()(*fresh), strict=True):
         torch.testing.assert_close(got, want)
+
+
+@torch.library.custom_op("stof_cc_tests::doubled", mutates_args=())
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_doubled.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class _AddsIntoACustomOpsOutput(torch.nn.Module):
+    """GPT-OSS's experts: a custom op's fresh output with a bias added in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.stof_cc_tests.doubled(x)
+        y.add_(self.bias)
+        return y.relu()
+
+
+def test_an_in_place_op_on_a_custom_ops_output_is_made_functional():
+    """A custom op's schema says its output is fresh (no alias annotation): the add is made
+    out-of-place. Before, every op outside ATen counted as a view, the graph kept its mutation,
+    and a compiled GPT-OSS ran every group in torch."""
+    module, x = _AddsIntoACustomOpsOutput().eval(), torch.randn(3, 4)
+    graph = trace(module, (x,))
+    assert any(n.target == "aten.add_.Tensor" for n in graph.nodes())
+    report = CanonicalizeReport()
+    result = canonicalize(graph, report=report)
+    assert "in-place ops" not in str(report)
+    assert not any(n.target is not None and n.target.endswith("_.Tensor") for n in result.nodes())
+    with torch.no_grad():
+        assert torch.equal(interpret(result, x), module(x))

@@ -210,17 +210,25 @@ def _result_dtype(graph: Graph, functional: Any, node: Node) -> torch.dtype | No
     return result.dtype if isinstance(result, torch.Tensor) else None
 
 
+# Ops that return their input though their schema does not say so: waiting on a collective hands back its buffer
+_UNANNOTATED_ALIASES = frozenset({"_c10d_functional.wait_tensor.default"})
+
+
 def _aliases(node: Node, graph: Graph | None = None) -> bool:
-    """Whether ``node``'s result may share memory with an input (a view, or an unknown op); a
-    piece of a multi-output op's result (``getitem``) aliases where that op's result does
-    (split's pieces are views, topk's values are fresh)."""
+    """Whether ``node``'s result may share memory with an input (a view, or an op with no schema);
+    a piece of a multi-output op's result (``getitem``) aliases where that op's result does
+    (split's pieces are views, topk's values are fresh). An ATen op or a registered custom op
+    (``torch.library``: transformers' ``grouped_mm_fallback``, whose output GPT-OSS adds its expert
+    bias to in place) says so in its schema's alias annotations, which torch's own
+    functionalization trusts too; before, every custom op counted as a view, so GPT-OSS kept its
+    in-place adds and ran every group in torch."""
     if node.target == "operator.getitem" and graph is not None and isinstance(node.args[0], Ref):
         return _aliases(graph.node(node.args[0].name), graph)
-    if node.target is None or not node.target.startswith("aten."):
+    if node.target is None or node.target.startswith("operator.") or node.target in _UNANNOTATED_ALIASES:
         return node.op not in (INPUT, CONSTANT)
     try:
         schema = resolve_target(node.target)._schema
-    except GraphError:
+    except (GraphError, AttributeError):  # no such op, or a callable with no schema
         return True
     return any(r.alias_info is not None for r in schema.returns)
 
