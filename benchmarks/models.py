@@ -90,6 +90,9 @@ def build(family: str, layers: int, size: str = "base"):
         "gemma3": lambda: T.Gemma3TextModel(T.Gemma3TextConfig(head_dim=hidden // heads,
                                                                sliding_window=4096 if not tiny else 16, **decoder)),
         "phi3": lambda: T.Phi3Model(T.Phi3Config(pad_token_id=0, **decoder)),
+        # GPT-OSS: attention sinks, a 128-token window every other layer, eight experts (two per token)
+        "gpt_oss": lambda: T.GptOssModel(T.GptOssConfig(head_dim=hidden // heads, sliding_window=128 if not tiny else 16,
+                                                        num_local_experts=8, num_experts_per_tok=2, **decoder)),
         "vit": lambda: T.ViTModel(T.ViTConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                               intermediate_size=ffn, image_size=32 if tiny else 512,
                                               patch_size=8 if tiny else 16)),
@@ -166,6 +169,21 @@ def heads_repeated_sdpa():
         torch.nn.functional.scaled_dot_product_attention = sdpa
 
 
+# Families whose users pick attn_implementation="flex_attention" over eager: GPT-OSS (no SDPA: its
+# sinks), where transformers' FlexAttention path takes the sinks through the log-sum-exp
+FLEX_PEERS = ("gpt_oss",)
+
+
+def _with_attention(model: torch.nn.Module, implementation: str) -> torch.nn.Module:
+    """A copy of ``model`` running transformers' ``implementation`` (the weights copied: the other
+    peers keep theirs)."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(implementation)
+    return other
+
+
 def _takes_use_cache(model: torch.nn.Module) -> bool:
     import inspect
 
@@ -191,6 +209,8 @@ def run_family(family: str, args, database: Path) -> dict:
         row["eager_err"] = relative_error(real_tokens(half(**kwargs), kwargs), want)
     tolerance = row["tolerance"] = max(TOLERANCE, 1.25 * row["eager_err"])
     makers = {"eager": lambda: half}
+    if family in FLEX_PEERS:  # the model's own FlexAttention path (its mask a BlockMask, its kernel compiled)
+        makers["flex_attention"] = lambda: _with_attention(half, "flex_attention")
     for mode in ("default", "reduce-overhead"):
         makers[f"compile_{mode}"] = lambda mode=mode: (torch._dynamo.reset(),
                                                        torch.compile(half, mode=mode, dynamic=False))[1]

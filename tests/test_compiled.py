@@ -137,7 +137,7 @@ class FakeLaunch:
         return env[self.problem.output].clone()
 
 
-def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=None, out=None):
+def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=None, out=None, sinks=None):
     _fake_attention.paddings.append(key_padding)
     dense = None if mask is None else mask.to_dense(q.shape[-2], k.shape[-2], batch=q.shape[0], heads=q.shape[1])
     if key_padding is not None:  # the kernels' reading of KeyPadding: keys in [start, end) that are valid
@@ -146,8 +146,8 @@ def _fake_attention(q, k, v, mask=None, scale=None, *, key_padding=None, bias=No
         kept = (keys >= start[:, None]) & (keys < end[:, None]) & key_padding.valid.bool()
         kept = kept[:, None, None, :]
         dense = kept if dense is None else dense & kept
-    if bias is not None:  # the kernels add it to the fp32 scores
-        result = masked_attention(q, k, v, dense, scale, bias=bias)
+    if bias is not None or sinks is not None:  # the kernels add it to the fp32 scores; the sinks count in the softmax
+        result = masked_attention(q, k, v, dense, scale, bias=bias, sinks=sinks)
     else:
         result = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale)
     return result if out is None else out.copy_(result)

@@ -84,12 +84,13 @@ class LaunchPlan:
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                out: torch.Tensor | None = None, padding: KeyPadding | None = None,
                bias: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-               windows: torch.Tensor | None = None) -> torch.Tensor:
+               windows: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Launch on q, k, v (laid out as planned) into ``out`` (or a new tensor), with key
         padding (per batch slot: [B * residues, S_k / residues]) and an additive ``bias``
         (`bias_view`'s result) when given; ``lse``, an fp32 [B, H, S_q] tensor (unit stride over
         rows), receives each row's log-sum-exp; ``windows`` (`document_windows`' int32 [B, S_q, 2])
-        narrows each query row to its keys [x, y) in the plan's row-window variant."""
+        narrows each query row to its keys [x, y) in the plan's row-window variant; ``sinks``
+        (`sink_logits`' contiguous fp32 [H]) adds each head's sink to its rows' softmax denominators."""
         if torch.cuda.is_current_stream_capturing():
             _captured_plans[id(self)] = self
         if out is None:
@@ -142,10 +143,15 @@ class LaunchPlan:
                                       f"strides {lse.stride()}")
         else:
             lse_args = (lse.data_ptr(), *residue_strides(lse.unsqueeze(-1), self.residues))
+        if sinks is not None and (sinks.shape != self.shape[1:2] or sinks.dtype != torch.float32
+                                  or sinks.device != self.device or sinks.stride(0) != 1):
+            raise AttentionInputError(f"sinks must be a contiguous float32 tensor [{self.shape[1]}] on {self.device} "
+                                      f"(`sink_logits`), got {sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")
         self.kernel.launch(self.grid, self.threads, self.shared_bytes, *self.tensor_maps(q, k, v, out),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), *self.mask_args,
                            *padding_args, *self.size_args, *residue_strides(out, self.residues), *self.end_args,
-                           *bias_args, self.bias_to_raw, *lse_args, *window_args)
+                           *bias_args, self.bias_to_raw, *lse_args, 0 if sinks is None else sinks.data_ptr(),
+                           *window_args)
         return out
 
 
@@ -172,6 +178,21 @@ def bias_view(bias: torch.Tensor, q: torch.Tensor, seq_k: int) -> torch.Tensor:
         raise AttentionInputError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
                                   f"[{b}, {h}, {s_q}, {seq_k}]") from None
     return bias if bias.stride(3) == 1 else bias.contiguous()
+
+
+def sink_logits(sinks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Attention sinks as the kernels read them: one logit per query head (GPT-OSS's ``sinks``,
+    transformers' ``s_aux``: a [H] tensor, or any shape with H elements), a contiguous fp32 [H] on
+    q's device. Each counts as a key whose score is the logit and whose value is 0: it takes its
+    share of every row's softmax and adds nothing to the output."""
+    heads = q.shape[1]
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or sinks.device != q.device \
+            or sinks.numel() != heads:
+        got = type(sinks).__name__ if not isinstance(sinks, torch.Tensor) else \
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        raise AttentionInputError(f"sinks must be a floating tensor of {heads} logits (one per query head) on "
+                                  f"{q.device}, got {got}")
+    return sinks.reshape(heads).to(torch.float32).contiguous()
 
 
 @dataclass(frozen=True)

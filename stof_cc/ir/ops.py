@@ -22,7 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stof_cc.ir.node import CONSTANT, INPUT, GraphError, Node, Spec, TensorSpec, map_refs
-from stof_cc.ir.reference import fill_empty_rows
+from stof_cc.ir.reference import fill_empty_rows, masked_attention
 
 if TYPE_CHECKING:
     from stof_cc.ir.graph import Graph
@@ -247,7 +247,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         *, scale: float, is_causal: bool = False, window: int | None = None,
                         key_padding: torch.Tensor | None = None, empty_rows: str | None = None,
                         bias: torch.Tensor | None = None, scores_dtype: torch.dtype | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ additive mask | masked by a boolean mask] [+ bias] [causal]) v:
     what the recognised `attention` node computes, with SDPA's conventions for ``mask``;
     ``bias`` (ALiBi, broadcastable to [B, H, S_q, S_k]) is added to the scores beside any mask. ``window``
@@ -262,27 +262,27 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     scores it holds in that dtype (its q k^T product's: q's in eager Llama and BLOOM, fp32 where q and k
     were upcast, as GPT-J's): in fp16 a finite -65504 mask then swamps every score and a fully masked
     row is the mean of V, which fp32 arithmetic would not give.
-    ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2)."""
+    ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2).
+    ``sinks`` (H logits, one per query head: GPT-OSS): each row's softmax also holds a key with that
+    score and a value of 0, as the model's chain concatenates it to the scores and drops its column
+    after the softmax; a row with no allowed key then gives 0 (the sink takes all of it)."""
+    additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
+    added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
+    if sinks is not None:  # in fp32, as `masked_attention` computes; no model caps scores and has sinks
+        if softcap is not None:
+            raise NotImplementedError("attention_reference: softcapped scores with sinks")
+        return masked_attention(q, k, v, _allowed_keys(q, k, mask, is_causal, window, key_padding), scale,
+                                bias=None if added is None else added.float(), sinks=sinks)
     if scores_dtype is not None and mask is not None and mask.is_floating_point() and key_padding is None \
             and window is None:
         return _written_out(q, k, v, mask if bias is None else mask + bias, scale, is_causal, dtype=scores_dtype,
                             softcap=softcap)
-    additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
-    added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
     if key_padding is None and window is None and empty_rows is None and softcap is None \
             and not (is_causal and (added is not None or mask is not None)):  # SDPA takes one or the other
         if added is not None and mask is not None and mask.dtype == torch.bool:
             added = torch.where(mask, added, float("-inf"))
         return _sdpa(q, k, v, mask if added is None else added, scale, is_causal)
-    allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)  # 0 <= q - k <= window
-    if is_causal:
-        allowed = allowed.tril()
-    if window is not None:
-        allowed = allowed.triu(-window)
-    if key_padding is not None:
-        allowed = allowed & (key_padding != 0)[:, None, None, :]
-    if mask is not None and mask.dtype == torch.bool:
-        allowed = allowed & mask
+    allowed = _allowed_keys(q, k, mask, is_causal, window, key_padding)
     given = allowed if added is None else torch.where(allowed, added, float("-inf"))
     if softcap is None:
         out = _sdpa(q, k, v, given, scale, False)
@@ -291,6 +291,22 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     empty = ~allowed.any(-1, keepdim=True)
     unmasked = None if empty_rows != "unmasked" else attention_reference(q, k, v, scale=scale, softcap=softcap)
     return fill_empty_rows(out.masked_fill(empty, 0), v, empty, empty_rows, unmasked)
+
+
+def _allowed_keys(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+                  window: int | None, key_padding: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each query may attend under `attention_reference`'s arguments (a boolean mask,
+    causal, 0 <= q - k <= window, key padding), broadcastable to [B, H, S_q, S_k]."""
+    allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+    if is_causal:
+        allowed = allowed.tril()
+    if window is not None:
+        allowed = allowed.triu(-window)
+    if key_padding is not None:
+        allowed = allowed & (key_padding != 0)[:, None, None, :]
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    return allowed
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -8,11 +8,13 @@ import torch
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float | None = None, bias: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale [+ bias], masked) v in fp32, returned in q's dtype.
 
     ``mask`` is boolean (True = attend), broadcastable to [B, H, S_q, S_k], as is the additive
-    ``bias``. A query row
+    ``bias``. ``sinks`` (one logit per query head: GPT-OSS's attention sinks) are keys every row
+    sees with that score and a value of 0. A query row
     with no allowed key returns 0 (FlexAttention's convention; SDPA would give NaN). K and V
     may have fewer heads than q (grouped-query: query head h reads K/V head h // (H / H_kv)).
     Query rows go in pieces whose fp32 scores take at most `SCORE_BYTES` (each row's softmax is
@@ -25,9 +27,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     row_bytes = 4 * k.shape[-2] * math.prod(q.shape[:-2])  # one query row's fp32 scores
     chunk = max(1, SCORE_BYTES // row_bytes) if row_bytes else rows
     if chunk >= rows:
-        return _attend(q, k, v, mask, scale, bias)
+        return _attend(q, k, v, mask, scale, bias, sinks)
     return torch.cat([_attend(q[..., start:start + chunk, :], k, v, _query_rows(mask, start, chunk),
-                              scale, _query_rows(bias, start, chunk)) for start in range(0, rows, chunk)], dim=-2)
+                              scale, _query_rows(bias, start, chunk), sinks) for start in range(0, rows, chunk)],
+                     dim=-2)
 
 
 SCORE_BYTES = 1 << 30  # masked_attention's fp32 scores per piece: 32 heads at S = 16384 would be 32 GiB at once
@@ -42,7 +45,7 @@ def _query_rows(t: torch.Tensor | None, start: int, count: int) -> torch.Tensor 
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-            bias: torch.Tensor | None) -> torch.Tensor:
+            bias: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """masked_attention's arithmetic on K and V of q's heads, every score at once."""
     scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if bias is not None:
@@ -52,7 +55,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     # a row whose every score is -inf (no allowed key) gives 0; a NaN from the inputs stays NaN (a blanket
     # nan_to_num made a NaN query, key or scale read as zeros). V's masked rows still meet P as 0 x V, as in
     # SDPA's math and the kernels' partial blocks: a NaN there reaches the rows of that block.
-    probs = torch.softmax(scores, dim=-1).masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
+    if sinks is not None:  # a column of each head's sink, softmaxed with the scores, then dropped
+        column = sinks.float().to(scores.device).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, column], -1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).masked_fill((scores == float("-inf")).all(-1, keepdim=True), 0.0)
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 

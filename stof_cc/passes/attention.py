@@ -59,6 +59,7 @@ class AttentionMatch:
     empty_rows: str | None = None  # what a fully hidden row gives: "nan" (-inf fill), "mean" (a finite one)
     softcap: float | None = None  # scores capped as c * tanh(s / c) before the mask (Gemma 2)
     scores_dtype: torch.dtype | None = None  # a chain's: its q k^T product's (fp32 where q and k were upcast)
+    sinks: torch.Tensor | None = None  # fp32 [H]: a logit per head concatenated to the scores (GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,17 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
             mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
             # masked_fill(-inf) then softmax: a row with every key hidden is NaN in the model
             # masked_fill then softmax: a row with every key hidden is NaN (-inf) or the mean of V
-            empty = {"empty_rows": m.empty_rows} if m.mask_hides and mask is not None else {}
+            # a row with no allowed key: what the chain's fill gives it, or 0 beside a sink (which takes it all)
+            empty = {"empty_rows": m.empty_rows} if m.mask_hides and mask is not None and m.sinks is None else {}
             bias = {"bias": _bias_operand(graph, out, m)} if m.bias is not None else {}
-            written = {"scores_dtype": m.scores_dtype} if m.covered and not m.mask_hides and mask is not None else {}
+            written = {"scores_dtype": m.scores_dtype} if m.covered and not m.mask_hides and mask is not None \
+                and m.sinks is None else {}
             softcap = {"softcap": m.softcap} if m.softcap is not None else {}
+            sinks = {} if m.sinks is None else \
+                {"sinks": Ref(out.add_constant(out.fresh_name(f"{m.root}_sinks"), m.sinks).name)}
             return Node(node.name, "attention", None, (m.q, m.k, m.v, mask),
-                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | written | softcap, node.spec)
+                        {"scale": m.scale, "is_causal": is_causal} | empty | bias | written | softcap | sinks,
+                        node.spec)
         return None if node.name in covered else node
 
     return remove_dead_nodes(graph.rebuild(rewrite))  # e.g. a hidden-positions constant replaced by its negation
@@ -202,6 +208,14 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         probs = _merged_input(graph, probs)
         if probs is None:
             return None
+    sliced = None  # GPT-OSS: the sinks' column dropped after the softmax (a cast may sit on either side)
+    if not merged and probs.op == "cast" and isinstance(probs.args[0], Ref) \
+            and graph.node(probs.args[0].name).op == "slice":
+        readers.append(probs)
+        probs = graph.node(probs.args[0].name)
+    if not merged and _drops_last_column(graph, probs):
+        readers.append(probs)
+        sliced, probs = probs, graph.node(probs.args[0].name)
     if probs.op == "cast" and isinstance(probs.args[0], Ref) and graph.node(probs.args[0].name).op == "softmax":
         readers.append(probs)
         probs = graph.node(probs.args[0].name)
@@ -219,6 +233,13 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         return refuse("softmax is not over the last dimension")
     chain.append(probs.name)
     scores, reader = graph.node(probs.args[0].name), probs
+    sinks = None
+    if sliced is not None:
+        found = _sink_column(graph, probs)
+        if isinstance(found, str):
+            return refuse(found)
+        covered, scores, reader, sinks = found
+        chain += covered
     mask, mask_hides, factor, batch_view = None, False, 1.0, None
     empty_rows = bias = softcap = None
 
@@ -320,7 +341,68 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
     if {r.name for r in (mask, bias.source if bias else None) if r is not None} & set(chain):
         return refuse("the added term is the scores themselves (softmax(s + s))")
     return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
-                          softcap, scores.spec.dtype)
+                          softcap, scores.spec.dtype, sinks)
+
+
+def _drops_last_column(graph: Graph, node: Node) -> bool:
+    """``node`` is ``x[..., :-1]`` of a 4-d ``x``: every column of the last dim but the last."""
+    if node.op != "slice" or not isinstance(node.args[0], Ref):
+        return False
+    spec = graph.node(node.args[0].name).spec
+    if not isinstance(spec, TensorSpec) or len(spec.shape) != 4:
+        return False
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    width = spec.shape[-1]
+    return dim % 4 == 3 and start in (0, None) and step == 1 and end is not None \
+        and (end if end >= 0 else width + end) == width - 1
+
+
+def _sink_column(graph: Graph, softmax: Node) -> tuple[list[str], Node, Node, torch.Tensor] | str:
+    """What GPT-OSS's softmax reads: ``cat([scores, sinks], -1)``, the row maximum subtracted or not,
+    with ``sinks`` one logit per head broadcast over batch and rows. (the nodes covered, the scores
+    node, the cat that reads it, the logits as fp32 [H]), or why not."""
+    combined, covered = graph.node(softmax.args[0].name), []
+    if combined.op == "sub" and all(isinstance(a, Ref) for a in combined.args[:2]):
+        shifted, row_max = (graph.node(a.name) for a in combined.args[:2])
+        taken = graph.node(row_max.args[0].name) if row_max.target == "operator.getitem" and row_max.args[1] == 0 \
+            else row_max
+        if taken.op != "amax" or not isinstance(taken.args[0], Ref) or taken.args[0].name != shifted.name \
+                or not _reads_only(graph, row_max, combined) or (taken is not row_max and not _reads_only(graph, taken, row_max)) \
+                or sorted(u.name for u in graph.users(shifted.name)) != sorted({taken.name, combined.name}):
+            return "the softmax reads a difference that is not its scores less their row maximum"
+        covered += [combined.name] + ([row_max.name] if taken is not row_max else []) + [taken.name]
+        combined = shifted
+    elif not _reads_only(graph, combined, softmax):
+        return f"the intermediate %{combined.name} ({combined.op}) is read elsewhere too"
+    pieces = combined.args[0] if combined.op == "cat" and combined.args else None
+    dim = combined.args[1] if len(combined.args) > 1 else combined.kwargs.get("dim", 0)
+    if not isinstance(pieces, (list, tuple)) or len(pieces) != 2 or not all(isinstance(p, Ref) for p in pieces) \
+            or dim % 4 != 3:
+        return "the softmax reads no [scores, sinks] concatenation over the keys"
+    scores, column = (graph.node(p.name) for p in pieces)
+    heads = scores.spec.shape[1]
+    logits = _per_head(graph, column, heads)
+    if logits is None:
+        return f"the column concatenated to the scores (%{column.name}) is not one constant logit per head"
+    covered.append(combined.name)
+    if column.op != CONSTANT and _reads_only(graph, column, combined):
+        covered.append(column.name)
+    return covered, scores, combined, logits
+
+
+def _per_head(graph: Graph, column: Node, heads: int) -> torch.Tensor | None:
+    """A [B|1, H, S|1, 1] constant (or an expand of one) holding one value per head, as fp32 [H]."""
+    if column.op == "expand" and isinstance(column.args[0], Ref):
+        column = graph.node(column.args[0].name)
+    if column.op != CONSTANT:
+        return None
+    value = graph.constants[column.name]
+    if value.dim() != 4 or value.shape[1] != heads or value.shape[3] != 1 or not value.is_floating_point():
+        return None
+    first = value[:1, :, :1, :]
+    if not torch.equal(value, first.expand_as(value)):
+        return None
+    return first.reshape(heads).to(torch.float32).cpu().clone()
 
 
 def _exact_upcast(graph: Graph, node: Node) -> bool:

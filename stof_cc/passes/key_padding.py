@@ -261,6 +261,8 @@ def _empty_rows(graph: Graph, node: Node, evaluate, batch: int, seq_k: int, mark
     shifts every score alike, in a kernel that accumulates in fp32), or None for anything else.
     Never "unmasked" beside a bias: such a model's row is the attention with the bias, which the
     fill does not give (a small bias came within the tolerance and its rows lost it: a helper's hunt)."""
+    if attention_arguments(node).get("sinks") is not None:  # the sink takes the whole of a row with no key
+        return "zero"
     keep = torch.ones(batch, seq_k, dtype=torch.bool)
     keep[0] = False
     value = evaluate(~keep if marks_padding else keep, device)

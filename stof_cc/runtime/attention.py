@@ -25,6 +25,7 @@ from stof_cc.backends.attention_launch import (
     bias_view,
     key_padding_on_device,
     launch_plan,
+    sink_logits,
 )
 from stof_cc.backends.pycuda_backend import current_device
 from stof_cc.backends.row_windows import document_windows, position_windows
@@ -56,7 +57,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               *, key_padding: torch.Tensor | KeyPadding | None = None, bias: torch.Tensor | None = None,
               params: dict[str, Any] | None = None, out: torch.Tensor | None = None,
               return_lse: bool = False, cu_seqlens: torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              position_ids: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H, S_k, D].
 
     ``mask``: a description from `stof_cc.masks` (may vary per batch element and head), a
@@ -86,6 +88,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     with a bias. ``position_ids`` ([S] or [B, S]: HF's padding-free batches, a document opening
     wherever an id is not its predecessor's + 1, as transformers reads them) says the same per
     batch element instead (`position_windows`).
+    ``sinks``: one logit per query head ([H]: GPT-OSS's attention sinks, transformers' ``s_aux``),
+    each a key every row sees with that score and a value of 0: it takes its share of the row's
+    softmax and adds nothing (a row with no allowed key still gives 0). Not with ``return_lse``
+    (partial results merged by their log-sum-exp would count each sink once per part).
 
     The first call for a mask and an input layout validates, chooses and builds a
     `LaunchPlan`; later calls reuse it. A boolean-tensor mask is converted on every call:
@@ -103,7 +109,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.is_cuda and q.device.index != current_device():  # kernels launch on the current device
         with torch.cuda.device(q.device):
             return attention(q, k, v, description, scale, key_padding=key_padding, bias=bias, params=params, out=out,
-                             return_lse=return_lse, cu_seqlens=cu_seqlens, position_ids=position_ids)
+                             return_lse=return_lse, cu_seqlens=cu_seqlens, position_ids=position_ids, sinks=sinks)
+    if sinks is not None:
+        if return_lse:
+            raise AttentionInputError("sinks with return_lse is not supported: partial results merged by their "
+                                      "log-sum-exp would count each sink once per part")
+        problem_of(q, k, v)  # q's heads are what the sinks are checked against
+        sinks = sink_logits(sinks, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None
     if cu_seqlens is not None or position_ids is not None:
         packing = "cu_seqlens" if cu_seqlens is not None else "position_ids"
@@ -121,23 +133,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         windows = (document_windows(cu_seqlens, q.shape[0], q.shape[2], q.device) if cu_seqlens is not None
                    else position_windows(position_ids, q.shape[0], q.shape[2], q.device))
         plan = _planned(q, k, v, description, scale, params, False, windows=True)
-        out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, None, out, lse, windows)
+        out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, None, out, lse, windows, sinks)
         return (out, lse) if return_lse else out
     split = _strided_split(q, k, v, description, key_padding, bias, params)
     if split is not None:
-        out = _run_split(q, k, v, split, scale, key_padding, out, lse)
+        out = _run_split(q, k, v, split, scale, key_padding, out, lse, sinks)
         return (out, lse) if return_lse else out
     plan = _planned(q, k, v, description, scale, params, bias is not None)
-    out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse)
+    out, lse = _launched(plan, q, k, v, description, scale, params, key_padding, bias, out, lse, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
 def _launched(plan: LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               description: MaskDescription | None, scale: float | None, params: dict[str, Any] | None,
               key_padding: Any, bias: torch.Tensor | None, out: torch.Tensor | None, lse: torch.Tensor | None,
-              windows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              windows: torch.Tensor | None = None,
+              sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(output, lse): ``plan`` launched, or its twin for contiguous copies of q, k, v where the
-    plan cannot take their layout; key padding and the bias in the kernels' forms."""
+    plan cannot take their layout; key padding and the bias in the kernels' forms (``sinks`` already
+    `sink_logits`')."""
     if isinstance(key_padding, torch.Tensor):
         key_padding = key_padding_on_device(key_padding)
     if bias is not None:
@@ -146,7 +160,7 @@ def _launched(plan: LaunchPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # Rows must be 16-byte aligned with unit stride in head_dim: run on contiguous copies.
         q, k, v = (t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
         plan = _planned(q, k, v, description, scale, params, bias is not None, windows=windows is not None)
-    return plan.launch(q, k, v, out, key_padding, bias, lse, windows), lse
+    return plan.launch(q, k, v, out, key_padding, bias, lse, windows, sinks), lse
 
 
 def _planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, description: MaskDescription | None,
@@ -246,9 +260,10 @@ def _strided_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, descriptio
 
 def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[int, MaskDescription],
                scale: float | None, key_padding: torch.Tensor | None, out: torch.Tensor | None,
-               lse: torch.Tensor | None) -> torch.Tensor:
+               lse: torch.Tensor | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The d strided attentions (residue r: positions r, r + d, ...) in one launch, each residue
-    a batch slot reading and writing its own rows of q, k, v and out."""
+    a batch slot reading and writing its own rows of q, k, v and out; a row's keys all lie in its
+    residue, so each row's softmax, its sink included, is whole in one of them."""
     d, sub = split
     plan = _planned(q, k, v, sub, scale, None, False, d)
     if plan.copy_inputs or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
@@ -262,7 +277,7 @@ def _run_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: tuple[i
                                       f"{tuple(key_padding.shape)}")
         per_residue = key_padding.reshape(key_padding.shape[0], -1, d).transpose(1, 2)
         padding = key_padding_on_device(per_residue.reshape(-1, key_padding.shape[1] // d))
-    return plan.launch(q, k, v, out, padding, lse=lse)
+    return plan.launch(q, k, v, out, padding, lse=lse, sinks=sinks)
 
 
 on_adopt(lambda description: _plans.pop(description, None))  # plans built on the model's pick

@@ -45,7 +45,7 @@ from stof_cc.ir.frontend import TraceError
 from stof_cc.ir.graph import Graph, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.node import CONSTANT, INPUT
-from stof_cc.ir.ops import pattern_kind
+from stof_cc.ir.ops import attention_reference, pattern_kind
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, MaskError, from_dense
 from stof_cc.masks.replayed import CAPTURE_LOCK
@@ -429,6 +429,7 @@ class CompiledModule:
         rotary, why_not = _generated_rotary(graph, group)
         added = " and ".join(f"%{r.name}" for r in bias)
         note = "stof_cc.attention for the anchor" + (f", adding {added} to the scores" if bias else "") \
+            + (", with each head's sink in its softmax" if given.get("sinks") is not None else "") \
             + (" under mask=" if bias and self.mask is not None else "") \
             + (f", {len(rotary)} rotary kernel(s)" if rotary else "") \
             + "".join(f", %{name} in torch ({why})" for name, why in why_not.items()) + ", views in torch"
@@ -526,8 +527,9 @@ class CompiledModule:
         b, h, s, d = q.shape
         out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # SDPA's layout
         bias = _summed([env[name] for name in step.bias])
+        sinks = env[given["sinks"].name] if given.get("sinks") is not None else None
         out = attention(q, k, v, step.mask, given.get("scale"), key_padding=_key_padding(given, env), bias=bias,
-                        out=out)
+                        out=out, sinks=sinks)
         if step.empty_rows is not None:
             empty = empty_query_rows(env[given["key_padding"].name] != 0, s, bool(given.get("is_causal")),
                                      given.get("window"))
@@ -553,6 +555,8 @@ class CompiledModule:
             dense = dense & (env[given["key_padding"].name] != 0)[:, None, None, :]
         bias = _summed([env[r.name] for r in (given.get("attn_mask"), given.get("bias"))
                         if isinstance(r, Ref) and env[r.name].is_floating_point()])
+        if given.get("sinks") is not None:  # GPT-OSS's sinks hold under mask= too
+            return attention_reference(q, k, v, dense, scale=given["scale"], bias=bias, sinks=env[given["sinks"].name])
         return masked_attention(q, k, v, dense, given.get("scale"), bias=bias)
 
 

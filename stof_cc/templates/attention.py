@@ -182,10 +182,11 @@ class _AttentionTemplate(KernelTemplate[AttentionProblem]):
     # Q K V O, any_ptr any_cols any_tile part_bits row_order, key_range key_valid, seq_q seq_k, 16 strides
     # (batch, head, row, residue of q, k, v, o), 2 mask-row strides, scale * log2(e), the K/V head
     # multiplier (attention_launch.kv_head_magic), residues and theirs, bias, its strides over
-    # (B, H, S_q), 1 / scale, the log-sum-exp output (or null) and its strides over (B, H, row, residue);
-    # the row-window variant then takes the windows and a tile counter (`attention_launch.compiled_kernel`
-    # adds their "PP"; the counter is read by `takes_tiles_in_turn` points only, null for the others)
-    arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f" + "P" + "q" * 4
+    # (B, H, S_q), 1 / scale, the log-sum-exp output (or null) and its strides over (B, H, row, residue),
+    # the per-head sink logits (fp32 [H], or null); the row-window variant then takes the windows and a
+    # tile counter (`attention_launch.compiled_kernel` adds their "PP"; the counter is read by
+    # `takes_tiles_in_turn` points only, null for the others)
+    arg_format = "P" * 11 + "ii" + "q" * 16 + "iifIiI" + "P" + "qqq" + "f" + "P" + "q" * 4 + "P"
     strategy: str
     mma = "mma_sync"  # the tensor-core instruction family the source is rendered for
     min_capability = (8, 0)  # cp.async, ldmatrix and bf16 mma.sync m16n8k16
