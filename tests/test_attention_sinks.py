@@ -162,7 +162,7 @@ def test_every_template_instance_counts_the_sinks(dtype, head_dim):
     give 0), a strided output; each head's sink in its rows' softmax."""
     seq, batch, heads = 1000, 2, 4
     dense = (masks.longformer(37, 3) | masks.from_mask_mod(lambda b, h, q, k: (q - k) % 7 == h)) \
-        .to_dense(seq, seq, batch=batch, heads=heads).clone()
+        .to_dense(seq, seq, batch=batch, heads=heads).expand(batch, heads, seq, seq).clone()
     dense[1, 0, : seq // 4] = False
     mask = masks.from_dense(dense)
     dense, sinks = dense.cuda(), _sinks(heads)

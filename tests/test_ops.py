@@ -75,6 +75,15 @@ def test_shape_rule_comes_from_the_reference():
         infer_spec(g, bad)
 
 
+def test_a_dtype_only_the_cpu_kernel_lacks_still_has_a_shape():
+    """transformers' MoE routing (5.17) takes the histogram of int32 expert ids, which CUDA computes and
+    the CPU kernel refuses: the shape rule, run on CPU fakes, failed a GPU model's compile."""
+    g = Graph()
+    g.add_input("ids", TensorSpec((512,), torch.int32))
+    histc = g.add_node(Node("h", OPAQUE, "aten.histc.default", (Ref("ids"), 8, 0, 7)))
+    assert infer_spec(g, histc) == TensorSpec((8,), torch.int32)
+
+
 def test_a_view_as_another_dtype_is_opaque_not_a_reshape():
     """x.view(torch.int32) reinterprets bits: taken as a reshape, a kernel converted every value."""
     from stof_cc import trace

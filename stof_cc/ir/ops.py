@@ -13,6 +13,7 @@ passes) register a ``reference`` callable instead.
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,32 +153,51 @@ def spec_of_value(value: Any) -> Spec:
 
 
 def infer_spec(graph: Graph, node: Node) -> Spec:
-    """Output spec of ``node`` from its inputs' specs, by running its reference on fake tensors."""
+    """Output spec of ``node`` from its inputs' specs, by running its reference on fake tensors:
+    CPU ones, then, where the CPU rule refuses, meta ones (a dtype only the CPU kernel lacks:
+    ``histc`` of int32, which transformers' MoE routing runs on the GPU)."""
     fn = reference_of(node)
+    try:
+        return spec_of_value(_run_fake(graph, node, fn, torch.device("cpu")))
+    except Exception as on_cpu:  # report which node's rule failed, whatever torch raised
+        try:
+            return spec_of_value(_run_fake(graph, node, fn, torch.device("meta")))
+        except Exception:  # noqa: BLE001 - the CPU's reason is the one to report
+            pass
+        if node.target in _READS_A_NUMBER:
+            raise GraphError(f"node %{node.name} ({node.target}) reads a tensor's value into a Python number "
+                             "(.item(), int(t), float(t)); stof-cc compiles graphs of tensors: keep the value a "
+                             "tensor (x / x.abs().max() rather than x / x.abs().max().item())") from on_cpu
+        raise GraphError(f"node %{node.name} ({node.op}, {node.target}): shape rule failed: {on_cpu}") from on_cpu
+
+
+def _run_fake(graph: Graph, node: Node, fn: Callable[..., Any], device: torch.device) -> Any:
+    """``fn`` on fake tensors of ``node``'s input specs on ``device`` (so are a traced graph's
+    device literals)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
 
         def fake(ref: Any) -> Any:
             spec = graph.spec_of(ref)
             if isinstance(spec, TensorSpec):
-                return torch.empty(spec.shape, dtype=spec.dtype)
+                return torch.empty(spec.shape, dtype=spec.dtype, device=device)
             if isinstance(spec, tuple):
-                return tuple(torch.empty(s.shape, dtype=s.dtype) if s else None for s in spec)
+                return tuple(torch.empty(s.shape, dtype=s.dtype, device=device) if s else None for s in spec)
             return spec
 
-        def on_cpu(value: Any) -> Any:  # the fake tensors are CPU ones: so are a traced graph's device literals
-            return torch.device("cpu") if isinstance(value, torch.device) else value
+        def placed(value: Any) -> Any:
+            return device if isinstance(value, torch.device) else value
 
-        args = [on_cpu(a) for a in map_refs(node.args, fake)]
-        kwargs = {k: on_cpu(v) for k, v in map_refs(node.kwargs, fake).items()}
+        args = [placed(a) for a in map_refs(node.args, fake)]
+        kwargs = {k: placed(v) for k, v in map_refs(node.kwargs, fake).items()}
+        quiet = _FAKE_LOG.level
+        _FAKE_LOG.setLevel(logging.CRITICAL)  # it logs a refusal's traceback that `infer_spec` reports or retries
         try:
-            result = fn(*args, **kwargs)
-        except Exception as exc:  # report which node's rule failed, whatever torch raised
-            if node.target in _READS_A_NUMBER:
-                raise GraphError(f"node %{node.name} ({node.target}) reads a tensor's value into a Python number "
-                                 "(.item(), int(t), float(t)); stof-cc compiles graphs of tensors: keep the value a "
-                                 "tensor (x / x.abs().max() rather than x / x.abs().max().item())") from exc
-            raise GraphError(f"node %{node.name} ({node.op}, {node.target}): shape rule failed: {exc}") from exc
-    return spec_of_value(result)
+            return fn(*args, **kwargs)
+        finally:
+            _FAKE_LOG.setLevel(quiet)
+
+
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 
 
 _READS_A_NUMBER = ("aten.item.default", "aten._local_scalar_dense.default")  # no static value to reason about
