@@ -201,15 +201,17 @@ def test_sinks_with_grouped_heads_padding_a_strided_split_and_packed_documents(d
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpt_oss_compiled_matches_fp32_eager_on_the_gpu(dtype):
     """Each layer's attention in stof-cc's kernel with its sinks (the sliding layer under its window,
-    the padded batch's keys read on the device); the real tokens within 1e-2 of fp32 eager."""
+    the padded batch's keys read on the device); the real tokens as close to fp32 eager as eager in
+    the dtype is (within 1.25x its distance, or 1e-2: bf16's own rounding is some 4e-2 here)."""
     model = gpt_oss("cuda")
     kwargs, real = _padded_batch("cuda")
     with torch.no_grad():
         want = model(**kwargs).last_hidden_state[real]
+        model.to(dtype)
+        tolerance = max(1e-2, 1.25 * relative_error(model(**kwargs).last_hidden_state[real], want))
         compiled = stof_cc.compile(model, (), kwargs, dtype=dtype, tune=False)
         for _ in range(2):  # the second call replays what the first captured (or runs it again)
-            got = compiled(**kwargs).last_hidden_state[real].float()
-            assert torch.linalg.norm(got - want) / torch.linalg.norm(want) < 1e-2
+            assert relative_error(compiled(**kwargs).last_hidden_state[real], want) < tolerance
     (variant,) = compiled.variants.values()
     attention_steps = [s for s in variant.steps if s.group.kind == "attention"]
     assert len(attention_steps) == LAYERS and all(s.kind == "attention" and "sink" in s.note

@@ -210,3 +210,24 @@ def test_an_in_place_op_on_a_custom_ops_output_is_made_functional():
     assert not any(n.target is not None and n.target.endswith("_.Tensor") for n in result.nodes())
     with torch.no_grad():
         assert torch.equal(interpret(result, x), module(x))
+
+
+class _ClampedAfterAConversion(torch.nn.Module):
+    """transformers 5.17's MoE routing: expert ids converted to float, then clamped in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.argsort(x, dim=-1)
+        as_float = ids.to(torch.float32)
+        ids.clamp_(max=2)
+        return as_float + ids
+
+
+def test_a_conversion_to_another_dtype_is_a_copy_not_a_view():
+    """``.to(float32)`` of int64 ids reads them before the clamp and holds its own copy: the clamp is
+    made functional. Before, every cast counted as a possible view and the graph kept its mutation."""
+    x = torch.randn(3, 5)
+    graph = trace(_ClampedAfterAConversion(), (x,))
+    report = CanonicalizeReport()
+    result = canonicalize(graph, report=report)
+    assert "in-place ops" not in str(report)
+    assert torch.equal(interpret(result, x), _ClampedAfterAConversion()(x))

@@ -224,6 +224,10 @@ def _aliases(node: Node, graph: Graph | None = None) -> bool:
     in-place adds and ran every group in torch."""
     if node.target == "operator.getitem" and graph is not None and isinstance(node.args[0], Ref):
         return _aliases(graph.node(node.args[0].name), graph)
+    if node.op == "cast" and graph is not None and isinstance(node.args[0], Ref) \
+            and isinstance(node.spec, TensorSpec) and graph.node(node.args[0].name).spec.dtype != node.spec.dtype:
+        return False  # `.to(dtype)` returns its input only where the dtype is already that one (transformers
+        # 5.17's MoE clamps expert ids in place that a `.to(float32)` read: the whole graph kept the clamp)
     if node.target is None or node.target.startswith("operator.") or node.target in _UNANNOTATED_ALIASES:
         return node.op not in (INPUT, CONSTANT)
     try:
