@@ -14,6 +14,7 @@ import torch
 
 import stof_cc
 from stof_cc.ir.frontend import trace
+from stof_cc.ir.graph import GraphError
 from stof_cc.ir.reference import masked_attention, relative_error
 from stof_cc.loading import load_factory
 
@@ -491,6 +492,29 @@ def test_mask_override_reaches_stof_attention_on_the_gpu_path(fake_gpu, example_
     torch.testing.assert_close(first, module(x, dense).detach(), rtol=1e-4, atol=1e-4)
     assert all(v.capture_failed for v in graphed.variants.values())
     torch.testing.assert_close(graphed(x, dense), first)  # no second attempt (and no second warning)
+
+    # a torch step that reads the host fails inside the interpreter, which names the node: the same fallback
+    # (transformers' grouped_mm_fallback copies expert offsets to the host; GPT-OSS in fp16 raised here)
+    def failing_step(self, variant, inputs):
+        try:
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+        except RuntimeError as exc:
+            raise GraphError("node %grouped_mm_fallback (opaque) failed: Cannot copy ...") from exc
+
+    monkeypatch.setattr(stof_cc.runtime.compiled.CompiledModule, "_replay", failing_step)
+    graphed = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32,
+                              tune=False)
+    with pytest.warns(UserWarning, match="capture failed, this input shape runs uncaptured: node %grouped_mm"):
+        torch.testing.assert_close(graphed(x, dense), first)
+
+    def broken_graph(self, variant, inputs):  # not a failure of torch's: it reaches the caller
+        raise GraphError("node %x is malformed")
+
+    monkeypatch.setattr(stof_cc.runtime.compiled.CompiledModule, "_replay", broken_graph)
+    graphed = stof_cc.compile(module, (x, dense), mask=grid_mask("sliding", x.shape[1]), dtype=torch.float32,
+                              tune=False)
+    with pytest.raises(GraphError, match="malformed"):
+        graphed(x, dense)
 
 
 def test_a_kernel_that_does_not_compile_falls_back_to_torch_and_says_so(fake_gpu, example_path):

@@ -42,7 +42,7 @@ from stof_cc.backends.pycuda_backend import current_device, current_raw_stream, 
 from stof_cc.backends.rotary_launch import rotary, rotary_unsupported
 from stof_cc.codegen.chain import NotFusable
 from stof_cc.ir.frontend import TraceError
-from stof_cc.ir.graph import Graph, Ref
+from stof_cc.ir.graph import Graph, GraphError, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.node import CONSTANT, INPUT
 from stof_cc.ir.ops import attention_reference, pattern_kind
@@ -219,7 +219,9 @@ class CompiledModule:
             if self.cuda_graphs and variant.gpu and not variant.capture_failed and not variant.mutates:
                 try:
                     outputs = self._replayed(variant, inputs)
-                except RuntimeError as exc:  # e.g. a torch step that synchronises, which capture forbids
+                except (RuntimeError, GraphError) as exc:  # e.g. a torch step that synchronises, which capture forbids
+                    if isinstance(exc, GraphError) and not isinstance(exc.__cause__, RuntimeError):
+                        raise  # the interpreter names the torch step that failed; anything else is not capture's
                     variant.capture_failed = True
                     warnings.warn(f"stof_cc: CUDA graph capture failed, this input shape runs uncaptured: {exc}",
                                   stacklevel=2)
