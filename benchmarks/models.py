@@ -22,7 +22,8 @@ below 1.25x eager's own error in that dtype where that is larger: at S = 16384 e
 is 1.1e-2 from fp32 on these random-weight models); then
 `stof_cc.compile` (CUDA graphs where the model allows), the same model under
 `torch.compile(backend=stof_cc.backend(...))` (its own column, not a peer), eager, `torch.compile`
-(default) and `torch.compile(mode="reduce-overhead")` are timed in this process: medians of
+(default) and `torch.compile(mode="reduce-overhead")` are timed in this process (for GPT-OSS, which has no
+SDPA path, also transformers' FlexAttention path: `FLEX_PEERS`): medians of
 `triton.testing.do_bench` after warm-up. Beside each row, the model's floor (benchmarks/floor.py:
 its GEMMs in cuBLAS, its attention at the dense kernels' speed times the mask's density, the
 rest of its bytes at 3 TB/s). A peer that fails is reported with its error, never

@@ -29,7 +29,8 @@ a band of positions and key padding, a head dim other than 64 or 128; `DECODE_KE
 every one to SDPA), and a 4-D mask tensor the
 caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
 (inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
-``attn_implementation="eager"`` there. A model whose attention is its own code (BLOOM, MPT:
+``attn_implementation="eager"`` there (`stof_cc.compile` of GPT-OSS runs its sinks in the kernels; this
+function's decode steps and SDPA fallback have no form for them yet). A model whose attention is its own code (BLOOM, MPT:
 `own_attention_code`) gets eager's mask tensor and runs as eager would, with one warning. Other code
 that needs the mask as a tensor gets `MaskIsADescription` saying so where it first touches the
 description (``generate()`` with a static cache only hands it on, and works); a model that picks its attention class by name (Falcon)
@@ -408,7 +409,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     sinks = next((name for name in ("s_aux", "sinks") if kwargs.get(name) is not None), None)
     if sinks is not None:
         raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
-                         f"{sinks}): use attn_implementation='eager' for this model")
+                         f"{sinks}): use attn_implementation='eager' for this model (stof_cc.compile runs its "
+                         "attention, sinks included, on stof-cc's kernels)")
     selected = next((name for name, value in kwargs.items() if name.endswith("indices") and value is not None), None)
     if selected is not None:  # MiniMax-M3's block_indices: dropped, its sparse attention ran dense (found by review)
         raise ValueError(f"attn_implementation='{NAME}' does not read {selected} ({type(module).__name__} passes the "
