@@ -102,6 +102,24 @@ def test_a_hand_written_chain_with_sinks_is_recognised(subtract_max):
     torch.testing.assert_close(stof_cc.interpret(graph, q, k, v), module(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+class _ShiftedByAnotherMaximum(_Chain):
+    """The sinks' chain less the maximum over the query rows: a softmax of that is not the softmax."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        combined = torch.cat([scores, self.column.expand(q.shape[0], -1, q.shape[2], -1)], dim=-1)
+        combined = combined - combined.max(dim=-2, keepdim=True).values
+        return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1], v)
+
+
+def test_a_maximum_over_another_dim_is_left_as_the_model_wrote_it():
+    q, k, v = (torch.randn(2, 3, 10, 16) for _ in range(3))
+    module = _ShiftedByAnotherMaximum(torch.tensor([0.5, -3.0, 4.0]).view(1, 3, 1, 1), True).eval()
+    graph = lower(module, (q, k, v))[0]
+    assert not any(n.op == "attention" for n in graph.nodes())
+    torch.testing.assert_close(stof_cc.interpret(graph, q, k, v), module(q, k, v), rtol=1e-5, atol=1e-5)
+
+
 def test_a_column_that_differs_by_row_is_left_as_the_model_wrote_it():
     """Not one logit per head (it changes along the rows): no attention node, and the same values."""
     q, k, v = (torch.randn(2, 3, 10, 16) for _ in range(3))

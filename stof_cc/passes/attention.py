@@ -366,10 +366,11 @@ def _sink_column(graph: Graph, softmax: Node) -> tuple[list[str], Node, Node, to
         shifted, row_max = (graph.node(a.name) for a in combined.args[:2])
         taken = graph.node(row_max.args[0].name) if row_max.target == "operator.getitem" and row_max.args[1] == 0 \
             else row_max
-        if taken.op != "amax" or not isinstance(taken.args[0], Ref) or taken.args[0].name != shifted.name \
-                or not _reads_only(graph, row_max, combined) or (taken is not row_max and not _reads_only(graph, taken, row_max)) \
-                or sorted(u.name for u in graph.users(shifted.name)) != sorted({taken.name, combined.name}):
-            return "the softmax reads a difference that is not its scores less their row maximum"
+        read_once = _reads_only(graph, combined, softmax) and _reads_only(graph, row_max, combined) \
+            and (taken is row_max or _reads_only(graph, taken, row_max)) \
+            and sorted(u.name for u in graph.users(shifted.name)) == sorted({taken.name, combined.name})
+        if not _row_maximum(taken, shifted) or not read_once:
+            return "the softmax reads a difference that is not its scores less their row maximum, read there alone"
         covered += [combined.name] + ([row_max.name] if taken is not row_max else []) + [taken.name]
         combined = shifted
     elif not _reads_only(graph, combined, softmax):
@@ -388,6 +389,18 @@ def _sink_column(graph: Graph, softmax: Node) -> tuple[list[str], Node, Node, to
     if column.op != CONSTANT and _reads_only(graph, column, combined):
         covered.append(column.name)
     return covered, scores, combined, logits
+
+
+def _row_maximum(node: Node, of: Node) -> bool:
+    """``node`` is the maximum of each row of ``of`` over its last dim, kept as a dim of 1 (what a softmax
+    may subtract and give the same; a maximum over another dim would not)."""
+    if node.op != "amax" or not node.args or not isinstance(node.args[0], Ref) or node.args[0].name != of.name:
+        return False
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else []
+    rank = len(of.spec.shape) if isinstance(of.spec, TensorSpec) else 0
+    return bool(keepdim) and len(dims) == 1 and rank > 0 and dims[0] % rank == rank - 1
 
 
 def _per_head(graph: Graph, column: Node, heads: int) -> torch.Tensor | None:
