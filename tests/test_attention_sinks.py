@@ -120,6 +120,28 @@ def test_a_maximum_over_another_dim_is_left_as_the_model_wrote_it():
     torch.testing.assert_close(stof_cc.interpret(graph, q, k, v), module(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+class _CappedChain(_Chain):
+    """Sinks beside softcapped scores: no kernel computes both."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores = torch.tanh(torch.matmul(q, k.transpose(2, 3)) * 0.25 / 5.0) * 5.0
+        combined = torch.cat([scores, self.column.expand(q.shape[0], -1, q.shape[2], -1)], dim=-1)
+        return torch.matmul(torch.softmax(combined, dim=-1)[..., :-1], v)
+
+
+@pytest.mark.parametrize("module", [
+    _CappedChain(torch.tensor([0.5, -3.0, 4.0]).view(1, 3, 1, 1), False),
+    _Chain(torch.tensor([0.5, float("inf"), 4.0]).view(1, 3, 1, 1), True),  # eager's rows of that head: NaN
+], ids=["softcapped", "an infinite sink"])
+def test_chains_no_kernel_computes_are_left_as_the_model_wrote_them(module):
+    """Found by review: softcapped scores with sinks failed the shape rule (the reference has no form for both)."""
+    q, k, v = (torch.randn(2, 3, 10, 16) for _ in range(3))
+    graph = lower(module.eval(), (q, k, v))[0]
+    assert not any(n.op == "attention" for n in graph.nodes())
+    torch.testing.assert_close(stof_cc.interpret(graph, q, k, v), module(q, k, v), rtol=1e-5, atol=1e-5,
+                               equal_nan=True)
+
+
 def test_a_column_that_differs_by_row_is_left_as_the_model_wrote_it():
     """Not one logit per head (it changes along the rows): no attention node, and the same values."""
     q, k, v = (torch.randn(2, 3, 10, 16) for _ in range(3))

@@ -143,6 +143,9 @@ class LaunchPlan:
                                       f"strides {lse.stride()}")
         else:
             lse_args = (lse.data_ptr(), *residue_strides(lse.unsqueeze(-1), self.residues))
+        if sinks is not None and lse is not None:  # a part's lse holds no sink: merged parts would need it once
+            raise AttentionInputError("sinks with an lse output is not supported: partial results merged by their "
+                                      "log-sum-exp would count each sink once per part")
         if sinks is not None and (sinks.shape != self.shape[1:2] or sinks.dtype != torch.float32
                                   or sinks.device != self.device or sinks.stride(0) != 1):
             raise AttentionInputError(f"sinks must be a contiguous float32 tensor [{self.shape[1]}] on {self.device} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -189,15 +190,26 @@ def _run_fake(graph: Graph, node: Node, fn: Callable[..., Any], device: torch.de
 
         args = [placed(a) for a in map_refs(node.args, fake)]
         kwargs = {k: placed(v) for k, v in map_refs(node.kwargs, fake).items()}
-        quiet = _FAKE_LOG.level
-        _FAKE_LOG.setLevel(logging.CRITICAL)  # it logs a refusal's traceback that `infer_spec` reports or retries
+        was = getattr(_PROBING, "on", False)
+        _PROBING.on = True  # fake_tensor logs a refusal's traceback, which `infer_spec` reports or retries
         try:
             return fn(*args, **kwargs)
         finally:
-            _FAKE_LOG.setLevel(quiet)
+            _PROBING.on = was
 
 
-_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_PROBING = threading.local()  # .on: this thread is running a shape rule on fakes
+
+
+class _QuietWhileProbing(logging.Filter):
+    """Drops fake_tensor's records while this thread runs a shape rule (other threads' and other
+    times' records pass: a logger level set and restored would race between threads)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(_PROBING, "on", False)
+
+
+logging.getLogger("torch._subclasses.fake_tensor").addFilter(_QuietWhileProbing())
 
 
 _READS_A_NUMBER = ("aten.item.default", "aten._local_scalar_dense.default")  # no static value to reason about
@@ -285,7 +297,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     ``softcap`` c: the scores are c * tanh(q k^T * scale / c) before any mask (Gemma 2).
     ``sinks`` (H logits, one per query head: GPT-OSS): each row's softmax also holds a key with that
     score and a value of 0, as the model's chain concatenates it to the scores and drops its column
-    after the softmax; a row with no allowed key then gives 0 (the sink takes all of it)."""
+    after the softmax; a row with no allowed key then gives 0 (a finite sink takes all of it)."""
     additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
     added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
     if sinks is not None:  # in fp32, as `masked_attention` computes; no model caps scores and has sinks

@@ -105,9 +105,8 @@ def recognise_attention(graph: Graph, report: AttentionReport | None = None) -> 
         if node.name in matches:
             m = matches[node.name]
             mask, is_causal = _allowed_mask(graph, out, m) if m.mask_hides else (m.mask, m.is_causal)
-            # masked_fill(-inf) then softmax: a row with every key hidden is NaN in the model
-            # masked_fill then softmax: a row with every key hidden is NaN (-inf) or the mean of V
-            # a row with no allowed key: what the chain's fill gives it, or 0 beside a sink (which takes it all)
+            # masked_fill then softmax: a row with every key hidden is NaN (-inf) or the mean of V (a finite
+            # fill), or 0 beside a sink (which takes the whole row)
             empty = {"empty_rows": m.empty_rows} if m.mask_hides and mask is not None and m.sinks is None else {}
             bias = {"bias": _bias_operand(graph, out, m)} if m.bias is not None else {}
             written = {"scores_dtype": m.scores_dtype} if m.covered and not m.mask_hides and mask is not None \
@@ -234,7 +233,7 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
     chain.append(probs.name)
     scores, reader = graph.node(probs.args[0].name), probs
     sinks = None
-    if sliced is not None:
+    if sliced is not None:  # a softcap under sinks is refused below (no kernel or reference has both)
         found = _sink_column(graph, probs)
         if isinstance(found, str):
             return refuse(found)
@@ -340,6 +339,8 @@ def _match_chain(graph: Graph, node: Node, report: AttentionReport) -> Attention
         return refuse(f"q, k and v have different dtypes ({', '.join(sorted(map(str, dtypes)))})")
     if {r.name for r in (mask, bias.source if bias else None) if r is not None} & set(chain):
         return refuse("the added term is the scores themselves (softmax(s + s))")
+    if sinks is not None and softcap is not None:
+        return refuse("softcapped scores beside attention sinks (no kernel computes both)")
     return AttentionMatch(node.name, q, k, v, mask, mask_hides, factor, False, tuple(chain), bias, empty_rows,
                           softcap, scores.spec.dtype, sinks)
 
@@ -410,7 +411,8 @@ def _per_head(graph: Graph, column: Node, heads: int) -> torch.Tensor | None:
     if column.op != CONSTANT:
         return None
     value = graph.constants[column.name]
-    if value.dim() != 4 or value.shape[1] != heads or value.shape[3] != 1 or not value.is_floating_point():
+    if value.dim() != 4 or value.shape[1] != heads or value.shape[3] != 1 or not value.is_floating_point() \
+            or not bool(torch.isfinite(value).all()):  # an infinite or NaN sink: eager's NaN rows, as written
         return None
     first = value[:1, :, :1, :]
     if not torch.equal(value, first.expand_as(value)):

@@ -126,10 +126,12 @@ def canonicalize(graph: Graph, fold_limit: int = FOLD_LIMIT, report: Canonicaliz
 
 
 def mutating_nodes(graph: Graph) -> list[str]:
-    """Names of nodes whose ATen overload writes into one of its inputs."""
+    """Names of nodes whose op writes into one of its inputs, as its schema says: an ATen overload's,
+    or a registered custom op's (``mutates_args``: one that returns nothing was removed as dead, and
+    the write lost, while only ATen was read)."""
     names = []
     for node in graph.nodes():
-        if node.target is None or not node.target.startswith("aten."):
+        if node.target is None or node.target.startswith("operator."):
             continue
         try:
             overload = resolve_target(node.target)
@@ -211,7 +213,7 @@ def _result_dtype(graph: Graph, functional: Any, node: Node) -> torch.dtype | No
 
 
 # Ops that return their input though their schema does not say so: waiting on a collective hands back its buffer
-_UNANNOTATED_ALIASES = frozenset({"_c10d_functional.wait_tensor.default"})
+_UNANNOTATED_ALIASES = frozenset({"_c10d_functional.wait_tensor.default", "c10d_functional.wait_tensor.default"})
 
 
 def _aliases(node: Node, graph: Graph | None = None) -> bool:

@@ -90,7 +90,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     batch element instead (`position_windows`).
     ``sinks``: one logit per query head ([H]: GPT-OSS's attention sinks, transformers' ``s_aux``),
     each a key every row sees with that score and a value of 0: it takes its share of the row's
-    softmax and adds nothing (a row with no allowed key still gives 0). Not with ``return_lse``
+    softmax and adds nothing (a row with no allowed key still gives 0; finite logits: an infinite or NaN
+    one gives rows of 0 where the eager chain gives NaN). Not with ``return_lse``
     (partial results merged by their log-sum-exp would count each sink once per part).
 
     The first call for a mask and an input layout validates, chooses and builds a
