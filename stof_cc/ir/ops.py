@@ -300,7 +300,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     after the softmax; a row with no allowed key then gives 0 (a finite sink takes all of it)."""
     additive = [t for t in (mask, bias) if t is not None and t.is_floating_point()]
     added = additive[0] if len(additive) == 1 else additive[0] + additive[1] if additive else None
-    if sinks is not None:  # in fp32, as `masked_attention` computes; no model caps scores and has sinks
+    if sinks is not None:  # in fp32, as `masked_attention` computes (the recogniser takes no softcap beside sinks)
         if softcap is not None:
             raise NotImplementedError("attention_reference: softcapped scores with sinks")
         return masked_attention(q, k, v, _allowed_keys(q, k, mask, is_causal, window, key_padding), scale,

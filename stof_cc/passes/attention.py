@@ -15,6 +15,9 @@ Two forms are found:
 
   Every intermediate must have no other reader (else it is needed elsewhere and the chain
   stays as it is); the reason a softmax was not rewritten is recorded in the report.
+  GPT-OSS's form with attention sinks is the same chain with one more column of scores:
+  ``softmax(cat([scores, sinks], -1) [- its row maximum])[..., :-1]``, the column one finite
+  logit per head (the node's ``sinks``, fp32 [H]; docs/decisions.md#attention-sinks).
 
 The new node keeps the name of the node it replaces (the SDPA call or the final matmul),
 so its readers are untouched: ``attention(q, k, v, mask, scale=..., is_causal=...)`` with
