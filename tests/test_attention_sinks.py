@@ -102,6 +102,18 @@ def test_a_hand_written_chain_with_sinks_is_recognised(subtract_max):
     torch.testing.assert_close(stof_cc.interpret(graph, q, k, v), module(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+def test_the_sinks_hold_under_a_mask_given_to_compile():
+    """``compile(mask=)`` replaces the chain's own mask (none here) with a causal one; each head's sink
+    still takes its share (the torch path of an attention under mask=, on the CPU)."""
+    q, k, v = (torch.randn(2, 3, 10, 16) for _ in range(3))
+    sinks = torch.tensor([0.5, -3.0, 4.0])
+    module = _Chain(sinks.view(1, 3, 1, 1), True).eval()
+    got = stof_cc.compile(module, (q, k, v), mask=masks.causal(), dtype=torch.float32)(q, k, v)
+    scores = (q @ k.transpose(2, 3) * 0.25).masked_fill(torch.ones(10, 10, dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(torch.cat([scores, sinks.view(1, 3, 1, 1).expand(2, 3, 10, 1)], -1), -1)[..., :-1]
+    torch.testing.assert_close(got, probs @ v, rtol=1e-5, atol=1e-5)
+
+
 class _ShiftedByAnotherMaximum(_Chain):
     """The sinks' chain less the maximum over the query rows: a softmax of that is not the softmax."""
 

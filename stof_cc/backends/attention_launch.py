@@ -143,9 +143,8 @@ class LaunchPlan:
                                       f"strides {lse.stride()}")
         else:
             lse_args = (lse.data_ptr(), *residue_strides(lse.unsqueeze(-1), self.residues))
-        if sinks is not None and lse is not None:  # a part's lse holds no sink: merged parts would need it once
-            raise AttentionInputError("sinks with an lse output is not supported: partial results merged by their "
-                                      "log-sum-exp would count each sink once per part")
+        if sinks is not None and lse is not None:
+            raise AttentionInputError(SINKS_WITH_LSE)
         if sinks is not None and (sinks.shape != self.shape[1:2] or sinks.dtype != torch.float32
                                   or sinks.device != self.device or sinks.stride(0) != 1):
             raise AttentionInputError(f"sinks must be a contiguous float32 tensor [{self.shape[1]}] on {self.device} "
@@ -181,6 +180,11 @@ def bias_view(bias: torch.Tensor, q: torch.Tensor, seq_k: int) -> torch.Tensor:
         raise AttentionInputError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
                                   f"[{b}, {h}, {s_q}, {seq_k}]") from None
     return bias if bias.stride(3) == 1 else bias.contiguous()
+
+
+# A part's log-sum-exp holds no sink: parts merged by it would count each sink once per part
+SINKS_WITH_LSE = ("sinks with return_lse (an lse output) is not supported: partial results merged by their "
+                  "log-sum-exp would count each sink once per part")
 
 
 def sink_logits(sinks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

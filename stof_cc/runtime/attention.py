@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from stof_cc.backends.attention_launch import (
+    SINKS_WITH_LSE,
     KeyPadding,
     LaunchPlan,
     bias_view,
@@ -113,8 +114,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              return_lse=return_lse, cu_seqlens=cu_seqlens, position_ids=position_ids, sinks=sinks)
     if sinks is not None:
         if return_lse:
-            raise AttentionInputError("sinks with return_lse is not supported: partial results merged by their "
-                                      "log-sum-exp would count each sink once per part")
+            raise AttentionInputError(SINKS_WITH_LSE)
         problem_of(q, k, v)  # q's heads are what the sinks are checked against
         sinks = sink_logits(sinks, q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if return_lse else None

@@ -45,7 +45,7 @@ from stof_cc.ir.frontend import TraceError
 from stof_cc.ir.graph import Graph, GraphError, Ref
 from stof_cc.ir.interpret import bind_inputs, node_runner
 from stof_cc.ir.node import CONSTANT, INPUT
-from stof_cc.ir.ops import attention_reference, pattern_kind
+from stof_cc.ir.ops import pattern_kind
 from stof_cc.ir.reference import empty_query_rows, fill_empty_rows, masked_attention
 from stof_cc.masks import MaskDescription, MaskError, from_dense
 from stof_cc.masks.replayed import CAPTURE_LOCK
@@ -557,9 +557,8 @@ class CompiledModule:
             dense = dense & (env[given["key_padding"].name] != 0)[:, None, None, :]
         bias = _summed([env[r.name] for r in (given.get("attn_mask"), given.get("bias"))
                         if isinstance(r, Ref) and env[r.name].is_floating_point()])
-        if given.get("sinks") is not None:  # GPT-OSS's sinks hold under mask= too
-            return attention_reference(q, k, v, dense, scale=given["scale"], bias=bias, sinks=env[given["sinks"].name])
-        return masked_attention(q, k, v, dense, given.get("scale"), bias=bias)
+        sinks = env[given["sinks"].name] if given.get("sinks") is not None else None  # they hold under mask= too
+        return masked_attention(q, k, v, dense, given.get("scale"), bias=bias, sinks=sinks)
 
 
 def compile(model: torch.nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor,  # noqa: A001
