@@ -1,5 +1,5 @@
 """HuggingFace generation with attn_implementation="stof_cc" beside "sdpa" and "flex_attention"
-(issue 36's bar).
+(issue 36's bar); GPT-OSS, which transformers gives no SDPA path (its attention sinks), beside "eager".
 
     python benchmarks/hf_generate.py [--families llama,qwen2,mistral,gemma3] [--hidden 2048] [--layers 4]
                                      [--prompt 4096] [--new 128] [--batch 1,8] [--dtype bfloat16] [--rounds 5] [--sdpa-decode]
@@ -12,8 +12,8 @@ generation pads); the prefill (one forward, no cache) timed with `triton.testing
 greedy `generate()` of ``--new`` tokens timed end to end (the median of ``--rounds`` after one
 warm-up; stof-cc and sdpa, the bar's pair, take turns round by round, in either order as often, as
 the host's speed drifts within a run; Flex's generate() runs once, for its tokens). Every
-implementation's tokens are compared with sdpa's: the bar asks for identical greedy tokens, and
-random weights make near-ties, so the row reports the first position where they differ. stof-cc's
+implementation's tokens are compared with sdpa's (the baseline; GPT-OSS's is eager): the bar asks for identical
+greedy tokens, and random weights make near-ties, so the row reports the first position where they differ. stof-cc's
 decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`) where a step's mask hides keys (B = 8:
 the left padding); a step that sees every key of its cache (B = 1) runs SDPA's flash kernel, which is faster
 there (stof_cc/hf.py, docs/decisions.md#decode-kernel). With ``--sdpa-decode`` every step runs in
@@ -39,15 +39,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import stof_cc.hf  # noqa: E402
 
 IMPLEMENTATIONS = ("stof_cc", "sdpa", "flex_attention")
-TIMED_GENERATE = ("stof_cc", "sdpa")  # the bar's pair; Flex's generate() gives its tokens but is not timed
 VOCAB = 32000
+NO_SDPA = ("gpt_oss",)  # transformers has no SDPA path for them: eager is the baseline
+
+
+def baseline_of(family: str) -> str:
+    """The implementation stof-cc is held against (and whose tokens the others are compared with)."""
+    return "eager" if family in NO_SDPA else "sdpa"
+
+
+def implementations_of(family: str) -> tuple[str, ...]:
+    """stof_cc, the family's baseline and flex_attention (the baseline and stof_cc: the timed pair; Flex's
+    generate() gives its tokens but is not timed)."""
+    return tuple(baseline_of(family) if name == "sdpa" else name for name in IMPLEMENTATIONS)
 
 
 def config_of(family: str, hidden: int, layers: int):
-    """The family's config at ``hidden`` (head dim 128, K/V heads a quarter of the query heads)."""
+    """The family's config at ``hidden`` (head dim 128, K/V heads a quarter of the query heads; GPT-OSS
+    as it ships: head dim 64, a 128-token window every other layer, experts as wide as the model, two of
+    eight per token)."""
     import transformers as T
 
-    heads = hidden // 128
+    head_dim = 64 if family == "gpt_oss" else 128
+    heads = hidden // head_dim
     common = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
               "num_key_value_heads": max(1, heads // 4), "intermediate_size": 4 * hidden, "vocab_size": VOCAB,
               "max_position_embeddings": 32768, "pad_token_id": 0, "eos_token_id": None, "bos_token_id": None}
@@ -56,6 +70,8 @@ def config_of(family: str, hidden: int, layers: int):
         "qwen2": lambda: T.Qwen2Config(**common),
         "mistral": lambda: T.MistralConfig(sliding_window=2048, **common),
         "gemma3": lambda: T.Gemma3TextConfig(head_dim=128, sliding_window=1024, **common),
+        "gpt_oss": lambda: T.GptOssConfig(**(common | {"intermediate_size": hidden}), head_dim=64, sliding_window=128,
+                                          num_local_experts=8, num_experts_per_tok=2),
     }
     return configs[family]()
 
@@ -104,12 +120,15 @@ def prefill_ms(forward, device: str) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
-def run(family: str, batch: int, args, implementations=IMPLEMENTATIONS, device: str = "cuda") -> dict:
+def run(family: str, batch: int, args, implementations=None, device: str = "cuda") -> dict:
     dtype = getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    baseline = baseline_of(family)
+    implementations = implementations_of(family) if implementations is None else implementations
     models = models_of(config_of(family, args.hidden, args.layers), implementations, dtype, device)
     ids, mask = prompt_of(batch, args.prompt, device)
-    row = {"family": family, "batch": batch, "prefill_ms": {}, "generate_s": {}, "first_difference": {}}
+    row = {"family": family, "batch": batch, "baseline": baseline, "prefill_ms": {}, "generate_s": {},
+           "first_difference": {}}
     tokens = {}
     settings = {"max_new_tokens": args.new, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
@@ -123,7 +142,7 @@ def run(family: str, batch: int, args, implementations=IMPLEMENTATIONS, device: 
         # generate() is bound by the host, whose speed drifts by 20-30% within a run: the implementations
         # take turns, round by round, so each round compares them under the same conditions
         times: dict[str, list[float]] = {name: [] for name in models
-                                         if name in TIMED_GENERATE and name not in row.get("errors", {})}
+                                         if name in ("stof_cc", baseline) and name not in row.get("errors", {})}
         for round_ in range(args.rounds):
             for name in list(times)[::-1 if round_ % 2 else 1]:  # either order as often: no order bias
                 try:
@@ -136,20 +155,24 @@ def run(family: str, batch: int, args, implementations=IMPLEMENTATIONS, device: 
                     row.setdefault("errors", {})[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     del times[name]
         row["generate_s"] = {name: statistics.median(t) for name, t in times.items()}
-    if "sdpa" in tokens:
-        row["first_difference"] = {name: first_difference(t, tokens["sdpa"]) for name, t in tokens.items()}
+    if baseline in tokens:
+        row["first_difference"] = {name: first_difference(t, tokens[baseline]) for name, t in tokens.items()}
     return row
 
 
 def table(rows: list[dict]) -> str:
+    """The rows as a markdown table; "sdpa" is each row's baseline (eager where the family has no SDPA: the
+    row says so)."""
     lines = ["| family | B | prefill ms stof_cc / sdpa / flex | prefill vs sdpa | vs flex | generate s stof_cc / sdpa "
              "| generate vs sdpa | tokens differ from sdpa at |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p, g = r["prefill_ms"], r["generate_s"]
+        baseline = r.get("baseline", "sdpa")
+        p, g = ({("sdpa" if k == baseline else k): v for k, v in d.items()} for d in (r["prefill_ms"], r["generate_s"]))
         ratio = lambda d, a, b: f"{d[b] / d[a]:.2f}x" if a in d and b in d else "-"  # noqa: E731
         cell = lambda d, k, f: f.format(d[k]) if k in d else "-"  # noqa: E731
         differ = r["first_difference"].get("stof_cc", "-")
-        lines.append(f"| {r['family']} | {r['batch']} | {cell(p, 'stof_cc', '{:.2f}')} / {cell(p, 'sdpa', '{:.2f}')} / "
+        family = r["family"] + ("" if baseline == "sdpa" else f" (vs {baseline}: no sdpa)")
+        lines.append(f"| {family} | {r['batch']} | {cell(p, 'stof_cc', '{:.2f}')} / {cell(p, 'sdpa', '{:.2f}')} / "
                      f"{cell(p, 'flex_attention', '{:.2f}')} | {ratio(p, 'stof_cc', 'sdpa')} | "
                      f"{ratio(p, 'stof_cc', 'flex_attention')} | {cell(g, 'stof_cc', '{:.2f}')} / "
                      f"{cell(g, 'sdpa', '{:.2f}')} | {ratio(g, 'stof_cc', 'sdpa')} | "

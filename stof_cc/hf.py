@@ -406,11 +406,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if softcap is not None:
         raise ValueError(f"attn_implementation='{NAME}' does not softcap scores ({type(module).__name__} asks "
                          f"for softcap={softcap}): use attn_implementation='eager' for this model")
-    sinks = next((name for name in ("s_aux", "sinks") if kwargs.get(name) is not None), None)
-    if sinks is not None:
-        raise ValueError(f"attn_implementation='{NAME}' has no attention sinks ({type(module).__name__} passes "
-                         f"{sinks}): use attn_implementation='eager' for this model (stof_cc.compile runs its "
-                         "attention, sinks included, on stof-cc's kernels)")
+    sinks = _sinks(kwargs)
     selected = next((name for name, value in kwargs.items() if name.endswith("indices") and value is not None), None)
     if selected is not None:  # MiniMax-M3's block_indices: dropped, its sparse attention ran dense (found by review)
         raise ValueError(f"attn_implementation='{NAME}' does not read {selected} ({type(module).__name__} passes the "
@@ -422,7 +418,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         made = attention_mask.arguments
         attention_mask = _traced_mask(made, None, {key: made[key] for key in _MADE_WITH})
     if isinstance(attention_mask, TracedMask) or (torch.compiler.is_compiling() and attention_mask is None):
-        return _traced_attention(module, query, key, value, attention_mask, scaling, **kwargs)
+        return _traced_attention(module, query, key, value, attention_mask, scaling, sinks, **kwargs)
     position_bias = kwargs.pop("position_bias", None)  # T5's relative positions, added to the scores
     packing = packed_documents(query, key, kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None))
     if packing is not None and not isinstance(attention_mask, HFMask | None):
@@ -431,7 +427,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if packing is not None:
         attention_mask = _with_documents(attention_mask, packing, _causal(module, kwargs))
     if isinstance(attention_mask, torch.Tensor):  # a 4-D mask the caller built: transformers passes it as is
-        return _fallback(module, query, key, value, attention_mask, scaling, position_bias,
+        return _fallback(module, query, key, value, attention_mask, scaling, position_bias, sinks,
                          "the caller passed a mask tensor (stof-cc describes the masks its mask function builds)",
                          **kwargs)
     if attention_mask is not None and not isinstance(attention_mask, HFMask):
@@ -440,18 +436,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                         "implementation?")
     step, refusal = _decode_step(query, key, value, attention_mask, position_bias) if DECODE_KERNEL \
         else (None, "the decode kernel is off (stof_cc.hf.DECODE_KERNEL)")
-    if step is not None and query.shape[2] == 1 and step.key_padding is None \
+    if step is not None and query.shape[2] == 1 and step.key_padding is None and sinks is None \
             and every_key_counts(1, key.shape[2], step.mask, step.q_position, step.k_position):
         # one query over its whole cache, no padding: SDPA's flash kernel (no mask, GQA) is faster here,
         # by measurement (docs/decisions.md#decode-kernel); the mask is all true, so None is exact
-        return _sdpa(module, query, key, value, None, scaling, position_bias, **kwargs)
+        return _sdpa(module, query, key, value, None, scaling, position_bias, None, **kwargs)
     if step is not None:
         out = decode_attention(query, key, value, step.mask, scale=scaling, q_position=step.q_position,
-                               k_position=step.k_position, key_padding=step.key_padding)
+                               k_position=step.k_position, key_padding=step.key_padding, sinks=sinks)
         return out.transpose(1, 2).contiguous(), None
     why = _why_sdpa(query, key, value, attention_mask, refusal)
     if why is not None:
-        return _fallback(module, query, key, value, attention_mask, scaling, position_bias, why, **kwargs)
+        return _fallback(module, query, key, value, attention_mask, scaling, position_bias, sinks, why, **kwargs)
     description = None if attention_mask is None else attention_mask.description
     if attention_mask is None and _causal(module, kwargs) and query.shape[2] > 1:
         description = CAUSAL  # transformers' convention: no mask tensor on a causal module
@@ -474,8 +470,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     for part in documents:
         description = part if description is None else description & part
     out = attention(query, key, value, description, scale=scaling, key_padding=key_padding, bias=position_bias,
-                    cu_seqlens=cu_seqlens, position_ids=position_ids)
+                    cu_seqlens=cu_seqlens, position_ids=position_ids, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The attention sinks the model passes (GPT-OSS's ``s_aux``: one logit per query head), taken out
+    of ``kwargs`` (transformers' SDPA would ignore them: a wrong answer), or None."""
+    given = {name: kwargs.pop(name) for name in ("s_aux", "sinks") if kwargs.get(name) is not None}
+    if len(given) > 1:
+        raise ValueError(f"attn_implementation='{NAME}' got attention sinks twice (s_aux and sinks): pass one")
+    return next(iter(given.values()), None)
 
 
 @dataclass
@@ -680,24 +685,54 @@ def _warn(what: str) -> None:
         warnings.warn(f"attn_implementation='{NAME}': {what}", stacklevel=5)
 
 
-def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias, why: str,
-              **kwargs) -> tuple[torch.Tensor, None]:
+def _fallback(module, query, key, value, mask: HFMask | torch.Tensor | None, scaling, position_bias,
+              sinks: torch.Tensor | None, why: str, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' SDPA as ``attn_implementation="sdpa"`` runs it: its own mask, skips included,
     and the model's ``is_causal`` (a keyword the model passes, else the module's), which SDPA
-    applies only where no mask is given (and the position bias, which it adds)."""
+    applies only where no mask is given (and the position bias, which it adds; the sinks as
+    `_sdpa_with_sinks` adds them)."""
     _warn_once(f"transformers' sdpa runs this attention: {why}")
     return _sdpa(module, query, key, value, mask.dense(query.device) if isinstance(mask, HFMask) else mask,
-                 scaling, position_bias, **kwargs)
+                 scaling, position_bias, sinks, **kwargs)
 
 
 def _sdpa(module, query, key, value, dense: torch.Tensor | None, scaling, position_bias,
-          **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' `sdpa_attention_forward` with ``dense`` (transformers' mask, or None)."""
+          sinks: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' `sdpa_attention_forward` with ``dense`` (transformers' mask, or None); with
+    ``sinks``, `_sdpa_with_sinks`."""
+    if sinks is not None:
+        return _sdpa_with_sinks(module, query, key, value, dense, scaling, position_bias, sinks, kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if position_bias is not None:
         kwargs["position_bias"] = position_bias
     return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None
+
+
+def _sdpa_with_sinks(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dense: torch.Tensor | None,
+                     scaling: float | None, position_bias: torch.Tensor | None, sinks: torch.Tensor,
+                     kwargs: dict[str, Any]) -> tuple[torch.Tensor, None]:
+    """SDPA has no sinks (transformers gives GPT-OSS no SDPA path): each head's sink joins as one more
+    key, a zero vector whose score a float mask sets to the sink's logit, with a zero value, so its exp
+    joins every row's denominator and adds nothing to the output, as GPT-OSS's eager code computes it.
+    Exact, at the cost of a float mask of [B, H, S_q, S_k + 1] (SDPA's masked kernels): the fallback's
+    price, not the kernels' path. ``dense`` (bool or additive) and the causal rule are SDPA's own:
+    without a mask a causal module attends top-left, as SDPA's ``is_causal``."""
+    batch, heads, rows, _ = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    if dense is None and rows > 1 and _causal(module, kwargs):
+        dense = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril()
+    scores = query.new_zeros(batch, heads, rows, keys + 1)
+    if dense is not None:
+        scores[..., :keys] = torch.where(dense, 0.0, float("-inf")) if dense.dtype == torch.bool else dense
+    if position_bias is not None:
+        scores[..., :keys] += position_bias
+    scores[..., keys] = sinks.reshape(1, heads, 1).to(scores.dtype)
+    zero = key.new_zeros(batch, kv_heads, 1, key.shape[3])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, torch.cat([key, zero], dim=2), torch.cat([value, zero.new_zeros(batch, kv_heads, 1, value.shape[3])], dim=2),
+        attn_mask=scores, scale=scaling, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2).contiguous(), None
 
 
 # While dynamo traces (torch.compile, torch.export) it cannot read the closure cells of the mask
@@ -783,7 +818,8 @@ def _traced_mask(arguments: dict[str, Any], config: Any, extra: dict[str, Any]) 
 
 
 def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      mask: TracedMask | None, scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      mask: TracedMask | None, scaling: float | None, sinks: torch.Tensor | None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
     """`attention_forward` while dynamo traces: `torch.ops.stof_cc.attention` where the op has a kernel
     for the call (on the CPU its torch reference; on CUDA fp16/bf16 without autograd), else
     transformers' SDPA with transformers' mask; either way a node of the graph. Packed sequences'
@@ -802,9 +838,8 @@ def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         else:
             spec = mask.spec
             key_padding = None if mask.key_padding is None else mask.key_padding.to(query.device)  # device_map
-        out = torch.ops.stof_cc.attention(query, key, value, spec, scaling, key_padding, cu_q)
+        out = torch.ops.stof_cc.attention(query, key, value, spec, scaling, key_padding, cu_q, sinks)
         return out.transpose(1, 2).contiguous(), None
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
     _warn_once(f"transformers' sdpa runs this attention in the compiled graph: {why}")
@@ -819,7 +854,7 @@ def _traced_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                                            "allow_is_bidirectional_skip": False}))
         elif _causal(module, kwargs):
             dense = dense & (rows[:, None] >= rows[None, :])
-    return sdpa_attention_forward(module, query, key, value, dense, scaling=scaling, **kwargs)[0], None
+    return _sdpa(module, query, key, value, dense, scaling, kwargs.pop("position_bias", None), sinks, **kwargs)
 
 
 def _why_sdpa_traced(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: TracedMask | None,

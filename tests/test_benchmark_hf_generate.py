@@ -19,17 +19,21 @@ hf_generate = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hf_generate)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3"])
-def test_a_tiny_run_gives_sdpas_tokens_and_a_table(family):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma3", "gpt_oss"])
+def test_a_tiny_run_gives_the_baselines_tokens_and_a_table(family):
+    """Each family beside its baseline: sdpa, or eager for GPT-OSS (transformers has no SDPA path for its sinks)."""
     hf_generate.stof_cc.hf.register()
-    args = SimpleNamespace(hidden=256, layers=1, prompt=24, new=3, dtype="float32", rounds=2)
+    args = SimpleNamespace(hidden=256, layers=2, prompt=24, new=3, dtype="float32", rounds=2)
+    baseline = "eager" if family == "gpt_oss" else "sdpa"
+    assert hf_generate.implementations_of(family) == ("stof_cc", baseline, "flex_attention")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # stof_cc's attention says once that it runs in SDPA on the CPU
-        row = hf_generate.run(family, 2, args, implementations=("stof_cc", "sdpa"), device="cpu")
+        row = hf_generate.run(family, 2, args, implementations=("stof_cc", baseline), device="cpu")
     assert "errors" not in row, row.get("errors")
-    assert row["first_difference"] == {"stof_cc": None, "sdpa": None}
-    assert set(row["prefill_ms"]) == set(row["generate_s"]) == {"stof_cc", "sdpa"}
-    assert f"| {family} | 2 |" in hf_generate.table([row]) and "| identical |" in hf_generate.table([row])
+    assert row["baseline"] == baseline and row["first_difference"] == {"stof_cc": None, baseline: None}
+    assert set(row["prefill_ms"]) == set(row["generate_s"]) == {"stof_cc", baseline}
+    name = family if baseline == "sdpa" else f"{family} (vs eager: no sdpa)"
+    assert f"| {name} | 2 |" in hf_generate.table([row]) and "| identical |" in hf_generate.table([row])
 
 
 def test_the_prompt_left_pads_half_the_batch():

@@ -196,8 +196,8 @@ def test_what_is_refused_is_named():
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(ValueError, match="softcap"):
         stof_cc.hf.attention_forward(module, q, q, q, None, softcap=50.0)
-    with pytest.raises(ValueError, match="attention sinks"):
-        stof_cc.hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(ValueError, match="attention sinks twice"):
+        stof_cc.hf.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2), sinks=torch.zeros(2))
     with pytest.raises(ValueError, match="does not read block_indices"):  # MiniMax-M3's sparse blocks: ran dense
         stof_cc.hf.attention_forward(module, q, q, q, None, block_indices=torch.zeros(1, 2, 2, dtype=torch.long))
     module.train()
@@ -295,9 +295,9 @@ def decode_stand_in(monkeypatch) -> list:
 
     calls = []
 
-    def stand_in(q, k, v, mask, *, scale, q_position, k_position, key_padding):
+    def stand_in(q, k, v, mask, *, scale, q_position, k_position, key_padding, sinks=None):
         calls.append((q.shape[2], k.shape[2], mask, q_position, k_position))
-        return _reference(q, k, v, mask, scale, q_position, k_position, key_padding).to(q.dtype)
+        return _reference(q, k, v, mask, scale, q_position, k_position, key_padding, sinks).to(q.dtype)
 
     monkeypatch.setattr(stof_cc.hf, "DECODE_KERNEL", True)
     monkeypatch.setattr(stof_cc.hf, "decode_unsupported", lambda q, k, mask: None)

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from stof_cc.backends.attention_launch import sink_logits
 from stof_cc.backends.pycuda_backend import Kernel, load_kernel
 from stof_cc.masks import MaskDescription
 from stof_cc.masks.zoo import band_of
@@ -62,11 +63,12 @@ def every_key_counts(tokens: int, keys: int, mask: MaskDescription | None, q_pos
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: MaskDescription | None = None, *,
                      scale: float | None = None, q_position: int = 0, k_position: int = 0,
-                     key_padding: torch.Tensor | None = None) -> torch.Tensor:
+                     key_padding: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T scale) v for the T queries of each sequence at absolute positions q_position ..
     q_position + T - 1 against keys at k_position .., under ``mask`` (a band: `masks.causal()`,
     `masks.sliding_window(w, causal=...)`, or None for every key) and ``key_padding`` ([B, S_k] bool,
-    True = attend). Returns [B, H, T, D], contiguous; a query with no key allowed gets zeros."""
+    True = attend); ``sinks`` ([H], one logit per query head: GPT-OSS's) as `stof_cc.attention` takes
+    them. Returns [B, H, T, D], contiguous; a query with no key allowed gets zeros."""
     why = decode_unsupported(q, k, mask)
     if why is not None:
         raise DecodeInputError(why)
@@ -92,14 +94,16 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Ma
             raise DecodeInputError(f"key_padding must be [{batch}, {seq_k}] on {q.device}; got "
                                    f"{tuple(key_padding.shape)} on {key_padding.device}")
         valid = (key_padding != 0).to(torch.uint8).contiguous()
+    sinks = None if sinks is None else sink_logits(sinks, q)
     lo, hi = (-UNBOUNDED, UNBOUNDED) if mask is None else band_of(mask)
     problem = DecodeProblem(batch, kv_heads, heads // kv_heads, tokens, seq_k, dim, q.dtype)
     with torch.cuda.device(q.device):  # the kernels, their cache and the SM count are the current device's
-        return _launch(problem, q, k, v, valid, scale, q_position, k_position, lo, hi)
+        return _launch(problem, q, k, v, valid, scale, q_position, k_position, lo, hi, sinks)
 
 
 def _launch(problem: DecodeProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None,
-            scale: float, q_position: int, k_position: int, lo: int, hi: int | None) -> torch.Tensor:
+            scale: float, q_position: int, k_position: int, lo: int, hi: int | None,
+            sinks: torch.Tensor | None) -> torch.Tensor:
     batch, heads, tokens, dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     params = DECODE_ATTENTION.space(problem)[0]
@@ -116,7 +120,7 @@ def _launch(problem: DecodeProblem, q: torch.Tensor, k: torch.Tensor, v: torch.T
     out = torch.empty(batch, heads, tokens, dim, dtype=q.dtype, device=q.device)
     grid, threads, shared = DECODE_ATTENTION.combine_launch(problem)
     combine_kernel.launch(grid, threads, shared, part_acc.data_ptr(), part_ml.data_ptr(), out.data_ptr(),
-                          problem.heads_per_kv, tokens, params["splits"], *out.stride()[:3])
+                          0 if sinks is None else sinks.data_ptr(), problem.heads_per_kv, tokens, params["splits"], *out.stride()[:3])
     return out
 
 

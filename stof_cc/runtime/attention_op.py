@@ -4,6 +4,7 @@ output's shape), which CUDA graphs capture as they capture the Python call.
 
     out = torch.ops.stof_cc.attention(q, k, v, "causal", None, key_padding)
     out = torch.ops.stof_cc.attention(q, k, v, "causal", None, None, cu_seqlens)  # packed documents
+    out = torch.ops.stof_cc.attention(q, k, v, "causal", None, None, None, sinks)  # GPT-OSS's sinks [H]
 
 The mask travels as a spec string (`stof_cc.masks.parse_spec`: ``"causal"``,
 ``"sliding:w=255,causal=1"``, ``"longformer:w=128,g=32"``, combinations with ``&`` and ``|``), the
@@ -23,6 +24,7 @@ import functools
 
 import torch
 
+from stof_cc.backends.attention_launch import sink_logits
 from stof_cc.backends.row_windows import document_windows
 from stof_cc.ir.reference import masked_attention
 from stof_cc.masks import MaskDescription, parse_spec
@@ -37,19 +39,22 @@ def _described(spec: str) -> MaskDescription:
 
 @torch.library.custom_op("stof_cc::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
-                 key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                 key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v for q [B, H, S_q, D], k and v [B, H_kv, S_k, D]; ``mask`` a
     spec string or None; ``key_padding`` [B, S_k] (nonzero = attend) or None; ``cu_seqlens``
-    [n + 1] packed documents or None."""
+    [n + 1] packed documents or None; ``sinks`` one logit per query head ([H]) or None."""
     description = None if mask is None else _described(mask)
-    return attention(q, k, v, description, scale, key_padding=key_padding, cu_seqlens=cu_seqlens).contiguous()
+    return attention(q, k, v, description, scale, key_padding=key_padding, cu_seqlens=cu_seqlens,
+                     sinks=sinks).contiguous()
 
 
 @attention_op.register_kernel("cpu")
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
-               key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+               key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference, with the checks of the CUDA path that do not depend on the kernels: its
-    layout, scale, padding and packing. Any dtype and head dim run here, where the CUDA path takes fp16 and
+    layout, scale, padding, packing and sinks. Any dtype and head dim run here, where the CUDA path takes fp16 and
     bf16 at head dims 32, 64 and 128 (docs/attention.md says so)."""
     check_layout(q, k, v)
     if scale is not None:
@@ -71,10 +76,11 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | No
         columns = torch.arange(k.shape[2], device=q.device)
         same = (columns >= windows[..., :1]) & (columns < windows[..., 1:])
         allowed = same if allowed is None else allowed & same
-    return masked_attention(q, k, v, allowed, scale).contiguous()
+    return masked_attention(q, k, v, allowed, scale, sinks=None if sinks is None else sink_logits(sinks, q)).contiguous()
 
 
 @attention_op.register_fake
 def _shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: str | None, scale: float | None,
-           key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+           key_padding: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], v.shape[-1]))

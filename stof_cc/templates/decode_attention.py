@@ -46,7 +46,8 @@ class DecodeAttentionTemplate(KernelTemplate[DecodeProblem]):
     source_file = "decode_attention.cu.j2"
     # Q K V valid part_acc part_ml, G T S_k keys_per_split, strides (q 3, k 3, v 3, valid 1), scale, positions and band
     arg_format = "PPPPPP" + "iiii" + "q" * 10 + "f" + "q" * 4
-    combine_arg_format = "PPP" + "iii" + "qqq"
+    # part_acc part_ml out sinks (null without), G T splits, out's strides
+    combine_arg_format = "PPPP" + "iii" + "qqq"
 
     def space(self, problem: DecodeProblem) -> list[dict[str, Any]]:
         """One point: as many key splits as bring the CTAs to CTAS_PER_SM per SM, whole tiles each."""
