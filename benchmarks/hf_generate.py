@@ -13,7 +13,9 @@ greedy `generate()` of ``--new`` tokens timed end to end (the median of ``--roun
 warm-up; stof-cc and sdpa, the bar's pair, take turns round by round, in either order as often, as
 the host's speed drifts within a run; Flex's generate() runs once, for its tokens). Every
 implementation's tokens are compared with sdpa's (the baseline; GPT-OSS's is eager): the bar asks for identical
-greedy tokens, and random weights make near-ties, so the row reports the first position where they differ. stof-cc's
+greedy tokens, and random weights make near-ties, so the row reports the first position where they differ, and each
+implementation's error against the same model in float32 (the baseline's implementation; the prompt's last
+logits, relative): where tokens differ, it says which side is nearer the exact answer. stof-cc's
 decode steps run in its decode kernel (`stof_cc.hf.DECODE_KERNEL`) where a step's mask hides keys (B = 8:
 the left padding); a step that sees every key of its cache (B = 1) runs SDPA's flash kernel, which is faster
 there (stof_cc/hf.py, docs/decisions.md#decode-kernel). With ``--sdpa-decode`` every step runs in
@@ -102,6 +104,11 @@ def models_of(config, implementations, dtype: torch.dtype, device: str) -> dict:
     return models
 
 
+def logits_error(got: torch.Tensor, reference: torch.Tensor) -> float:
+    """The relative error (Frobenius) of the prompt's last logits against the float32 model's."""
+    return float((got.float() - reference).norm() / reference.norm())
+
+
 def first_difference(tokens: torch.Tensor, reference: torch.Tensor) -> int | None:
     """The first generated position where ``tokens`` and ``reference`` differ (None: identical)."""
     differs = (tokens != reference).any(0).nonzero()
@@ -128,12 +135,18 @@ def run(family: str, batch: int, args, implementations=None, device: str = "cuda
     models = models_of(config_of(family, args.hidden, args.layers), implementations, dtype, device)
     ids, mask = prompt_of(batch, args.prompt, device)
     row = {"family": family, "batch": batch, "baseline": baseline, "prefill_ms": {}, "generate_s": {},
-           "first_difference": {}}
+           "first_difference": {}, "logits_error": {}}
     tokens = {}
     settings = {"max_new_tokens": args.new, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
+        exact = models_of(config_of(family, args.hidden, args.layers), (baseline,), torch.float32, device)[baseline]
+        exact.load_state_dict(next(iter(models.values())).state_dict())  # the same (rounded) weights, in float32
+        last = lambda model: model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1).logits[:, -1]  # noqa: E731
+        reference = last(exact).float()
+        del exact
         for name, model in models.items():
             try:
+                row["logits_error"][name] = logits_error(last(model), reference)
                 row["prefill_ms"][name] = prefill_ms(
                     lambda model=model: model(input_ids=ids, attention_mask=mask, use_cache=False), device)
                 tokens[name] = model.generate(ids, attention_mask=mask, **settings)[:, ids.shape[1]:]  # warm-up
@@ -164,10 +177,12 @@ def table(rows: list[dict]) -> str:
     """The rows as a markdown table; "sdpa" is each row's baseline (eager where the family has no SDPA: the
     row says so)."""
     lines = ["| family | B | prefill ms stof_cc / sdpa / flex | prefill vs sdpa | vs flex | generate s stof_cc / sdpa "
-             "| generate vs sdpa | tokens differ from sdpa at |", "|---|---|---|---|---|---|---|---|"]
+             "| generate vs sdpa | tokens differ from sdpa at | logits error vs fp32 stof_cc / sdpa / flex |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         baseline = r.get("baseline", "sdpa")
-        p, g = ({("sdpa" if k == baseline else k): v for k, v in d.items()} for d in (r["prefill_ms"], r["generate_s"]))
+        p, g, e = ({("sdpa" if k == baseline else k): v for k, v in r.get(part, {}).items()}
+                   for part in ("prefill_ms", "generate_s", "logits_error"))
         ratio = lambda d, a, b: f"{d[b] / d[a]:.2f}x" if a in d and b in d else "-"  # noqa: E731
         cell = lambda d, k, f: f.format(d[k]) if k in d else "-"  # noqa: E731
         differ = r["first_difference"].get("stof_cc", "-")
@@ -176,7 +191,8 @@ def table(rows: list[dict]) -> str:
                      f"{cell(p, 'flex_attention', '{:.2f}')} | {ratio(p, 'stof_cc', 'sdpa')} | "
                      f"{ratio(p, 'stof_cc', 'flex_attention')} | {cell(g, 'stof_cc', '{:.2f}')} / "
                      f"{cell(g, 'sdpa', '{:.2f}')} | {ratio(g, 'stof_cc', 'sdpa')} | "
-                     f"{'identical' if differ is None else differ} |" + "".join(f" {k}: {v}" for k, v in
+                     f"{'identical' if differ is None else differ} | "
+                     f"{' / '.join(cell(e, k, '{:.1e}') for k in ('stof_cc', 'sdpa', 'flex_attention'))} |" + "".join(f" {k}: {v}" for k, v in
                                                                                  r.get("errors", {}).items()))
     return "\n".join(lines)
 

@@ -31,7 +31,8 @@ def test_a_tiny_run_gives_the_baselines_tokens_and_a_table(family):
         row = hf_generate.run(family, 2, args, implementations=("stof_cc", baseline), device="cpu")
     assert "errors" not in row, row.get("errors")
     assert row["baseline"] == baseline and row["first_difference"] == {"stof_cc": None, baseline: None}
-    assert set(row["prefill_ms"]) == set(row["generate_s"]) == {"stof_cc", baseline}
+    assert set(row["prefill_ms"]) == set(row["generate_s"]) == set(row["logits_error"]) == {"stof_cc", baseline}
+    assert all(0 <= error < 1e-4 for error in row["logits_error"].values()), row["logits_error"]  # fp32 on the CPU
     name = family if baseline == "sdpa" else f"{family} (vs eager: no sdpa)"
     assert f"| {name} | 2 |" in hf_generate.table([row]) and "| identical |" in hf_generate.table([row])
 

@@ -151,23 +151,31 @@ def test_a_compiled_prefill_calls_the_op_with_the_sinks():
     torch.testing.assert_close(got.last_hidden_state[real], want.last_hidden_state[real], rtol=1e-4, atol=1e-4)
 
 
-def test_a_compiled_generate_with_a_static_cache_keeps_the_sinks(monkeypatch):
-    """generate() with a static cache compiles the decode steps' forward (on the CPU here, forced): their
-    attention is SDPA with the sinks' key inside the graph; every step's logits are eager's."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_compiled_generate_with_a_static_cache_keeps_the_sinks(device, monkeypatch):
+    """generate() with a static cache compiles the decode steps' forward (on the CPU forced, in float32; on
+    CUDA in bf16, as transformers picks it: reduce-overhead, CUDA graphs): their attention is SDPA with the
+    sinks' key inside the graph; every step's logits are eager's (on CUDA within 2e-2 while the tokens agree:
+    random weights leave near-ties)."""
     monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
     torch._dynamo.reset()
-    compile_config = T.CompileConfig(mode="default")
-    compile_config._compile_all_devices = True
-    ours, theirs = _twins()
-    ids, attention_mask = _prompt(length=12)
     settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0, "cache_implementation": "static",
-                "output_logits": True, "return_dict_in_generate": True, "compile_config": compile_config}
+                "output_logits": True, "return_dict_in_generate": True}
+    if device == "cpu":
+        compile_config = T.CompileConfig(mode="default")
+        compile_config._compile_all_devices = True
+        settings["compile_config"] = compile_config
+    ours, theirs = _twins(device, torch.float32 if device == "cpu" else torch.bfloat16)
+    ids, attention_mask = _prompt(device, length=12)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got, want = (m.generate(ids, attention_mask=attention_mask, **settings) for m in (ours, theirs))
     assert any("in the compiled graph" in str(w.message) for w in caught), [str(w.message) for w in caught]
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+        error = float((a.float() - b.float()).norm() / b.float().norm())
+        assert error < (1e-5 if device == "cpu" else 2e-2), (step, error)
+        if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            break
 
 
 @pytest.mark.gpu
