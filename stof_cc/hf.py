@@ -28,9 +28,11 @@ a cache, or fewer queries than keys under a mask) that the decode kernel does no
 a band of positions and key padding, a head dim other than 64 or 128; `DECODE_KERNEL` off sends
 every one to SDPA), and a 4-D mask tensor the
 caller built (transformers hands it over as it is). Refused with a clear error: dropout while training
-(inference only), softcapping (Gemma 2) and attention sinks (``s_aux``, ``sinks``): use
-``attn_implementation="eager"`` there (`stof_cc.compile` of GPT-OSS runs its sinks in the kernels; this
-function's decode steps and SDPA fallback have no form for them yet). A model whose attention is its own code (BLOOM, MPT:
+(inference only) and softcapping (Gemma 2): use ``attn_implementation="eager"`` there. Attention sinks
+(GPT-OSS's ``s_aux``: one logit per query head) run in every path: the prefill and decode kernels count them
+in each row's softmax, the custom op takes them, and the SDPA fallback adds them as a zero key scored by the
+sink (`_sdpa_with_sinks`); a decode step over its whole cache goes to the decode kernel, not SDPA's flash
+kernel, when the model has sinks. A model whose attention is its own code (BLOOM, MPT:
 `own_attention_code`) gets eager's mask tensor and runs as eager would, with one warning. Other code
 that needs the mask as a tensor gets `MaskIsADescription` saying so where it first touches the
 description (``generate()`` with a static cache only hands it on, and works); a model that picks its attention class by name (Falcon)
