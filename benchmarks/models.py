@@ -94,6 +94,11 @@ def build(family: str, layers: int, size: str = "base"):
         # GPT-OSS: attention sinks, a 128-token window every other layer, eight experts (two per token)
         "gpt_oss": lambda: T.GptOssModel(T.GptOssConfig(head_dim=hidden // heads, sliding_window=128 if not tiny else 16,
                                                         num_local_experts=8, num_experts_per_tok=2, **decoder)),
+        # mixtures of experts: Mixtral (8 experts as wide as the FFN, two per token) and Qwen3-MoE (fine-grained:
+        # 16 experts a quarter as wide, four per token, as Qwen3-30B-A3B's proportions)
+        "mixtral": lambda: T.MixtralModel(T.MixtralConfig(num_local_experts=8, num_experts_per_tok=2, **decoder)),
+        "qwen3_moe": lambda: T.Qwen3MoeModel(T.Qwen3MoeConfig(head_dim=hidden // heads, num_experts=16, num_experts_per_tok=4,
+                                                              moe_intermediate_size=ffn // 4, **decoder)),
         "vit": lambda: T.ViTModel(T.ViTConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                               intermediate_size=ffn, image_size=32 if tiny else 512,
                                               patch_size=8 if tiny else 16)),

@@ -161,8 +161,27 @@ class Fp32WeightNorm(torch.nn.Module):
         return (self.weight.float() * y).to(x.dtype)
 
 
+class GatedPieces(torch.nn.Module):
+    """A mixture of experts' gate and up projection, one tensor split in two along its last dimension
+    (the elementwise template reads each half as columns of it), then a slice of the other input."""
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up + r[..., x.shape[-1] // 2:]
+
+
+class RegroupedResidual(torch.nn.Module):
+    """A residual added over a view that regroups the leading dimensions ([T, H] back to [B, S, H]), into
+    an fp32 output: flat views cost nothing, and 16-bit inputs are read in vectors beside fp32 stores."""
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]) * 2.0
+        return (rows.view(x.shape) + r).float()
+
+
 # (module type, template, group kind)
-CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
+CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (GatedPieces, ELEMENTWISE, "elementwise"),
+         (RegroupedResidual, ELEMENTWISE, "elementwise"), (ResidualLayerNormSilu, ROW_REDUCE, "reduction"),
          (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction"),
          (RowMean, ROW_REDUCE, "reduction"), (RowVar, ROW_REDUCE, "reduction"), (RowAmax, ROW_REDUCE, "reduction"),
          (Fp32WeightNorm, ROW_REDUCE, "reduction")]
@@ -177,7 +196,8 @@ def build(module_type, kind: str, shape: tuple[int, ...], dtype: torch.dtype):
     """(module, inputs, graph, the one group of ``kind`` in the scheme stage 1 chooses) on fresh
     random inputs. The GEMM + norm modules take their one alternative scheme (the norm merged
     into the GEMM group) whatever stage 1 chooses: they are gemm_layernorm's cases."""
-    module = (module_type(shape[-1]) if module_type is not ScaledSoftmax else module_type()).to(dtype)
+    takes_width = module_type not in (ScaledSoftmax, GatedPieces, RegroupedResidual)
+    module = (module_type(shape[-1]) if takes_width else module_type()).to(dtype)
     inputs = (torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype))
     graph = canonicalize(trace(module, inputs, {}))
     plan = partition(graph)

@@ -66,6 +66,7 @@ static std::vector<float> read(const char* path) {{
 #define LOAD_FULL(p) p[idx]
 #define LOAD_ROW(p) p[idx % {row}]
 #define LOAD_SCALAR(p) p[0]
+#define LOAD_COLUMNS(p, offset, row_stride) p[(idx / {row}) * (row_stride) + (offset) + idx % {row}]
 int main(int argc, char** argv) {{
 {loads}
     for (long long idx = 0; idx < {n}; ++idx) {{
@@ -100,6 +101,43 @@ def test_chain_numerics_match_torch_on_the_host(tmp_path: Path, approximate: str
     # exact GELU is a fit within 3e-5 (group_common.j2), scaled by the gain and at most doubled after
     tolerance = 1.5e-4 if approximate == "none" else 1e-5
     torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance)
+
+
+class Pieces(torch.nn.Module):
+    """A split along the last dimension, a slice of it and views that regroup the leading dimensions."""
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        rows = (torch.nn.functional.silu(gate) * up).reshape(-1, x.shape[-1] // 2)
+        return rows.view(*x.shape[:-1], -1) - r[..., 3:3 + x.shape[-1] // 2] * 0.5
+
+
+@pytest.mark.nvcc
+def test_pieces_of_a_split_and_flat_views_read_the_right_elements_on_the_host(tmp_path: Path):
+    """`Chain(layouts=True)`: each piece of the split and the slice is a ``columns`` operand (its first column
+    and its source's row length), the views pass through, and the values are torch's."""
+    torch.manual_seed(0)
+    shape, module = (3, 5, 24), Pieces()
+    x, r = torch.randn(shape), torch.randn(shape)
+    graph, group = _group(module, x, r)
+    out_shape = (3, 5, 12)
+    chain = Chain(graph, group.nodes, {}, out_shape, layouts=True)
+    assert [(op.access, op.offset, op.row_stride) for op in chain.operands] == [
+        ("columns", 0, 24), ("columns", 12, 24), ("columns", 3, 24)]
+    with pytest.raises(NotFusable):  # without layouts the split has no code generator
+        Chain(graph, group.nodes, {}, out_shape)
+    values = {"x": x, "r": r}
+    args = []
+    for op in chain.operands:
+        path = tmp_path / f"{op.name}.bin"
+        values[op.ref.name].numpy().astype(np.float32).tofile(path)
+        args.append(str(path))
+    source = tmp_path / "chain.cu"
+    source.write_text(_host_program(chain, 3 * 5 * 12, 12))
+    subprocess.run(["nvcc", "-O2", "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
+    got = torch.tensor([float(v) for v in out.split()]).view(out_shape)
+    torch.testing.assert_close(got, module(x, r), rtol=1e-5, atol=1e-6)
 
 
 class Powers(torch.nn.Module):

@@ -7,11 +7,19 @@ evaluation), reading each outside tensor through one of three access patterns:
 * ``full``: the same shape as the chain's output, read at the element's flat index;
 * ``row``: a vector over the last dimension (a bias, a LayerNorm weight) broadcast over the
   leading ones, read at ``index % row_length``;
-* ``scalar``: a one-element tensor, read at 0.
+* ``scalar``: a one-element tensor, read at 0;
+* ``columns`` (only where the template asks for it: ``layouts=True``): a run of whole columns of a
+  wider tensor, a piece of a split or a slice along the last dimension (the halves of a fused
+  gate and up projection, which a mixture of experts' grouped GEMM returns as one tensor), read at
+  ``(index / row_length) * row_stride + offset + index % row_length``.
 
-Reads are emitted as ``LOAD_FULL(in0)``, ``LOAD_ROW(in1)``, ``LOAD_SCALAR(in2)``: each
-template defines these macros for its own indexing (a vector buffer, a GEMM tile's row and
-column), so one generator serves all of them.
+With ``layouts=True`` a value may also have another shape of as many elements and the same last
+dimension (a view that only regroups the leading dimensions, as ``[T, H]`` back to ``[B, S, H]``):
+over contiguous tensors its flat index is the output's, so such views cost nothing.
+
+Reads are emitted as ``LOAD_FULL(in0)``, ``LOAD_ROW(in1)``, ``LOAD_SCALAR(in2)``,
+``LOAD_COLUMNS(in3, offset, row_stride)``: each template defines these macros for its own indexing
+(a vector buffer, a GEMM tile's row and column), so one generator serves all of them.
 
 Anything else (other broadcasts, boolean ops, integer math, layout changes) raises
 `NotFusable` with the node and the reason (`indexed.IndexedChain` takes most of it), and the
@@ -30,6 +38,7 @@ from typing import Any
 import torch
 
 from stof_cc.ir.graph import Graph, Node, Ref, TensorSpec
+from stof_cc.ir.ops import split_piece
 
 
 class NotFusable(Exception):
@@ -47,7 +56,9 @@ class Operand:
 
     ref: Ref
     name: str
-    access: str  # "full" | "row" | "scalar"
+    access: str  # "full" | "row" | "scalar" | "columns"
+    offset: int = 0  # columns: the first column read, and the source's row length
+    row_stride: int = 0
 
 
 def _float(value: Any) -> str:
@@ -228,6 +239,8 @@ def _clamp_side(keep: str, bound: str) -> Callable[[Node, list[str]], str]:
     return lambda node, a: f"{keep}_nan({a[0]}, {_float(_argument(node, 1, bound, 0.0))})"
 
 
+FLAT_VIEWS = ("view", "squeeze", "unsqueeze", "contiguous")  # with ``layouts``: between `Chain._whole` shapes
+
 # op -> (number of leading value arguments, C expression); the tensor-valued arguments
 # arrive as C expressions in `a`
 EMITTERS: dict[str, tuple[int, Callable[[Node, list[str]], str]]] = {
@@ -279,28 +292,35 @@ class Chain:
     """C++ for ``nodes`` (graph order), given C expressions for values computed before it.
 
     ``known`` maps a value (node name) to its C expression, e.g. the GEMM accumulator of an
-    epilogue. ``shape`` is the shape every ``full`` operand and the result share.
+    epilogue. ``shape`` is the shape every ``full`` operand and the result share. With ``layouts``
+    (a template that reads every operand as a contiguous row-major tensor and defines
+    ``LOAD_COLUMNS``) the pieces of a split or slice along the last dimension of a tensor read from
+    memory are ``columns`` operands, and views that keep the flat index cost nothing.
     """
 
     def __init__(self, graph: Graph, nodes: Sequence[str], known: dict[str, str], shape: tuple[int, ...],
-                 operand_prefix: str = "in") -> None:
+                 operand_prefix: str = "in", layouts: bool = False) -> None:
         self.graph, self.shape = graph, tuple(shape)
         self.operands: list[Operand] = []
         self.lines: list[str] = []
         self._values = dict(known)
         self._prefix = operand_prefix
+        self._layouts = layouts
+        self._splits: set[str] = set()  # split nodes whose pieces are read as columns of their input
         for name in nodes:
             self._emit(graph.node(name))
         self.result = self._values[nodes[-1]] if nodes else next(iter(known.values()))
 
     def _emit(self, node: Node) -> None:
+        if self._layouts and (self._column_piece(node) or self._flat_view(node)):
+            return
         if node.op not in EMITTERS:
             raise NotFusable(f"%{node.name}: op {node.op} ({node.target}) has no elementwise code generator")
         count, emit = EMITTERS[node.op]
         spec = node.spec
         if not isinstance(spec, TensorSpec) or not spec.dtype.is_floating_point:
             raise NotFusable(f"%{node.name}: only floating-point tensors are generated (got {spec})")
-        if tuple(spec.shape) != self.shape and not self._broadcasts_to_row(spec):
+        if not self._whole(spec) and not self._broadcasts_to_row(spec):
             raise NotFusable(f"%{node.name}: shape {tuple(spec.shape)} is neither the output's {self.shape} nor a row")
         args = [self._value(node, a) for a in node.args[:count]]
         if rounds_its_inputs(node):  # each input as eager holds it
@@ -327,7 +347,7 @@ class Chain:
             raise NotFusable(f"%{node.name}: operand %{ref.name} is not a floating-point tensor")
         if math.prod(spec.shape) == 1:
             access = "scalar"
-        elif tuple(spec.shape) == self.shape:
+        elif self._whole(spec):
             access = "full"
         elif self._broadcasts_to_row(spec):
             access = "row"
@@ -339,6 +359,69 @@ class Chain:
         expr = f"LOAD_{access.upper()}({operand.name})"
         self._values[ref.name] = expr
         return expr
+
+    def _whole(self, spec: TensorSpec) -> bool:
+        """Whether a value of ``spec`` is read at the output's flat index: the output's shape, or with
+        ``layouts`` as many elements in rows of the same length."""
+        shape = tuple(spec.shape)
+        return shape == self.shape or (self._layouts and bool(shape) and bool(self.shape)
+                                       and shape[-1] == self.shape[-1] and math.prod(shape) == math.prod(self.shape))
+
+    def _flat_view(self, node: Node) -> bool:
+        """A view, squeeze, unsqueeze or contiguous copy between two `_whole` shapes: the same flat
+        index, so the value passes through (an outside tensor read as ``full``)."""
+        source = node.args[0] if node.args else None
+        if node.op not in FLAT_VIEWS or not isinstance(source, Ref) or not isinstance(node.spec, TensorSpec):
+            return False
+        inner = self.graph.node(source.name).spec
+        if not isinstance(inner, TensorSpec) or not self._whole(node.spec) or not self._whole(inner) \
+                or not node.spec.dtype.is_floating_point or inner.dtype != node.spec.dtype:
+            return False
+        self._values[node.name] = self._value(node, source)
+        return True
+
+    def _column_piece(self, node: Node) -> bool:
+        """Whether ``node`` is a split of a tensor from memory along its last dimension (emits nothing:
+        its pieces are read) or a piece of one (a getitem of such a split, or a slice of the last
+        dimension with step 1), its rows the output's: a ``columns`` operand. False for anything else."""
+        source = node.args[0] if node.args else None
+        if not isinstance(source, Ref) or source.name in self._values:
+            return False  # a value the chain computes: its pieces are not in memory
+        if node.op == "getitem":
+            if source.name not in self._splits:
+                return False
+            split = self.graph.node(source.name)
+            whole = split.args[0]
+            _, offset, size = split_piece(split, tuple(self.graph.node(whole.name).spec.shape), node.args[1])
+        elif node.op in ("split", "slice"):
+            whole = source
+            shape = tuple(self.graph.node(whole.name).spec.shape)
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) if node.op == "split" \
+                else (node.args[1] if len(node.args) > 1 else 0)
+            if not shape or not isinstance(dim, int) or dim % len(shape) != len(shape) - 1 \
+                    or math.prod(shape[:-1]) != math.prod(self.shape[:-1]) or (node.target or "").startswith("aten.unbind"):
+                return False
+            if node.op == "split":
+                self._splits.add(node.name)
+                return True
+            start, end, step = (list(node.args[2:]) + [None, None, 1])[:3]
+            if (step or 1) != 1:
+                return False
+            width = shape[-1]
+            offset = 0 if start is None else (max(0, start + width) if start < 0 else min(start, width))
+            stop = width if end is None else (max(0, end + width) if end < 0 else min(end, width))
+            size = stop - offset
+        else:
+            return False
+        spec = node.spec
+        if not isinstance(spec, TensorSpec) or not self._whole(spec) or size != self.shape[-1] \
+                or not spec.dtype.is_floating_point:
+            return False
+        width = self.graph.node(whole.name).spec.shape[-1]
+        operand = Operand(whole, f"{self._prefix}{len(self.operands)}", "columns", offset, width)
+        self.operands.append(operand)
+        self._values[node.name] = f"LOAD_COLUMNS({operand.name}, {offset}LL, {width}LL)"
+        return True
 
     def _broadcasts_to_row(self, spec: TensorSpec) -> bool:
         shape = tuple(spec.shape)

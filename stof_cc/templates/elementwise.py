@@ -1,9 +1,11 @@
 """Spec of the `elementwise` template (elementwise.cu.j2): any fused chain of elementwise,
 broadcast and layout ops with one output. A chain `Chain` expresses (operands read whole, by
-row or as a scalar; floating values) gets 16-byte vector loads and stores where every tensor is
-16-bit (or every one 32-bit) and rows hold whole vectors; any other (a layout op, a broadcast of
-another shape, integer or boolean values, an embedding gather) is an `IndexedChain`, one element
-a thread."""
+row, as a scalar or as whole columns of a wider tensor: the pieces of a split along the last
+dimension; views that regroup the leading dimensions; floating values) gets vector loads and stores
+where rows hold whole vectors and every piece starts on one: VEC elements a thread, 16 bytes of the
+widest tensor (a bf16 residual added into an fp32 output: 8-byte loads of it, 16-byte stores); any
+other (a layout op, a broadcast of another shape, integer or boolean values, an embedding gather)
+is an `IndexedChain`, one element a thread."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import Launch
 
 THREAD_COUNTS = (128, 256)
+VECTOR_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}  # a vector's bytes -> one access
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
         if not problem.shape:
             raise NotFusable(f"group {group.name}: a 0-d output is not worth a kernel")
         try:
-            chain: Chain | IndexedChain = Chain(graph, group.nodes, {}, problem.shape)
+            chain: Chain | IndexedChain = Chain(graph, group.nodes, {}, problem.shape, layouts=True)
         except NotFusable:  # the general form: any layout op, broadcast and value type
             chain = IndexedChain(graph, group.nodes, problem.shape, index="idx")
         operands = chain_operands(graph, group, chain, any_dtype=True)
@@ -65,10 +68,11 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
     def space(self, problem: Problem) -> list[dict[str, Any]]:
         if isinstance(problem.details.chain, IndexedChain):  # index arithmetic per element: no vectors
             return [{"threads": t, "vec": 1} for t in THREAD_COUNTS]
-        widths = {graph_spec.dtype.itemsize for graph_spec in self._tensor_specs(problem)}
-        vec = 16 // widths.pop() if len(widths) == 1 else 1
+        vec = 16 // max(spec.dtype.itemsize for spec in self._tensor_specs(problem))
         row = problem.shape[-1]
-        vecs = (1, vec) if vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 else (1,)
+        pieces = [n for op in problem.operands if op.access == "columns" for n in (op.offset, op.row_stride)]
+        whole = vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 and all(n % vec == 0 for n in pieces)
+        vecs = (1, vec) if whole else (1,)
         return [{"threads": t, "vec": v} for t in THREAD_COUNTS for v in vecs]
 
     def _tensor_specs(self, problem: Problem) -> list[TensorSpec]:
@@ -89,8 +93,13 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         chain = problem.details.chain
+        graph, vec = problem.graph, params["vec"]
         return {"n": math.prod(problem.shape), "row": problem.shape[-1],
-                "chain": chain.code(" " * (12 if params["vec"] > 1 else 8)), "result": chain.result}
+                "chain": chain.code(" " * (12 if vec > 1 else 8)), "result": chain.result,
+                # each operand's VEC elements move as one access of their bytes
+                "vector_type": {op.name: VECTOR_TYPES[vec * graph.node(op.ref).spec.dtype.itemsize]
+                                for op in problem.operands},
+                "out_vector_type": VECTOR_TYPES[vec * problem.dtype.itemsize]}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
         per_cta = params["threads"] * params["vec"]

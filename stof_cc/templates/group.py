@@ -45,8 +45,9 @@ D2 = TypeVar("D2")
 
 # How a kernel indexes an operand: at the output element's flat index (``full``), at its
 # column (``row``: a vector over the last dimension), at 0 (``scalar``), or from the tile
-# TMA loaded into shared memory (``staged``, gemm_epilogue's residual).
-Access = Literal["full", "row", "scalar", "staged", "gather"]  # gather: `LOAD_AT(p, i)` at any index
+# TMA loaded into shared memory (``staged``, gemm_epilogue's residual), or a run of whole columns of a
+# wider tensor (``columns``: the elementwise template's pieces of a split along the last dimension).
+Access = Literal["full", "row", "scalar", "staged", "gather", "columns"]  # gather: `LOAD_AT(p, i)` at any index
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class KernelOperand:
     ref: str
     access: Access
     ctype: str
+    offset: int = 0  # columns: the first column read and the source's row length
+    row_stride: int = 0
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,13 @@ OUTPUT_MAP = -1  # `tensor_maps` index of the group's output tensor
 MIRROR_MAP = -2  # `tensor_maps` index of a peer GPU's copy of the output (gemm_epilogue's `mirrored`)
 
 
-def kernel_operand(graph: Graph, ref: str, name: str, access: Access, any_dtype: bool = False) -> KernelOperand:
+def kernel_operand(graph: Graph, ref: str, name: str, access: Access, any_dtype: bool = False,
+                   offset: int = 0, row_stride: int = 0) -> KernelOperand:
     """The operand reading IR value ``ref`` as C parameter ``name``; its C type from the value's dtype."""
     spec = graph.node(ref).spec
     if not isinstance(spec, TensorSpec):
         raise NotFusable(f"%{ref}: not a tensor ({spec})")
-    return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}", any_dtype))
+    return KernelOperand(name, ref, access, c_type(spec.dtype, f"%{ref}", any_dtype), offset, row_stride)
 
 
 def _render_place(exc: BaseException) -> str:
@@ -277,7 +281,8 @@ def chain_operands(graph: Graph, group: FusionGroup, chain: Chain | IndexedChain
     inside = [op.ref.name for op in chain.operands if op.ref.name in group.nodes]
     if inside:
         raise NotFusable(f"group {group.name}: %{inside[0]} is computed inside the group and read again")
-    return [kernel_operand(graph, op.ref.name, op.name, op.access, any_dtype) for op in chain.operands]
+    return [kernel_operand(graph, op.ref.name, op.name, op.access, any_dtype, op.offset, op.row_stride)
+            for op in chain.operands]
 
 
 @dataclass(frozen=True)
@@ -322,10 +327,11 @@ def anchor_input(graph: Graph, group: FusionGroup, source: str, shape: tuple[int
 
 
 def moved_bytes(problem: GroupProblem[Any]) -> int:
-    """Bytes a group kernel reads (each operand once) and writes (its output)."""
+    """Bytes a group kernel reads (each operand once; of a ``columns`` operand, its columns) and writes
+    (its output)."""
     graph = problem.graph
-    read = sum(math.prod(graph.node(op.ref).spec.shape) * graph.node(op.ref).spec.dtype.itemsize
-               for op in problem.operands)
+    read = sum((math.prod(problem.shape) if op.access == "columns" else math.prod(graph.node(op.ref).spec.shape))
+               * graph.node(op.ref).spec.dtype.itemsize for op in problem.operands)
     return read + math.prod(problem.shape) * problem.dtype.itemsize
 
 
