@@ -29,6 +29,7 @@ from stof_cc.templates.pricing import memory_bound_us
 from stof_cc.templates.registry import Launch
 
 THREAD_COUNTS = (128, 256)
+UNROLLS = (1, 4)  # scalar path: elements per thread, THREADS apart: four 2-byte loads in flight per operand, not one
 VECTOR_TYPES = {16: "uint4", 8: "uint2", 4: "uint32_t", 2: "uint16_t", 1: "uint8_t"}  # a vector's bytes -> one access
 
 
@@ -66,22 +67,22 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
         return _BiasGeluResidual(), (torch.randn(4, 64, dtype=torch.float16), torch.randn(4, 64, dtype=torch.float16))
 
     def space(self, problem: Problem) -> list[dict[str, Any]]:
+        scalar = [{"threads": t, "vec": 1, "unroll": u} for t in THREAD_COUNTS for u in UNROLLS]
         if isinstance(problem.details.chain, IndexedChain):  # index arithmetic per element: no vectors
-            return [{"threads": t, "vec": 1} for t in THREAD_COUNTS]
+            return scalar
         vec = 16 // max(spec.dtype.itemsize for spec in self._tensor_specs(problem))
         row = problem.shape[-1]
         pieces = [n for op in problem.operands if op.access == "columns" for n in (op.offset, op.row_stride)]
         whole = vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 and all(n % vec == 0 for n in pieces)
-        vecs = (1, vec) if whole else (1,)
-        return [{"threads": t, "vec": v} for t in THREAD_COUNTS for v in vecs]
+        return scalar + ([{"threads": t, "vec": vec} for t in THREAD_COUNTS] if whole else [])
 
     def _tensor_specs(self, problem: Problem) -> list[TensorSpec]:
         refs = [op.ref for op in problem.operands] + [problem.output]
         return [problem.graph.node(r).spec for r in refs]
 
     def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
-        """Bandwidth-bound; scalar accesses reach about 60% of it."""
-        return memory_bound_us(moved_bytes(problem), 1.0 if params["vec"] > 1 else 0.6)
+        """Bandwidth-bound; scalar accesses reach about 60% of it one element a thread, more with four."""
+        return memory_bound_us(moved_bytes(problem), 1.0 if params["vec"] > 1 else SCALAR_SHARE[unroll_of(params)])
 
     def aligned_operands(self, problem: Problem, params: dict[str, Any]) -> list[str]:
         if params["vec"] == 1:
@@ -89,21 +90,30 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
         return [op.ref for op in problem.operands if op.access not in ("scalar", "gather")]
 
     def kernel_name(self, problem: Problem, params: dict[str, Any]) -> str:
-        return f"stof_elementwise_t{params['threads']}_v{params['vec']}"
+        unroll = unroll_of(params)
+        return f"stof_elementwise_t{params['threads']}_v{params['vec']}" + (f"_u{unroll}" if unroll > 1 else "")
 
     def context(self, problem: Problem, params: dict[str, Any]) -> dict[str, Any]:
         chain = problem.details.chain
         graph, vec = problem.graph, params["vec"]
         return {"n": math.prod(problem.shape), "row": problem.shape[-1],
-                "chain": chain.code(" " * (12 if vec > 1 else 8)), "result": chain.result,
+                "chain": chain.code(" " * 12 if vec > 1 else " " * 16), "result": chain.result, "per_thread": unroll_of(params),
                 # each operand's VEC elements move as one access of their bytes
                 "vector_type": {op.name: VECTOR_TYPES[vec * graph.node(op.ref).spec.dtype.itemsize]
                                 for op in problem.operands},
                 "out_vector_type": VECTOR_TYPES[vec * problem.dtype.itemsize]}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
-        per_cta = params["threads"] * params["vec"]
+        per_cta = params["threads"] * params["vec"] * unroll_of(params)
         return (min(-(-math.prod(problem.shape) // per_cta), 2**31 - 1), 1, 1), params["threads"], 0
+
+
+SCALAR_SHARE = {1: 0.6, 4: 0.8}  # of the bandwidth, by elements per thread (stage 1's prior; stage 2 measures)
+
+
+def unroll_of(params: dict[str, Any]) -> int:
+    """The scalar path's elements per thread (1 in points recorded before there was a choice)."""
+    return params.get("unroll", 1)
 
 
 class _BiasGeluResidual(torch.nn.Module):
