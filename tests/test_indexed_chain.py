@@ -147,6 +147,7 @@ class IntegerMath(torch.nn.Module):
 
 
 class Pieces(torch.nn.Module):  # every way a model cuts a tensor: chunk (Phi-3's SwiGLU), split, split_with_sizes, unbind
+    # (chunk's pieces of a tensor read from memory are the vectorised chain's columns: tests/test_codegen_chain.py)
     def __init__(self, how: str) -> None:
         super().__init__()
         self.how = how
@@ -247,7 +248,7 @@ CASES = {
     "integer math": (IntegerMath(), lambda: (torch.randint(-1000, 1000, (B, S)),)),
     "integer division": (IntegerDivision(), lambda: (torch.randint(-1000, 1000, (B, S)),)),
     **{f"pieces by {how}": (Pieces(how), lambda: (torch.randn(B, S, D),))
-       for how in ("chunk", "split", "split_with_sizes", "unbind")},
+       for how in ("split", "split_with_sizes", "unbind")},
     "stack": (Stack(), lambda: (torch.randn(B, S, D),)),
     "a cast that rounds": (RoundingError(), lambda: (torch.randn(B, S, D),)),
     "fp16 compared with a number": (CompareHalf(), lambda: (_thousandths(),)),
@@ -294,6 +295,10 @@ def test_the_vectorised_chain_is_kept_where_it_applies_and_the_indexed_one_says_
                                             torch.randn(D, dtype=torch.float16)))
     problem = ELEMENTWISE.match(graph, group)
     assert isinstance(problem.details.chain, Chain) and {p["vec"] for p in ELEMENTWISE.space(problem)} == {1, 8}
+    graph, group, _ = _only_group(Pieces("chunk"), (torch.randn(B, S, D, dtype=torch.float16),))
+    problem = ELEMENTWISE.match(graph, group)  # a SwiGLU's halves: columns of the one tensor, in vectors
+    assert isinstance(problem.details.chain, Chain) and {p["vec"] for p in ELEMENTWISE.space(problem)} == {1, 8}
+    assert [(op.access, op.offset, op.row_stride) for op in problem.operands] == [("columns", 0, D), ("columns", D // 2, D)]
 
     class IntegerPower(torch.nn.Module):  # an integer power is not generated yet: refused by name
         def forward(self, p):
