@@ -624,6 +624,30 @@ def test_every_family_on_the_interface_matches_eager_on_the_cpu(family):
     torch.testing.assert_close(got[tokens], want[tokens], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("config", [
+    T.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, **SMALL),
+    T.Qwen3MoeConfig(head_dim=32, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, **SMALL)],
+    ids=["mixtral", "qwen3_moe"])
+def test_mixtures_of_experts_on_the_interface_match_eager_and_generate_its_tokens(config):
+    """models.py's mixtures of experts (their experts are transformers' own code either way): the padded prompt's
+    logits at real tokens and greedy generate() past Mixtral's window, against eager, on the CPU."""
+    stof_cc.hf.register()
+    torch.manual_seed(0)
+    ours = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="stof_cc").eval()
+    theirs = T.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(1, 100, (2, 24))
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, :5] = 0
+    settings = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU runs SDPA, said once
+        got, want = (m(input_ids=ids, attention_mask=attention_mask).logits for m in (ours, theirs))
+        tokens = [m.generate(ids, attention_mask=attention_mask, **settings) for m in (ours, theirs)]
+    torch.testing.assert_close(got[attention_mask.bool()], want[attention_mask.bool()], rtol=1e-4, atol=1e-4)
+    assert torch.equal(*tokens)
+
+
 @pytest.mark.parametrize("family", ["bloom", "mpt"])
 def test_a_model_with_its_own_attention_code_runs_as_eager_and_is_told_why(family, monkeypatch):
     from families import build
