@@ -185,6 +185,8 @@ CASES = [(BiasGeluResidual, ELEMENTWISE, "elementwise"), (GatedPieces, ELEMENTWI
          (ScaledSoftmax, ROW_REDUCE, "reduction"), (RmsNorm, ROW_REDUCE, "reduction"),
          (RowMean, ROW_REDUCE, "reduction"), (RowVar, ROW_REDUCE, "reduction"), (RowAmax, ROW_REDUCE, "reduction"),
          (Fp32WeightNorm, ROW_REDUCE, "reduction")]
+# a split whose pieces start on a vector at rows no tile divides (every point runs there, the vectorised ones too)
+ALIGNED_PIECES = [(GatedPieces, ELEMENTWISE, "elementwise", (3, 7, 1040))]
 GEMM_CASES = [(LinearGelu, GEMM_EPILOGUE, "gemm"), (LinearTanhGelu, GEMM_EPILOGUE, "gemm"),
               (LinearResidual, GEMM_EPILOGUE, "gemm"),
               (HeadSplit, GEMM_EPILOGUE, "gemm"), (LinearResidualLayerNorm, GEMM_LAYERNORM, "gemm"),

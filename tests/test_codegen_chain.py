@@ -271,3 +271,22 @@ int main() {
     assert got[0].isnan() and got[1] == float("inf") and got[2] == 0
     want = torch.nn.functional.gelu(torch.tensor([0.0, 1.0, -1.0, 3.0, -3.0, 0.7, -0.7, 12.0, -12.0], dtype=torch.float64))
     assert float((got[3:].double() - want).abs().max()) < 3e-5  # the fit's bound (group_common.j2)
+
+
+def test_a_scalar_of_another_width_leaves_the_vectors_whole():
+    """An fp32 gain read once (at 0) beside bf16 tensors: the vectors stay 16 bytes of bf16 (found by review:
+    it counted among the widths and halved them)."""
+
+    class Gain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("g", torch.tensor([1.5]))
+
+        def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+            return (x * self.g).to(x.dtype) + r
+
+    x, r = (torch.randn(4, 64, dtype=torch.bfloat16) for _ in range(2))
+    graph, group = _group(Gain(), x, r)
+    problem = ELEMENTWISE.match(graph, group)
+    assert {op.access for op in problem.operands} == {"full", "scalar"}
+    assert {p["vec"] for p in ELEMENTWISE.space(problem)} == {1, 8}

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from group_cases import CASES, DTYPES, GEMM_CASES, GEMM_SHAPES, SHAPES, build
+from group_cases import ALIGNED_PIECES, CASES, DTYPES, GEMM_CASES, GEMM_SHAPES, SHAPES, build
 
 from stof_cc.backends.nvcc import compile_cubin
 
@@ -15,7 +15,7 @@ from stof_cc.backends.nvcc import compile_cubin
 @pytest.mark.nvcc
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("module_type, template, kind, shape",
-                         [(*case, shape) for case in CASES for shape in SHAPES]
+                         [(*case, shape) for case in CASES for shape in SHAPES] + ALIGNED_PIECES
                          + [(*case, shape) for case in GEMM_CASES for shape in GEMM_SHAPES])
 def test_group_kernel_compiles(module_type, template, kind, shape, dtype):
     _, _, graph, group = build(module_type, kind, shape, dtype)

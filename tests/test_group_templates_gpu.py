@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from group_cases import CASES, DTYPES, GEMM_CASES, GEMM_SHAPES, SHAPES, build
+from group_cases import ALIGNED_PIECES, CASES, DTYPES, GEMM_CASES, GEMM_SHAPES, SHAPES, build
 
 from stof_cc.backends.group_launch import precompile, run_group
 from stof_cc.ir.graph import INPUT
@@ -26,7 +26,7 @@ def points(template, problem, shape: tuple[int, ...]) -> list[dict]:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("module_type, template, kind, shape",
-                         [(*case, shape) for case in CASES for shape in SHAPES]
+                         [(*case, shape) for case in CASES for shape in SHAPES] + ALIGNED_PIECES
                          + [(*case, shape) for case in GEMM_CASES for shape in GEMM_SHAPES])
 def test_group_kernel_matches_torch(module_type, template, kind, shape, dtype):
     module, (x, r), graph, group = build(module_type, kind, shape, dtype)

@@ -70,14 +70,16 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
         scalar = [{"threads": t, "vec": 1, "unroll": u} for t in THREAD_COUNTS for u in UNROLLS]
         if isinstance(problem.details.chain, IndexedChain):  # index arithmetic per element: no vectors
             return scalar
-        vec = 16 // max(spec.dtype.itemsize for spec in self._tensor_specs(problem))
+        vec = 16 // max(spec.dtype.itemsize for spec in self._tensor_specs(problem, vectors_only=True))
         row = problem.shape[-1]
         pieces = [n for op in problem.operands if op.access == "columns" for n in (op.offset, op.row_stride)]
         whole = vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 and all(n % vec == 0 for n in pieces)
         return scalar + ([{"threads": t, "vec": vec} for t in THREAD_COUNTS] if whole else [])
 
-    def _tensor_specs(self, problem: Problem) -> list[TensorSpec]:
-        refs = [op.ref for op in problem.operands] + [problem.output]
+    def _tensor_specs(self, problem: Problem, vectors_only: bool = False) -> list[TensorSpec]:
+        """The specs of the operands and the output; with ``vectors_only`` less the scalars (read once, at 0:
+        an fp32 gain beside bf16 tensors leaves the vectors 8 wide)."""
+        refs = [op.ref for op in problem.operands if not vectors_only or op.access != "scalar"] + [problem.output]
         return [problem.graph.node(r).spec for r in refs]
 
     def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
@@ -100,7 +102,7 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
                 "chain": chain.code(" " * 12 if vec > 1 else " " * 16), "result": chain.result, "per_thread": unroll_of(params),
                 # each operand's VEC elements move as one access of their bytes
                 "vector_type": {op.name: VECTOR_TYPES[vec * graph.node(op.ref).spec.dtype.itemsize]
-                                for op in problem.operands},
+                                for op in problem.operands if op.access != "scalar"},
                 "out_vector_type": VECTOR_TYPES[vec * problem.dtype.itemsize]}
 
     def launch(self, problem: Problem, params: dict[str, Any]) -> Launch:
