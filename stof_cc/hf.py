@@ -722,6 +722,9 @@ def _sdpa_with_sinks(module, query: torch.Tensor, key: torch.Tensor, value: torc
     without a mask a causal module attends top-left, as SDPA's ``is_causal``."""
     batch, heads, rows, _ = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
+    if not isinstance(sinks, torch.Tensor) or sinks.numel() != heads:
+        raise ValueError(f"attn_implementation='{NAME}': {type(module).__name__}'s attention sinks must be {heads} logits "
+                         f"(one per query head), got {getattr(sinks, 'shape', type(sinks).__name__)}")
     if dense is None and rows > 1 and _causal(module, kwargs):
         dense = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril()
     scores = query.new_zeros(batch, heads, rows, keys + 1)

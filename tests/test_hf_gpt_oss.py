@@ -81,6 +81,12 @@ def test_sdpa_with_sinks_is_the_reference(case):
         assert not got[1, 3].any()
 
 
+def test_sinks_of_the_wrong_count_are_named_in_the_fallback():
+    q, k, v, sinks = _inputs(4, 2, 6, 6)
+    with pytest.raises(ValueError, match="attention sinks must be 4 logits"):
+        stof_cc.hf._sdpa_with_sinks(torch.nn.Module(), q, k, v, None, 0.3, None, sinks[:3], {})
+
+
 def test_the_ops_cpu_reference_counts_the_sinks():
     q, k, v, sinks = _inputs(4, 2, 12, 12)
     got = torch.ops.stof_cc.attention(q, k, v, "causal", 0.3, None, None, sinks)

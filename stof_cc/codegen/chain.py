@@ -405,8 +405,8 @@ class Chain:
                 self._splits.add(node.name)
                 return True
             start, end, step = (list(node.args[2:]) + [None, None, 1])[:3]
-            if (step or 1) != 1:
-                return False
+            if (step or 1) != 1 or not all(bound is None or isinstance(bound, int) for bound in (start, end)):
+                return False  # a strided slice, or bounds that are not numbers: the indexed chain's
             width = shape[-1]
             offset = 0 if start is None else (max(0, start + width) if start < 0 else min(start, width))
             stop = width if end is None else (max(0, end + width) if end < 0 else min(end, width))
