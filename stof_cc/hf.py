@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from stof_cc.backends.attention_launch import sink_logits
 from stof_cc.backends.decode_launch import decode_attention, decode_unsupported, every_key_counts
 from stof_cc.masks import MaskDescription, document, from_mask_mod
 from stof_cc.masks.kept import keep
@@ -722,9 +723,6 @@ def _sdpa_with_sinks(module, query: torch.Tensor, key: torch.Tensor, value: torc
     without a mask a causal module attends top-left, as SDPA's ``is_causal``."""
     batch, heads, rows, _ = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
-    if not isinstance(sinks, torch.Tensor) or sinks.numel() != heads:
-        raise ValueError(f"attn_implementation='{NAME}': {type(module).__name__}'s attention sinks must be {heads} logits "
-                         f"(one per query head), got {getattr(sinks, 'shape', type(sinks).__name__)}")
     if dense is None and rows > 1 and _causal(module, kwargs):
         dense = torch.ones(rows, keys, dtype=torch.bool, device=query.device).tril()
     scores = query.new_zeros(batch, heads, rows, keys + 1)
@@ -732,11 +730,10 @@ def _sdpa_with_sinks(module, query: torch.Tensor, key: torch.Tensor, value: torc
         scores[..., :keys] = torch.where(dense, 0.0, float("-inf")) if dense.dtype == torch.bool else dense
     if position_bias is not None:
         scores[..., :keys] += position_bias
-    scores[..., keys] = sinks.reshape(1, heads, 1).to(scores.dtype)
-    zero = key.new_zeros(batch, kv_heads, 1, key.shape[3])
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, torch.cat([key, zero], dim=2), torch.cat([value, zero.new_zeros(batch, kv_heads, 1, value.shape[3])], dim=2),
-        attn_mask=scores, scale=scaling, enable_gqa=heads != kv_heads)
+    scores[..., keys] = sink_logits(sinks, query).reshape(1, heads, 1).to(scores.dtype)  # checks their count
+    key, value = (torch.cat([t, t.new_zeros(batch, kv_heads, 1, t.shape[3])], dim=2) for t in (key, value))
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=scores, scale=scaling,
+                                                           enable_gqa=heads != kv_heads)
     return out.transpose(1, 2).contiguous(), None
 
 

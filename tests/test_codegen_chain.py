@@ -7,6 +7,7 @@ run on random inputs and compared with torch in fp32.
 
 from __future__ import annotations
 
+import math
 import subprocess
 from pathlib import Path
 
@@ -77,6 +78,22 @@ int main(int argc, char** argv) {{
 """
 
 
+def _chain_on_host(tmp_path: Path, chain: Chain, values: dict[str, torch.Tensor], shape: tuple[int, ...],
+                   flags: tuple[str, ...] = ()) -> torch.Tensor:
+    """The chain's statements compiled by nvcc (with ``flags``) into a host program (`_host_program`) and run
+    over ``values`` (IR value name -> tensor, written as float32 files): its output of ``shape``."""
+    args = []
+    for op in chain.operands:
+        path = tmp_path / f"{op.name}.bin"
+        values[op.ref.name].numpy().astype(np.float32).tofile(path)
+        args.append(str(path))
+    source = tmp_path / "chain.cu"
+    source.write_text(_host_program(chain, math.prod(shape), shape[-1]))
+    subprocess.run(["nvcc", "-O2", *flags, "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
+    return torch.tensor([float(v) for v in out.split()]).view(shape)
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_chain_numerics_match_torch_on_the_host(tmp_path: Path, approximate: str):
@@ -87,16 +104,7 @@ def test_chain_numerics_match_torch_on_the_host(tmp_path: Path, approximate: str
     chain = Chain(graph, group.nodes, {}, SHAPE)
     assert {op.access for op in chain.operands} == {"full", "row", "scalar"}
     values = {"x": x, "r": r, "p_bias": module.bias.detach(), "b_gain": module.gain}
-    args = []
-    for op in chain.operands:
-        path = tmp_path / f"{op.name}.bin"
-        values[op.ref.name].numpy().astype(np.float32).tofile(path)
-        args.append(str(path))
-    source = tmp_path / "chain.cu"
-    source.write_text(_host_program(chain, x.numel(), SHAPE[-1]))
-    subprocess.run(["nvcc", "-O2", "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
-    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
-    got = torch.tensor([float(v) for v in out.split()]).view(SHAPE)
+    got = _chain_on_host(tmp_path, chain, values, SHAPE)
     want = module(x, r).detach()
     # exact GELU is a fit within 3e-5 (group_common.j2), scaled by the gain and at most doubled after
     tolerance = 1.5e-4 if approximate == "none" else 1e-5
@@ -126,17 +134,7 @@ def test_pieces_of_a_split_and_flat_views_read_the_right_elements_on_the_host(tm
         ("columns", 0, 24), ("columns", 12, 24), ("columns", 3, 24)]
     with pytest.raises(NotFusable):  # without layouts the split has no code generator
         Chain(graph, group.nodes, {}, out_shape)
-    values = {"x": x, "r": r}
-    args = []
-    for op in chain.operands:
-        path = tmp_path / f"{op.name}.bin"
-        values[op.ref.name].numpy().astype(np.float32).tofile(path)
-        args.append(str(path))
-    source = tmp_path / "chain.cu"
-    source.write_text(_host_program(chain, 3 * 5 * 12, 12))
-    subprocess.run(["nvcc", "-O2", "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
-    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
-    got = torch.tensor([float(v) for v in out.split()]).view(out_shape)
+    got = _chain_on_host(tmp_path, chain, {"x": x, "r": r}, out_shape)
     torch.testing.assert_close(got, module(x, r), rtol=1e-5, atol=1e-6)
 
 
@@ -177,17 +175,7 @@ def _run_on_host(tmp_path: Path, module: torch.nn.Module, x: torch.Tensor, r: to
     """``module``'s elementwise group generated as a chain, compiled for the host by nvcc with
     ``flags`` and run on x and r: its output."""
     graph, group = _group(module, x, r)
-    chain = Chain(graph, group.nodes, {}, SHAPE)
-    args = []
-    for op in chain.operands:
-        path = tmp_path / f"{op.name}.bin"
-        {"x": x, "r": r}[op.ref.name].numpy().astype(np.float32).tofile(path)
-        args.append(str(path))
-    source = tmp_path / "chain.cu"
-    source.write_text(_host_program(chain, x.numel(), SHAPE[-1]))
-    subprocess.run(["nvcc", "-O2", *flags, "-o", str(tmp_path / "chain"), str(source)], check=True, capture_output=True)
-    out = subprocess.run([str(tmp_path / "chain"), *args], check=True, capture_output=True, text=True).stdout
-    return torch.tensor([float(v) for v in out.split()]).view(SHAPE)
+    return _chain_on_host(tmp_path, Chain(graph, group.nodes, {}, SHAPE), {"x": x, "r": r}, SHAPE, tuple(flags))
 
 
 @pytest.mark.nvcc

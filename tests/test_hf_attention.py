@@ -406,6 +406,21 @@ def test_a_static_cache_reused_after_a_reset_gives_sdpas_logits():
 DECODE_SHAPES = SMALL | {"hidden_size": 256}  # head dim 64: the decode kernel takes 64 and 128
 
 
+def assert_steps_match(ours, theirs, tokens, attention_mask, tolerance: float) -> None:
+    """The prefill of ``tokens``, then six decode steps, each fed ``theirs``'s greedy token, both models with their
+    own caches: every step's last logits within ``tolerance`` (relative) of ``theirs``'s."""
+    caches = [None, None]
+    with torch.no_grad():
+        for step in range(7):
+            outs = [model(tokens, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+                    for model, cache in zip((ours, theirs), caches, strict=True)]
+            got, want = (out.logits[:, -1].float() for out in outs)
+            assert float((got - want).norm() / want.norm()) < tolerance, step
+            caches = [out.past_key_values for out in outs]
+            tokens = want.argmax(-1, keepdim=True)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [T.LlamaConfig(**DECODE_SHAPES), T.MistralConfig(sliding_window=8, **DECODE_SHAPES)])
 def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
@@ -424,17 +439,9 @@ def test_on_the_gpu_the_decode_kernel_gives_sdpas_logits(config, monkeypatch):
     tokens = torch.randint(1, 100, (2, 40), device="cuda")
     attention_mask = torch.ones_like(tokens)
     attention_mask[1, :9] = 0
-    caches = [None, None]
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(7):  # the prefill, then six decode steps
-            outs = [model(tokens, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-                    for model, cache in zip((ours, theirs), caches, strict=True)]
-            got, want = (out.logits[:, -1].float() for out in outs)
-            assert float((got - want).norm() / want.norm()) < 1e-2, step
-            caches = [out.past_key_values for out in outs]
-            tokens = want.argmax(-1, keepdim=True)
-            attention_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
+        assert_steps_match(ours, theirs, tokens, attention_mask, 1e-2)
     decode_fallbacks = [str(w.message) for w in caught if "decode" in str(w.message)]
     assert not decode_fallbacks, decode_fallbacks
 

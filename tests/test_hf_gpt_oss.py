@@ -83,7 +83,7 @@ def test_sdpa_with_sinks_is_the_reference(case):
 
 def test_sinks_of_the_wrong_count_are_named_in_the_fallback():
     q, k, v, sinks = _inputs(4, 2, 6, 6)
-    with pytest.raises(ValueError, match="attention sinks must be 4 logits"):
+    with pytest.raises(ValueError, match="sinks must be a floating tensor of 4 logits"):
         stof_cc.hf._sdpa_with_sinks(torch.nn.Module(), q, k, v, None, 0.3, None, sinks[:3], {})
 
 
@@ -192,15 +192,9 @@ def test_on_the_gpu_prefill_and_decode_run_the_kernels_with_eagers_logits(dtype,
     logits within 2e-2 of eager's in the same dtype (the experts' routing takes near-ties either way)."""
     monkeypatch.setattr(stof_cc.hf, "_WARNED", set())
     ours, theirs = _twins("cuda", dtype)
+    from test_hf_attention import assert_steps_match
+
     tokens, attention_mask = _prompt("cuda", 40)
-    caches = [None, None]
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.filterwarnings("error", message="attn_implementation='stof_cc'")
-        for step in range(7):  # the prefill, then six decode steps
-            outs = [model(tokens, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-                    for model, cache in zip((ours, theirs), caches, strict=True)]
-            got, want = (out.logits[:, -1].float() for out in outs)
-            assert float((got - want).norm() / want.norm()) < 2e-2, step
-            caches = [out.past_key_values for out in outs]
-            tokens = want.argmax(-1, keepdim=True)
-            attention_mask = torch.cat([attention_mask, torch.ones_like(tokens)], dim=1)
+        assert_steps_match(ours, theirs, tokens, attention_mask, 2e-2)

@@ -5,7 +5,7 @@ dimension; views that regroup the leading dimensions; floating values) gets vect
 where rows hold whole vectors and every piece starts on one: VEC elements a thread, 16 bytes of the
 widest tensor (a bf16 residual added into an fp32 output: 8-byte loads of it, 16-byte stores); any
 other (a layout op, a broadcast of another shape, integer or boolean values, an embedding gather)
-is an `IndexedChain`, one element a thread."""
+is an `IndexedChain`, scalar loads, one or four elements a thread (``unroll``)."""
 
 from __future__ import annotations
 
@@ -70,16 +70,16 @@ class ElementwiseTemplate(GroupTemplate[ElementwiseDetails]):
         scalar = [{"threads": t, "vec": 1, "unroll": u} for t in THREAD_COUNTS for u in UNROLLS]
         if isinstance(problem.details.chain, IndexedChain):  # index arithmetic per element: no vectors
             return scalar
-        vec = 16 // max(spec.dtype.itemsize for spec in self._tensor_specs(problem, vectors_only=True))
+        vec = 16 // max(spec.dtype.itemsize for spec in self._vector_specs(problem))
         row = problem.shape[-1]
         pieces = [n for op in problem.operands if op.access == "columns" for n in (op.offset, op.row_stride)]
         whole = vec > 1 and math.prod(problem.shape) % vec == 0 and row % vec == 0 and all(n % vec == 0 for n in pieces)
         return scalar + ([{"threads": t, "vec": vec} for t in THREAD_COUNTS] if whole else [])
 
-    def _tensor_specs(self, problem: Problem, vectors_only: bool = False) -> list[TensorSpec]:
-        """The specs of the operands and the output; with ``vectors_only`` less the scalars (read once, at 0:
-        an fp32 gain beside bf16 tensors leaves the vectors 8 wide)."""
-        refs = [op.ref for op in problem.operands if not vectors_only or op.access != "scalar"] + [problem.output]
+    def _vector_specs(self, problem: Problem) -> list[TensorSpec]:
+        """The specs of the tensors read and written in vectors: the output and every operand but the scalars
+        (read once, at 0: an fp32 gain beside bf16 tensors leaves the vectors 8 wide)."""
+        refs = [op.ref for op in problem.operands if op.access != "scalar"] + [problem.output]
         return [problem.graph.node(r).spec for r in refs]
 
     def estimate(self, problem: Problem, params: dict[str, Any], sm_count: int) -> float:
